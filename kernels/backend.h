@@ -1,0 +1,88 @@
+// KernelBackend: the one interface every compute backend implements.
+//
+// "ref" is the scalar reference (obviously right, slow); "cpu" is the SIMD,
+// multi-threaded path; "cuda" lives in kernels/cuda. All pass the same typed
+// tests in tests/unit against the reference.
+#ifndef KVQ_KERNELS_BACKEND_H_
+#define KVQ_KERNELS_BACKEND_H_
+
+#include <cmath>
+#include <cstdint>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/kv_stream.h"
+
+namespace kvq {
+
+// Attention of some queries over a token range of one stream (one KV head).
+//
+// Queries are what the model's attention sees (post-RoPE, unrotated); for
+// query i and head g of the GQA group, q + i*q_stride + g*head_dim. Outputs
+// use the same addressing with out_stride; lse + i*lse_stride + g receives
+// the natural log of sum(exp(scale * q.k)) over the visible keys (-inf when
+// none is visible, with a zero output), so partial results merge exactly.
+struct AttentionTask {
+  const KvStream* stream = nullptr;
+  int key_begin = 0;
+  int key_end = -1;  // -1: stream->num_tokens().
+  int num_queries = 1;
+  const float* q = nullptr;
+  int q_stride = 0;
+  // Causal mask: query i sees keys with position <= q_positions[i].
+  // nullptr: every key in the range is visible.
+  const int32_t* q_positions = nullptr;
+  float* out = nullptr;
+  int out_stride = 0;
+  float* lse = nullptr;
+  int lse_stride = 0;
+};
+
+struct AttentionOptions {
+  int group_size = 1;           // Query heads per KV head (GQA).
+  float softmax_scale = 0.0f;   // 0: 1 / sqrt(head_dim).
+};
+
+class KernelBackend {
+ public:
+  virtual ~KernelBackend() = default;
+  virtual absl::string_view name() const = 0;
+
+  // Quantizes `n` float rows (stored basis) into rows [row0, row0 + n) of a
+  // page. For block-quantized sides n and row0 are multiples of the block.
+  virtual void QuantizeRows(const KvStream& stream, Side side, const float* rows,
+                            int n, uint8_t* page, int row0) const = 0;
+
+  // Dequantizes page rows [row0, row0 + n) to floats (stored basis, outliers
+  // applied, no RoPE, no inverse rotation).
+  virtual void DequantizeRows(const KvStream& stream, Side side, const uint8_t* page,
+                              int row0, int n, float* out) const = 0;
+
+  // Runs every task; tasks may share streams. INVALID_ARGUMENT on a malformed
+  // task (names the task index and field).
+  virtual absl::Status Attend(absl::Span<const AttentionTask> tasks,
+                              const AttentionOptions& options) const = 0;
+};
+
+const KernelBackend& RefBackend();
+const KernelBackend& CpuBackend();
+// "ref" or "cpu" ("cuda" when built with it).
+absl::StatusOr<const KernelBackend*> BackendByName(absl::string_view name);
+
+// Checks tasks against their streams: shared by every backend.
+absl::Status ValidateAttention(absl::Span<const AttentionTask> tasks,
+                               const AttentionOptions& options);
+inline float SoftmaxScale(const AttentionOptions& o, int head_dim) {
+  return o.softmax_scale > 0.0f ? o.softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+}
+
+// Merges two partial attentions of the same queries over disjoint key sets:
+// o = (e^(la-l) oa + e^(lb-l) ob), l = log(e^la + e^lb). Any of them may be
+// -inf (empty).
+void MergeAttention(const float* out_a, float lse_a, const float* out_b, float lse_b,
+                    int head_dim, float* out, float* lse);
+
+}  // namespace kvq
+
+#endif  // KVQ_KERNELS_BACKEND_H_

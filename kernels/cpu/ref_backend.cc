@@ -1,0 +1,278 @@
+// The scalar reference backend: every kernel written the obvious way, with
+// fp64 accumulation in attention. It is the truth the other backends are
+// tested against, not a fast path.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/outliers.h"
+#include "kernels/cpu/quant_math.h"
+#include "kernels/numeric.h"
+
+namespace kvq {
+namespace {
+
+std::vector<float> ChannelLevels(const KvStream& s, Side side, int c) {
+  const int n = 1 << s.spec().bits;
+  std::vector<float> l(n);
+  const uint16_t* h = s.levels(side, c);
+  for (int i = 0; i < n; ++i) l[i] = HalfToFloat(h[i]);
+  return l;
+}
+
+void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
+                       int row0) {
+  const PageLayout& L = s.layout();
+  const SideLayout& S = L.side(side);
+  const int d = L.head_dim;
+  const int bits = L.bits;
+  const bool nuq = s.spec().nuq;
+  std::vector<std::vector<float>> levels;
+  if (nuq) {
+    for (int c = 0; c < d; ++c) levels.push_back(ChannelLevels(s, side, c));
+  }
+  auto code_of = [&](float x, const GroupParams& p, int c) {
+    return nuq ? NearestLevel(x, p, levels[c].data(), 1 << bits) : UniformCode(x, p, bits);
+  };
+
+  std::vector<uint8_t> is_outlier(static_cast<size_t>(n) * d, 0);
+  const int g = L.block_tokens;
+  if (L.outliers_per_block > 0) {
+    for (int b = 0; b < n / g; ++b) {
+      const float* block = rows + static_cast<size_t>(b) * g * d;
+      std::vector<int> idx = SelectOutliers(block, g, d, S, L.outliers_per_block);
+      uint16_t* table = L.Outliers(page, S, (row0 / g) + b);
+      for (int e = 0; e < L.outliers_per_block; ++e) {
+        is_outlier[static_cast<size_t>(b) * g * d + idx[e]] = 1;
+        table[e] = static_cast<uint16_t>(idx[e]);
+        table[L.outliers_per_block + e] = FloatToHalf(block[idx[e]]);
+      }
+    }
+  }
+
+  std::vector<uint8_t> codes(static_cast<size_t>(n) * d);
+  auto group_minmax = [&](auto&& elements) {
+    float mn = std::numeric_limits<float>::infinity();
+    float mx = -mn;
+    elements([&](size_t i) {
+      if (is_outlier[i]) return;
+      mn = std::min(mn, rows[i]);
+      mx = std::max(mx, rows[i]);
+    });
+    if (mn > mx) mn = mx = 0.0f;  // Every element was an outlier.
+    return std::make_pair(mn, mx);
+  };
+
+  if (S.axis == ParamAxis::kChannelGroups) {
+    for (int b = 0; b < n / g; ++b) {
+      uint16_t* params = L.Params(page, S, (row0 / g) + b);
+      for (int c = 0; c < d; ++c) {
+        auto [mn, mx] = group_minmax([&](auto&& f) {
+          for (int t = 0; t < g; ++t) f(static_cast<size_t>(b * g + t) * d + c);
+        });
+        const GroupParams p = MakeGroupParams(mn, mx, bits, nuq);
+        params[c] = FloatToHalf(p.scale);
+        params[d + c] = FloatToHalf(p.zero);
+        for (int t = 0; t < g; ++t) {
+          const size_t i = static_cast<size_t>(b * g + t) * d + c;
+          codes[i] = code_of(rows[i], p, c);
+        }
+      }
+    }
+  } else {
+    const int gc = S.group_channels;
+    const int ng = d / gc;
+    for (int r = 0; r < n; ++r) {
+      uint16_t* params = L.Params(page, S, row0 + r);
+      for (int j = 0; j < ng; ++j) {
+        auto [mn, mx] = group_minmax([&](auto&& f) {
+          for (int c = j * gc; c < (j + 1) * gc; ++c) f(static_cast<size_t>(r) * d + c);
+        });
+        const GroupParams p = MakeGroupParams(mn, mx, bits, nuq);
+        params[j] = FloatToHalf(p.scale);
+        params[ng + j] = FloatToHalf(p.zero);
+        for (int c = j * gc; c < (j + 1) * gc; ++c) {
+          const size_t i = static_cast<size_t>(r) * d + c;
+          codes[i] = code_of(rows[i], p, c);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    PackCodes(&codes[static_cast<size_t>(r) * d], d, bits,
+              PageLayout::CodeRow(page, S, row0 + r));
+  }
+}
+
+void DequantizeAffineRef(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                         float* out) {
+  const PageLayout& L = s.layout();
+  const SideLayout& S = L.side(side);
+  const int d = L.head_dim;
+  const int bits = L.bits;
+  const bool nuq = s.spec().nuq;
+  std::vector<std::vector<float>> levels;
+  if (nuq) {
+    for (int c = 0; c < d; ++c) levels.push_back(ChannelLevels(s, side, c));
+  }
+  const int g = L.block_tokens;
+  std::vector<uint8_t> codes(d);
+  for (int r = 0; r < n; ++r) {
+    const int row = row0 + r;
+    UnpackCodes(PageLayout::CodeRow(page, S, row), d, bits, codes.data());
+    for (int c = 0; c < d; ++c) {
+      GroupParams p;
+      if (S.axis == ParamAxis::kChannelGroups) {
+        const uint16_t* params = L.Params(page, S, row / g);
+        p = {HalfToFloat(params[c]), HalfToFloat(params[d + c])};
+      } else {
+        const int ng = d / S.group_channels;
+        const uint16_t* params = L.Params(page, S, row);
+        const int j = c / S.group_channels;
+        p = {HalfToFloat(params[j]), HalfToFloat(params[ng + j])};
+      }
+      const float level = nuq ? levels[c][codes[c]] : static_cast<float>(codes[c]);
+      out[static_cast<size_t>(r) * d + c] = p.zero + p.scale * level;
+    }
+  }
+  if (L.outliers_per_block > 0) {
+    for (int b = row0 / g; b <= (row0 + n - 1) / g; ++b) {
+      const uint16_t* table = L.Outliers(page, S, b);
+      for (int e = 0; e < L.outliers_per_block; ++e) {
+        const int row = b * g + table[e] / d;
+        if (row < row0 || row >= row0 + n) continue;
+        out[static_cast<size_t>(row - row0) * d + table[e] % d] =
+            HalfToFloat(table[L.outliers_per_block + e]);
+      }
+    }
+  }
+}
+
+class RefBackendImpl final : public KernelBackend {
+ public:
+  absl::string_view name() const override { return "ref"; }
+
+  void QuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
+                    int row0) const override {
+    const SideLayout& S = s.layout().side(side);
+    const int d = s.head_dim();
+    switch (S.format) {
+      case CodeFormat::kFp16:
+      case CodeFormat::kBf16:
+        for (int r = 0; r < n; ++r) {
+          FloatToRow(rows + static_cast<size_t>(r) * d, d,
+                     S.format == CodeFormat::kFp16 ? DType::kFloat16 : DType::kBFloat16,
+                     PageLayout::CodeRow(page, S, row0 + r));
+        }
+        return;
+      case CodeFormat::kFp8E4m3: {
+        const float inv = 1.0f / s.fp8_scale(side);
+        for (int r = 0; r < n; ++r) {
+          uint8_t* code = PageLayout::CodeRow(page, S, row0 + r);
+          for (int c = 0; c < d; ++c) code[c] = FloatToFp8E4m3(rows[static_cast<size_t>(r) * d + c] * inv);
+        }
+        return;
+      }
+      case CodeFormat::kInt8:
+      case CodeFormat::kPacked:
+        QuantizeAffineRef(s, side, rows, n, page, row0);
+        return;
+    }
+  }
+
+  void DequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                      float* out) const override {
+    const SideLayout& S = s.layout().side(side);
+    const int d = s.head_dim();
+    switch (S.format) {
+      case CodeFormat::kFp16:
+      case CodeFormat::kBf16:
+        for (int r = 0; r < n; ++r) {
+          RowToFloat(PageLayout::CodeRow(page, S, row0 + r),
+                     S.format == CodeFormat::kFp16 ? DType::kFloat16 : DType::kBFloat16, d,
+                     out + static_cast<size_t>(r) * d);
+        }
+        return;
+      case CodeFormat::kFp8E4m3: {
+        const float scale = s.fp8_scale(side);
+        for (int r = 0; r < n; ++r) {
+          const uint8_t* code = PageLayout::CodeRow(page, S, row0 + r);
+          for (int c = 0; c < d; ++c) out[static_cast<size_t>(r) * d + c] = Fp8E4m3ToFloat(code[c]) * scale;
+        }
+        return;
+      }
+      case CodeFormat::kInt8:
+      case CodeFormat::kPacked:
+        DequantizeAffineRef(s, side, page, row0, n, out);
+        return;
+    }
+  }
+
+  absl::Status Attend(absl::Span<const AttentionTask> tasks,
+                      const AttentionOptions& options) const override {
+    if (absl::Status st = ValidateAttention(tasks, options); !st.ok()) return st;
+    for (const AttentionTask& task : tasks) AttendOne(task, options);
+    return absl::OkStatus();
+  }
+
+ private:
+  static void AttendOne(const AttentionTask& task, const AttentionOptions& options) {
+    const KvStream& s = *task.stream;
+    const int d = s.head_dim();
+    const int begin = task.key_begin;
+    const int end = task.key_end < 0 ? s.num_tokens() : task.key_end;
+    const double scale = SoftmaxScale(options, d);
+    std::vector<float> q(d), k(d), v(d);
+    std::vector<double> scores;
+    std::vector<double> acc(d);
+    for (int i = 0; i < task.num_queries; ++i) {
+      const int visible_end =
+          task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
+      for (int g = 0; g < options.group_size; ++g) {
+        const float* qsrc = task.q + static_cast<size_t>(i) * task.q_stride + g * d;
+        std::copy(qsrc, qsrc + d, q.begin());
+        if (s.rotation()) s.rotation()->Forward(q.data());
+        float* out = task.out + static_cast<size_t>(i) * task.out_stride + g * d;
+        float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
+        scores.clear();
+        double max_score = -std::numeric_limits<double>::infinity();
+        for (int t = begin; t < visible_end; ++t) {
+          s.ReadStoredRow(Side::kKey, t, k.data());
+          if (s.rope()) s.rope()->Apply(k.data(), t);
+          double dot = 0.0;
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * k[c];
+          scores.push_back(dot * scale);
+          max_score = std::max(max_score, scores.back());
+        }
+        if (scores.empty()) {
+          std::fill(out, out + d, 0.0f);
+          *lse = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        double sum = 0.0;
+        for (int t = begin; t < visible_end; ++t) {
+          const double p = std::exp(scores[t - begin] - max_score);
+          sum += p;
+          s.ReadStoredRow(Side::kValue, t, v.data());
+          for (int c = 0; c < d; ++c) acc[c] += p * v[c];
+        }
+        for (int c = 0; c < d; ++c) out[c] = static_cast<float>(acc[c] / sum);
+        if (s.rotation()) s.rotation()->Inverse(out);
+        *lse = static_cast<float>(max_score + std::log(sum));
+      }
+    }
+  }
+};
+
+}  // namespace
+
+const KernelBackend& RefBackend() {
+  static const RefBackendImpl* backend = new RefBackendImpl();
+  return *backend;
+}
+
+}  // namespace kvq

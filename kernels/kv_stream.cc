@@ -1,0 +1,295 @@
+#include "kernels/kv_stream.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
+#include "kernels/numeric.h"
+#include "kernels/status_macros.h"
+
+namespace kvq {
+namespace {
+
+// Upper bound on tokens per stream: keeps every offset inside 32 bits.
+constexpr int kMaxTokens = 1 << 24;
+// fp8 per-head scale: the first append's |max| maps to 448 / kFp8Headroom, so
+// later tokens up to kFp8Headroom times larger still fit before saturating.
+constexpr float kFp8Headroom = 2.0f;
+
+size_t AlignUp(size_t n) { return (n + kPageAlign - 1) / kPageAlign * kPageAlign; }
+
+}  // namespace
+
+KvStream::KvStream(const StreamConfig& config, const PageLayout& layout,
+                   const KernelBackend* backend, PageAllocator* allocator)
+    : config_(config), layout_(layout), backend_(backend), allocator_(allocator) {}
+
+absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Create(const StreamConfig& config,
+                                                           const KernelBackend* backend,
+                                                           PageAllocator* allocator,
+                                                           const Codebook* codebook) {
+  KVQ_RETURN_IF_ERROR(config.Validate());
+  if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
+  KVQ_ASSIGN_OR_RETURN(PageLayout layout,
+                       PageLayout::Make(config.spec, config.head_dim, config.page_tokens));
+  if (config.spec.nuq) {
+    if (codebook == nullptr) {
+      return absl::InvalidArgumentError(
+          "scheme has nuq but no codebook was given: learn one with LearnCodebook()");
+    }
+    KVQ_RETURN_IF_ERROR(codebook->Validate(config));
+  }
+  std::unique_ptr<KvStream> s(
+      new KvStream(config, layout, backend, allocator ? allocator : HeapPageAllocator()));
+  if (config.spec.pre_rope) s->rope_.emplace(config.rope, config.head_dim);
+  if (config.spec.rotate) s->rotation_.emplace(config.head_dim, config.rotation_seed);
+  s->tail_capacity_ = config.spec.is_kivi() ? config.spec.flush_tokens() : 0;
+
+  const size_t levels =
+      config.spec.nuq ? static_cast<size_t>(2) * config.head_dim * (1 << config.spec.bits) : 0;
+  if (AuxBytes(config) > 0) {
+    s->levels_offset_ = kStreamHeaderBytes;
+    s->rows_offset_ = AlignUp(s->levels_offset_ + levels * 2);
+    s->aux_bytes_ = AuxBytes(config);
+    KVQ_ASSIGN_OR_RETURN(s->aux_, s->allocator_->Allocate(s->aux_bytes_));
+    std::memset(s->aux_, 0, s->aux_bytes_);
+    if (levels > 0) {
+      auto* out = reinterpret_cast<uint16_t*>(s->aux_ + s->levels_offset_);
+      for (float l : codebook->key_levels) *out++ = FloatToHalf(l);
+      for (float l : codebook->value_levels) *out++ = FloatToHalf(l);
+    }
+  }
+  return s;
+}
+
+KvStream::~KvStream() {
+  for (uint8_t* p : pages_) allocator_->Free(p, layout_.page_bytes);
+  if (aux_ != nullptr) allocator_->Free(aux_, aux_bytes_);
+}
+
+const uint16_t* KvStream::levels(Side side, int channel) const {
+  if (!config_.spec.nuq) return nullptr;
+  const int n = 1 << config_.spec.bits;
+  return reinterpret_cast<const uint16_t*>(aux_ + levels_offset_) +
+         (static_cast<size_t>(side) * head_dim() + channel) * n;
+}
+
+uint16_t* KvStream::fp16_row(Side side, int slot) {
+  const int slots = config_.spec.sink + tail_capacity_;
+  return reinterpret_cast<uint16_t*>(aux_ + rows_offset_) +
+         (static_cast<size_t>(side) * slots + slot) * head_dim();
+}
+
+const uint16_t* KvStream::sink_row(Side side, int t) const {
+  return const_cast<KvStream*>(this)->fp16_row(side, t);
+}
+
+const uint16_t* KvStream::tail_row(Side side, int i) const {
+  return const_cast<KvStream*>(this)->fp16_row(side, config_.spec.sink + i);
+}
+
+absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int rows) const {
+  if (t.cols != head_dim()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has ", t.cols,
+                                                   " columns, head_dim is ", head_dim()));
+  }
+  if (t.rows != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has ", t.rows, " rows, k has ", rows));
+  }
+  if (rows > 0 && t.data == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " data is null"));
+  if (t.row_stride != 0 && t.row_stride < t.cols) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " row_stride < cols"));
+  }
+  const float limit = config_.spec.kind == SchemeKind::kBf16 ? INFINITY : kFp16Max;
+  std::vector<float> row(head_dim());
+  for (int r = 0; r < rows; ++r) {
+    RowToFloat(t.row(r), t.dtype, head_dim(), row.data());
+    for (int c = 0; c < head_dim(); ++c) {
+      if (!std::isfinite(row[c])) {
+        return absl::InvalidArgumentError(absl::StrCat(name, "[", r, "][", c, "] is not finite"));
+      }
+      if (std::fabs(row[c]) > limit) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, "[", r, "][", c, "] = ", row[c], " is outside the fp16 range +-65504"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
+  const int n = k.rows;
+  if (n < 0) return absl::InvalidArgumentError("k.rows is negative");
+  KVQ_RETURN_IF_ERROR(ValidateInput(k, "k", n));
+  KVQ_RETURN_IF_ERROR(ValidateInput(v, "v", n));
+  if (n == 0) return absl::OkStatus();
+  if (num_tokens_ + static_cast<int64_t>(n) > kMaxTokens) {
+    return absl::OutOfRangeError(absl::StrCat("stream would hold ", num_tokens_ + int64_t{n},
+                                              " tokens; the limit is ", kMaxTokens));
+  }
+  const int d = head_dim();
+  std::vector<float> kf(static_cast<size_t>(n) * d), vf(kf.size());
+  for (int r = 0; r < n; ++r) {
+    RowToFloat(k.row(r), k.dtype, d, &kf[static_cast<size_t>(r) * d]);
+    RowToFloat(v.row(r), v.dtype, d, &vf[static_cast<size_t>(r) * d]);
+    if (rotation_) {
+      rotation_->Forward(&kf[static_cast<size_t>(r) * d]);
+      rotation_->Forward(&vf[static_cast<size_t>(r) * d]);
+    }
+  }
+
+  // Plan where the n tokens go, then allocate every page before touching state.
+  const int to_sink = std::clamp(config_.spec.sink - num_tokens_, 0, n);
+  const int rest = n - to_sink;
+  int new_quantized;
+  if (tail_capacity_ > 0) {
+    new_quantized = (tail_tokens() + rest) / tail_capacity_ * tail_capacity_;
+  } else {
+    new_quantized = rest;
+  }
+  const int pt = layout_.page_tokens;
+  const int pages_needed = (quantized_tokens_ + new_quantized + pt - 1) / pt - num_pages();
+  std::vector<uint8_t*> fresh;
+  fresh.reserve(pages_needed);
+  for (int i = 0; i < pages_needed; ++i) {
+    absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
+    if (!p.ok()) {
+      for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
+      return p.status();
+    }
+    std::memset(*p, 0, layout_.page_bytes);
+    fresh.push_back(*p);
+  }
+  pages_.insert(pages_.end(), fresh.begin(), fresh.end());
+
+  if (config_.spec.kind == SchemeKind::kFp8E4m3 && fp8_scale(Side::kKey) == 0.0f) {
+    for (int side = 0; side < 2; ++side) {
+      const std::vector<float>& x = side == 0 ? kf : vf;
+      float amax = 0.0f;
+      for (float e : x) amax = std::max(amax, std::fabs(e));
+      header()->fp8_scale[side] = std::max(amax, 1e-6f) * kFp8Headroom / kFp8E4m3Max;
+    }
+  }
+
+  // Sink rows.
+  for (int r = 0; r < to_sink; ++r) {
+    FloatToRow(&kf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kKey, num_tokens_ + r));
+    FloatToRow(&vf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kValue, num_tokens_ + r));
+  }
+  num_tokens_ += to_sink;
+
+  if (tail_capacity_ == 0) {
+    // Per-token schemes: quantize straight into pages, one page segment at a time.
+    int r = to_sink;
+    while (r < n) {
+      const int page = quantized_tokens_ / pt;
+      const int row = quantized_tokens_ % pt;
+      const int count = std::min(n - r, pt - row);
+      backend_->QuantizeRows(*this, Side::kKey, &kf[static_cast<size_t>(r) * d], count, pages_[page], row);
+      backend_->QuantizeRows(*this, Side::kValue, &vf[static_cast<size_t>(r) * d], count, pages_[page], row);
+      quantized_tokens_ += count;
+      num_tokens_ += count;
+      r += count;
+    }
+    return absl::OkStatus();
+  }
+
+  // Block schemes: fill the fp16 tail; quantize it whenever it is full.
+  for (int r = to_sink; r < n; ++r) {
+    const int slot = config_.spec.sink + tail_tokens();
+    FloatToRow(&kf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kKey, slot));
+    FloatToRow(&vf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kValue, slot));
+    ++num_tokens_;
+    if (tail_tokens() == tail_capacity_) FlushTail();
+  }
+  return absl::OkStatus();
+}
+
+void KvStream::FlushTail() {
+  const int n = tail_capacity_;
+  const int d = head_dim();
+  const int g = layout_.block_tokens;
+  const int pt = layout_.page_tokens;
+  std::vector<float> block(static_cast<size_t>(g) * d);
+  for (int b = 0; b < n; b += g) {
+    const int page = quantized_tokens_ / pt;
+    const int row = quantized_tokens_ % pt;
+    for (Side side : {Side::kKey, Side::kValue}) {
+      for (int i = 0; i < g; ++i) {
+        RowToFloat(tail_row(side, b + i), DType::kFloat16, d, &block[static_cast<size_t>(i) * d]);
+      }
+      backend_->QuantizeRows(*this, side, block.data(), g, pages_[page], row);
+    }
+    quantized_tokens_ += g;
+  }
+  // The tail is now empty (n == capacity); nothing to move.
+}
+
+absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, TensorView k_out,
+                            TensorView v_out) const {
+  if (begin < 0 || end < begin || end > num_tokens_) {
+    return absl::OutOfRangeError(absl::StrCat("token range [", begin, ", ", end,
+                                              ") is not inside [0, ", num_tokens_, "]"));
+  }
+  const int n = end - begin;
+  const int d = head_dim();
+  for (const TensorView* t : {&k_out, &v_out}) {
+    if (t->data == nullptr) continue;
+    if (t->rows != n || t->cols != d || t->dtype != options.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "output must be [", n, ", ", d, "] of ", DTypeName(options.dtype), ", got [", t->rows,
+          ", ", t->cols, "] of ", DTypeName(t->dtype)));
+    }
+  }
+  const int pt = layout_.page_tokens;
+  std::vector<float> rows(static_cast<size_t>(pt) * d);
+  for (Side side : {Side::kKey, Side::kValue}) {
+    const TensorView& out = side == Side::kKey ? k_out : v_out;
+    if (out.data == nullptr) continue;
+    int t = begin;
+    while (t < end) {
+      int count = 1;
+      if (t < sink_tokens()) {
+        RowToFloat(sink_row(side, t), DType::kFloat16, d, rows.data());
+      } else if (t - page_base() < quantized_tokens_) {
+        const int u = t - page_base();
+        const int row = u % pt;
+        count = std::min(end - t, pt - row);
+        backend_->DequantizeRows(*this, side, pages_[u / pt], row, count, rows.data());
+      } else {
+        RowToFloat(tail_row(side, t - page_base() - quantized_tokens_), DType::kFloat16, d,
+                   rows.data());
+      }
+      for (int i = 0; i < count; ++i) {
+        float* x = &rows[static_cast<size_t>(i) * d];
+        if (side == Side::kKey && rope_ && options.apply_rope) rope_->Apply(x, t + i);
+        if (rotation_) rotation_->Inverse(x);
+        FloatToRow(x, d, options.dtype, out.row(t + i - begin));
+      }
+      t += count;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void KvStream::ReadStoredRow(Side side, int t, float* out) const {
+  if (t < sink_tokens()) {
+    RowToFloat(sink_row(side, t), DType::kFloat16, head_dim(), out);
+  } else if (t - page_base() < quantized_tokens_) {
+    const int u = t - page_base();
+    const int pt = layout_.page_tokens;
+    backend_->DequantizeRows(*this, side, pages_[u / pt], u % pt, 1, out);
+  } else {
+    RowToFloat(tail_row(side, t - page_base() - quantized_tokens_), DType::kFloat16, head_dim(),
+               out);
+  }
+}
+
+ByteBreakdown KvStream::AllocatedBytes() const {
+  return StreamBytes(config_, layout_, quantized_tokens_, num_pages(), aux_bytes_);
+}
+
+}  // namespace kvq

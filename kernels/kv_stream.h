@@ -1,0 +1,125 @@
+// KvStream: the quantized K and V of one (layer, KV head) of one sequence.
+//
+// Token t (its RoPE position too) lives in one of three places:
+//   - the sink: t < spec.sink, kept in fp16;
+//   - a page: quantized in blocks once the fp16 tail fills;
+//   - the tail: the newest tokens (< flush_tokens()) in fp16, the residual.
+// Stored values are in the stored basis: rotated when spec.rotate, pre-RoPE
+// keys when spec.pre_rope. Read() and attention undo both.
+//
+// Not thread-safe for writers: callers serialise Append() against everything
+// else; concurrent readers are fine.
+#ifndef KVQ_KERNELS_KV_STREAM_H_
+#define KVQ_KERNELS_KV_STREAM_H_
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/accounting.h"
+#include "kernels/hadamard.h"
+#include "kernels/page_allocator.h"
+#include "kernels/page_layout.h"
+#include "kernels/rope.h"
+#include "kernels/stream_config.h"
+#include "kernels/tensor.h"
+
+namespace kvq {
+
+class KernelBackend;
+
+struct ReadOptions {
+  DType dtype = DType::kFloat32;
+  // Keys of a pre_rope stream come back post-RoPE (as attention sees them)
+  // unless this is false.
+  bool apply_rope = true;
+};
+
+class KvStream {
+ public:
+  // `backend` quantizes on Append and dequantizes on Read; `allocator`
+  // defaults to the heap. `codebook` is required for nuq and ignored otherwise.
+  static absl::StatusOr<std::unique_ptr<KvStream>> Create(
+      const StreamConfig& config, const KernelBackend* backend,
+      PageAllocator* allocator = nullptr, const Codebook* codebook = nullptr);
+  ~KvStream();
+  KvStream(const KvStream&) = delete;
+  KvStream& operator=(const KvStream&) = delete;
+
+  // Appends k and v ([n, head_dim] each, fp32/fp16/bf16). All-or-nothing:
+  // on any error the stream is unchanged. Errors: INVALID_ARGUMENT (shape,
+  // NaN/Inf, beyond the fp16 range), RESOURCE_EXHAUSTED (allocator).
+  absl::Status Append(ConstTensorView k, ConstTensorView v);
+
+  // Writes tokens [begin, end) of K and V into k_out / v_out ([end-begin,
+  // head_dim] of options.dtype; either may be null). OUT_OF_RANGE if the
+  // range is not inside [0, num_tokens()].
+  absl::Status Read(int begin, int end, const ReadOptions& options, TensorView k_out,
+                    TensorView v_out) const;
+
+  ByteBreakdown AllocatedBytes() const;
+
+  // Row t of one side in the stored basis (rotated, pre-RoPE), as floats.
+  // Slow (one row at a time): for references and tests.
+  void ReadStoredRow(Side side, int t, float* out) const;
+
+  // --- Accessors for kernels. ---
+  const StreamConfig& config() const { return config_; }
+  const QuantSpec& spec() const { return config_.spec; }
+  const PageLayout& layout() const { return layout_; }
+  int head_dim() const { return config_.head_dim; }
+  int num_tokens() const { return num_tokens_; }
+  int sink_tokens() const { return std::min(num_tokens_, config_.spec.sink); }
+  int quantized_tokens() const { return quantized_tokens_; }
+  int tail_tokens() const { return num_tokens_ - sink_tokens() - quantized_tokens_; }
+  // First token index held in pages (== spec.sink).
+  int page_base() const { return config_.spec.sink; }
+  int num_pages() const { return static_cast<int>(pages_.size()); }
+  const uint8_t* page(int i) const { return pages_[i]; }
+  // fp16 rows of the sink (t < sink_tokens()) and of the tail (i < tail_tokens()).
+  const uint16_t* sink_row(Side side, int t) const;
+  const uint16_t* tail_row(Side side, int i) const;
+  // fp8 per-head scale (0 until the first append fixes it).
+  float fp8_scale(Side side) const { return header()->fp8_scale[static_cast<int>(side)]; }
+  // nuq: the 2^bits fp16 levels of `channel` (nullptr without nuq).
+  const uint16_t* levels(Side side, int channel) const;
+  const Rope* rope() const { return rope_ ? &*rope_ : nullptr; }
+  const HadamardRotation* rotation() const { return rotation_ ? &*rotation_ : nullptr; }
+
+ private:
+  KvStream(const StreamConfig& config, const PageLayout& layout,
+           const KernelBackend* backend, PageAllocator* allocator);
+  absl::Status ValidateInput(ConstTensorView t, const char* name, int rows) const;
+  // Quantizes the full tail into pages (whose memory is already allocated).
+  void FlushTail();
+  uint16_t* fp16_row(Side side, int slot);
+
+  StreamConfig config_;
+  PageLayout layout_;
+  const KernelBackend* backend_;
+  PageAllocator* allocator_;
+  std::optional<Rope> rope_;
+  std::optional<HadamardRotation> rotation_;
+
+  std::vector<uint8_t*> pages_;
+  // One allocation for everything that is not a page, so the allocator sees
+  // every byte: [Header][codebook fp16 levels, K then V][fp16 rows: K slots
+  // then V slots, slot = sink capacity + tail capacity].
+  struct Header {
+    float fp8_scale[2];
+  };
+  static_assert(sizeof(Header) == kStreamHeaderBytes);
+  Header* header() const { return reinterpret_cast<Header*>(aux_); }
+  uint8_t* aux_ = nullptr;
+  size_t aux_bytes_ = 0;
+  size_t levels_offset_ = 0;
+  size_t rows_offset_ = 0;
+  int tail_capacity_ = 0;
+  int num_tokens_ = 0;
+  int quantized_tokens_ = 0;
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_KERNELS_KV_STREAM_H_

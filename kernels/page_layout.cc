@@ -1,0 +1,155 @@
+#include "kernels/page_layout.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvq {
+namespace {
+
+size_t AlignUp(size_t n) { return (n + kPageAlign - 1) / kPageAlign * kPageAlign; }
+
+// Plane widths (bits) that make up a b-bit code.
+int PlaneCount(int bits) { return bits == 3 ? 2 : 1; }
+int PlaneBits(int bits, int plane) {
+  if (bits == 3) return plane == 0 ? 2 : 1;
+  return bits;
+}
+int PlaneShift(int bits, int plane) { return (bits == 3 && plane == 1) ? 2 : 0; }
+
+void PackPlane(const uint8_t* codes, int n, int b, int shift, uint8_t* plane) {
+  const int bytes = n * b / 8;
+  const int per_byte = 8 / b;
+  const uint8_t mask = static_cast<uint8_t>((1 << b) - 1);
+  for (int j = 0; j < bytes; ++j) {
+    uint8_t byte = 0;
+    for (int m = 0; m < per_byte; ++m) {
+      byte |= static_cast<uint8_t>(((codes[j + bytes * m] >> shift) & mask) << (m * b));
+    }
+    plane[j] = byte;
+  }
+}
+
+void UnpackPlane(const uint8_t* plane, int n, int b, int shift, uint8_t* codes) {
+  const int bytes = n * b / 8;
+  const int per_byte = 8 / b;
+  const uint8_t mask = static_cast<uint8_t>((1 << b) - 1);
+  for (int j = 0; j < bytes; ++j) {
+    for (int m = 0; m < per_byte; ++m) {
+      codes[j + bytes * m] |= static_cast<uint8_t>(((plane[j] >> (m * b)) & mask) << shift);
+    }
+  }
+}
+
+}  // namespace
+
+void PackCodes(const uint8_t* codes, int n, int bits, uint8_t* row) {
+  if (bits == 8) {
+    std::memcpy(row, codes, n);
+    return;
+  }
+  for (int p = 0; p < PlaneCount(bits); ++p) {
+    const int b = PlaneBits(bits, p);
+    PackPlane(codes, n, b, PlaneShift(bits, p), row);
+    row += n * b / 8;
+  }
+}
+
+void UnpackCodes(const uint8_t* row, int n, int bits, uint8_t* codes) {
+  if (bits == 8) {
+    std::memcpy(codes, row, n);
+    return;
+  }
+  std::memset(codes, 0, n);
+  for (int p = 0; p < PlaneCount(bits); ++p) {
+    const int b = PlaneBits(bits, p);
+    UnpackPlane(row, n, b, PlaneShift(bits, p), codes);
+    row += n * b / 8;
+  }
+}
+
+absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
+                                            int page_tokens) {
+  if (head_dim < 16 || head_dim > 256 || head_dim % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_dim must be a multiple of 16 in [16, 256], got ", head_dim));
+  }
+  PageLayout l;
+  l.head_dim = head_dim;
+  l.bits = spec.bits;
+  l.block_tokens = spec.is_kivi() ? spec.group : 1;
+  if (page_tokens == 0) page_tokens = std::max(32, l.block_tokens);
+  if (page_tokens < 1 || page_tokens > 4096 || page_tokens % l.block_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_tokens must be a multiple of the group size ", l.block_tokens,
+        " in [1, 4096], got ", page_tokens));
+  }
+  l.page_tokens = page_tokens;
+  const int t = page_tokens;
+  const int d = head_dim;
+  auto set_side = [&](SideLayout& s, bool is_key) {
+    switch (spec.kind) {
+      case SchemeKind::kFp16:
+        s.format = CodeFormat::kFp16;
+        s.code_row_bytes = 2 * d;
+        break;
+      case SchemeKind::kBf16:
+        s.format = CodeFormat::kBf16;
+        s.code_row_bytes = 2 * d;
+        break;
+      case SchemeKind::kFp8E4m3:
+        s.format = CodeFormat::kFp8E4m3;
+        s.code_row_bytes = d;
+        break;
+      case SchemeKind::kInt8:
+        s.format = CodeFormat::kInt8;
+        s.code_row_bytes = d;
+        s.axis = ParamAxis::kTokenGroups;
+        s.group_channels = d;
+        break;
+      case SchemeKind::kKivi:
+        s.format = CodeFormat::kPacked;
+        s.code_row_bytes = static_cast<size_t>(d) * spec.bits / 8;
+        if (is_key && spec.key_axis == KeyAxis::kPerChannel) {
+          s.axis = ParamAxis::kChannelGroups;
+        } else {
+          s.axis = ParamAxis::kTokenGroups;
+          s.group_channels = std::min(spec.group, d);
+        }
+        break;
+    }
+  };
+  set_side(l.key, true);
+  set_side(l.value, false);
+  if (spec.has_outliers()) {
+    l.outliers_per_block = static_cast<int>(
+        std::ceil(spec.outlier_percent / 100.0 * l.block_tokens * d - 1e-9));
+  }
+  size_t offset = 0;
+  size_t used = 0;
+  auto place = [&](size_t bytes) {
+    const size_t at = offset;
+    offset = AlignUp(offset + bytes);
+    used += bytes;
+    return at;
+  };
+  for (SideLayout* s : {&l.key, &l.value}) {
+    s->codes_offset = place(s->code_row_bytes * t);
+    if (s->axis == ParamAxis::kChannelGroups) {
+      s->params_bytes = static_cast<size_t>(l.blocks_per_page()) * 2 * d * 2;
+    } else if (s->axis == ParamAxis::kTokenGroups) {
+      s->params_bytes = static_cast<size_t>(t) * 2 * s->groups_per_token(d) * 2;
+    }
+    if (s->params_bytes) s->params_offset = place(s->params_bytes);
+    s->outliers_bytes =
+        static_cast<size_t>(l.blocks_per_page()) * l.outliers_per_block * 2 * 2;
+    if (s->outliers_bytes) s->outliers_offset = place(s->outliers_bytes);
+  }
+  l.page_bytes = offset;
+  l.padding_bytes = offset - used;
+  return l;
+}
+
+}  // namespace kvq

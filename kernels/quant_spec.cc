@@ -1,0 +1,157 @@
+#include "kernels/quant_spec.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace kvq {
+namespace {
+
+absl::Status Bad(absl::string_view text, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat("scheme \"", text, "\": ", why));
+}
+
+bool ParseInt(absl::string_view s, int* out) {
+  return !s.empty() && absl::SimpleAtoi(s, out);
+}
+
+}  // namespace
+
+const std::vector<std::string>& SchemeNames() {
+  static const auto* names = new std::vector<std::string>{
+      "fp16", "bf16", "int8", "fp8_e4m3", "kivi4", "kivi3", "kivi2"};
+  return *names;
+}
+
+int QuantSpec::flush_tokens() const {
+  return is_kivi() ? std::max(residual, group) : 1;
+}
+
+absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
+  std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+  QuantSpec spec;
+  const absl::string_view base = parts[0];
+  if (base == "fp16") {
+    spec.kind = SchemeKind::kFp16;
+  } else if (base == "bf16") {
+    spec.kind = SchemeKind::kBf16;
+  } else if (base == "int8") {
+    spec.kind = SchemeKind::kInt8;
+    spec.bits = 8;
+  } else if (base == "fp8_e4m3" || base == "fp8") {
+    spec.kind = SchemeKind::kFp8E4m3;
+    spec.bits = 8;
+  } else if (base == "kivi4" || base == "kivi3" || base == "kivi2") {
+    spec.kind = SchemeKind::kKivi;
+    spec.bits = base[4] - '0';
+  } else {
+    return Bad(text, absl::StrCat("unknown base scheme \"", base,
+                                  "\"; expected one of fp16, bf16, int8, "
+                                  "fp8_e4m3, kivi4, kivi3, kivi2"));
+  }
+  std::set<std::string> seen;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    absl::string_view opt = parts[i];
+    if (!spec.is_kivi()) {
+      return Bad(text, absl::StrCat("option \"", opt, "\" applies only to kivi schemes"));
+    }
+    std::string key(opt.substr(0, opt.find('=')));
+    if (opt.size() > 1 && (opt[0] == 'g' || opt[0] == 'r') &&
+        std::isdigit(static_cast<unsigned char>(opt[1]))) {
+      key = std::string(opt.substr(0, 1));
+    }
+    if (!seen.insert(key).second) {
+      return Bad(text, absl::StrCat("option \"", key, "\" given twice"));
+    }
+    if (key == "g") {
+      if (!ParseInt(opt.substr(1), &spec.group)) return Bad(text, "g needs an integer, e.g. g32");
+    } else if (key == "r") {
+      if (!ParseInt(opt.substr(1), &spec.residual)) return Bad(text, "r needs an integer, e.g. r128");
+    } else if (opt == "pre_rope") {
+      spec.pre_rope = true;
+    } else if (opt == "nuq") {
+      spec.nuq = true;
+    } else if (opt == "rotate") {
+      spec.rotate = true;
+    } else if (opt == "ktok") {
+      spec.key_axis = KeyAxis::kPerToken;
+    } else if (key == "outliers") {
+      if (opt.size() <= 9 || !absl::SimpleAtod(opt.substr(9), &spec.outlier_percent) ||
+          !std::isfinite(spec.outlier_percent) || spec.outlier_percent <= 0.0) {
+        return Bad(text, "outliers needs a percentage in (0, 10], e.g. outliers=1");
+      }
+    } else if (key == "sink") {
+      if (opt.size() <= 5 || !ParseInt(opt.substr(5), &spec.sink)) {
+        return Bad(text, "sink needs a token count, e.g. sink=4");
+      }
+    } else {
+      return Bad(text, absl::StrCat("unknown option \"", opt,
+                                    "\"; expected gN, rN, pre_rope, outliers=P, "
+                                    "sink=S, nuq, rotate or ktok"));
+    }
+  }
+  absl::Status status = spec.Validate();
+  if (!status.ok()) return Bad(text, status.message());
+  return spec;
+}
+
+absl::Status QuantSpec::Validate() const {
+  if (!is_kivi()) {
+    QuantSpec plain;
+    plain.kind = kind;
+    plain.bits = bits;
+    if (!(*this == plain)) {
+      return absl::InvalidArgumentError("options apply only to kivi schemes");
+    }
+    return absl::OkStatus();
+  }
+  if (bits != 2 && bits != 3 && bits != 4) {
+    return absl::InvalidArgumentError(absl::StrCat("kivi bits must be 2, 3 or 4, got ", bits));
+  }
+  if (group < 8 || group > 256 || (group & (group - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group size g must be a power of two in [8, 256], got ", group));
+  }
+  if (residual < 0 || residual > 4096 || residual % group != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "residual r must be a multiple of g=", group, " in [0, 4096], got ", residual));
+  }
+  if (!(outlier_percent >= 0.0 && outlier_percent <= 10.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("outliers must be in (0, 10] percent, got ", outlier_percent));
+  }
+  if (sink < 0 || sink > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("sink must be in [0, 1024], got ", sink));
+  }
+  if (rotate && pre_rope) {
+    return absl::InvalidArgumentError(
+        "rotate and pre_rope cannot be combined: RoPE acts on the unrotated "
+        "channels, so a pre-RoPE key would have to be un-rotated per token");
+  }
+  return absl::OkStatus();
+}
+
+std::string QuantSpec::ToString() const {
+  switch (kind) {
+    case SchemeKind::kFp16: return "fp16";
+    case SchemeKind::kBf16: return "bf16";
+    case SchemeKind::kInt8: return "int8";
+    case SchemeKind::kFp8E4m3: return "fp8_e4m3";
+    case SchemeKind::kKivi: break;
+  }
+  std::string out = absl::StrCat("kivi", bits, ":g", group, ":r", residual);
+  if (pre_rope) absl::StrAppend(&out, ":pre_rope");
+  if (has_outliers()) absl::StrAppend(&out, ":outliers=", outlier_percent);
+  if (sink > 0) absl::StrAppend(&out, ":sink=", sink);
+  if (nuq) absl::StrAppend(&out, ":nuq");
+  if (rotate) absl::StrAppend(&out, ":rotate");
+  if (key_axis == KeyAxis::kPerToken) absl::StrAppend(&out, ":ktok");
+  return out;
+}
+
+}  // namespace kvq

@@ -1,0 +1,73 @@
+// QuantSpec: the one value type that names a KV storage scheme.
+//
+// It parses from and prints to a short string used by the API, the CLI and
+// the benchmarks, e.g. "kivi2:g32:r128:pre_rope:outliers=1:sink=4".
+//
+// Grammar: <base>[:<option>]*
+//   base     fp16 | bf16 | int8 | fp8_e4m3 | kivi4 | kivi3 | kivi2
+//   options  (kivi only)
+//     gN          group size G (tokens per key group, channels per value
+//                 group); power of two in [8, 256]; default 32
+//     rN          fp16 residual window R; multiple of G, <= 4096; default 128;
+//                 r0 keeps only the unfinished group (< G tokens) in fp16
+//     pre_rope    keys are appended before RoPE; RoPE is applied in attention
+//                 and on fetch
+//     outliers=P  per quantization block the P% largest deviations are kept
+//                 exactly in a sparse fp16 side table (0 < P <= 10)
+//     sink=S      the first S tokens stay fp16 (0 <= S <= 1024)
+//     nuq         non-uniform levels from a per-channel k-means codebook
+//     rotate      randomized Hadamard transform over head_dim
+//     ktok        keys per-token instead of per-channel (for ablations)
+// ToString() prints the canonical form: base, g and r (for kivi), then the
+// options in the order above.
+#ifndef KVQ_KERNELS_QUANT_SPEC_H_
+#define KVQ_KERNELS_QUANT_SPEC_H_
+
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvq {
+
+enum class SchemeKind { kFp16, kBf16, kInt8, kFp8E4m3, kKivi };
+
+// How keys are grouped for quantization.
+enum class KeyAxis {
+  kPerChannel,  // KIVI: one scale/zero per channel per G tokens.
+  kPerToken,    // One scale/zero per token per G channels (like values).
+};
+
+struct QuantSpec {
+  SchemeKind kind = SchemeKind::kFp16;
+  int bits = 16;        // Bits per code: 16, 8, 4, 3 or 2.
+  int group = 32;       // G, kivi only.
+  int residual = 128;   // R, kivi only.
+  KeyAxis key_axis = KeyAxis::kPerChannel;
+  bool pre_rope = false;
+  double outlier_percent = 0.0;
+  int sink = 0;
+  bool nuq = false;
+  bool rotate = false;
+
+  static absl::StatusOr<QuantSpec> Parse(absl::string_view text);
+  std::string ToString() const;
+  // Checks ranges and combinations; Parse() calls it.
+  absl::Status Validate() const;
+
+  bool is_kivi() const { return kind == SchemeKind::kKivi; }
+  bool has_outliers() const { return outlier_percent > 0.0; }
+  // Tokens quantized at once when the fp16 tail fills: max(R, G) for kivi,
+  // 1 for the per-token schemes (they quantize on append).
+  int flush_tokens() const;
+
+  friend bool operator==(const QuantSpec&, const QuantSpec&) = default;
+};
+
+// Every base scheme name the parser accepts, in a stable order.
+const std::vector<std::string>& SchemeNames();
+
+}  // namespace kvq
+
+#endif  // KVQ_KERNELS_QUANT_SPEC_H_
