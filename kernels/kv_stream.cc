@@ -103,7 +103,11 @@ absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int ro
   if (t.row_stride != 0 && t.row_stride < t.cols) {
     return absl::InvalidArgumentError(absl::StrCat(name, " row_stride < cols"));
   }
-  const float limit = config_.spec.kind == SchemeKind::kBf16 ? INFINITY : kFp16Max;
+  // bf16 pages hold values beyond the fp16 range, but not past the largest
+  // finite bf16 (larger floats would round to infinity).
+  const bool bf16 = config_.spec.kind == SchemeKind::kBf16;
+  const float limit = bf16 ? kBf16Max : kFp16Max;
+  const char* range = bf16 ? " is outside the bf16 range +-" : " is outside the fp16 range +-";
   std::vector<float> row(head_dim());
   for (int r = 0; r < rows; ++r) {
     RowToFloat(t.row(r), t.dtype, head_dim(), row.data());
@@ -113,7 +117,7 @@ absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int ro
       }
       if (std::fabs(row[c]) > limit) {
         return absl::InvalidArgumentError(absl::StrCat(
-            name, "[", r, "][", c, "] = ", row[c], " is outside the fp16 range +-65504"));
+            name, "[", r, "][", c, "] = ", row[c], range, limit));
       }
     }
   }
@@ -273,6 +277,54 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Fork(int tokens) const {
+  if (tokens < 0 || tokens > num_tokens_) {
+    return absl::OutOfRangeError(absl::StrCat("fork length ", tokens, " is not in [0, ",
+                                              num_tokens_, "]"));
+  }
+  const int flush = config_.spec.flush_tokens();
+  const int sink = config_.spec.sink;
+  const bool whole = tokens == num_tokens_;
+  const bool on_boundary = tokens <= sink || ((tokens - sink) % flush == 0 &&
+                                              tokens - sink <= quantized_tokens_);
+  if (!whole && !on_boundary) {
+    const int below = tokens < sink ? tokens : sink + (tokens - sink) / flush * flush;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fork length ", tokens, " splits a quantization block; valid lengths near it are ",
+        below, " and ", std::min(below + flush, num_tokens_), " (or ", num_tokens_, ")"));
+  }
+  std::unique_ptr<KvStream> f(new KvStream(config_, layout_, backend_, allocator_));
+  f->rope_ = rope_;
+  f->rotation_ = rotation_;
+  f->tail_capacity_ = tail_capacity_;
+  f->levels_offset_ = levels_offset_;
+  f->rows_offset_ = rows_offset_;
+  f->aux_bytes_ = aux_bytes_;
+  if (aux_ != nullptr) {
+    KVQ_ASSIGN_OR_RETURN(f->aux_, allocator_->Allocate(aux_bytes_));
+    std::memcpy(f->aux_, aux_, aux_bytes_);
+  }
+  const int pt = layout_.page_tokens;
+  const int quantized = whole ? quantized_tokens_ : std::max(0, tokens - sink);
+  const int full_pages = quantized / pt;
+  const int partial_rows = quantized % pt;
+  for (int i = 0; i < full_pages; ++i) {
+    allocator_->Retain(pages_[i], layout_.page_bytes);
+    f->pages_.push_back(pages_[i]);
+  }
+  if (partial_rows > 0) {
+    absl::StatusOr<uint8_t*> copy = allocator_->Allocate(layout_.page_bytes);
+    if (!copy.ok()) return copy.status();  // f's destructor drops what it holds.
+    std::memcpy(*copy, pages_[full_pages], layout_.page_bytes);
+    f->pages_.push_back(*copy);
+  }
+  f->num_tokens_ = tokens;
+  f->quantized_tokens_ = quantized;
+  // The tail (if kept) was copied with the aux block; a shorter fork ends on
+  // a flush boundary, so its tail is empty.
+  return f;
 }
 
 void KvStream::ReadStoredRow(Side side, int t, float* out) const {

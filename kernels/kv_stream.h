@@ -58,7 +58,18 @@ class KvStream {
   absl::Status Read(int begin, int end, const ReadOptions& options, TensorView k_out,
                     TensorView v_out) const;
 
+  // Bytes this stream references (shared pages count in every stream that
+  // shares them; the allocator knows the physical total).
   ByteBreakdown AllocatedBytes() const;
+
+  // A new stream holding the first `tokens` tokens of this one, sharing its
+  // full pages copy-on-write (a full page is never written again; a partly
+  // filled page, the sink and the tail are copied). `tokens` must be
+  // num_tokens(), at most the sink, or end on a flush boundary
+  // (sink + k * flush_tokens(), inside the quantized part): anywhere else the
+  // fork would have to re-quantize. FAILED_PRECONDITION names the nearest
+  // valid lengths; RESOURCE_EXHAUSTED from the allocator.
+  absl::StatusOr<std::unique_ptr<KvStream>> Fork(int tokens) const;
 
   // Row t of one side in the stored basis (rotated, pre-RoPE), as floats.
   // Slow (one row at a time): for references and tests.

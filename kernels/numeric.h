@@ -11,6 +11,8 @@ namespace kvq {
 
 // Largest finite IEEE half: inputs beyond it cannot be stored in fp16 pages.
 inline constexpr float kFp16Max = 65504.0f;
+// Largest finite bfloat16 (0x7f7f); floats beyond it round to infinity.
+inline constexpr float kBf16Max = 3.38953139e38f;
 // Largest finite OCP FP8 E4M3 ("fn") value.
 inline constexpr float kFp8E4m3Max = 448.0f;
 

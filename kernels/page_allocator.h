@@ -13,8 +13,13 @@ namespace kvq {
 class PageAllocator {
  public:
   virtual ~PageAllocator() = default;
-  // Returns kPageAlign-aligned memory of `bytes`, or RESOURCE_EXHAUSTED.
+  // Returns kPageAlign-aligned memory of `bytes` holding one reference, or
+  // RESOURCE_EXHAUSTED.
   virtual absl::StatusOr<uint8_t*> Allocate(size_t bytes) = 0;
+  // Adds a reference to a block from Allocate(): streams that share a
+  // prefix (Fork, prefix reuse) share its full pages.
+  virtual void Retain(uint8_t* block, size_t bytes) = 0;
+  // Drops one reference; the memory is reusable when none is left.
   virtual void Free(uint8_t* block, size_t bytes) = 0;
 };
 

@@ -9,6 +9,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/outliers.h"
+#include "kernels/cpu/ref_kernels.h"
 #include "kernels/cpu/quant_math.h"
 #include "kernels/numeric.h"
 
@@ -151,120 +152,133 @@ void DequantizeAffineRef(const KvStream& s, Side side, const uint8_t* page, int 
   }
 }
 
+}  // namespace
+
+void QuantizeRowsRef(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
+                     int row0) {
+  const SideLayout& S = s.layout().side(side);
+  const int d = s.head_dim();
+  switch (S.format) {
+    case CodeFormat::kFp16:
+    case CodeFormat::kBf16:
+      for (int r = 0; r < n; ++r) {
+        FloatToRow(rows + static_cast<size_t>(r) * d, d,
+                   S.format == CodeFormat::kFp16 ? DType::kFloat16 : DType::kBFloat16,
+                   PageLayout::CodeRow(page, S, row0 + r));
+      }
+      return;
+    case CodeFormat::kFp8E4m3: {
+      const float inv = 1.0f / s.fp8_scale(side);
+      for (int r = 0; r < n; ++r) {
+        uint8_t* code = PageLayout::CodeRow(page, S, row0 + r);
+        for (int c = 0; c < d; ++c) code[c] = FloatToFp8E4m3(rows[static_cast<size_t>(r) * d + c] * inv);
+      }
+      return;
+    }
+    case CodeFormat::kInt8:
+    case CodeFormat::kPacked:
+      QuantizeAffineRef(s, side, rows, n, page, row0);
+      return;
+  }
+}
+
+void DequantizeRowsRef(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                       float* out) {
+  const SideLayout& S = s.layout().side(side);
+  const int d = s.head_dim();
+  switch (S.format) {
+    case CodeFormat::kFp16:
+    case CodeFormat::kBf16:
+      for (int r = 0; r < n; ++r) {
+        RowToFloat(PageLayout::CodeRow(page, S, row0 + r),
+                   S.format == CodeFormat::kFp16 ? DType::kFloat16 : DType::kBFloat16, d,
+                   out + static_cast<size_t>(r) * d);
+      }
+      return;
+    case CodeFormat::kFp8E4m3: {
+      const float scale = s.fp8_scale(side);
+      for (int r = 0; r < n; ++r) {
+        const uint8_t* code = PageLayout::CodeRow(page, S, row0 + r);
+        for (int c = 0; c < d; ++c) out[static_cast<size_t>(r) * d + c] = Fp8E4m3ToFloat(code[c]) * scale;
+      }
+      return;
+    }
+    case CodeFormat::kInt8:
+    case CodeFormat::kPacked:
+      DequantizeAffineRef(s, side, page, row0, n, out);
+      return;
+  }
+}
+
+void AttendRef(const AttentionTask& task, const AttentionOptions& options) {
+  const KvStream& s = *task.stream;
+  const int d = s.head_dim();
+  const int begin = task.key_begin;
+  const int end = task.key_end < 0 ? s.num_tokens() : task.key_end;
+  const double scale = SoftmaxScale(options, d);
+  std::vector<float> q(d), k(d), v(d);
+  std::vector<double> scores;
+  std::vector<double> acc(d);
+  for (int i = 0; i < task.num_queries; ++i) {
+    const int visible_end =
+        task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
+    for (int g = 0; g < options.group_size; ++g) {
+      const float* qsrc = task.q + static_cast<size_t>(i) * task.q_stride + g * d;
+      std::copy(qsrc, qsrc + d, q.begin());
+      if (s.rotation()) s.rotation()->Forward(q.data());
+      float* out = task.out + static_cast<size_t>(i) * task.out_stride + g * d;
+      float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
+      scores.clear();
+      double max_score = -std::numeric_limits<double>::infinity();
+      for (int t = begin; t < visible_end; ++t) {
+        s.ReadStoredRow(Side::kKey, t, k.data());
+        if (s.rope()) s.rope()->Apply(k.data(), t);
+        double dot = 0.0;
+        for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * k[c];
+        scores.push_back(dot * scale);
+        max_score = std::max(max_score, scores.back());
+      }
+      if (scores.empty()) {
+        std::fill(out, out + d, 0.0f);
+        *lse = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      double sum = 0.0;
+      for (int t = begin; t < visible_end; ++t) {
+        const double p = std::exp(scores[t - begin] - max_score);
+        sum += p;
+        s.ReadStoredRow(Side::kValue, t, v.data());
+        for (int c = 0; c < d; ++c) acc[c] += p * v[c];
+      }
+      for (int c = 0; c < d; ++c) out[c] = static_cast<float>(acc[c] / sum);
+      if (s.rotation()) s.rotation()->Inverse(out);
+      *lse = static_cast<float>(max_score + std::log(sum));
+    }
+  }
+}
+
+namespace {
+
 class RefBackendImpl final : public KernelBackend {
  public:
   absl::string_view name() const override { return "ref"; }
 
   void QuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) const override {
-    const SideLayout& S = s.layout().side(side);
-    const int d = s.head_dim();
-    switch (S.format) {
-      case CodeFormat::kFp16:
-      case CodeFormat::kBf16:
-        for (int r = 0; r < n; ++r) {
-          FloatToRow(rows + static_cast<size_t>(r) * d, d,
-                     S.format == CodeFormat::kFp16 ? DType::kFloat16 : DType::kBFloat16,
-                     PageLayout::CodeRow(page, S, row0 + r));
-        }
-        return;
-      case CodeFormat::kFp8E4m3: {
-        const float inv = 1.0f / s.fp8_scale(side);
-        for (int r = 0; r < n; ++r) {
-          uint8_t* code = PageLayout::CodeRow(page, S, row0 + r);
-          for (int c = 0; c < d; ++c) code[c] = FloatToFp8E4m3(rows[static_cast<size_t>(r) * d + c] * inv);
-        }
-        return;
-      }
-      case CodeFormat::kInt8:
-      case CodeFormat::kPacked:
-        QuantizeAffineRef(s, side, rows, n, page, row0);
-        return;
-    }
+    QuantizeRowsRef(s, side, rows, n, page, row0);
   }
 
   void DequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                       float* out) const override {
-    const SideLayout& S = s.layout().side(side);
-    const int d = s.head_dim();
-    switch (S.format) {
-      case CodeFormat::kFp16:
-      case CodeFormat::kBf16:
-        for (int r = 0; r < n; ++r) {
-          RowToFloat(PageLayout::CodeRow(page, S, row0 + r),
-                     S.format == CodeFormat::kFp16 ? DType::kFloat16 : DType::kBFloat16, d,
-                     out + static_cast<size_t>(r) * d);
-        }
-        return;
-      case CodeFormat::kFp8E4m3: {
-        const float scale = s.fp8_scale(side);
-        for (int r = 0; r < n; ++r) {
-          const uint8_t* code = PageLayout::CodeRow(page, S, row0 + r);
-          for (int c = 0; c < d; ++c) out[static_cast<size_t>(r) * d + c] = Fp8E4m3ToFloat(code[c]) * scale;
-        }
-        return;
-      }
-      case CodeFormat::kInt8:
-      case CodeFormat::kPacked:
-        DequantizeAffineRef(s, side, page, row0, n, out);
-        return;
-    }
+    DequantizeRowsRef(s, side, page, row0, n, out);
   }
 
   absl::Status Attend(absl::Span<const AttentionTask> tasks,
                       const AttentionOptions& options) const override {
     if (absl::Status st = ValidateAttention(tasks, options); !st.ok()) return st;
-    for (const AttentionTask& task : tasks) AttendOne(task, options);
+    for (const AttentionTask& task : tasks) AttendRef(task, options);
     return absl::OkStatus();
-  }
-
- private:
-  static void AttendOne(const AttentionTask& task, const AttentionOptions& options) {
-    const KvStream& s = *task.stream;
-    const int d = s.head_dim();
-    const int begin = task.key_begin;
-    const int end = task.key_end < 0 ? s.num_tokens() : task.key_end;
-    const double scale = SoftmaxScale(options, d);
-    std::vector<float> q(d), k(d), v(d);
-    std::vector<double> scores;
-    std::vector<double> acc(d);
-    for (int i = 0; i < task.num_queries; ++i) {
-      const int visible_end =
-          task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
-      for (int g = 0; g < options.group_size; ++g) {
-        const float* qsrc = task.q + static_cast<size_t>(i) * task.q_stride + g * d;
-        std::copy(qsrc, qsrc + d, q.begin());
-        if (s.rotation()) s.rotation()->Forward(q.data());
-        float* out = task.out + static_cast<size_t>(i) * task.out_stride + g * d;
-        float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
-        scores.clear();
-        double max_score = -std::numeric_limits<double>::infinity();
-        for (int t = begin; t < visible_end; ++t) {
-          s.ReadStoredRow(Side::kKey, t, k.data());
-          if (s.rope()) s.rope()->Apply(k.data(), t);
-          double dot = 0.0;
-          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * k[c];
-          scores.push_back(dot * scale);
-          max_score = std::max(max_score, scores.back());
-        }
-        if (scores.empty()) {
-          std::fill(out, out + d, 0.0f);
-          *lse = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        std::fill(acc.begin(), acc.end(), 0.0);
-        double sum = 0.0;
-        for (int t = begin; t < visible_end; ++t) {
-          const double p = std::exp(scores[t - begin] - max_score);
-          sum += p;
-          s.ReadStoredRow(Side::kValue, t, v.data());
-          for (int c = 0; c < d; ++c) acc[c] += p * v[c];
-        }
-        for (int c = 0; c < d; ++c) out[c] = static_cast<float>(acc[c] / sum);
-        if (s.rotation()) s.rotation()->Inverse(out);
-        *lse = static_cast<float>(max_score + std::log(sum));
-      }
-    }
   }
 };
 

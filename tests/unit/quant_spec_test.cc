@@ -1,9 +1,19 @@
 #include "kernels/quant_spec.h"
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace kvq {
 namespace {
+
+QuantSpec MustParse(const std::string& text) {
+  absl::StatusOr<QuantSpec> s = QuantSpec::Parse(text);
+  EXPECT_TRUE(s.ok()) << "parsing \"" << text << "\": " << s.status();
+  return s.ok() ? *s : QuantSpec{};
+}
 
 TEST(QuantSpecTest, ParsesAndPrintsCanonicalForm) {
   absl::StatusOr<QuantSpec> s = QuantSpec::Parse("kivi2:g32:r128:pre_rope:outliers=1:sink=4");
@@ -13,6 +23,197 @@ TEST(QuantSpecTest, ParsesAndPrintsCanonicalForm) {
   EXPECT_EQ(s->sink, 4);
   EXPECT_EQ(s->ToString(), "kivi2:g32:r128:pre_rope:outliers=1:sink=4");
   EXPECT_EQ(QuantSpec::Parse("kivi4")->ToString(), "kivi4:g32:r128");
+}
+
+TEST(QuantSpecTest, EveryBaseNameParsesAndRoundTrips) {
+  const std::vector<std::string> expected = {"fp16",  "bf16",  "int8", "fp8_e4m3",
+                                             "kivi4", "kivi3", "kivi2"};
+  EXPECT_EQ(SchemeNames(), expected) << "SchemeNames() changed order or content";
+  for (const std::string& name : SchemeNames()) {
+    const QuantSpec spec = MustParse(name);
+    const std::string printed = spec.ToString();
+    if (spec.is_kivi()) {
+      EXPECT_EQ(printed, name + ":g32:r128") << "kivi prints g and r canonically";
+    } else {
+      EXPECT_EQ(printed, name) << "non-kivi base prints as its name";
+    }
+    EXPECT_EQ(MustParse(printed), spec) << "Parse(ToString()) of " << name;
+    EXPECT_TRUE(spec.Validate().ok()) << name;
+  }
+}
+
+TEST(QuantSpecTest, BaseFieldsAndDefaults) {
+  struct Case {
+    const char* text;
+    SchemeKind kind;
+    int bits;
+  };
+  for (const Case& c : {Case{"fp16", SchemeKind::kFp16, 16}, Case{"bf16", SchemeKind::kBf16, 16},
+                        Case{"int8", SchemeKind::kInt8, 8},
+                        Case{"fp8_e4m3", SchemeKind::kFp8E4m3, 8},
+                        Case{"kivi4", SchemeKind::kKivi, 4}, Case{"kivi3", SchemeKind::kKivi, 3},
+                        Case{"kivi2", SchemeKind::kKivi, 2}}) {
+    const QuantSpec s = MustParse(c.text);
+    EXPECT_EQ(s.kind, c.kind) << c.text;
+    EXPECT_EQ(s.bits, c.bits) << c.text;
+    EXPECT_EQ(s.group, 32) << c.text << ": default g";
+    EXPECT_EQ(s.residual, 128) << c.text << ": default r";
+    EXPECT_EQ(s.key_axis, KeyAxis::kPerChannel) << c.text;
+    EXPECT_FALSE(s.pre_rope || s.nuq || s.rotate || s.has_outliers()) << c.text;
+    EXPECT_EQ(s.sink, 0) << c.text;
+    EXPECT_EQ(s.is_kivi(), c.kind == SchemeKind::kKivi) << c.text;
+    EXPECT_EQ(s.flush_tokens(), s.is_kivi() ? 128 : 1) << c.text;
+  }
+}
+
+TEST(QuantSpecTest, Fp8AliasParsesToFp8E4m3) {
+  const QuantSpec s = MustParse("fp8");
+  EXPECT_EQ(s.kind, SchemeKind::kFp8E4m3);
+  EXPECT_EQ(s.bits, 8);
+  EXPECT_EQ(s.ToString(), "fp8_e4m3") << "the alias prints as the canonical name";
+  EXPECT_EQ(s, MustParse("fp8_e4m3"));
+}
+
+TEST(QuantSpecTest, EachOptionSetsItsField) {
+  EXPECT_EQ(MustParse("kivi2:g64").group, 64);
+  EXPECT_EQ(MustParse("kivi2:g8:r0").group, 8);
+  EXPECT_EQ(MustParse("kivi2:g256:r256").group, 256);
+  EXPECT_EQ(MustParse("kivi2:r256").residual, 256);
+  EXPECT_EQ(MustParse("kivi2:r0").residual, 0);
+  EXPECT_EQ(MustParse("kivi2:r4096").residual, 4096);
+  EXPECT_TRUE(MustParse("kivi2:pre_rope").pre_rope);
+  EXPECT_DOUBLE_EQ(MustParse("kivi2:outliers=1").outlier_percent, 1.0);
+  EXPECT_DOUBLE_EQ(MustParse("kivi2:outliers=0.5").outlier_percent, 0.5);
+  EXPECT_DOUBLE_EQ(MustParse("kivi2:outliers=10").outlier_percent, 10.0);
+  EXPECT_EQ(MustParse("kivi2:sink=4").sink, 4);
+  EXPECT_EQ(MustParse("kivi2:sink=0").sink, 0);
+  EXPECT_EQ(MustParse("kivi2:sink=1024").sink, 1024);
+  EXPECT_TRUE(MustParse("kivi2:nuq").nuq);
+  EXPECT_TRUE(MustParse("kivi2:rotate").rotate);
+  EXPECT_EQ(MustParse("kivi2:ktok").key_axis, KeyAxis::kPerToken);
+  // r0 keeps only an unfinished group: the flush size is G.
+  EXPECT_EQ(MustParse("kivi2:g64:r0").flush_tokens(), 64);
+  EXPECT_EQ(MustParse("kivi2:g64:r256").flush_tokens(), 256);
+}
+
+TEST(QuantSpecTest, OptionsPrintInCanonicalOrder) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"kivi2:ktok:rotate:nuq:sink=4:r64:g16", "kivi2:g16:r64:sink=4:nuq:rotate:ktok"},
+      {"kivi3:sink=4:outliers=1:pre_rope", "kivi3:g32:r128:pre_rope:outliers=1:sink=4"},
+      {"kivi4:outliers=0.5", "kivi4:g32:r128:outliers=0.5"},
+      {"kivi2:r0", "kivi2:g32:r0"},
+      {"kivi2:sink=0", "kivi2:g32:r128"},
+      {"kivi4:g64", "kivi4:g64:r128"},
+      {"kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok",
+       "kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok"},
+  };
+  for (const auto& [text, canonical] : cases) {
+    const QuantSpec s = MustParse(text);
+    EXPECT_EQ(s.ToString(), canonical) << "canonical form of " << text;
+    EXPECT_EQ(MustParse(s.ToString()), s) << "round trip of " << text;
+  }
+}
+
+void ExpectParseError(const std::string& text, const std::string& message) {
+  absl::StatusOr<QuantSpec> s = QuantSpec::Parse(text);
+  ASSERT_FALSE(s.ok()) << "\"" << text << "\" should not parse; got " << s->ToString();
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << text;
+  EXPECT_EQ(s.status().message(), message) << text;
+}
+
+TEST(QuantSpecTest, RejectsUnknownBase) {
+  ExpectParseError("int4", "scheme \"int4\": unknown base scheme \"int4\"; expected one of fp16, "
+                           "bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2");
+  ExpectParseError("", "scheme \"\": unknown base scheme \"\"; expected one of fp16, bf16, int8, "
+                       "fp8_e4m3, kivi4, kivi3, kivi2");
+  ExpectParseError("KIVI2", "scheme \"KIVI2\": unknown base scheme \"KIVI2\"; expected one of "
+                            "fp16, bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2");
+}
+
+TEST(QuantSpecTest, RejectsUnknownOption) {
+  const std::string expected_list = "; expected gN, rN, pre_rope, outliers=P, sink=S, nuq, rotate or ktok";
+  ExpectParseError("kivi2:fast", "scheme \"kivi2:fast\": unknown option \"fast\"" + expected_list);
+  ExpectParseError("kivi2:nuq=1", "scheme \"kivi2:nuq=1\": unknown option \"nuq=1\"" + expected_list);
+  ExpectParseError("kivi2:", "scheme \"kivi2:\": unknown option \"\"" + expected_list);
+  ExpectParseError("kivi2:r-1", "scheme \"kivi2:r-1\": unknown option \"r-1\"" + expected_list);
+}
+
+TEST(QuantSpecTest, RejectsDuplicateOption) {
+  ExpectParseError("kivi2:g32:g64", "scheme \"kivi2:g32:g64\": option \"g\" given twice");
+  ExpectParseError("kivi2:r0:r128", "scheme \"kivi2:r0:r128\": option \"r\" given twice");
+  ExpectParseError("kivi2:nuq:nuq", "scheme \"kivi2:nuq:nuq\": option \"nuq\" given twice");
+  ExpectParseError("kivi2:sink=1:sink=2",
+                   "scheme \"kivi2:sink=1:sink=2\": option \"sink\" given twice");
+}
+
+TEST(QuantSpecTest, RejectsOptionsOnNonKivi) {
+  ExpectParseError("int8:g32", "scheme \"int8:g32\": option \"g32\" applies only to kivi schemes");
+  ExpectParseError("fp16:sink=4",
+                   "scheme \"fp16:sink=4\": option \"sink=4\" applies only to kivi schemes");
+  ExpectParseError("fp8:rotate", "scheme \"fp8:rotate\": option \"rotate\" applies only to kivi schemes");
+  QuantSpec s = MustParse("int8");
+  s.sink = 4;
+  const absl::Status st = s.Validate();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "options apply only to kivi schemes");
+}
+
+TEST(QuantSpecTest, RejectsBadNumbers) {
+  ExpectParseError("kivi2:g", "scheme \"kivi2:g\": g needs an integer, e.g. g32");
+  ExpectParseError("kivi2:g32x", "scheme \"kivi2:g32x\": g needs an integer, e.g. g32");
+  ExpectParseError("kivi2:r12.5", "scheme \"kivi2:r12.5\": r needs an integer, e.g. r128");
+  ExpectParseError("kivi2:sink=", "scheme \"kivi2:sink=\": sink needs a token count, e.g. sink=4");
+  ExpectParseError("kivi2:outliers=x",
+                   "scheme \"kivi2:outliers=x\": outliers needs a percentage in (0, 10], e.g. outliers=1");
+}
+
+TEST(QuantSpecTest, RejectsResidualNotMultipleOfGroup) {
+  ExpectParseError("kivi2:g32:r48",
+                   "scheme \"kivi2:g32:r48\": residual r must be a multiple of g=32 in [0, 4096], got 48");
+  ExpectParseError("kivi2:g64:r96",
+                   "scheme \"kivi2:g64:r96\": residual r must be a multiple of g=64 in [0, 4096], got 96");
+  ExpectParseError("kivi2:r8192",
+                   "scheme \"kivi2:r8192\": residual r must be a multiple of g=32 in [0, 4096], got 8192");
+}
+
+TEST(QuantSpecTest, RejectsGroupNotPowerOfTwo) {
+  ExpectParseError("kivi2:g24",
+                   "scheme \"kivi2:g24\": group size g must be a power of two in [8, 256], got 24");
+  ExpectParseError("kivi2:g4:r0",
+                   "scheme \"kivi2:g4:r0\": group size g must be a power of two in [8, 256], got 4");
+  ExpectParseError("kivi2:g512:r512",
+                   "scheme \"kivi2:g512:r512\": group size g must be a power of two in [8, 256], got 512");
+}
+
+TEST(QuantSpecTest, RejectsOutlierPercentOutOfRange) {
+  ExpectParseError("kivi2:outliers=0",
+                   "scheme \"kivi2:outliers=0\": outliers needs a percentage in (0, 10], e.g. outliers=1");
+  ExpectParseError("kivi2:outliers=-1",
+                   "scheme \"kivi2:outliers=-1\": outliers needs a percentage in (0, 10], e.g. outliers=1");
+  ExpectParseError("kivi2:outliers=11",
+                   "scheme \"kivi2:outliers=11\": outliers must be in (0, 10] percent, got 11");
+  ExpectParseError("kivi2:outliers=nan",
+                   "scheme \"kivi2:outliers=nan\": outliers needs a percentage in (0, 10], e.g. outliers=1");
+}
+
+TEST(QuantSpecTest, RejectsSinkOutOfRange) {
+  ExpectParseError("kivi2:sink=2000", "scheme \"kivi2:sink=2000\": sink must be in [0, 1024], got 2000");
+  ExpectParseError("kivi2:sink=-1", "scheme \"kivi2:sink=-1\": sink must be in [0, 1024], got -1");
+}
+
+TEST(QuantSpecTest, RejectsRotateWithPreRope) {
+  ExpectParseError("kivi2:pre_rope:rotate",
+                   "scheme \"kivi2:pre_rope:rotate\": rotate and pre_rope cannot be combined: RoPE "
+                   "acts on the unrotated channels, so a pre-RoPE key would have to be un-rotated "
+                   "per token");
+}
+
+TEST(QuantSpecTest, ValidateRejectsBadKiviBits) {
+  QuantSpec s = MustParse("kivi2");
+  s.bits = 5;
+  const absl::Status st = s.Validate();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "kivi bits must be 2, 3 or 4, got 5");
 }
 
 }  // namespace

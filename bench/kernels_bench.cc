@@ -1,0 +1,717 @@
+#include "bench/kernels_bench.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "bench/counting_allocator.h"
+#include "bench/read_bandwidth.h"
+#include "bench/synthetic_kv.h"
+#include "kernels/accounting.h"
+#include "kernels/backend.h"
+#include "kernels/codebook_learner.h"
+#include "kernels/kv_stream.h"
+#include "kernels/quant_spec.h"
+#include "kernels/status_macros.h"
+
+namespace kvq {
+namespace {
+
+constexpr int kDefaultReps = 21;
+constexpr int kQuickReps = 5;
+constexpr int kQuickContext = 2048;
+// Calibration set of the nuq codebooks: the same model, other text.
+constexpr int kCalibrationTokens = 4096;
+
+// Thresholds of --check (the issue's figures).
+constexpr double kMaxBitsGap = 0.03;
+constexpr int kCheckContext = 32768;
+constexpr absl::string_view kCheckLayout = "llama";
+constexpr double kMinKivi4Speedup = 2.5;
+constexpr double kMinKivi2Speedup = 3.5;
+constexpr double kMinFp16BwFraction = 0.5;
+constexpr double kPeerFraction = 0.1;  // Quantized decode <= 1/10 of ggml's.
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// One (layout, context): the generated heads and the fp32 reference outputs.
+struct LayerData {
+  std::vector<SyntheticKv> heads;
+  std::vector<double> reference;  // [kv_head][group][head_dim]
+  AttentionProfile profile;
+};
+
+SyntheticKvConfig GeneratorConfig(const KvLayout& layout, int tokens, int kv_head,
+                                  uint64_t sample_seed) {
+  SyntheticKvConfig c;
+  c.head_dim = layout.head_dim;
+  c.tokens = tokens;
+  c.group_size = layout.group_size();
+  c.rope = layout.rope;
+  c.layer = 0;
+  c.kv_head = kv_head;
+  c.sample_seed = sample_seed;
+  return c;
+}
+
+// softmax(q.k / sqrt(d)) v over every token, fp32 inputs, fp64 arithmetic.
+void ReferenceAttention(const SyntheticKv& kv, int head, int sink_tokens, double* out,
+                        AttentionProfile* profile) {
+  const int d = kv.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const float* q = &kv.queries[static_cast<size_t>(head) * d];
+  std::vector<double> p(kv.tokens);
+  double max_score = -std::numeric_limits<double>::infinity();
+  for (int t = 0; t < kv.tokens; ++t) {
+    const float* k = &kv.keys[static_cast<size_t>(t) * d];
+    double dot = 0.0;
+    for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * k[c];
+    p[t] = dot * scale;
+    max_score = std::max(max_score, p[t]);
+  }
+  double sum = 0.0;
+  for (double& x : p) sum += (x = std::exp(x - max_score));
+  std::fill(out, out + d, 0.0);
+  double sink = 0.0, sq = 0.0, top = 0.0;
+  for (int t = 0; t < kv.tokens; ++t) {
+    const double w = p[t] / sum;
+    const float* v = &kv.values[static_cast<size_t>(t) * d];
+    for (int c = 0; c < d; ++c) out[c] += w * v[c];
+    if (t < sink_tokens) sink += w;
+    sq += w * w;
+    top = std::max(top, w);
+  }
+  profile->sink_share += sink;
+  profile->effective_tokens += 1.0 / sq;
+  profile->top_weight += top;
+}
+
+absl::StatusOr<LayerData> MakeLayerData(const KvLayout& layout, int context) {
+  const auto start = Clock::now();
+  LayerData data;
+  const int g = layout.group_size();
+  const int d = layout.head_dim;
+  data.heads.resize(layout.kv_heads);
+  data.reference.resize(static_cast<size_t>(layout.kv_heads) * g * d);
+  const SyntheticKvModel model;
+  absl::Status status;
+#pragma omp parallel for schedule(dynamic)
+  for (int h = 0; h < layout.kv_heads; ++h) {
+    absl::StatusOr<SyntheticKv> kv =
+        GenerateSyntheticKv(GeneratorConfig(layout, context, h, kSyntheticSampleSeed));
+    if (!kv.ok()) {
+#pragma omp critical
+      status = kv.status();
+      continue;
+    }
+    data.heads[h] = *std::move(kv);
+  }
+  KVQ_RETURN_IF_ERROR(status);
+  data.profile.layout = layout.name;
+  data.profile.context = context;
+  for (int h = 0; h < layout.kv_heads; ++h) {
+    for (int j = 0; j < g; ++j) {
+      ReferenceAttention(data.heads[h], j, model.sink_tokens,
+                         &data.reference[(static_cast<size_t>(h) * g + j) * d], &data.profile);
+    }
+  }
+  const double n = static_cast<double>(layout.kv_heads) * g;
+  data.profile.sink_share /= n;
+  data.profile.effective_tokens /= n;
+  data.profile.top_weight /= n;
+  data.profile.generate_seconds = SecondsSince(start);
+  return data;
+}
+
+// nuq codebooks, learned once per (layout, scheme) and KV head from the
+// calibration set (same model seed, another sample seed).
+class CodebookCache {
+ public:
+  absl::StatusOr<const std::vector<Codebook>*> Get(const KvLayout& layout,
+                                                  const StreamConfig& config) {
+    const std::string key = absl::StrCat(layout.name, "/", config.spec.ToString());
+    auto it = books_.find(key);
+    if (it != books_.end()) return &it->second;
+    std::vector<SyntheticKv>& calibration = calibration_[layout.name];
+    if (calibration.empty()) {
+      for (int h = 0; h < layout.kv_heads; ++h) {
+        KVQ_ASSIGN_OR_RETURN(SyntheticKv kv,
+                             GenerateSyntheticKv(GeneratorConfig(
+                                 layout, kCalibrationTokens, h, kSyntheticCalibrationSeed)));
+        calibration.push_back(std::move(kv));
+      }
+    }
+    std::vector<Codebook> books;
+    for (const SyntheticKv& kv : calibration) {
+      KVQ_ASSIGN_OR_RETURN(
+          Codebook cb, LearnCodebook(config, config.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(),
+                                     kv.Values()));
+      books.push_back(std::move(cb));
+    }
+    return &books_.emplace(key, std::move(books)).first->second;
+  }
+
+ private:
+  std::map<std::string, std::vector<SyntheticKv>> calibration_;
+  std::map<std::string, std::vector<Codebook>> books_;
+};
+
+struct SchemeEntry {
+  std::string text;
+  QuantSpec spec;
+};
+
+absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
+                                          const SchemeEntry& scheme, const LayerData& data,
+                                          const KernelBackend* backend, CodebookCache& codebooks,
+                                          int warmup, int reps) {
+  KernelsBenchRow row;
+  row.layout = layout.name;
+  row.context = context;
+  row.scheme = scheme.text;
+  row.canonical = scheme.spec.ToString();
+  const int d = layout.head_dim;
+  const int g = layout.group_size();
+  const int heads = layout.kv_heads;
+
+  StreamConfig config;
+  config.spec = scheme.spec;
+  config.head_dim = d;
+  config.rope = layout.rope;
+  const std::vector<Codebook>* books = nullptr;
+  if (scheme.spec.nuq) {
+    KVQ_ASSIGN_OR_RETURN(books, codebooks.Get(layout, config));
+  }
+
+  const auto append_start = Clock::now();
+  CountingPageAllocator allocator;
+  std::vector<std::unique_ptr<KvStream>> streams;
+  for (int h = 0; h < heads; ++h) {
+    KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
+                         KvStream::Create(config, backend, &allocator,
+                                          books ? &(*books)[h] : nullptr));
+    const SyntheticKv& kv = data.heads[h];
+    KVQ_RETURN_IF_ERROR(
+        s->Append(scheme.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(), kv.Values()));
+    streams.push_back(std::move(s));
+  }
+  row.append_seconds = SecondsSince(append_start);
+
+  row.kv_bytes = allocator.bytes_in_use();
+  for (int h = 0; h < heads; ++h) {
+    KVQ_ASSIGN_OR_RETURN(ByteBreakdown b, AnalyticBytes(config, context));
+    row.analytic_bytes += b.total();
+  }
+  const double elements = 2.0 * context * d * heads;
+  row.bits_per_element = 8.0 * row.kv_bytes / elements;
+  row.bits_analytic = 8.0 * row.analytic_bytes / elements;
+  row.bits_gap = row.bits_analytic > 0
+                     ? std::fabs(row.bits_per_element - row.bits_analytic) / row.bits_analytic
+                     : 1.0;
+
+  // One fused decode-attention call covers the layer: a task per KV head.
+  std::vector<float> out(static_cast<size_t>(heads) * g * d);
+  std::vector<float> lse(static_cast<size_t>(heads) * g);
+  std::vector<AttentionTask> tasks(heads);
+  for (int h = 0; h < heads; ++h) {
+    AttentionTask& t = tasks[h];
+    t.stream = streams[h].get();
+    t.num_queries = 1;
+    t.q = data.heads[h].queries.data();
+    t.q_stride = g * d;
+    t.out = &out[static_cast<size_t>(h) * g * d];
+    t.out_stride = g * d;
+    t.lse = &lse[static_cast<size_t>(h) * g];
+    t.lse_stride = g;
+  }
+  AttentionOptions options;
+  options.group_size = g;
+  KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
+
+  double err_sum = 0.0;
+  for (int i = 0; i < heads * g; ++i) {
+    const double* ref = &data.reference[static_cast<size_t>(i) * d];
+    const float* got = &out[static_cast<size_t>(i) * d];
+    double num = 0.0, den = 0.0;
+    for (int c = 0; c < d; ++c) {
+      num += (got[c] - ref[c]) * (got[c] - ref[c]);
+      den += ref[c] * ref[c];
+    }
+    const double e = std::sqrt(num / std::max(den, 1e-300));
+    err_sum += e;
+    row.attn_rel_error_max = std::max(row.attn_rel_error_max, e);
+  }
+  row.attn_rel_error = err_sum / (heads * g);
+
+  for (int i = 0; i < warmup; ++i) KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
+  std::vector<double> us;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = Clock::now();
+    KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
+    us.push_back(SecondsSince(start) * 1e6);
+  }
+  row.decode_us = Median(us);
+  row.decode_us_min = us.empty() ? 0.0 : *std::min_element(us.begin(), us.end());
+  return row;
+}
+
+std::string Pct(double x) { return absl::StrFormat("%+.1f%%", 100.0 * x); }
+
+}  // namespace
+
+const std::vector<KvLayout>& KvLayouts() {
+  static const auto* layouts = [] {
+    auto* v = new std::vector<KvLayout>;
+    KvLayout llama;
+    llama.name = "llama";
+    llama.head_dim = 128;
+    llama.kv_heads = 8;
+    llama.q_heads = 32;
+    llama.rope.theta = 500000.0f;
+    v->push_back(llama);
+    KvLayout smollm;
+    smollm.name = "smollm";
+    smollm.head_dim = 64;
+    smollm.kv_heads = 3;
+    smollm.q_heads = 9;
+    smollm.rope.theta = 100000.0f;
+    v->push_back(smollm);
+    return v;
+  }();
+  return *layouts;
+}
+
+absl::StatusOr<KvLayout> KvLayoutByName(absl::string_view name) {
+  for (const KvLayout& l : KvLayouts()) {
+    if (l.name == name) return l;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("layout \"", name, "\" is not one of llama, smollm"));
+}
+
+const std::vector<std::string>& DefaultKernelSchemes() {
+  static const auto* schemes = new std::vector<std::string>{
+      "fp16",
+      "bf16",
+      "int8",
+      "fp8_e4m3",
+      "kivi4",
+      "kivi3",
+      "kivi2",
+      "kivi2:ktok",
+      "kivi3:ktok",
+      "kivi2:pre_rope",
+      "kivi2:outliers=1",
+      "kivi2:sink=4",
+      "kivi2:rotate",
+      "kivi2:nuq",
+      "kivi2:r0",
+      "kivi2:pre_rope:outliers=1:sink=4",
+      "kivi3:pre_rope:outliers=1:sink=4",
+      "kivi4:pre_rope:outliers=1:sink=4",
+      "kivi2:pre_rope:outliers=1:sink=4:nuq",
+      "kivi2:outliers=1:sink=4:rotate",
+  };
+  return *schemes;
+}
+
+absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& options,
+                                                   std::ostream* progress) {
+  const auto run_start = Clock::now();
+  KernelsBenchResult result;
+  KVQ_ASSIGN_OR_RETURN(const KernelBackend* backend, BackendByName(options.backend));
+  result.backend = options.backend;
+  result.backend_impl = std::string(backend->name());
+  if (options.threads > 0) omp_set_num_threads(options.threads);
+  result.threads = omp_get_max_threads();
+  result.reps = options.reps > 0 ? options.reps : (options.quick ? kQuickReps : kDefaultReps);
+  if (options.warmup < 0) return absl::InvalidArgumentError("warmup must be >= 0");
+
+  std::vector<KvLayout> layouts;
+  for (const std::string& name : options.layouts) {
+    KVQ_ASSIGN_OR_RETURN(KvLayout l, KvLayoutByName(name));
+    layouts.push_back(l);
+  }
+  std::vector<int> contexts = options.contexts;
+  if (contexts.empty()) {
+    contexts = options.quick ? std::vector<int>{kQuickContext}
+                             : std::vector<int>{2048, 8192, 32768};
+  }
+  const SyntheticKvModel model;
+  for (int c : contexts) {
+    if (c <= model.sink_tokens + model.retrieval_targets || c > (1 << 20)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "context ", c, " must be in (", model.sink_tokens + model.retrieval_targets,
+          ", 1048576]"));
+    }
+  }
+  // Schemes, de-duplicated by canonical form; fp16 always runs first (the
+  // speed baseline).
+  std::vector<SchemeEntry> schemes;
+  auto add_scheme = [&](const std::string& text) -> absl::Status {
+    KVQ_ASSIGN_OR_RETURN(QuantSpec spec, QuantSpec::Parse(text));
+    for (const SchemeEntry& e : schemes) {
+      if (e.spec == spec) return absl::OkStatus();
+    }
+    schemes.push_back({text, spec});
+    return absl::OkStatus();
+  };
+  KVQ_RETURN_IF_ERROR(add_scheme("fp16"));
+  for (const std::string& s :
+       options.schemes.empty() ? DefaultKernelSchemes() : options.schemes) {
+    KVQ_RETURN_IF_ERROR(add_scheme(s));
+  }
+
+  if (progress) {
+    *progress << absl::StrFormat(
+        "kvq-bench kernels: backend %s (%s), %d threads, %d schemes x %d layouts x %d "
+        "contexts, %d reps\n",
+        result.backend, result.backend_impl, result.threads, schemes.size(), layouts.size(),
+        contexts.size(), result.reps);
+    *progress << absl::StrFormat("measuring read bandwidth over %d MiB...\n",
+                                 options.bandwidth_bytes >> 20);
+  }
+  ReadBandwidth bw =
+      MeasureReadBandwidth(options.bandwidth_bytes, options.bandwidth_passes, result.threads);
+  result.read_bandwidth = bw.bytes_per_second;
+  result.read_bandwidth_passes = bw.passes;
+  result.bandwidth_bytes = bw.buffer_bytes;
+  if (progress) {
+    *progress << absl::StrFormat("read bandwidth %.2f GB/s (median of %d passes)\n",
+                                 bw.bytes_per_second / 1e9, bw.passes.size());
+  }
+
+  CodebookCache codebooks;
+  for (const KvLayout& layout : layouts) {
+    for (int context : contexts) {
+      if (progress) {
+        *progress << absl::StrFormat("[%6.1fs] %s ctx=%d: generating %d KV heads...\n",
+                                     SecondsSince(run_start), layout.name, context,
+                                     layout.kv_heads);
+      }
+      KVQ_ASSIGN_OR_RETURN(LayerData data, MakeLayerData(layout, context));
+      result.profiles.push_back(data.profile);
+      const size_t first = result.rows.size();
+      for (size_t i = 0; i < schemes.size(); ++i) {
+        absl::StatusOr<KernelsBenchRow> row =
+            RunScheme(layout, context, schemes[i], data, backend, codebooks, options.warmup,
+                      result.reps);
+        if (!row.ok()) {
+          return absl::Status(row.status().code(),
+                              absl::StrCat(layout.name, " ctx=", context, " ", schemes[i].text,
+                                           ": ", row.status().message()));
+        }
+        if (progress) {
+          *progress << absl::StrFormat(
+              "[%6.1fs] %s ctx=%d %2d/%d %-38s bits %6.3f  err %.4f  decode %9.1f us  "
+              "(append %.1fs)\n",
+              SecondsSince(run_start), layout.name, context, i + 1, schemes.size(),
+              schemes[i].text, row->bits_per_element, row->attn_rel_error, row->decode_us,
+              row->append_seconds);
+        }
+        result.rows.push_back(*std::move(row));
+      }
+      const double fp16_us = result.rows[first].decode_us;  // fp16 runs first.
+      for (size_t i = first; i < result.rows.size(); ++i) {
+        KernelsBenchRow& r = result.rows[i];
+        r.speedup_vs_fp16 = r.decode_us > 0 ? fp16_us / r.decode_us : 0.0;
+        r.bw_fraction = r.decode_us > 0 && result.read_bandwidth > 0
+                            ? (r.kv_bytes / (r.decode_us * 1e-6)) / result.read_bandwidth
+                            : 0.0;
+      }
+    }
+  }
+  result.total_seconds = SecondsSince(run_start);
+  return result;
+}
+
+// --- Checks. ---
+
+std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
+  std::vector<CheckResult> checks;
+  auto canonical = [](absl::string_view text) {
+    absl::StatusOr<QuantSpec> s = QuantSpec::Parse(text);
+    return s.ok() ? s->ToString() : std::string(text);
+  };
+  auto find = [&](absl::string_view layout, int context,
+                  absl::string_view scheme) -> const KernelsBenchRow* {
+    const std::string c = canonical(scheme);
+    for (const KernelsBenchRow& r : result.rows) {
+      if (r.layout == layout && r.context == context && r.canonical == c) return &r;
+    }
+    return nullptr;
+  };
+  auto pass_fail = [](bool ok) { return ok ? CheckOutcome::kPass : CheckOutcome::kFail; };
+
+  {  // Bits measured from the allocation vs AnalyticBytes.
+    CheckResult c;
+    c.name = "bits_per_element within 3% of analytic, every row";
+    double worst = 0.0;
+    std::vector<std::string> bad;
+    for (const KernelsBenchRow& r : result.rows) {
+      worst = std::max(worst, r.bits_gap);
+      if (!(r.bits_gap <= kMaxBitsGap)) {
+        bad.push_back(absl::StrFormat("%s/%d/%s %.3f vs %.3f", r.layout, r.context, r.scheme,
+                                      r.bits_per_element, r.bits_analytic));
+      }
+    }
+    c.outcome = result.rows.empty() ? CheckOutcome::kSkip : pass_fail(bad.empty());
+    c.detail = absl::StrFormat("%d rows, worst gap %.3f%%", result.rows.size(), 100.0 * worst);
+    if (!bad.empty()) absl::StrAppend(&c.detail, "; off: ", absl::StrJoin(bad, ", "));
+    checks.push_back(c);
+  }
+
+  auto speed_check = [&](absl::string_view scheme, double min_speedup) {
+    CheckResult c;
+    c.name = absl::StrFormat("%s speedup_vs_fp16 >= %.1f at %s/%d", scheme, min_speedup,
+                                  kCheckLayout, kCheckContext);
+    const KernelsBenchRow* r = find(kCheckLayout, kCheckContext, scheme);
+    if (r == nullptr) {
+      c.detail = "row not run";
+    } else {
+      c.outcome = pass_fail(r->speedup_vs_fp16 >= min_speedup);
+      c.detail = absl::StrFormat("%.2fx (%.0f us vs fp16 %.0f us)", r->speedup_vs_fp16,
+                                 r->decode_us, r->decode_us * r->speedup_vs_fp16);
+    }
+    checks.push_back(c);
+  };
+  speed_check("kivi4", kMinKivi4Speedup);
+  speed_check("kivi2", kMinKivi2Speedup);
+
+  {
+    CheckResult c;
+    c.name = absl::StrFormat("fp16 bw_fraction >= %.2f at %s/%d", kMinFp16BwFraction,
+                                  kCheckLayout, kCheckContext);
+    const KernelsBenchRow* r = find(kCheckLayout, kCheckContext, "fp16");
+    if (r == nullptr) {
+      c.detail = "row not run";
+    } else {
+      c.outcome = pass_fail(r->bw_fraction >= kMinFp16BwFraction);
+      c.detail = absl::StrFormat("%.2f of %.1f GB/s", r->bw_fraction, result.read_bandwidth / 1e9);
+    }
+    checks.push_back(c);
+  }
+
+  // `better` has a lower error than `worse` in every (layout, context) run.
+  auto error_check = [&](absl::string_view better, absl::string_view worse) {
+    CheckResult c;
+    c.name = absl::StrFormat("attn_rel_error %s < %s", better, worse);
+    std::vector<std::string> parts;
+    bool all = true;
+    for (const AttentionProfile& p : result.profiles) {
+      const KernelsBenchRow* a = find(p.layout, p.context, better);
+      const KernelsBenchRow* b = find(p.layout, p.context, worse);
+      if (a == nullptr || b == nullptr) continue;
+      const bool ok = a->attn_rel_error < b->attn_rel_error;
+      all = all && ok;
+      parts.push_back(absl::StrFormat("%s/%d %.4f vs %.4f (%s)%s", p.layout, p.context,
+                                      a->attn_rel_error, b->attn_rel_error,
+                                      Pct(a->attn_rel_error / b->attn_rel_error - 1.0),
+                                      ok ? "" : " FAIL"));
+    }
+    if (parts.empty()) {
+      c.detail = "rows not run";
+    } else {
+      c.outcome = pass_fail(all);
+      c.detail = absl::StrJoin(parts, "; ");
+    }
+    checks.push_back(c);
+  };
+  error_check("kivi2", "kivi2:ktok");
+  error_check("kivi3", "kivi3:ktok");
+  for (const char* option : {"pre_rope", "outliers=1", "sink=4", "rotate"}) {
+    error_check(absl::StrCat("kivi2:", option), "kivi2");
+  }
+
+  // Quantized decode at 32k (llama) vs the ggml peer figures recorded in docs.
+  bool any_quantized = false;
+  for (const KernelsBenchRow& r : result.rows) {
+    if (r.layout != kCheckLayout || r.context != kCheckContext) continue;
+    const QuantSpec spec = *QuantSpec::Parse(r.canonical);
+    if (spec.kind == SchemeKind::kFp16 || spec.kind == SchemeKind::kBf16) continue;
+    any_quantized = true;
+    CheckResult c;
+    c.name = absl::StrFormat("%s decode <= 1/10 of ggml at %s/%d", r.scheme, kCheckLayout,
+                                  kCheckContext);
+    double peer_ms = 0.0;
+    const char* peer = "";
+    if (r.bits_per_element <= 4.5) {
+      peer_ms = kPeerGgmlQ4_0DecodeMs;
+      peer = "q4_0";
+    } else if (r.bits_per_element <= 8.5) {
+      peer_ms = kPeerGgmlQ8_0DecodeMs;
+      peer = "q8_0";
+    }
+    if (peer_ms == 0.0) {
+      c.detail = absl::StrFormat("no ggml figure with >= %.2f bits", r.bits_per_element);
+    } else {
+      const double limit_us = peer_ms * 1e3 * kPeerFraction;
+      c.outcome = pass_fail(r.decode_us <= limit_us);
+      c.detail = absl::StrFormat(
+          "%.0f us <= %.0f us (%.2f bits; ggml %s %.0f ms, peer figure recorded in docs)",
+          r.decode_us, limit_us, r.bits_per_element, peer, peer_ms);
+    }
+    checks.push_back(c);
+  }
+  if (!any_quantized) {
+    checks.push_back({absl::StrFormat("quantized decode <= 1/10 of ggml at %s/%d", kCheckLayout,
+                                      kCheckContext),
+                      CheckOutcome::kSkip, "rows not run"});
+  }
+  return checks;
+}
+
+// --- Output. ---
+
+namespace {
+
+const char* OutcomeName(CheckOutcome o) {
+  switch (o) {
+    case CheckOutcome::kPass: return "PASS";
+    case CheckOutcome::kFail: return "FAIL";
+    case CheckOutcome::kSkip: return "SKIP";
+  }
+  return "?";
+}
+
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(ch));
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+std::string JsonNumber(double x) {
+  if (!std::isfinite(x)) return "null";
+  return absl::StrFormat("%.6g", x);
+}
+
+}  // namespace
+
+std::string FormatKernelsTable(const KernelsBenchResult& result, const std::string& command) {
+  std::string out;
+  absl::StrAppendFormat(&out, "# %s\n", command);
+  absl::StrAppendFormat(
+      &out,
+      "# backend %s (%s), %d threads, read bandwidth %.2f GB/s (median of %d passes over "
+      "%d MiB), decode = median of %d calls, one call = one layer\n",
+      result.backend, result.backend_impl, result.threads, result.read_bandwidth / 1e9,
+      result.read_bandwidth_passes.size(), result.bandwidth_bytes >> 20, result.reps);
+  for (const AttentionProfile& p : result.profiles) {
+    const KvLayout layout = *KvLayoutByName(p.layout);
+    absl::StrAppendFormat(
+        &out,
+        "\n## %s (%dd, %d KV / %d query heads), context %d: reference attention: sink share "
+        "%.2f, effective tokens %.0f, top weight %.3f\n",
+        p.layout, layout.head_dim, layout.kv_heads, layout.q_heads, p.context, p.sink_share,
+        p.effective_tokens, p.top_weight);
+    absl::StrAppendFormat(&out, "%-38s %7s %8s %6s %9s %9s %10s %8s %7s\n", "scheme", "bits",
+                          "analytic", "gap%", "rel_err", "max_err", "decode_us", "x_fp16",
+                          "bw_frac");
+    for (const KernelsBenchRow& r : result.rows) {
+      if (r.layout != p.layout || r.context != p.context) continue;
+      absl::StrAppendFormat(&out, "%-38s %7.3f %8.3f %6.2f %9.5f %9.5f %10.1f %8.2f %7.3f\n",
+                            r.scheme, r.bits_per_element, r.bits_analytic, 100.0 * r.bits_gap,
+                            r.attn_rel_error, r.attn_rel_error_max, r.decode_us,
+                            r.speedup_vs_fp16, r.bw_fraction);
+    }
+  }
+  absl::StrAppendFormat(&out, "\n# total %.1f s\n", result.total_seconds);
+  return out;
+}
+
+std::string FormatChecks(const std::vector<CheckResult>& checks) {
+  std::string out;
+  for (const CheckResult& c : checks) {
+    absl::StrAppendFormat(&out, "%s  %s: %s\n", OutcomeName(c.outcome), c.name, c.detail);
+  }
+  return out;
+}
+
+std::string FormatKernelsJson(const KernelsBenchResult& result, const std::string& command,
+                              const std::vector<CheckResult>* checks) {
+  std::string out = "{\n";
+  absl::StrAppend(&out, "  \"command\": ", JsonString(command), ",\n");
+  absl::StrAppend(&out, "  \"backend\": ", JsonString(result.backend), ",\n");
+  absl::StrAppend(&out, "  \"backend_impl\": ", JsonString(result.backend_impl), ",\n");
+  absl::StrAppend(&out, "  \"threads\": ", result.threads, ",\n");
+  absl::StrAppend(&out, "  \"reps\": ", result.reps, ",\n");
+  absl::StrAppend(&out, "  \"read_bandwidth_bytes_per_s\": ", JsonNumber(result.read_bandwidth),
+                  ",\n");
+  std::vector<std::string> passes;
+  for (double p : result.read_bandwidth_passes) passes.push_back(JsonNumber(p));
+  absl::StrAppend(&out, "  \"read_bandwidth_passes\": [", absl::StrJoin(passes, ", "), "],\n");
+  absl::StrAppend(&out, "  \"read_bandwidth_buffer_bytes\": ", result.bandwidth_bytes, ",\n");
+  absl::StrAppend(&out, "  \"total_seconds\": ", JsonNumber(result.total_seconds), ",\n");
+  absl::StrAppend(&out, "  \"data\": [\n");
+  for (size_t i = 0; i < result.profiles.size(); ++i) {
+    const AttentionProfile& p = result.profiles[i];
+    absl::StrAppend(&out, "    {\"layout\": ", JsonString(p.layout), ", \"context\": ", p.context,
+                    ", \"sink_share\": ", JsonNumber(p.sink_share),
+                    ", \"effective_tokens\": ", JsonNumber(p.effective_tokens),
+                    ", \"top_weight\": ", JsonNumber(p.top_weight), "}",
+                    i + 1 < result.profiles.size() ? ",\n" : "\n");
+  }
+  absl::StrAppend(&out, "  ],\n  \"rows\": [\n");
+  for (size_t i = 0; i < result.rows.size(); ++i) {
+    const KernelsBenchRow& r = result.rows[i];
+    absl::StrAppend(
+        &out, "    {\"layout\": ", JsonString(r.layout), ", \"context\": ", r.context,
+        ", \"scheme\": ", JsonString(r.scheme), ", \"canonical\": ", JsonString(r.canonical),
+        ", \"kv_bytes\": ", r.kv_bytes, ", \"analytic_bytes\": ", r.analytic_bytes,
+        ", \"bits_per_element\": ", JsonNumber(r.bits_per_element),
+        ", \"bits_analytic\": ", JsonNumber(r.bits_analytic),
+        ", \"bits_gap\": ", JsonNumber(r.bits_gap),
+        ", \"attn_rel_error\": ", JsonNumber(r.attn_rel_error),
+        ", \"attn_rel_error_max\": ", JsonNumber(r.attn_rel_error_max),
+        ", \"decode_us\": ", JsonNumber(r.decode_us),
+        ", \"decode_us_min\": ", JsonNumber(r.decode_us_min),
+        ", \"speedup_vs_fp16\": ", JsonNumber(r.speedup_vs_fp16),
+        ", \"bw_fraction\": ", JsonNumber(r.bw_fraction), "}",
+        i + 1 < result.rows.size() ? ",\n" : "\n");
+  }
+  absl::StrAppend(&out, "  ]");
+  if (checks != nullptr) {
+    absl::StrAppend(&out, ",\n  \"checks\": [\n");
+    for (size_t i = 0; i < checks->size(); ++i) {
+      const CheckResult& c = (*checks)[i];
+      absl::StrAppend(&out, "    {\"name\": ", JsonString(c.name),
+                      ", \"outcome\": ", JsonString(OutcomeName(c.outcome)),
+                      ", \"detail\": ", JsonString(c.detail), "}",
+                      i + 1 < checks->size() ? ",\n" : "\n");
+    }
+    absl::StrAppend(&out, "  ]");
+  }
+  absl::StrAppend(&out, "\n}\n");
+  return out;
+}
+
+}  // namespace kvq

@@ -1,0 +1,115 @@
+// kvq-bench: kvq's benchmark tool.
+//
+//   kvq-bench kernels [--json] [--quick] [--check] [--schemes=fp16,kivi2,...]
+//                     [--contexts=2048,8192,32768] [--layouts=llama,smollm]
+//                     [--backend=cpu] [--reps=N]
+//
+// `kernels` stores a synthetic KV set in every scheme and reports bits per
+// element, attention error and decode-attention speed (bench/kernels_bench.h).
+// --quick is the short demo (2k context, both layouts, 5 reps).
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "bench/kernels_bench.h"
+
+ABSL_FLAG(bool, json, false, "Print one JSON document instead of the table.");
+ABSL_FLAG(bool, quick, false,
+          "Demo mode: context 2048 and 5 reps unless --contexts / --reps say otherwise.");
+ABSL_FLAG(bool, check, false,
+          "Print PASS/FAIL lines for the kernel figures; exit 1 if any fails.");
+ABSL_FLAG(std::vector<std::string>, schemes, std::vector<std::string>{},
+          "Comma-separated QuantSpec strings (default: the full list; fp16 always runs as the "
+          "speed baseline).");
+ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>{},
+          "Comma-separated context lengths (default 2048,8192,32768; --quick: 2048).");
+ABSL_FLAG(std::vector<std::string>, layouts, (std::vector<std::string>{"llama", "smollm"}),
+          "Comma-separated attention layouts: llama (128d, 8 KV / 32 query heads), smollm "
+          "(64d, 3 KV / 9 query heads).");
+ABSL_FLAG(std::string, backend, "cpu", "Kernel backend: cpu or ref.");
+ABSL_FLAG(int, reps, 0, "Timed decode calls per row (median reported); 0: 21, --quick: 5.");
+ABSL_FLAG(int, warmup, 2, "Untimed decode calls before timing.");
+ABSL_FLAG(int, bandwidth_mib, 1024, "Buffer of the read-bandwidth measurement, MiB.");
+ABSL_FLAG(int, bandwidth_passes, 7, "Passes of the read-bandwidth measurement (median).");
+ABSL_FLAG(int, threads, 0, "OpenMP threads (0: omp_get_max_threads()).");
+
+namespace kvq {
+namespace {
+
+int KernelsMain(const std::string& command) {
+  KernelsBenchOptions options;
+  options.quick = absl::GetFlag(FLAGS_quick);
+  options.schemes = absl::GetFlag(FLAGS_schemes);
+  options.layouts = absl::GetFlag(FLAGS_layouts);
+  for (const std::string& c : absl::GetFlag(FLAGS_contexts)) {
+    int n = 0;
+    if (!absl::SimpleAtoi(c, &n)) {
+      std::cerr << "--contexts: \"" << c << "\" is not an integer\n";
+      return 2;
+    }
+    options.contexts.push_back(n);
+  }
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.reps = absl::GetFlag(FLAGS_reps);
+  options.warmup = absl::GetFlag(FLAGS_warmup);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.bandwidth_passes = absl::GetFlag(FLAGS_bandwidth_passes);
+  const int mib = absl::GetFlag(FLAGS_bandwidth_mib);
+  if (mib < 1 || mib > 65536 || options.reps < 0 || options.threads < 0 ||
+      options.bandwidth_passes < 1) {
+    std::cerr << "--bandwidth_mib must be in [1, 65536], --bandwidth_passes >= 1, --reps and "
+                 "--threads >= 0\n";
+    return 2;
+  }
+  options.bandwidth_bytes = static_cast<size_t>(mib) << 20;
+
+  absl::StatusOr<KernelsBenchResult> result = RunKernelsBench(options, &std::cerr);
+  if (!result.ok()) {
+    std::cerr << "kvq-bench kernels: " << result.status() << "\n";
+    return 2;
+  }
+  const bool check = absl::GetFlag(FLAGS_check);
+  std::vector<CheckResult> checks;
+  if (check) checks = CheckKernelsBench(*result);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << FormatKernelsJson(*result, command, check ? &checks : nullptr);
+    if (check) std::cerr << FormatChecks(checks);
+  } else {
+    std::cout << FormatKernelsTable(*result, command);
+    if (check) std::cout << "\n" << FormatChecks(checks);
+  }
+  std::cout.flush();
+  for (const CheckResult& c : checks) {
+    if (c.outcome == CheckOutcome::kFail) return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvq
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvq-bench <subcommand> [flags]\n"
+      "  kernels   bits/element, attention error and decode speed of every scheme\n"
+      "            e.g. kvq-bench kernels --quick");
+  std::vector<std::string> words = {"kvq-bench"};
+  for (int i = 1; i < argc; ++i) words.push_back(argv[i]);
+  const std::string command = absl::StrJoin(words, " ");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::cerr << "usage: kvq-bench kernels [flags]   (see --help)\n";
+    return 2;
+  }
+  const std::string sub = args[1];
+  if (sub == "kernels") return kvq::KernelsMain(command);
+  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels\n";
+  return 2;
+}

@@ -1,0 +1,336 @@
+// Per-target SIMD dequantization of page rows (Highway "-inl" header: it is
+// included once per target by the files that foreach_target over it).
+//
+// Everything here reproduces DequantizeRowsRef bit for bit: the same fp16 /
+// bf16 / fp8 conversions (exact), and for affine codes `zero + scale * level`
+// as a multiply then an add (never a fused multiply-add; the files compile
+// with -ffp-contract=off), so the fetch path and the generic attention tiles
+// see exactly the values the reference sees.
+//
+// Layout assumptions (kernels/page_layout.h): code rows are token-major; a
+// b-bit plane of P = head_dim*b/8 bytes holds channel j + P*m of byte j at
+// bit m*b, so unpacking is a shift and a mask per m over runs of P bytes,
+// with channels in natural order.
+
+// Per-target include guard (the Highway idiom).
+#if defined(KVQ_KERNELS_CPU_SIMD_DEQUANT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KVQ_KERNELS_CPU_SIMD_DEQUANT_INL_H_
+#undef KVQ_KERNELS_CPU_SIMD_DEQUANT_INL_H_
+#else
+#define KVQ_KERNELS_CPU_SIMD_DEQUANT_INL_H_
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "hwy/highway.h"
+#include "kernels/kv_stream.h"
+#include "kernels/numeric.h"
+#include "kernels/page_layout.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvq {
+namespace cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+
+// ---------------------------------------------------------------------------
+// Row conversions. `n` is a multiple of 16 (head_dim is).
+
+HWY_INLINE void HalfRowToFloat(const uint16_t* HWY_RESTRICT src, int n,
+                               float* HWY_RESTRICT dst) {
+  const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const int N = static_cast<int>(hn::Lanes(df));
+  int c = 0;
+  for (; c + N <= n; c += N) {
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + c))),
+               df, dst + c);
+  }
+  for (; c < n; ++c) dst[c] = HalfToFloat(src[c]);
+}
+
+HWY_INLINE void Bf16RowToFloat(const uint16_t* HWY_RESTRICT src, int n,
+                               float* HWY_RESTRICT dst) {
+  const DF df;
+  const hn::Rebind<hwy::bfloat16_t, DF> db;
+  const int N = static_cast<int>(hn::Lanes(df));
+  int c = 0;
+  for (; c + N <= n; c += N) {
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(db, reinterpret_cast<const hwy::bfloat16_t*>(src + c))),
+               df, dst + c);
+  }
+  for (; c < n; ++c) dst[c] = Bf16ToFloat(src[c]);
+}
+
+// fp8 e4m3 -> float, exactly: with its sign moved to bit 15 and exponent and
+// mantissa to bits 7..13, an e4m3 byte is the fp16 number 2^-8 times its value
+// (normal and subnormal alike: both formats have the same mantissa alignment
+// and fp16's bias is 8 larger). So x = half(bits) * (256 * scale), one
+// rounding, as in the reference (Fp8E4m3ToFloat(b) * scale). The NaN code
+// 0x7f never occurs: the quantizer saturates at 448.
+HWY_INLINE void Fp8RowToFloat(const uint8_t* HWY_RESTRICT src, int n, float scale,
+                              float* HWY_RESTRICT dst) {
+  const DF df;
+  const hn::Rebind<int8_t, DF> d8;
+  const hn::Rebind<int16_t, DF> d16;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto mul = hn::Set(df, scale * 256.0f);
+  const auto mask = hn::Set(d16, static_cast<int16_t>(0xBF80));
+  int c = 0;
+  for (; c + N <= n; c += N) {
+    const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(src + c)));
+    const auto h = hn::And(hn::ShiftLeft<7>(b), mask);
+    hn::StoreU(hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, h)), mul), df, dst + c);
+  }
+  for (; c < n; ++c) dst[c] = Fp8E4m3ToFloat(src[c]) * scale;
+}
+
+// ---------------------------------------------------------------------------
+// Bit-plane unpacking of one row into n byte codes (natural channel order).
+
+template <class D8>
+HWY_INLINE void UnpackPlaneVec(D8 d8, const uint8_t* HWY_RESTRICT plane, int bytes, int b,
+                               int shift, bool first, uint8_t* HWY_RESTRICT codes) {
+  const int per_byte = 8 / b;
+  const auto mask = hn::Set(d8, static_cast<uint8_t>((1 << b) - 1));
+  const int N = static_cast<int>(hn::Lanes(d8));
+  for (int j = 0; j < bytes; j += N) {
+    const auto x = hn::LoadU(d8, plane + j);
+    for (int m = 0; m < per_byte; ++m) {
+      auto v = hn::And(hn::ShiftRightSame(x, m * b), mask);
+      if (shift) v = hn::ShiftLeftSame(v, shift);
+      uint8_t* dst = codes + j + bytes * m;
+      if (!first) v = hn::Or(v, hn::LoadU(d8, dst));
+      hn::StoreU(v, d8, dst);
+    }
+  }
+}
+
+HWY_INLINE void UnpackPlaneScalar(const uint8_t* HWY_RESTRICT plane, int bytes, int b, int shift,
+                                  bool first, uint8_t* HWY_RESTRICT codes) {
+  const int per_byte = 8 / b;
+  const uint8_t mask = static_cast<uint8_t>((1 << b) - 1);
+  for (int j = 0; j < bytes; ++j) {
+    for (int m = 0; m < per_byte; ++m) {
+      const uint8_t v = static_cast<uint8_t>(((plane[j] >> (m * b)) & mask) << shift);
+      uint8_t& dst = codes[j + bytes * m];
+      dst = first ? v : static_cast<uint8_t>(dst | v);
+    }
+  }
+}
+
+HWY_INLINE void UnpackPlane(const uint8_t* HWY_RESTRICT plane, int bytes, int b, int shift,
+                            bool first, uint8_t* HWY_RESTRICT codes) {
+  const hn::ScalableTag<uint8_t> d8;
+  const hn::CappedTag<uint8_t, 16> d16;
+  const hn::CappedTag<uint8_t, 8> d8x8;
+  if (bytes % static_cast<int>(hn::Lanes(d8)) == 0) {
+    UnpackPlaneVec(d8, plane, bytes, b, shift, first, codes);
+  } else if (bytes % static_cast<int>(hn::Lanes(d16)) == 0) {
+    UnpackPlaneVec(d16, plane, bytes, b, shift, first, codes);
+  } else if (bytes % static_cast<int>(hn::Lanes(d8x8)) == 0) {
+    UnpackPlaneVec(d8x8, plane, bytes, b, shift, first, codes);
+  } else {
+    UnpackPlaneScalar(plane, bytes, b, shift, first, codes);
+  }
+}
+
+// Same result as kvq::UnpackCodes.
+HWY_INLINE void UnpackRow(const uint8_t* HWY_RESTRICT row, int n, int bits,
+                          uint8_t* HWY_RESTRICT codes) {
+  switch (bits) {
+    case 8:
+      std::memcpy(codes, row, n);
+      return;
+    case 4:
+    case 2:
+      UnpackPlane(row, n * bits / 8, bits, 0, true, codes);
+      return;
+    case 3:
+      UnpackPlane(row, n / 4, 2, 0, true, codes);
+      UnpackPlane(row + n / 4, n / 8, 1, 2, false, codes);
+      return;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Affine dequantization.
+
+// Per-call context of one side: float copies of what the page does not hold.
+struct SideContext {
+  const KvStream* stream = nullptr;
+  Side side = Side::kKey;
+  int levels = 0;                 // 2^bits with nuq, else 0.
+  std::vector<float> level_table;  // [head_dim][levels] (nuq).
+  std::vector<uint8_t> codes;      // One unpacked row.
+  std::vector<float> params;       // scale[D], zero[D] of one block.
+  std::vector<float> block_table;  // nuq per-channel: zero + scale*level, [D][levels].
+  std::vector<int32_t> index;      // [D]: c * levels, for gathers.
+
+  void Init(const KvStream& s, Side sd) {
+    stream = &s;
+    side = sd;
+    const int d = s.head_dim();
+    codes.resize(d);
+    params.resize(2 * static_cast<size_t>(d));
+    levels = s.spec().nuq ? (1 << s.spec().bits) : 0;
+    if (levels > 0) {
+      level_table.resize(static_cast<size_t>(d) * levels);
+      block_table.resize(level_table.size());
+      index.resize(d);
+      for (int c = 0; c < d; ++c) {
+        const uint16_t* h = s.levels(sd, c);
+        for (int i = 0; i < levels; ++i) level_table[static_cast<size_t>(c) * levels + i] = HalfToFloat(h[i]);
+        index[c] = c * levels;
+      }
+    }
+  }
+};
+
+// out[c] = float(codes[c]) for c < n (n multiple of the lane count).
+HWY_INLINE hn::Vec<DF> CodesToFloat(const uint8_t* HWY_RESTRICT codes) {
+  const DF df;
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, codes)));
+}
+
+// Dequantizes rows [row0, row0 + n) of an int8 / packed side.
+HWY_INLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0,
+                                  int n, float* HWY_RESTRICT out) {
+  const KvStream& s = *ctx.stream;
+  const PageLayout& L = s.layout();
+  const SideLayout& S = L.side(ctx.side);
+  const int d = L.head_dim;
+  const int bits = L.bits;
+  const int g = L.block_tokens;
+  const DF df;
+  const hn::Rebind<int32_t, DF> di;
+  const int N = static_cast<int>(hn::Lanes(df));
+  uint8_t* codes = ctx.codes.data();
+  float* scale = ctx.params.data();
+  float* zero = scale + d;
+  const int lv = ctx.levels;
+  int cur_block = -1;
+  for (int r = 0; r < n; ++r) {
+    const int row = row0 + r;
+    float* x = out + static_cast<size_t>(r) * d;
+    UnpackRow(PageLayout::CodeRow(page, S, row), d, bits, codes);
+    if (S.axis == ParamAxis::kChannelGroups) {
+      if (row / g != cur_block) {
+        cur_block = row / g;
+        const uint16_t* p = L.Params(page, S, cur_block);
+        HalfRowToFloat(p, 2 * d, scale);
+        if (lv > 0) {
+          // zero + scale * level for every (channel, level): one gather per
+          // element afterwards, same float ops as the reference.
+          float* t = ctx.block_table.data();
+          for (int c = 0; c < d; ++c) {
+            for (int i = 0; i < lv; ++i) {
+              t[c * lv + i] = zero[c] + scale[c] * ctx.level_table[static_cast<size_t>(c) * lv + i];
+            }
+          }
+        }
+      }
+      int c = 0;
+      if (lv > 0) {
+        for (; c + N <= d; c += N) {
+          const auto idx = hn::Add(hn::LoadU(di, ctx.index.data() + c),
+                                   hn::PromoteTo(di, hn::LoadU(hn::Rebind<uint8_t, DF>(), codes + c)));
+          hn::StoreU(hn::GatherIndex(df, ctx.block_table.data(), idx), df, x + c);
+        }
+        for (; c < d; ++c) x[c] = ctx.block_table[static_cast<size_t>(c) * lv + codes[c]];
+      } else {
+        for (; c + N <= d; c += N) {
+          const auto v = hn::Mul(hn::LoadU(df, scale + c), CodesToFloat(codes + c));
+          hn::StoreU(hn::Add(hn::LoadU(df, zero + c), v), df, x + c);
+        }
+        for (; c < d; ++c) x[c] = zero[c] + scale[c] * static_cast<float>(codes[c]);
+      }
+    } else {
+      const int gc = S.group_channels;
+      const int ng = d / gc;
+      const uint16_t* p = L.Params(page, S, row);
+      for (int j = 0; j < ng; ++j) {
+        const float sj = HalfToFloat(p[j]);
+        const float zj = HalfToFloat(p[ng + j]);
+        const auto vs = hn::Set(df, sj);
+        const auto vz = hn::Set(df, zj);
+        int c = j * gc;
+        const int ce = c + gc;
+        if (lv > 0) {
+          for (; c + N <= ce; c += N) {
+            const auto idx = hn::Add(hn::LoadU(di, ctx.index.data() + c),
+                                     hn::PromoteTo(di, hn::LoadU(hn::Rebind<uint8_t, DF>(), codes + c)));
+            const auto level = hn::GatherIndex(df, ctx.level_table.data(), idx);
+            hn::StoreU(hn::Add(vz, hn::Mul(vs, level)), df, x + c);
+          }
+          for (; c < ce; ++c) x[c] = zj + sj * ctx.level_table[static_cast<size_t>(c) * lv + codes[c]];
+        } else {
+          for (; c + N <= ce; c += N) {
+            hn::StoreU(hn::Add(vz, hn::Mul(vs, CodesToFloat(codes + c))), df, x + c);
+          }
+          for (; c < ce; ++c) x[c] = zj + sj * static_cast<float>(codes[c]);
+        }
+      }
+    }
+  }
+  if (L.outliers_per_block > 0) {
+    const int k = L.outliers_per_block;
+    for (int b = row0 / g; b <= (row0 + n - 1) / g; ++b) {
+      const uint16_t* table = L.Outliers(page, S, b);
+      for (int e = 0; e < k; ++e) {
+        const int row = b * g + table[e] / d;
+        if (row < row0 || row >= row0 + n) continue;
+        out[static_cast<size_t>(row - row0) * d + table[e] % d] = HalfToFloat(table[k + e]);
+      }
+    }
+  }
+}
+
+// Dequantizes page rows [row0, row0 + n) of any format.
+HWY_INLINE void DequantRows(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0, int n,
+                            float* HWY_RESTRICT out) {
+  const KvStream& s = *ctx.stream;
+  const SideLayout& S = s.layout().side(ctx.side);
+  const int d = s.head_dim();
+  switch (S.format) {
+    case CodeFormat::kFp16:
+      for (int r = 0; r < n; ++r) {
+        HalfRowToFloat(reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, S, row0 + r)), d,
+                       out + static_cast<size_t>(r) * d);
+      }
+      return;
+    case CodeFormat::kBf16:
+      for (int r = 0; r < n; ++r) {
+        Bf16RowToFloat(reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, S, row0 + r)), d,
+                       out + static_cast<size_t>(r) * d);
+      }
+      return;
+    case CodeFormat::kFp8E4m3: {
+      const float scale = s.fp8_scale(ctx.side);
+      for (int r = 0; r < n; ++r) {
+        Fp8RowToFloat(PageLayout::CodeRow(page, S, row0 + r), d, scale,
+                      out + static_cast<size_t>(r) * d);
+      }
+      return;
+    }
+    case CodeFormat::kInt8:
+    case CodeFormat::kPacked:
+      DequantAffineRows(ctx, page, row0, n, out);
+      return;
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace cpu
+}  // namespace kvq
+HWY_AFTER_NAMESPACE();
+
+#endif  // KVQ_KERNELS_CPU_SIMD_DEQUANT_INL_H_

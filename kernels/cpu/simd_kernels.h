@@ -1,0 +1,56 @@
+// Entry points of the SIMD kernels behind CpuBackend(). Each is compiled for
+// several Highway targets (kernels/cpu/simd_targets.h) and dispatched at run
+// time; cpu_backend.cc does the planning, threading and merging around them.
+#ifndef KVQ_KERNELS_CPU_SIMD_KERNELS_H_
+#define KVQ_KERNELS_CPU_SIMD_KERNELS_H_
+
+#include <cstdint>
+
+#include "kernels/kv_stream.h"
+#include "kernels/page_layout.h"
+
+namespace kvq {
+namespace cpu {
+
+// Query rows that share one pass over the keys (a GQA group, or a few
+// queries of a chunk times their group).
+inline constexpr int kMaxRows = 8;
+
+// Attention of `rows` prepared query rows over keys [begin, end) of `stream`.
+//   q[r * head_dim ...]: the query in the stored basis (rotated when the
+//     scheme rotates) already multiplied by the softmax scale, so scores are
+//     plain dot products;
+//   visible_end[r]: keys t >= visible_end[r] are masked for row r (causal);
+//   out[r * head_dim ...]: softmax-normalized output in the stored basis
+//     (not inverse-rotated), zero when no key is visible;
+//   lse[r]: log-sum-exp of the scores, -inf when no key is visible.
+// Any number of rows; they are processed kMaxRows at a time. Single-threaded:
+// the caller splits work across threads and merges by LSE.
+struct RangeJob {
+  const KvStream* stream = nullptr;
+  int begin = 0;
+  int end = 0;
+  int rows = 0;
+  const float* q = nullptr;
+  const int32_t* visible_end = nullptr;
+  float* out = nullptr;
+  float* lse = nullptr;
+};
+void AttendRange(const RangeJob& job);
+
+// KernelBackend::DequantizeRows for every format (bit-identical to the
+// reference: same conversions, multiply then add).
+void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,
+                        int n, float* out);
+
+// KernelBackend::QuantizeRows for fp16, bf16 and uniform kivi/int8 without
+// outliers (same codes as the reference). Returns false, writing nothing, for
+// the other cases (fp8, nuq, outliers), which the caller sends to the
+// reference.
+bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
+                      uint8_t* page, int row0);
+
+}  // namespace cpu
+}  // namespace kvq
+
+#endif  // KVQ_KERNELS_CPU_SIMD_KERNELS_H_

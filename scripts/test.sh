@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Builds kvq and runs every CPU test (GPU tests carry the ctest label "gpu"
+# and are excluded; run them with `ctest -L gpu` on a machine with a GPU).
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+kvq_build
+cd "$KVQ_BUILD"
+ctest -LE gpu --output-on-failure -j "$KVQ_JOBS" "$@"

@@ -1,0 +1,135 @@
+// Shared fixtures of the unit tests: the backend x scheme matrix, synthetic
+// KV data, test allocators, a stream's dequantized contents and an fp64
+// attention reference.
+#ifndef KVQ_TESTS_UNIT_TEST_UTIL_H_
+#define KVQ_TESTS_UNIT_TEST_UTIL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/kv_stream.h"
+#include "kernels/page_allocator.h"
+#include "kernels/stream_config.h"
+
+namespace kvq {
+namespace testutil {
+
+// One storage scheme under test: a scheme string plus the stream shape.
+struct SchemeCase {
+  std::string spec;  // As written (not necessarily canonical).
+  int head_dim = 128;
+  RopeConfig rope;   // Used only by pre_rope schemes.
+  std::string rope_label;  // Short tag of a non-default RoPE, for test names.
+
+  StreamConfig Config() const;  // Aborts the test binary on an invalid spec.
+  std::string Label() const;    // Identifier-safe name.
+};
+
+// Every scheme of the typed suites: the base names, the option variants and
+// combinations.
+const std::vector<SchemeCase>& AllSchemeCases();
+// The backends every typed test runs on.
+const std::vector<std::string>& BackendNames();
+
+struct StreamParam {
+  std::string backend;
+  SchemeCase scheme;
+};
+std::vector<StreamParam> AllStreamParams();
+// The backend x scheme pairs whose spec satisfies `keep`.
+std::vector<StreamParam> StreamParamsWhere(bool (*keep)(const QuantSpec&));
+std::string StreamParamName(const StreamParam& p);
+void PrintTo(const StreamParam& p, std::ostream* os);
+
+// Synthetic K/V rows [n, d], deterministic in `seed`. Keys have a few large
+// outlier channels with an offset (as real keys do); values are N(0, 1).
+std::vector<float> MakeKeys(int n, int d, uint64_t seed);
+std::vector<float> MakeValues(int n, int d, uint64_t seed);
+// Heavy-tailed rows (Laplace-like per element), for codebook tests.
+std::vector<float> MakeHeavyTailed(int n, int d, uint64_t seed);
+// N(0, 1) floats.
+std::vector<float> MakeGaussian(size_t count, uint64_t seed);
+
+// A learned nuq codebook for `config` from calibration data whose seed
+// differs from every seed the tests append (learned once per config).
+Codebook LearnTestCodebook(const StreamConfig& config);
+
+// Creates a stream of `p` (learning a codebook for nuq); fails the test on error.
+std::unique_ptr<KvStream> MakeStream(const StreamParam& p, PageAllocator* allocator = nullptr);
+absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& config,
+                                                        const KernelBackend* backend,
+                                                        PageAllocator* allocator = nullptr);
+
+// Appends rows [begin, end) of k and v ([*, d] floats).
+absl::Status AppendRows(KvStream& s, const std::vector<float>& k, const std::vector<float>& v,
+                        int begin, int end);
+
+// Tokens [begin, end) of one side as floats via Read().
+std::vector<float> ReadSide(const KvStream& s, Side side, int begin, int end,
+                            bool apply_rope = true);
+
+// The value the quantizer of `s` sees for row `x` of `side` (the stored
+// basis): rotated when the scheme rotates, fp16-rounded when the scheme
+// passes through the fp16 tail or sink.
+std::vector<float> StoredBasis(const KvStream& s, const float* x);
+
+// Where token t of a stream lives.
+enum class Place { kSink, kPage, kTail };
+Place PlaceOf(const KvStream& s, int t);
+
+// Allowed |stored - quantizer input| of element (t, c) of a page token, derived
+// from the parameters stored in its page; 0 for outliers (then exact to fp16).
+// `is_outlier` is set when the element is in its block's outlier table.
+double ElementBound(const KvStream& s, Side side, int t, int c, float input, bool* is_outlier);
+
+// An allocator that counts live bytes (Allocate minus Free) and checks that
+// every Free matches an allocation; it can be told to fail after `budget`
+// more successful allocations.
+class TestAllocator final : public PageAllocator {
+ public:
+  ~TestAllocator() override;
+  absl::StatusOr<uint8_t*> Allocate(size_t bytes) override;
+  void Retain(uint8_t* block, size_t bytes) override;
+  void Free(uint8_t* block, size_t bytes) override;
+
+  size_t live_bytes() const { return live_bytes_; }
+  int live_blocks() const { return static_cast<int>(blocks_.size()); }
+  int allocations() const { return allocations_; }
+  // Allows `n` more allocations, then fails every one (n < 0: unlimited).
+  void set_budget(int n) { budget_ = n; }
+  // Frees that did not match a live block of the same size.
+  int bad_frees() const { return bad_frees_; }
+
+ private:
+  std::map<uint8_t*, size_t> blocks_;
+  std::map<uint8_t*, int> extra_refs_;  // References beyond the first.
+  size_t live_bytes_ = 0;
+  int allocations_ = 0;
+  int budget_ = -1;
+  int bad_frees_ = 0;
+};
+
+// fp64 softmax attention of one query row q[d] over keys/values rows
+// [begin, end) of K and V ([*, d] floats); lse = -inf and zero output when
+// the range is empty.
+struct Attention64 {
+  std::vector<double> out;
+  double lse = 0.0;
+};
+Attention64 ReferenceAttention(const float* q, const float* keys, const float* values, int begin,
+                               int end, int d, double scale);
+
+// max |a - b| / max(max |b|, floor): a relative error over a whole row.
+double RelativeError(const float* a, const std::vector<double>& b, double floor = 1e-6);
+
+}  // namespace testutil
+}  // namespace kvq
+
+#endif  // KVQ_TESTS_UNIT_TEST_UTIL_H_
