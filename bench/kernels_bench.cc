@@ -184,7 +184,7 @@ struct SchemeEntry {
 absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
                                           const SchemeEntry& scheme, const LayerData& data,
                                           const KernelBackend* backend, CodebookCache& codebooks,
-                                          int warmup, int reps) {
+                                          CacheEvictor& evictor, int warmup, int reps) {
   KernelsBenchRow row;
   row.layout = layout.name;
   row.context = context;
@@ -266,6 +266,7 @@ absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
   for (int i = 0; i < warmup; ++i) KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
   std::vector<double> us;
   for (int i = 0; i < reps; ++i) {
+    evictor.Evict();
     const auto start = Clock::now();
     KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
     us.push_back(SecondsSince(start) * 1e6);
@@ -402,6 +403,8 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
   }
 
   CodebookCache codebooks;
+  CacheEvictor evictor(options.evict_bytes, result.threads);
+  result.evict_bytes = evictor.bytes();
   for (const KvLayout& layout : layouts) {
     for (int context : contexts) {
       if (progress) {
@@ -414,8 +417,8 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
       const size_t first = result.rows.size();
       for (size_t i = 0; i < schemes.size(); ++i) {
         absl::StatusOr<KernelsBenchRow> row =
-            RunScheme(layout, context, schemes[i], data, backend, codebooks, options.warmup,
-                      result.reps);
+            RunScheme(layout, context, schemes[i], data, backend, codebooks, evictor,
+                      options.warmup, result.reps);
         if (!row.ok()) {
           return absl::Status(row.status().code(),
                               absl::StrCat(layout.name, " ctx=", context, " ", schemes[i].text,
@@ -622,9 +625,13 @@ std::string FormatKernelsTable(const KernelsBenchResult& result, const std::stri
   absl::StrAppendFormat(
       &out,
       "# backend %s (%s), %d threads, read bandwidth %.2f GB/s (median of %d passes over "
-      "%d MiB), decode = median of %d calls, one call = one layer\n",
+      "%d MiB)\n# decode_us = median of %d calls, one call = one layer (a task per KV head), "
+      "%s\n",
       result.backend, result.backend_impl, result.threads, result.read_bandwidth / 1e9,
-      result.read_bandwidth_passes.size(), result.bandwidth_bytes >> 20, result.reps);
+      result.read_bandwidth_passes.size(), result.bandwidth_bytes >> 20, result.reps,
+      result.evict_bytes > 0
+          ? absl::StrFormat("cold cache (%d MiB read before each call)", result.evict_bytes >> 20)
+          : std::string("warm cache"));
   for (const AttentionProfile& p : result.profiles) {
     const KvLayout layout = *KvLayoutByName(p.layout);
     absl::StrAppendFormat(
@@ -670,6 +677,7 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
   for (double p : result.read_bandwidth_passes) passes.push_back(JsonNumber(p));
   absl::StrAppend(&out, "  \"read_bandwidth_passes\": [", absl::StrJoin(passes, ", "), "],\n");
   absl::StrAppend(&out, "  \"read_bandwidth_buffer_bytes\": ", result.bandwidth_bytes, ",\n");
+  absl::StrAppend(&out, "  \"evict_bytes\": ", result.evict_bytes, ",\n");
   absl::StrAppend(&out, "  \"total_seconds\": ", JsonNumber(result.total_seconds), ",\n");
   absl::StrAppend(&out, "  \"data\": [\n");
   for (size_t i = 0; i < result.profiles.size(); ++i) {

@@ -44,6 +44,8 @@ struct KernelsBenchOptions {
   int warmup = 2;
   bool quick = false;
   size_t bandwidth_bytes = size_t{1} << 30;
+  // Read before every timed call so it starts with a cold cache (0: warm).
+  size_t evict_bytes = size_t{128} << 20;
   int bandwidth_passes = 7;
   int threads = 0;  // 0: omp_get_max_threads().
 };
@@ -86,6 +88,7 @@ struct KernelsBenchResult {
   double read_bandwidth = 0.0;  // Bytes/s, median.
   std::vector<double> read_bandwidth_passes;
   size_t bandwidth_bytes = 0;
+  size_t evict_bytes = 0;  // 0: timed calls ran with a warm cache.
   std::vector<AttentionProfile> profiles;
   std::vector<KernelsBenchRow> rows;
   double total_seconds = 0.0;

@@ -38,6 +38,8 @@ ABSL_FLAG(int, reps, 0, "Timed decode calls per row (median reported); 0: 21, --
 ABSL_FLAG(int, warmup, 2, "Untimed decode calls before timing.");
 ABSL_FLAG(int, bandwidth_mib, 1024, "Buffer of the read-bandwidth measurement, MiB.");
 ABSL_FLAG(int, bandwidth_passes, 7, "Passes of the read-bandwidth measurement (median).");
+ABSL_FLAG(int, evict_mib, 128,
+          "Buffer read before every timed call so it starts with a cold cache, MiB (0: warm).");
 ABSL_FLAG(int, threads, 0, "OpenMP threads (0: omp_get_max_threads()).");
 
 namespace kvq {
@@ -69,6 +71,12 @@ int KernelsMain(const std::string& command) {
     return 2;
   }
   options.bandwidth_bytes = static_cast<size_t>(mib) << 20;
+  const int evict_mib = absl::GetFlag(FLAGS_evict_mib);
+  if (evict_mib < 0 || evict_mib > 65536) {
+    std::cerr << "--evict_mib must be in [0, 65536]\n";
+    return 2;
+  }
+  options.evict_bytes = static_cast<size_t>(evict_mib) << 20;
 
   absl::StatusOr<KernelsBenchResult> result = RunKernelsBench(options, &std::cerr);
   if (!result.ok()) {

@@ -67,4 +67,32 @@ ReadBandwidth MeasureReadBandwidth(size_t buffer_bytes, int passes, int threads)
   return result;
 }
 
+CacheEvictor::CacheEvictor(size_t bytes, int threads)
+    : words_(bytes / sizeof(uint64_t)), threads_(std::max(1, threads)) {
+  if (words_ == 0) return;
+  data_ = static_cast<uint64_t*>(std::aligned_alloc(64, (words_ * sizeof(uint64_t) + 63) / 64 * 64));
+  if (data_ == nullptr) {
+    words_ = 0;
+    return;
+  }
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (size_t i = 0; i < words_; ++i) data_[i] = i;
+}
+
+CacheEvictor::~CacheEvictor() { std::free(data_); }
+
+void CacheEvictor::Evict() {
+  if (words_ == 0) return;
+  uint64_t total = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : total)
+  {
+    const int n = omp_get_num_threads();
+    const int id = omp_get_thread_num();
+    const size_t begin = words_ * id / n;
+    const size_t end = words_ * (id + 1) / n;
+    total += SumWords(data_ + begin, end - begin);
+  }
+  sink_ += total;
+}
+
 }  // namespace kvq

@@ -142,7 +142,7 @@ absl::Status SyntheticKvConfig::Validate() const {
   }
   for (double x : {m.key_bias_std, m.key_scale_log_std,
                    m.outlier_token_scale, m.value_bias_std, m.value_scale_log_std,
-                   m.sink_value_scale, m.sink_pair_key_scale, m.positional_logit, m.retrieval_logit, m.query_noise}) {
+                   m.sink_value_scale, m.positional_logit, m.retrieval_logit, m.query_noise}) {
     if (!(x >= 0.0) || !std::isfinite(x)) {
       return Bad("model", "constants must be finite and >= 0");
     }
@@ -209,7 +209,7 @@ absl::StatusOr<SyntheticKv> GenerateSyntheticKv(const SyntheticKvConfig& config)
 
   // Sink pairs: the lowest-frequency pairs not taken by outlier channels
   // (they barely rotate, so the sink direction survives RoPE). Ordinary keys
-  // have no bias there and key_scale times sink_pair_key_scale.
+  // have no bias there.
   std::vector<float> sink_mask(d, 0.0f);
   const int sink_pairs = std::max(1, pairs / 8);
   for (int p = pairs - 1, taken = 0; p >= 0 && taken < sink_pairs; --p) {
@@ -217,7 +217,6 @@ absl::StatusOr<SyntheticKv> GenerateSyntheticKv(const SyntheticKvConfig& config)
     for (int c : {rope.First(p), rope.Second(p)}) {
       sink_mask[c] = 1.0f;
       key_bias[c] = 0.0f;
-      key_scale[c] = static_cast<float>(key_scale[c] * m.sink_pair_key_scale);
     }
     ++taken;
   }

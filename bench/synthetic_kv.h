@@ -2,56 +2,67 @@
 // (layer, KV head), built so that every kvq storage option has the feature
 // it targets in real models to work on.
 //
-// The model (all constants live in SyntheticKvModel; docs/KERNELS.md has the
-// same list with the reasoning). d = head_dim, T = tokens, S = sink tokens,
-// P = T - 1 (the position of the decode query), R(t) = RoPE at position t,
-// N(.) Gaussian draws, t_nu(.) Student-t draws.
+// The model (every constant lives in SyntheticKvModel; docs/KERNELS.md has
+// the same list with the reasoning). d = head_dim, T = tokens, S = sink
+// tokens, P = T - 1 (the decode query's position), R(t) = RoPE at position
+// t, N = a standard Gaussian draw, t_nu = a Student-t draw.
 //
-//   Keys, pre-RoPE, ordinary token t:
-//     k[t][c] = key_bias[c] + key_scale[c] * N(0, 1)
-//     key_bias[c] ~ N(0, key_bias_std^2), key_scale[c] = exp(N(0, key_scale_log_std^2))
-//   Outlier channels (pre_rope, per-channel keys): d / 32 channels (4 of 128)
-//     get key_bias = +-outlier_channel_bias, the same channels for every
-//     token. Each is the first channel of the RoPE pair whose angular
-//     frequency is nearest one of outlier_channel_frequencies, so RoPE swings
-//     it (and its partner) between -bias and +bias within a few dozen tokens:
-//     a per-channel group of post-RoPE keys spans the whole swing, a group of
-//     pre-RoPE keys only the noise. A per-token group that holds one of these
-//     channels spans the bias too, which is why per-channel keys win.
-//   Outlier tokens (outliers): a fraction outlier_token_rate of the tokens
-//     (the same tokens in every head and layer, as real outlier tokens are)
-//     have keys k = key_bias + outlier_token_scale * key_scale * N(0, 1).
-//   Values (outliers, rotate): v[t][c] = value_bias[c] + value_scale[c] *
-//     t_nu(value_dof) / sqrt(dof / (dof - 2)) (unit variance, heavy tails).
-//   Attention sink (sink): tokens t < S have keys key_bias + sink_key_norm *
-//     sqrt(d) * u + 0.25 * key_scale * N(0, 1) (u a fixed unit direction per
-//     head) and values value_bias + sink_value_scale * w (w ~ N(0, 1) per
-//     channel, fixed per head) + 0.25 * value_scale * t_nu.
+//   Ordinary keys, pre-RoPE:  k[t][c] = key_bias[c] + key_scale[c] * N
+//     key_bias[c] ~ N(0, key_bias_std^2), key_scale[c] = exp(key_scale_log_std * N).
+//     Per-channel bias and scale: a per-token group of 32 channels spans
+//     them all, a per-channel group does not (per-channel keys win; ktok).
+//   Outlier channels (pre_rope, per-channel keys): d / 32 channels (4 of
+//     128), the same for every token, with key_bias = +-bias. Channel i is
+//     the first channel of the RoPE pair whose angular frequency is nearest
+//     outlier_channel_specs[i].frequency. The first is a "massive" channel
+//     (bias 20 in a slow pair: RoPE barely moves it within a group, so only
+//     per-token groups suffer); the others (bias 8, 0.06-0.25 rad/token)
+//     swing between -bias and +bias within a 32-token group once RoPE is
+//     applied, so a per-channel group of POST-RoPE keys spans the swing and
+//     a group of PRE-RoPE keys only the noise (pre_rope).
+//   Outlier tokens (outliers): each token t >= S is one with probability
+//     outlier_token_rate (the same tokens in every head and layer); its key
+//     noise is outlier_token_scale times larger (outside the sink pairs), so
+//     the per-channel group holding it spans a much wider range.
+//   Values (outliers, rotate):
+//     v[t][c] = value_bias[c] + value_scale[c] * t_nu(value_dof) / sqrt(dof / (dof - 2)),
+//     heavy-tailed with unit variance; rare extremes set the per-token
+//     group range (outliers stores them exactly, rotate spreads them).
+//   Attention sink (sink): the d / 16 lowest-frequency RoPE pairs ("sink
+//     pairs", d / 8 channels, no key bias; they barely rotate) carry a fixed
+//     unit direction u; sink token s < S has key key_bias + sink_key_norm *
+//     sqrt(d) * sink_key_decay^s * u + 0.25 * key_scale * N (a strong first
+//     token, weaker followers: their different strengths make the first
+//     group's per-channel range coarse for all of them) and value
+//     sink_value_scale * w_s + 0.25 * value_scale * t_nu, with w_s a fixed
+//     N(0, 1) vector per sink token: small and unlike the other values, as
+//     real sinks are (attention parked on them is almost a no-op).
 //   Post-RoPE keys: R(t) applied to the pre-RoPE key of token t.
 //
-//   Decode queries (post-RoPE, position P, group_size heads), the sum of
-//     - a positional part: pre-RoPE weight on each outlier channel giving
-//       +-positional_logit nats (times cos of the relative angle) against the
-//       channel's bias, rotated by R(P): attention has a recency/periodic
-//       pattern and reads exactly the channels that RoPE swings;
-//     - a sink part along the post-RoPE sink direction, sized so that the S
-//       sink tokens would hold sink_share of the attention against a flat
-//       background of T - S tokens (the real share also depends on the
-//       spread of the other logits);
-//     - a retrieval part (per head): retrieval_targets random tokens whose
-//       centred post-RoPE keys the query points at, adding about
-//       retrieval_logit nats to their logits (queries follow the keys);
-//     - noise N(0, query_noise^2) per channel.
-//   So attention is neither uniform nor one-hot.
+//   Decode queries (post-RoPE, position P, group_size heads) sum:
+//     - a positional part: pre-RoPE weight positional_logit * sqrt(d) / bias
+//       on each outlier channel, rotated by R(P), adding positional_logit *
+//       cos(angle of P - t) nats per channel to token t's logit: attention
+//       reads exactly the channels RoPE swings (recency/periodic pattern);
+//     - a retrieval part per head: pointing at retrieval_targets random
+//       tokens' centred post-RoPE keys, adding retrieval_logit nats to their
+//       logits (queries follow the key distribution);
+//     - noise query_noise * N per channel;
+//     - a sink part: beta times the unit post-RoPE sink direction, beta
+//       found by bisection so that the S sink tokens hold exactly sink_share
+//       of that head's fp32 attention.
+//   So attention is neither uniform nor one-hot (kvq-bench prints the sink
+//   share, the effective number of tokens 1 / sum(p^2) and the top weight).
 //
 // Seeds: model_seed fixes the "model" (channel biases and scales, outlier
-// channels, sink directions) per (layer, KV head); sample_seed fixes the
-// "text" (token draws, outlier tokens, retrieval targets, query noise).
-// Calibration data for nuq codebooks uses the same model_seed and another
-// sample_seed: the same model reading different text. Random numbers come
-// from std::mt19937_64 with a portable Gaussian (Box-Muller on 53-bit
-// uniforms), so output is identical across runs and standard libraries
-// (up to libm's last-bit rounding of log/sin/cos).
+// channels, sink direction and values) per (layer, KV head); sample_seed
+// fixes the "text" (token draws, outlier tokens, retrieval targets, query
+// noise). nuq calibration data uses the same model_seed and another
+// sample_seed: the same model reading different text. Numbers come from
+// std::mt19937_64 streams derived (SplitMix64) from the seed, the layer, the
+// head and the purpose, with distributions written out (Box-Muller on
+// 53-bit uniforms, Bailey's polar Student-t), so the output is identical
+// across runs and standard libraries (up to libm's last-bit rounding).
 #ifndef KVQ_BENCH_SYNTHETIC_KV_H_
 #define KVQ_BENCH_SYNTHETIC_KV_H_
 
@@ -71,6 +82,7 @@ inline constexpr uint64_t kSyntheticCalibrationSeed = 0x6b76712d63616c69ull;  //
 
 // Constants of the model above; the defaults are the benchmark's data set.
 struct SyntheticKvModel {
+  // Ordinary keys: key_bias[c] ~ N(0, 0.5^2), key_scale[c] = exp(0.5 N).
   double key_bias_std = 0.5;
   double key_scale_log_std = 0.5;
   // Outlier channels: -1 means head_dim / 32 (at least 1).
@@ -85,20 +97,27 @@ struct SyntheticKvModel {
   };
   std::vector<OutlierChannel> outlier_channel_specs = {
       {0.003, 20.0}, {0.25, 8.0}, {0.12, 8.0}, {0.06, 8.0}};
+  // Outlier tokens: 0.5% of the tokens, key noise 4x larger.
   double outlier_token_rate = 0.005;
   double outlier_token_scale = 4.0;
+  // Values: value_bias[c] ~ N(0, 0.5^2), value_scale[c] = exp(0.3 N),
+  // Student-t noise with 3 degrees of freedom (> 2), unit variance.
   double value_bias_std = 0.5;
   double value_scale_log_std = 0.3;
-  double value_dof = 3.0;  // Student-t degrees of freedom (> 2).
+  double value_dof = 3.0;
+  // Attention sink: 4 tokens; token 0's sink component has norm
+  // 3 sqrt(head_dim), token s's 0.8^s times that; sink values 0.2 * N;
+  // the sink tokens hold 30% of every query head's attention.
   int sink_tokens = 4;
-  double sink_key_norm = 3.0;         // Times sqrt(head_dim), sink token 0.
-  double sink_key_decay = 0.8;        // Sink token s has strength decay^s.
-  double sink_pair_key_scale = 1.0;   // Ordinary keys' scale on the sink pairs.
+  double sink_key_norm = 3.0;
+  double sink_key_decay = 0.8;
   double sink_value_scale = 0.2;
   double sink_share = 0.3;
-  double positional_logit = 0.75;  // Nats per outlier channel.
+  // Queries: 1 nat per outlier channel of positional pattern, 4 retrieval
+  // targets per head at +2 nats, noise 0.25 per channel.
+  double positional_logit = 1.0;
   int retrieval_targets = 4;
-  double retrieval_logit = 2.0;  // Nats.
+  double retrieval_logit = 2.0;
   double query_noise = 0.25;
 };
 

@@ -124,16 +124,34 @@ absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int ro
   return absl::OkStatus();
 }
 
-absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
+absl::Status KvStream::ValidateAppend(ConstTensorView k, ConstTensorView v) const {
   const int n = k.rows;
   if (n < 0) return absl::InvalidArgumentError("k.rows is negative");
   KVQ_RETURN_IF_ERROR(ValidateInput(k, "k", n));
   KVQ_RETURN_IF_ERROR(ValidateInput(v, "v", n));
-  if (n == 0) return absl::OkStatus();
   if (num_tokens_ + static_cast<int64_t>(n) > kMaxTokens) {
     return absl::OutOfRangeError(absl::StrCat("stream would hold ", num_tokens_ + int64_t{n},
                                               " tokens; the limit is ", kMaxTokens));
   }
+  return absl::OkStatus();
+}
+
+int KvStream::NewQuantizedTokens(int n) const {
+  const int to_sink = std::clamp(config_.spec.sink - num_tokens_, 0, n);
+  const int rest = n - to_sink;
+  if (tail_capacity_ == 0) return rest;
+  return (tail_tokens() + rest) / tail_capacity_ * tail_capacity_;
+}
+
+int KvStream::PagesNeeded(int n) const {
+  const int pt = layout_.page_tokens;
+  return (quantized_tokens_ + NewQuantizedTokens(n) + pt - 1) / pt - num_pages();
+}
+
+absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
+  KVQ_RETURN_IF_ERROR(ValidateAppend(k, v));
+  const int n = k.rows;
+  if (n == 0) return absl::OkStatus();
   const int d = head_dim();
   std::vector<float> kf(static_cast<size_t>(n) * d), vf(kf.size());
   for (int r = 0; r < n; ++r) {
@@ -147,15 +165,8 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
 
   // Plan where the n tokens go, then allocate every page before touching state.
   const int to_sink = std::clamp(config_.spec.sink - num_tokens_, 0, n);
-  const int rest = n - to_sink;
-  int new_quantized;
-  if (tail_capacity_ > 0) {
-    new_quantized = (tail_tokens() + rest) / tail_capacity_ * tail_capacity_;
-  } else {
-    new_quantized = rest;
-  }
   const int pt = layout_.page_tokens;
-  const int pages_needed = (quantized_tokens_ + new_quantized + pt - 1) / pt - num_pages();
+  const int pages_needed = PagesNeeded(n);
   std::vector<uint8_t*> fresh;
   fresh.reserve(pages_needed);
   for (int i = 0; i < pages_needed; ++i) {
@@ -275,6 +286,125 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
       }
       t += count;
     }
+  }
+  return absl::OkStatus();
+}
+
+bool KvStream::AcceptsPages() const {
+  return num_tokens_ >= config_.spec.sink && tail_tokens() == 0 &&
+         quantized_tokens_ % layout_.page_tokens == 0;
+}
+
+namespace {
+
+bool FiniteHalf(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
+absl::Status CheckPage(const PageLayout& L, const uint8_t* page, int rows, int index) {
+  auto bad = [&](absl::string_view side, absl::string_view what, int row) {
+    return absl::InvalidArgumentError(absl::StrCat("page ", index, " ", side, " row ", row, ": ",
+                                                   what));
+  };
+  for (Side side : {Side::kKey, Side::kValue}) {
+    const SideLayout& S = L.side(side);
+    const char* name = side == Side::kKey ? "key" : "value";
+    for (int r = 0; r < rows; ++r) {
+      const uint8_t* code = PageLayout::CodeRow(page, S, r);
+      if (S.format == CodeFormat::kFp16) {
+        for (int c = 0; c < L.head_dim; ++c) {
+          uint16_t h;
+          std::memcpy(&h, code + 2 * c, 2);
+          if (!FiniteHalf(h)) return bad(name, absl::StrCat("code ", c, " is not finite"), r);
+        }
+      } else if (S.format == CodeFormat::kBf16) {
+        for (int c = 0; c < L.head_dim; ++c) {
+          uint16_t b;
+          std::memcpy(&b, code + 2 * c, 2);
+          if ((b & 0x7f80u) == 0x7f80u) return bad(name, absl::StrCat("code ", c, " is not finite"), r);
+        }
+      }
+    }
+    if (S.axis == ParamAxis::kNone) continue;
+    const int entries = S.axis == ParamAxis::kChannelGroups ? rows / L.block_tokens : rows;
+    const int n = L.ParamsPerEntry(S);
+    for (int e = 0; e < entries; ++e) {
+      const uint16_t* p = L.Params(page, S, e);
+      for (int i = 0; i < n; ++i) {
+        if (!FiniteHalf(p[i]) || ((p[i] & 0x8000u) != 0 && (p[i] & 0x7fffu) != 0)) {
+          return bad(name, absl::StrCat("scale ", i, " must be finite and >= 0"), e);
+        }
+        if (!FiniteHalf(p[n + i])) return bad(name, absl::StrCat("zero point ", i, " is not finite"), e);
+      }
+    }
+    for (int b = 0; b < rows / L.block_tokens && L.outliers_per_block > 0; ++b) {
+      const uint16_t* t = L.Outliers(page, S, b);
+      for (int e = 0; e < L.outliers_per_block; ++e) {
+        if (t[e] >= L.block_tokens * L.head_dim) {
+          return bad(name, absl::StrCat("outlier ", e, " index ", t[e], " is outside the block of ",
+                                        L.block_tokens * L.head_dim),
+                     b * L.block_tokens);
+        }
+        if (!FiniteHalf(t[L.outliers_per_block + e])) {
+          return bad(name, absl::StrCat("outlier ", e, " value is not finite"), b * L.block_tokens);
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status KvStream::AppendPages(const uint8_t* data, int tokens) {
+  if (config_.spec.kind == SchemeKind::kFp8E4m3) {
+    return absl::FailedPreconditionError("fp8_e4m3 streams do not take raw pages: the scale is per stream");
+  }
+  if (!AcceptsPages()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "raw pages append at a page boundary with the sink complete and the fp16 tail empty; "
+        "the stream has ", num_tokens_, " tokens, ", tail_tokens(), " of them in the tail"));
+  }
+  const int flush = config_.spec.flush_tokens();
+  if (tokens < 0 || tokens % flush != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("raw pages must hold a multiple of ", flush,
+                                                   " tokens, got ", tokens));
+  }
+  if (num_tokens_ + static_cast<int64_t>(tokens) > kMaxTokens) {
+    return absl::OutOfRangeError(absl::StrCat("stream would hold ", num_tokens_ + int64_t{tokens},
+                                              " tokens; the limit is ", kMaxTokens));
+  }
+  const int pt = layout_.page_tokens;
+  const int pages = PagesFor(tokens);
+  for (int i = 0; i < pages; ++i) {
+    KVQ_RETURN_IF_ERROR(CheckPage(layout_, data + i * layout_.page_bytes,
+                                  std::min(pt, tokens - i * pt), i));
+  }
+  std::vector<uint8_t*> fresh;
+  for (int i = 0; i < pages; ++i) {
+    absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
+    if (!p.ok()) {
+      for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
+      return p.status();
+    }
+    std::memcpy(*p, data + i * layout_.page_bytes, layout_.page_bytes);
+    fresh.push_back(*p);
+  }
+  pages_.insert(pages_.end(), fresh.begin(), fresh.end());
+  quantized_tokens_ += tokens;
+  num_tokens_ += tokens;
+  return absl::OkStatus();
+}
+
+absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
+  const int pt = layout_.page_tokens;
+  if (begin < 0 || end < begin || end > quantized_tokens_ || begin % pt != 0) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "raw page range [", begin, ", ", end, ") must start on a multiple of ", pt,
+        " inside the quantized tokens [0, ", quantized_tokens_, ")"));
+  }
+  const int first = begin / pt;
+  for (int i = 0; i < PagesFor(end - begin); ++i) {
+    std::memcpy(out + static_cast<size_t>(i) * layout_.page_bytes, pages_[first + i],
+                layout_.page_bytes);
   }
   return absl::OkStatus();
 }

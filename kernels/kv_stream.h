@@ -52,6 +52,12 @@ class KvStream {
   // NaN/Inf, beyond the fp16 range), RESOURCE_EXHAUSTED (allocator).
   absl::Status Append(ConstTensorView k, ConstTensorView v);
 
+  // The checks Append() makes before touching anything, so a caller that
+  // appends to several streams can validate all of them first.
+  absl::Status ValidateAppend(ConstTensorView k, ConstTensorView v) const;
+  // Pages Append() of `n` more tokens would allocate.
+  int PagesNeeded(int n) const;
+
   // Writes tokens [begin, end) of K and V into k_out / v_out ([end-begin,
   // head_dim] of options.dtype; either may be null). OUT_OF_RANGE if the
   // range is not inside [0, num_tokens()].
@@ -70,6 +76,28 @@ class KvStream {
   // fork would have to re-quantize. FAILED_PRECONDITION names the nearest
   // valid lengths; RESOURCE_EXHAUSTED from the allocator.
   absl::StatusOr<std::unique_ptr<KvStream>> Fork(int tokens) const;
+
+  // --- Raw pages: the wire form for clients that quantize or dequantize
+  // with these kernels themselves. ---
+  // Pages that `tokens` quantized tokens occupy from a page boundary.
+  int PagesFor(int tokens) const {
+    return (tokens + layout_.page_tokens - 1) / layout_.page_tokens;
+  }
+  // Whether AppendPages() may run now: the sink is complete, the fp16 tail
+  // is empty and the quantized part ends on a page boundary.
+  bool AcceptsPages() const;
+  // Appends `tokens` tokens given as PagesFor(tokens) pages of this stream's
+  // layout, laid end to end. tokens must be a multiple of flush_tokens().
+  // Every page is validated first (fp16 scales finite and >= 0, zero points
+  // and fp16/bf16 codes finite, outlier indices inside their block):
+  // INVALID_ARGUMENT names the page, row and field. FAILED_PRECONDITION when
+  // !AcceptsPages() or for fp8_e4m3 (its scale belongs to the stream).
+  // All-or-nothing, like Append().
+  absl::Status AppendPages(const uint8_t* data, int tokens);
+  // Copies the pages holding quantized tokens [begin, end) — positions
+  // relative to page_base(), begin on a page boundary — to `out`
+  // (PagesFor(end - begin) * page_bytes bytes).
+  absl::Status CopyPages(int begin, int end, uint8_t* out) const;
 
   // Row t of one side in the stored basis (rotated, pre-RoPE), as floats.
   // Slow (one row at a time): for references and tests.
@@ -102,6 +130,8 @@ class KvStream {
   KvStream(const StreamConfig& config, const PageLayout& layout,
            const KernelBackend* backend, PageAllocator* allocator);
   absl::Status ValidateInput(ConstTensorView t, const char* name, int rows) const;
+  // Tokens of the next `n` that land in pages (the rest go to sink or tail).
+  int NewQuantizedTokens(int n) const;
   // Quantizes the full tail into pages (whose memory is already allocated).
   void FlushTail();
   uint16_t* fp16_row(Side side, int slot);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages kvq builds and tests with; does nothing for
-# packages already present. Safe to run repeatedly.
+# Installs the Debian packages kvq builds and tests with, and the pip packages
+# of the Python client; does nothing for packages already present. Safe to run
+# repeatedly.
 set -euo pipefail
 
 packages=(
@@ -17,13 +18,34 @@ for p in "${packages[@]}"; do
   fi
 done
 
-if ((${#missing[@]} == 0)); then
-  exit 0
+if ((${#missing[@]} > 0)); then
+  echo "kvq: installing missing packages: ${missing[*]}" >&2
+  sudo=""
+  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
-echo "kvq: installing missing packages: ${missing[*]}" >&2
-sudo=""
-if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+# Python client (client/python) and its tests: pip packages, as
+# "module:package" pairs; only the ones whose module does not import are
+# installed.
+python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest)
+python="${KVQ_PYTHON:-python3}"
+py_missing=()
+for pair in "${python_packages[@]}"; do
+  if ! "$python" -c "import ${pair%%:*}" 2>/dev/null; then
+    py_missing+=("${pair#*:}")
+  fi
+done
+
+if ((${#py_missing[@]} > 0)); then
+  echo "kvq: installing missing Python packages: ${py_missing[*]}" >&2
+  pip_args=(--quiet)
+  # An interpreter managed by the distribution (PEP 668) takes user installs.
+  stdlib="$("$python" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')"
+  if [[ -f "$stdlib/EXTERNALLY-MANAGED" && -z "${VIRTUAL_ENV:-}" ]]; then
+    pip_args+=(--user --break-system-packages)
+  fi
+  "$python" -m pip install "${pip_args[@]}" "${py_missing[@]}" >&2
+fi

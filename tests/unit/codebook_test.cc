@@ -57,18 +57,25 @@ TEST(CodebookTest, LearnedLevelsSortedInUnitRangeWithPinnedEnds) {
   }
 }
 
-TEST(CodebookTest, HeavyTailsPullInnerLevelsTowardTheMiddle) {
+TEST(CodebookTest, SkewedTailsPullInnerLevelsTowardTheCrowdedEnd) {
   const StreamConfig config = Config("kivi2:nuq", 64);
   const int n = 1024;
   const std::vector<float> k = testutil::MakeHeavyTailed(n, 64, 31);
   const std::vector<float> v = testutil::MakeHeavyTailed(n, 64, 32);
   absl::StatusOr<Codebook> cb = LearnCodebook(config, Floats(k.data(), n, 64), Floats(v.data(), n, 64));
   ASSERT_TRUE(cb.ok()) << cb.status();
-  // Uniform would put the inner levels at 1/3 and 2/3; a peaked distribution
-  // (mass near the middle of each group's range) packs them closer together.
-  double spread = 0.0;
-  for (int c = 0; c < 64; ++c) spread += cb->Levels(false, c)[2] - cb->Levels(false, c)[1];
-  EXPECT_LT(spread / 64, 1.0 / 3.0 - 0.05) << "mean gap of the inner value levels";
+  // Keys are grouped per channel: a long upward tail (odd channels) leaves
+  // most values near the group minimum, a downward one near the maximum.
+  // Uniform inner levels would average 0.5.
+  for (int c = 0; c < 64; ++c) {
+    const float* l = cb->Levels(true, c);
+    const double inner = 0.5 * (l[1] + l[2]);
+    if (c % 2) {
+      EXPECT_LT(inner, 0.45) << "key channel " << c << " (tail up): levels " << l[1] << ", " << l[2];
+    } else {
+      EXPECT_GT(inner, 0.55) << "key channel " << c << " (tail down): levels " << l[1] << ", " << l[2];
+    }
+  }
 }
 
 double RoundTripMse(const KvStream& s, const std::vector<float>& k, const std::vector<float>& v, int n) {
@@ -90,8 +97,10 @@ double RoundTripMse(const KvStream& s, const std::vector<float>& k, const std::v
   return se / count;
 }
 
-// The point of nuq: on heavy-tailed data, levels learned on calibration data
-// beat uniform levels of the same bits on held-out data.
+// The point of nuq: on skewed heavy-tailed data, levels learned on
+// calibration data beat uniform levels of the same bits on held-out data.
+// (Measured held-out MSE ratios nuq/uniform on this data: about 0.6 at 2-3
+// bits, 0.8 at 4 bits.)
 TEST(CodebookTest, NuqBeatsUniformOnHeldOutHeavyTailedData) {
   for (const std::string& backend_name : testutil::BackendNames()) {
     const KernelBackend* backend = *BackendByName(backend_name);

@@ -155,10 +155,14 @@ std::vector<float> MakeValues(int n, int d, uint64_t seed) {
 
 std::vector<float> MakeHeavyTailed(int n, int d, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::exponential_distribution<float> expo(1.0f);
-  std::bernoulli_distribution coin(0.5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> out(static_cast<size_t>(n) * d);
-  for (float& x : out) x = (coin(rng) ? 1.0f : -1.0f) * expo(rng) * expo(rng);
+  for (int t = 0; t < n; ++t) {
+    for (int c = 0; c < d; ++c) {
+      const float sign = c % 2 ? 1.0f : -1.0f;
+      out[static_cast<size_t>(t) * d + c] = sign * std::exp(0.5f * normal(rng));
+    }
+  }
   return out;
 }
 

@@ -52,7 +52,9 @@ void PrintTo(const StreamParam& p, std::ostream* os);
 // outlier channels with an offset (as real keys do); values are N(0, 1).
 std::vector<float> MakeKeys(int n, int d, uint64_t seed);
 std::vector<float> MakeValues(int n, int d, uint64_t seed);
-// Heavy-tailed rows (Laplace-like per element), for codebook tests.
+// Skewed heavy-tailed rows for codebook tests: lognormal (sigma 0.5), the
+// long tail pointing up in odd channels and down in even ones, so each
+// channel's values crowd one end of their groups' range.
 std::vector<float> MakeHeavyTailed(int n, int d, uint64_t seed);
 // N(0, 1) floats.
 std::vector<float> MakeGaussian(size_t count, uint64_t seed);

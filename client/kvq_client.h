@@ -1,0 +1,308 @@
+// KvqClient: the C++ client of the kvq.v1.KvCache service.
+//
+// One method per RPC, typed tensors (HostTensor) in and out, absl::Status
+// errors carrying the server's gRPC code and message unchanged (the codes
+// are listed in proto/kvq/v1/kvq.proto). Every call has a deadline
+// (ClientOptions::deadline unless the call's options set one). Idempotent
+// calls (GetServerInfo, FetchDequant, Attend, Stats, Release) are retried
+// with exponential backoff on UNAVAILABLE and DEADLINE_EXCEEDED; calls that
+// change state (CreateSequence, Append, AppendAttend, DecodeStream, Fork)
+// are never retried. A Release retried after a lost reply treats NOT_FOUND
+// as success.
+//
+// A client talks to one namespace (ClientOptions::ns). It is thread-safe;
+// a DecodeSession is not (one thread per session).
+//
+// Prefill:
+//   auto client = KvqClient::Connect({.target = "kvq:50051"}).value();
+//   SequenceConfig cfg{.layout = {32, 8, 32, 128}, .scheme = "kivi2:g32:r128"};
+//   SequenceInfo seq = client->CreateSequence({.config = cfg}).value();
+//   cfg.scheme = seq.scheme;
+//   client->AppendPromptQuantized(seq.sequence_id, cfg, k, v, {}).value();
+// Decode (per step, per layer):
+//   auto out = client->AppendAttend(layer, {{seq.sequence_id, k1, v1, q1}}).value();
+#ifndef KVQ_CLIENT_KVQ_CLIENT_H_
+#define KVQ_CLIENT_KVQ_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/append_plan.h"
+#include "client/host_tensor.h"
+#include "client/local_sequence.h"
+#include "client/sequence_config.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/security/credentials.h"
+#include "kvq/v1/kvq.grpc.pb.h"
+
+namespace kvq {
+
+// Bytes done so far and the total (-1 when unknown, e.g. a fetch).
+using ProgressFn = std::function<void(int64_t done_bytes, int64_t total_bytes)>;
+
+struct RetryPolicy {
+  int max_attempts = 4;  // 1 disables retries.
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(2);
+  double multiplier = 2.0;
+  double jitter = 0.2;  // Each wait is scaled by a random factor in [1 - j, 1 + j].
+};
+
+struct ClientOptions {
+  std::string target = "localhost:50051";
+  std::string ns;  // Namespace of every sequence this client names.
+  absl::Duration deadline = absl::Seconds(30);  // Per attempt.
+  RetryPolicy retry;
+  // Channel send/receive message limit (the server has its own:
+  // ServerInfo.max_message_bytes).
+  int max_message_bytes = 64 << 20;
+  // Insecure when null.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+};
+
+// Per-call overrides.
+struct CallOptions {
+  absl::Duration deadline = absl::ZeroDuration();  // 0: ClientOptions::deadline.
+};
+
+struct CreateOptions {
+  std::string sequence_id;  // "": the server picks one.
+  SequenceConfig config;
+  uint32_t ttl_seconds = 0;  // 0: server default.
+  std::vector<int32_t> prompt_token_ids;  // Prefix reuse.
+  CallOptions call;
+};
+
+struct SequenceInfo {
+  std::string sequence_id;
+  std::string scheme;  // Canonical.
+  int num_tokens = 0;  // A reused prefix already present.
+  int block_tokens = 0;
+};
+
+struct AppendOptions {
+  int64_t max_chunk_bytes = kDefaultMaxChunkBytes;
+  int layer_begin = 0;  // Model layer of the prompt's first layer.
+  // Dense appends: the wire dtype (default: the prompt's dtype).
+  std::optional<DType> wire_dtype;
+  std::vector<int32_t> token_ids;  // Sent once, in the first message.
+  // Quantized appends: tokens the sequence already holds in every layer
+  // (SequenceInfo::num_tokens after prefix reuse) and its block_tokens
+  // (0: derived from the scheme).
+  int start_tokens = 0;
+  int block_tokens = 0;
+  const KernelBackend* backend = nullptr;  // Local quantization; null: CPU.
+  ProgressFn progress;
+  CallOptions call;
+};
+
+struct AppendResult {
+  int num_tokens = 0;
+  int64_t bytes_stored = 0;
+  int64_t wire_bytes = 0;  // Tensor/page payload sent.
+  int chunks = 0;
+};
+
+struct FetchOptions {
+  int layer_begin = 0;
+  int layer_end = 0;  // Exclusive; 0: num_layers.
+  int token_begin = 0;
+  int token_end = 0;  // Exclusive; 0: num_tokens.
+  DType dtype = DType::kFloat16;
+  bool apply_rope = false;   // pre_rope schemes: keys post-RoPE.
+  int max_chunk_bytes = 0;   // 0: server default.
+  ProgressFn progress;
+  CallOptions call;
+};
+
+// Raw pages as the server sent them, in order.
+struct RawFetch {
+  std::vector<v1::FetchResponse> responses;
+  int64_t wire_bytes = 0;
+};
+
+struct AttendQuery {
+  std::string sequence_id;
+  HostTensor q;  // Post-RoPE [num_queries, num_q_heads, head_dim].
+  std::vector<int32_t> q_positions;  // Empty: every stored token is visible.
+  int key_begin = 0;
+  int key_end = 0;  // 0: all stored tokens.
+};
+
+struct AppendAttendItem {
+  std::string sequence_id;
+  HostTensor k;  // [kv_heads, tokens, head_dim]
+  HostTensor v;
+  HostTensor q;  // [tokens, num_q_heads, head_dim]
+};
+
+struct AttendOutput {
+  HostTensor out;  // fp32 [num_queries, num_q_heads, head_dim]
+  HostTensor lse;  // fp32 [num_queries, num_q_heads]
+};
+
+struct ForkOptions {
+  std::string new_sequence_id;  // "": the server picks one.
+  int num_tokens = 0;           // Prefix to share; 0: all.
+  uint32_t ttl_seconds = 0;
+  CallOptions call;
+};
+
+struct ForkResult {
+  std::string sequence_id;
+  int num_tokens = 0;
+};
+
+// A DecodeStream: each Write appends and attends one layer for some
+// sequences; Read returns the results in write order. Not thread-safe.
+class DecodeSession {
+ public:
+  ~DecodeSession();  // Cancels the stream if Close() was not called.
+  DecodeSession(const DecodeSession&) = delete;
+  DecodeSession& operator=(const DecodeSession&) = delete;
+
+  // Errors: the stream's final status once it broke (then every later call
+  // returns it too), INVALID_ARGUMENT for a malformed tensor.
+  absl::Status Write(int layer, absl::Span<const AppendAttendItem> items,
+                     float softmax_scale = 0.0f);
+  absl::StatusOr<std::vector<AttendOutput>> Read();
+  // Write then Read.
+  absl::StatusOr<std::vector<AttendOutput>> Step(int layer,
+                                                 absl::Span<const AppendAttendItem> items,
+                                                 float softmax_scale = 0.0f);
+  // Half-closes and returns the stream's final status.
+  absl::Status Close();
+
+ private:
+  friend class KvqClient;
+  DecodeSession() = default;
+  absl::Status Broken();
+
+  std::string ns_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriterInterface<v1::DecodeRequest, v1::DecodeResponse>>
+      stream_;
+  std::optional<absl::Status> final_;
+  bool writes_done_ = false;
+};
+
+class KvqClient {
+ public:
+  // Creates the channel (connection happens on the first call).
+  static absl::StatusOr<std::unique_ptr<KvqClient>> Connect(const ClientOptions& options);
+  // Uses an existing channel (in-process servers, custom channel args).
+  KvqClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+
+  const ClientOptions& options() const { return options_; }
+
+  absl::StatusOr<v1::ServerInfo> GetServerInfo(const CallOptions& call = {});
+
+  // ALREADY_EXISTS for an id in use; INVALID_ARGUMENT for a bad layout or
+  // scheme (checked locally first: no round trip for a typo).
+  absl::StatusOr<SequenceInfo> CreateSequence(const CreateOptions& options);
+
+  // Streams k and v ([layers, kv_heads, tokens, head_dim], same dtype) as
+  // dense chunks of at most max_chunk_bytes. One all-or-nothing append.
+  absl::StatusOr<AppendResult> AppendPrompt(absl::string_view sequence_id, const HostTensor& k,
+                                            const HostTensor& v, const AppendOptions& options = {});
+
+  // Quantizes k and v locally in the sequence's scheme (`config.scheme`
+  // should be the canonical scheme the server returned) and sends the
+  // quantized part as raw pages; the sink, any alignment and the fp16 tail
+  // go as dense rows. fp8_e4m3 sends everything dense. Errors of local
+  // quantization (NaN, beyond fp16) come back before anything is stored.
+  absl::StatusOr<AppendResult> AppendPromptQuantized(absl::string_view sequence_id,
+                                                     const SequenceConfig& config,
+                                                     const HostTensor& k, const HostTensor& v,
+                                                     const AppendOptions& options = {});
+
+  // Dequantized K/V ([layers, kv_heads, tokens, head_dim] of options.dtype),
+  // assembled from the server stream. Retried as a whole.
+  absl::StatusOr<FetchedKv> FetchDequant(absl::string_view sequence_id,
+                                         const FetchOptions& options = {});
+  // The stored pages (raw = true), unprocessed.
+  absl::StatusOr<RawFetch> FetchRaw(absl::string_view sequence_id,
+                                    const FetchOptions& options = {});
+  // FetchRaw of every token of the layer range, then LocalSequence: the
+  // wire carries the quantized bytes; dequantization runs here.
+  absl::StatusOr<FetchedKv> FetchDequantLocal(absl::string_view sequence_id,
+                                              const SequenceConfig& config,
+                                              const FetchOptions& options = {});
+
+  // One result per query, in order.
+  absl::StatusOr<std::vector<AttendOutput>> Attend(int layer, absl::Span<const AttendQuery> items,
+                                                   float softmax_scale = 0.0f,
+                                                   const CallOptions& call = {});
+  absl::StatusOr<std::vector<AttendOutput>> AppendAttend(
+      int layer, absl::Span<const AppendAttendItem> items, float softmax_scale = 0.0f,
+      const CallOptions& call = {});
+  // A decode stream; its deadline covers the whole session (infinite by
+  // default: a session lives as long as the decode loop).
+  absl::StatusOr<std::unique_ptr<DecodeSession>> OpenDecodeSession(
+      absl::Duration deadline = absl::InfiniteDuration());
+
+  absl::StatusOr<ForkResult> Fork(absl::string_view source_id, const ForkOptions& options = {});
+  // Bytes freed (0 when a retry found the sequence already released).
+  absl::StatusOr<int64_t> Release(absl::string_view sequence_id, const CallOptions& call = {});
+  // Per-sequence stats, or server-wide ones for an empty id.
+  absl::StatusOr<v1::StatsResponse> Stats(absl::string_view sequence_id = "",
+                                          const CallOptions& call = {});
+
+ private:
+  // Runs `attempt` (one RPC on a fresh context) until it succeeds, fails
+  // with a code that is not retried, or attempts run out.
+  absl::Status Call(bool idempotent, const CallOptions& call,
+                    const std::function<grpc::Status(grpc::ClientContext*, int attempt)>& attempt);
+  void SetDeadline(grpc::ClientContext* context, const CallOptions& call) const;
+  void Ref(absl::string_view sequence_id, v1::SequenceRef* out) const;
+  absl::StatusOr<AppendResult> SendPlan(absl::string_view sequence_id, const HostTensor& k,
+                                        const HostTensor& v, const AppendPlan& plan,
+                                        const AppendOptions& options,
+                                        const SequenceConfig* config);
+  absl::Status FetchStream(absl::string_view sequence_id, const FetchOptions& options, bool raw,
+                           const std::function<absl::Status(v1::FetchResponse&&)>& on_message,
+                           const std::function<void()>& on_restart);
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+};
+
+// Backoff before retry number `retry` (1-based), without jitter.
+absl::Duration RetryBackoff(const RetryPolicy& policy, int retry);
+// Whether a failed idempotent call with this code is retried.
+bool IsRetryableCode(absl::StatusCode code);
+
+// Assembles FetchDequant responses ([kv_heads, tokens, head_dim] pieces of
+// single layers) into [layers, kv_heads, tokens, head_dim] tensors.
+// INVALID_ARGUMENT when pieces disagree in shape or dtype, leave gaps or
+// overlap, or the layers do not cover the same tokens.
+class FetchAssembler {
+ public:
+  absl::Status Add(v1::FetchResponse&& response);
+  absl::StatusOr<FetchedKv> Finish();
+  int64_t bytes() const { return bytes_; }
+  void Clear();
+
+ private:
+  struct Piece {
+    int layer = 0;
+    int token_begin = 0;
+    HostTensor k, v;
+  };
+  std::vector<Piece> pieces_;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_CLIENT_KVQ_CLIENT_H_

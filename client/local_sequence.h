@@ -1,0 +1,83 @@
+// LocalSequence: a sequence's streams held by the client, built with the
+// same kernels and config as the server's. It takes what travels on the
+// wire — Append chunks (dense rows or raw pages) and raw FetchResponses —
+// and dequantizes locally, so a client can fetch raw pages (2-5 bits per
+// element on the wire) and expand them itself.
+//
+// Raw fetch responses are applied in token order per layer: dense k/v
+// ([kv_heads, tokens, head_dim], the sink and the fp16 tail, keys pre-RoPE,
+// unrotated) are appended as rows, pages as raw pages.
+#ifndef KVQ_CLIENT_LOCAL_SEQUENCE_H_
+#define KVQ_CLIENT_LOCAL_SEQUENCE_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/host_tensor.h"
+#include "client/sequence_config.h"
+#include "kernels/backend.h"
+#include "kernels/kv_stream.h"
+#include "kvq/v1/kvq.pb.h"
+
+namespace kvq {
+
+// K and V of a layer range and token range: [layers, kv_heads, tokens,
+// head_dim] each.
+struct FetchedKv {
+  int layer_begin = 0;
+  int token_begin = 0;
+  HostTensor k;
+  HostTensor v;
+};
+
+class LocalSequence {
+ public:
+  // Streams for layers [layer_begin, layer_begin + layers) of a sequence of
+  // `config` (layers < 0: to the last layer). INVALID_ARGUMENT for a bad
+  // config or layer range.
+  static absl::StatusOr<std::unique_ptr<LocalSequence>> Create(
+      const SequenceConfig& config, int layer_begin = 0, int layers = -1,
+      const KernelBackend* backend = &CpuBackend());
+
+  // Appends one Append chunk as the server would: dense rows at the end of
+  // each layer it covers, or raw pages (which need KvStream::AcceptsPages()).
+  // Unlike the server, not all-or-nothing across streams.
+  // INVALID_ARGUMENT for shapes, dtypes, page sizes; OUT_OF_RANGE for layers
+  // outside this sequence; FAILED_PRECONDITION from AppendPages.
+  absl::Status ApplyChunk(const v1::KvChunk& chunk);
+  // Appends one raw FetchResponse; its token_begin must be the layer's
+  // current token count (FAILED_PRECONDITION names the gap otherwise).
+  absl::Status ApplyFetched(const v1::FetchResponse& response);
+
+  int layer_begin() const { return layer_begin_; }
+  int layers() const { return layers_; }
+  int kv_heads() const { return kv_heads_; }
+  // Tokens in a layer (model index); -1 outside the range held.
+  int layer_tokens(int layer) const;
+  // Tokens stored in every layer held.
+  int num_tokens() const;
+  const KvStream& stream(int layer, int head) const;
+
+  // K and V of tokens [token_begin, token_end) of every layer held
+  // (token_end < 0: num_tokens()). OUT_OF_RANGE outside what is stored.
+  absl::StatusOr<FetchedKv> Read(int token_begin, int token_end,
+                                 const ReadOptions& options) const;
+
+ private:
+  LocalSequence() = default;
+  absl::Status AppendDense(int layer, int layers, const v1::Tensor& k, const v1::Tensor& v,
+                           bool per_layer_shape);
+  absl::Status AppendPages(int layer, const v1::QuantizedPages& pages);
+  absl::Status CheckLayers(int layer, int layers) const;
+
+  StreamConfig config_;
+  int layer_begin_ = 0;
+  int layers_ = 0;
+  int kv_heads_ = 0;
+  std::vector<std::unique_ptr<KvStream>> streams_;  // [layer][head].
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_CLIENT_LOCAL_SEQUENCE_H_

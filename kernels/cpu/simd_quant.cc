@@ -1,0 +1,268 @@
+// SIMD QuantizeRows / DequantizeRows of the cpu backend (the append and fetch
+// paths of a stream).
+//
+// Both produce exactly what the reference produces:
+//  * dequantization is simd_dequant-inl.h (same conversions, multiply then
+//    add, -ffp-contract=off);
+//  * quantization computes group parameters with MakeGroupParams (scalar,
+//    once per group) and codes with the same rounded division as UniformCode,
+//    vectorized over channels (per-channel keys: one G-row block at a time,
+//    min/max per channel in lanes; per-token groups: one row at a time), then
+//    packs bit planes with shifts (the inverse of the unpack). fp16 uses the
+//    F16C conversion (IEEE round to nearest even, as FloatToHalf) on AVX2;
+//    other targets and the rare cases (fp8, nuq, outliers) use the reference.
+
+#include "kernels/cpu/simd_targets.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/simd_quant.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/quant_math.h"
+#include "kernels/cpu/simd_dequant-inl.h"
+#include "kernels/cpu/simd_kernels.h"
+#include "kernels/numeric.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvq {
+namespace cpu {
+namespace HWY_NAMESPACE {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+
+struct QuantScratch {
+  std::vector<uint8_t> codes;  // [rows][d]
+  std::vector<float> scale, zero;  // [d] or [groups]
+};
+
+QuantScratch& ThreadQuantScratch() {
+  static thread_local QuantScratch s;
+  return s;
+}
+
+// codes[c] = UniformCode(x[c], {scale[c], zero[c]}, bits) for c in [c0, c1),
+// with per-lane (vector) or broadcast parameters.
+template <class V>
+HWY_INLINE V CodeOf(V x, V scale, V zero, V top) {
+  const hn::ScalableTag<float> df;
+  const V q = hn::Round(hn::Div(hn::Sub(x, zero), scale));
+  const V clamped = hn::Min(hn::Max(q, hn::Zero(df)), top);
+  return hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(df)), clamped);
+}
+
+HWY_INLINE void StoreCodes(hn::Vec<hn::ScalableTag<float>> v, uint8_t* dst) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<int32_t, decltype(df)> di;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  hn::StoreU(hn::DemoteTo(d8, hn::ConvertTo(di, v)), d8, dst);
+}
+
+// Packs one row of n byte codes into bit planes (inverse of UnpackRow).
+void PackPlaneInto(const uint8_t* codes, int bytes, int b, int shift, uint8_t* plane) {
+  const int per_byte = 8 / b;
+  const uint8_t mask = static_cast<uint8_t>((1 << b) - 1);
+  const hn::CappedTag<uint8_t, 16> d8;
+  const int N = static_cast<int>(hn::Lanes(d8));
+  int j = 0;
+  if (bytes % N == 0) {
+    const auto vmask = hn::Set(d8, mask);
+    for (; j < bytes; j += N) {
+      auto acc = hn::Zero(d8);
+      for (int m = 0; m < per_byte; ++m) {
+        auto v = hn::And(hn::ShiftRightSame(hn::LoadU(d8, codes + j + bytes * m), shift), vmask);
+        acc = hn::Or(acc, hn::ShiftLeftSame(v, m * b));
+      }
+      hn::StoreU(acc, d8, plane + j);
+    }
+  }
+  for (; j < bytes; ++j) {
+    uint8_t byte = 0;
+    for (int m = 0; m < per_byte; ++m) {
+      byte |= static_cast<uint8_t>(((codes[j + bytes * m] >> shift) & mask) << (m * b));
+    }
+    plane[j] = byte;
+  }
+}
+
+void PackRow(const uint8_t* codes, int n, int bits, uint8_t* row) {
+  switch (bits) {
+    case 8:
+      std::memcpy(row, codes, n);
+      return;
+    case 4:
+    case 2:
+      PackPlaneInto(codes, n * bits / 8, bits, 0, row);
+      return;
+    case 3:
+      PackPlaneInto(codes, n / 4, 2, 0, row);
+      PackPlaneInto(codes, n / 8, 1, 2, row + n / 4);
+      return;
+  }
+}
+
+void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
+                    int row0) {
+  const PageLayout& L = s.layout();
+  const SideLayout& S = L.side(side);
+  const int d = L.head_dim;
+  const int bits = L.bits;
+  const float topf = static_cast<float>((1 << bits) - 1);
+  const hn::ScalableTag<float> df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto vtop = hn::Set(df, topf);
+  QuantScratch& qs = ThreadQuantScratch();
+  qs.codes.resize(static_cast<size_t>(d) + N);
+  uint8_t* codes = qs.codes.data();
+  if (S.axis == ParamAxis::kChannelGroups) {
+    const int g = L.block_tokens;
+    qs.scale.resize(d);
+    qs.zero.resize(d);
+    for (int b = 0; b < n / g; ++b) {
+      const float* block = rows + static_cast<size_t>(b) * g * d;
+      uint16_t* params = L.Params(page, S, row0 / g + b);
+      for (int c = 0; c < d; c += N) {
+        auto mn = hn::LoadU(df, block + c);
+        auto mx = mn;
+        for (int t = 1; t < g; ++t) {
+          const auto x = hn::LoadU(df, block + static_cast<size_t>(t) * d + c);
+          mn = hn::Min(mn, x);
+          mx = hn::Max(mx, x);
+        }
+        alignas(64) float lo[16], hi[16];
+        hn::StoreU(mn, df, lo);
+        hn::StoreU(mx, df, hi);
+        for (int i = 0; i < N; ++i) {
+          const GroupParams p = MakeGroupParams(lo[i], hi[i], bits, false);
+          params[c + i] = FloatToHalf(p.scale);
+          params[d + c + i] = FloatToHalf(p.zero);
+          qs.scale[c + i] = p.scale;
+          qs.zero[c + i] = p.zero;
+        }
+      }
+      for (int t = 0; t < g; ++t) {
+        const float* x = block + static_cast<size_t>(t) * d;
+        for (int c = 0; c < d; c += N) {
+          StoreCodes(CodeOf(hn::LoadU(df, x + c), hn::LoadU(df, qs.scale.data() + c),
+                            hn::LoadU(df, qs.zero.data() + c), vtop),
+                     codes + c);
+        }
+        PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + b * g + t));
+      }
+    }
+    return;
+  }
+  const int gc = S.group_channels;
+  const int ng = d / gc;
+  for (int r = 0; r < n; ++r) {
+    const float* x = rows + static_cast<size_t>(r) * d;
+    uint16_t* params = L.Params(page, S, row0 + r);
+    for (int j = 0; j < ng; ++j) {
+      const float* xg = x + j * gc;
+      auto mn = hn::LoadU(df, xg);
+      auto mx = mn;
+      for (int c = N; c < gc; c += N) {
+        mn = hn::Min(mn, hn::LoadU(df, xg + c));
+        mx = hn::Max(mx, hn::LoadU(df, xg + c));
+      }
+      const GroupParams p = MakeGroupParams(hn::GetLane(hn::MinOfLanes(df, mn)),
+                                            hn::GetLane(hn::MaxOfLanes(df, mx)), bits, false);
+      params[j] = FloatToHalf(p.scale);
+      params[ng + j] = FloatToHalf(p.zero);
+      const auto vs = hn::Set(df, p.scale);
+      const auto vz = hn::Set(df, p.zero);
+      for (int c = 0; c < gc; c += N) StoreCodes(CodeOf(hn::LoadU(df, xg + c), vs, vz, vtop), codes + j * gc + c);
+    }
+    PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + r));
+  }
+}
+
+}  // namespace
+
+bool QuantizeRowsImpl(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
+                      int row0) {
+  const SideLayout& S = s.layout().side(side);
+  const int d = s.head_dim();
+  const hn::ScalableTag<float> df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  switch (S.format) {
+    case CodeFormat::kFp16:
+#if HWY_TARGET == HWY_AVX2
+      for (int r = 0; r < n; ++r) {
+        const float* x = rows + static_cast<size_t>(r) * d;
+        auto* h = reinterpret_cast<uint16_t*>(PageLayout::CodeRow(page, S, row0 + r));
+        for (int c = 0; c < d; c += 8) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(h + c),
+                           _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT));
+        }
+      }
+      return true;
+#else
+      return false;
+#endif
+    case CodeFormat::kBf16: {
+      // Round to nearest even on the bits (inputs are finite: Append checks).
+      const hn::RebindToUnsigned<decltype(df)> du;
+      const hn::RebindToSigned<decltype(df)> di;
+      const hn::Rebind<uint16_t, decltype(df)> d16;
+      for (int r = 0; r < n; ++r) {
+        const float* x = rows + static_cast<size_t>(r) * d;
+        auto* b = reinterpret_cast<uint16_t*>(PageLayout::CodeRow(page, S, row0 + r));
+        for (int c = 0; c < d; c += N) {
+          const auto u = hn::BitCast(du, hn::LoadU(df, x + c));
+          const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+          const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd)));
+          hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, rounded)), d16, b + c);
+        }
+      }
+      return true;
+    }
+    case CodeFormat::kInt8:
+    case CodeFormat::kPacked:
+      if (s.spec().nuq || s.layout().outliers_per_block > 0) return false;
+      QuantizeAffine(s, side, rows, n, page, row0);
+      return true;
+    case CodeFormat::kFp8E4m3:
+      return false;
+  }
+  return false;
+}
+
+void DequantizeRowsImpl(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                        float* out) {
+  static thread_local SideContext ctx;
+  ctx.Init(s, side);
+  DequantRows(ctx, page, row0, n, out);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace cpu
+}  // namespace kvq
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvq {
+namespace cpu {
+
+HWY_EXPORT(QuantizeRowsImpl);
+HWY_EXPORT(DequantizeRowsImpl);
+
+bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
+                      uint8_t* page, int row0) {
+  return HWY_DYNAMIC_DISPATCH(QuantizeRowsImpl)(stream, side, rows, n, page, row0);
+}
+
+void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,
+                        int n, float* out) {
+  HWY_DYNAMIC_DISPATCH(DequantizeRowsImpl)(stream, side, page, row0, n, out);
+}
+
+}  // namespace cpu
+}  // namespace kvq
+#endif

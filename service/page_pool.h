@@ -1,0 +1,90 @@
+// PagePool: the one pre-allocated memory pool a kvq server stores KV in.
+//
+// The pool reserves `capacity_bytes` once at start-up and never calls malloc
+// on the append path. It is a slab allocator: the arena is cut into slabs of
+// `slab_bytes`; a slab serves blocks of one size (a stream's page size or its
+// aux block size, rounded up to kPageAlign), and blocks larger than a slab
+// take a run of whole slabs. A server holds a handful of layouts, so a
+// handful of size classes: free slots are reused exactly, with no external
+// fragmentation inside a class, and a slab whose blocks are all free goes
+// back to the shared free list for any class.
+//
+// Blocks are reference counted (PageAllocator::Retain) so that forks and
+// reused prefixes share full pages.
+#ifndef KVQ_SERVICE_PAGE_POOL_H_
+#define KVQ_SERVICE_PAGE_POOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/page_allocator.h"
+
+namespace kvq {
+
+struct PagePoolOptions {
+  size_t capacity_bytes = size_t{1} << 30;
+  size_t slab_bytes = size_t{1} << 20;
+};
+
+struct PagePoolStats {
+  size_t capacity_bytes = 0;   // Arena size (whole slabs).
+  size_t used_bytes = 0;       // Bytes of live blocks (as requested, rounded to kPageAlign).
+  size_t slab_bytes = 0;
+  size_t slabs_total = 0;
+  size_t slabs_used = 0;       // Slabs holding at least one live block.
+  size_t blocks_used = 0;      // Live blocks (pages and aux blocks).
+  size_t shared_blocks = 0;    // Live blocks with more than one reference.
+};
+
+class PagePool final : public PageAllocator {
+ public:
+  // INVALID_ARGUMENT for a capacity below one slab or a slab size that is
+  // not a multiple of kPageAlign; RESOURCE_EXHAUSTED if the arena cannot be
+  // reserved.
+  static absl::StatusOr<std::unique_ptr<PagePool>> Create(const PagePoolOptions& options);
+  ~PagePool() override;
+
+  absl::StatusOr<uint8_t*> Allocate(size_t bytes) override;
+  void Retain(uint8_t* block, size_t bytes) override;
+  void Free(uint8_t* block, size_t bytes) override;
+
+  // Whether `count` blocks of `bytes` each could be allocated now.
+  bool CanAllocate(size_t bytes, size_t count) const;
+  PagePoolStats Stats() const;
+
+ private:
+  struct Slab {
+    size_t slot_bytes = 0;       // 0: free slab. For a large run: the run's bytes.
+    uint32_t run_slabs = 0;      // > 0 on the first slab of a large run.
+    std::vector<uint32_t> free;  // Free slot indices (small classes).
+    uint32_t live = 0;
+  };
+
+  PagePool(uint8_t* arena, size_t slabs, size_t slab_bytes);
+  static size_t SlotBytes(size_t bytes);
+  size_t SlabOf(const uint8_t* block) const;
+  uint8_t* SlabBase(size_t slab) const { return arena_ + slab * slab_bytes_; }
+  // Takes `n` contiguous free slabs; returns the first or slabs_.size().
+  size_t TakeSlabs(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseBlock(uint8_t* block, size_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  uint8_t* const arena_;
+  const size_t slab_bytes_;
+  mutable absl::Mutex mu_;
+  std::vector<Slab> slabs_ ABSL_GUARDED_BY(mu_);
+  // Slabs of each small class that have a free slot.
+  absl::flat_hash_map<size_t, std::vector<size_t>> open_slabs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint8_t*, uint32_t> extra_refs_ ABSL_GUARDED_BY(mu_);
+  size_t free_slabs_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t blocks_used_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_SERVICE_PAGE_POOL_H_

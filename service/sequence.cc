@@ -1,0 +1,191 @@
+#include "service/sequence.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace kvq {
+
+absl::Status ModelShape::Validate() const {
+  auto bad = [](absl::string_view field, int value, absl::string_view bound) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout.", field, " = ", value, " must be ", bound));
+  };
+  if (num_layers < 1 || num_layers > 1024) return bad("num_layers", num_layers, "in [1, 1024]");
+  if (num_kv_heads < 1 || num_kv_heads > 256) return bad("num_kv_heads", num_kv_heads, "in [1, 256]");
+  if (num_q_heads < num_kv_heads || num_q_heads % num_kv_heads != 0 ||
+      num_q_heads / num_kv_heads > 64) {
+    return bad("num_q_heads", num_q_heads,
+               absl::StrCat("a multiple of num_kv_heads = ", num_kv_heads, ", at most 64x"));
+  }
+  if (head_dim < 16 || head_dim > 256 || head_dim % 16 != 0) {
+    return bad("head_dim", head_dim, "a multiple of 16 in [16, 256]");
+  }
+  return absl::OkStatus();
+}
+
+Sequence::Sequence(std::string ns, std::string id, const ModelShape& shape,
+                   const StreamConfig& config)
+    : ns_(std::move(ns)), id_(std::move(id)), shape_(shape), config_(config) {}
+
+absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(
+    std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config,
+    const std::vector<Codebook>& codebooks, const KernelBackend* backend,
+    PageAllocator* allocator) {
+  KVQ_RETURN_IF_ERROR(shape.Validate());
+  const int streams = shape.num_layers * shape.num_kv_heads;
+  if (config.spec.nuq && static_cast<int>(codebooks.size()) != streams) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "codebooks: a nuq scheme needs one per (layer, kv head) = ", streams, ", got ",
+        codebooks.size()));
+  }
+  std::unique_ptr<Sequence> s(new Sequence(std::move(ns), std::move(id), shape, config));
+  s->streams_.reserve(streams);
+  for (int i = 0; i < streams; ++i) {
+    KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> stream,
+                         KvStream::Create(config, backend, allocator,
+                                          config.spec.nuq ? &codebooks[i] : nullptr));
+    s->streams_.push_back(std::move(stream));
+  }
+  return s;
+}
+
+int Sequence::block_tokens() const {
+  return config_.spec.is_kivi() ? config_.spec.flush_tokens() : streams_[0]->layout().page_tokens;
+}
+
+int Sequence::num_tokens() const {
+  int n = layer_tokens(0);
+  for (int l = 1; l < shape_.num_layers; ++l) n = std::min(n, layer_tokens(l));
+  return n;
+}
+
+int Sequence::committed_tokens(int layer) const {
+  if (!snapshot_.empty()) return snapshot_[layer * shape_.num_kv_heads]->num_tokens();
+  return layer_tokens(layer);
+}
+
+absl::Status Sequence::Atomically(int layer_begin, int layer_end, bool allocates,
+                                  const std::function<absl::Status()>& body) {
+  if (!allocates || in_transaction()) return body();  // Cannot fail half-way / outer snapshot.
+  const int h = shape_.num_kv_heads;
+  std::vector<std::unique_ptr<KvStream>> saved;
+  for (int i = layer_begin * h; i < layer_end * h; ++i) {
+    KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> copy,
+                         streams_[i]->Fork(streams_[i]->num_tokens()));
+    saved.push_back(std::move(copy));
+  }
+  absl::Status status = body();
+  if (!status.ok()) {
+    for (int i = layer_begin * h; i < layer_end * h; ++i) {
+      streams_[i] = std::move(saved[i - layer_begin * h]);
+    }
+  }
+  return status;
+}
+
+absl::Status Sequence::AppendDense(const DenseKv& kv) {
+  if (kv.layers < 1 || kv.layer_begin < 0 || kv.layer_begin + kv.layers > shape_.num_layers) {
+    return absl::OutOfRangeError(absl::StrCat("layers [", kv.layer_begin, ", ",
+                                              kv.layer_begin + kv.layers, ") are not inside [0, ",
+                                              shape_.num_layers, ")"));
+  }
+  if (kv.tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens = ", kv.tokens, " must be >= 1"));
+  }
+  const int h = shape_.num_kv_heads;
+  const int d = shape_.head_dim;
+  const size_t stride = static_cast<size_t>(kv.tokens) * d * DTypeBytes(kv.dtype);
+  auto view = [&](const uint8_t* base, int l, int head) {
+    return ConstTensorView{base + (static_cast<size_t>(l) * h + head) * stride, kv.dtype,
+                           kv.tokens, d, 0};
+  };
+  bool allocates = false;
+  for (int l = 0; l < kv.layers; ++l) {
+    for (int head = 0; head < h; ++head) {
+      const KvStream& s = stream(kv.layer_begin + l, head);
+      absl::Status st = s.ValidateAppend(view(kv.k, l, head), view(kv.v, l, head));
+      if (!st.ok()) {
+        return absl::Status(st.code(), absl::StrCat("layer ", kv.layer_begin + l, " kv_head ",
+                                                    head, ": ", st.message()));
+      }
+      allocates |= s.PagesNeeded(kv.tokens) > 0;
+    }
+  }
+  return Atomically(kv.layer_begin, kv.layer_begin + kv.layers, allocates, [&] {
+    for (int l = 0; l < kv.layers; ++l) {
+      for (int head = 0; head < h; ++head) {
+        KVQ_RETURN_IF_ERROR(
+            stream(kv.layer_begin + l, head).Append(view(kv.k, l, head), view(kv.v, l, head)));
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Sequence::AppendRaw(const RawPagesKv& raw) {
+  if (raw.layers < 1 || raw.layer_begin < 0 || raw.layer_begin + raw.layers > shape_.num_layers) {
+    return absl::OutOfRangeError(absl::StrCat("layers [", raw.layer_begin, ", ",
+                                              raw.layer_begin + raw.layers,
+                                              ") are not inside [0, ", shape_.num_layers, ")"));
+  }
+  const int h = shape_.num_kv_heads;
+  const KvStream& first = stream(raw.layer_begin, 0);
+  const size_t per_stream = static_cast<size_t>(first.PagesFor(raw.tokens)) * first.layout().page_bytes;
+  return Atomically(raw.layer_begin, raw.layer_begin + raw.layers, true, [&] {
+    for (int l = 0; l < raw.layers; ++l) {
+      for (int head = 0; head < h; ++head) {
+        absl::Status st = stream(raw.layer_begin + l, head)
+                              .AppendPages(raw.data + (static_cast<size_t>(l) * h + head) * per_stream,
+                                           raw.tokens);
+        if (!st.ok()) {
+          return absl::Status(st.code(), absl::StrCat("layer ", raw.layer_begin + l, " kv_head ",
+                                                      head, ": ", st.message()));
+        }
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Sequence::BeginTransaction() {
+  if (in_transaction()) return absl::AbortedError("another append stream is in progress");
+  std::vector<std::unique_ptr<KvStream>> saved;
+  for (const auto& s : streams_) {
+    KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> copy, s->Fork(s->num_tokens()));
+    saved.push_back(std::move(copy));
+  }
+  snapshot_ = std::move(saved);
+  return absl::OkStatus();
+}
+
+void Sequence::Rollback() {
+  if (!in_transaction()) return;
+  streams_ = std::move(snapshot_);
+  snapshot_.clear();
+}
+
+void Sequence::Commit() { snapshot_.clear(); }
+
+absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string ns, std::string id,
+                                                         int tokens) const {
+  std::unique_ptr<Sequence> f(new Sequence(std::move(ns), std::move(id), shape_, config_));
+  for (int l = 0; l < shape_.num_layers; ++l) {
+    for (int head = 0; head < shape_.num_kv_heads; ++head) {
+      KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s, stream(l, head).Fork(tokens));
+      f->streams_.push_back(std::move(s));
+    }
+  }
+  f->token_ids_.assign(token_ids_.begin(),
+                       token_ids_.begin() + std::min<size_t>(token_ids_.size(), tokens));
+  return f;
+}
+
+ByteBreakdown Sequence::Bytes() const {
+  ByteBreakdown b;
+  for (const auto& s : streams_) b += s->AllocatedBytes();
+  return b;
+}
+
+}  // namespace kvq

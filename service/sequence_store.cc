@@ -1,0 +1,441 @@
+#include "service/sequence_store.h"
+
+#include <algorithm>
+#include <random>
+
+#include "absl/hash/hash.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/status_macros.h"
+
+namespace kvq {
+namespace {
+
+absl::Status CheckName(absl::string_view field, absl::string_view name, bool allow_empty) {
+  if (name.empty() && allow_empty) return absl::OkStatus();
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must have 1 to 128 characters, got ", name.size()));
+  }
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+          c == ':')) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " may hold only letters, digits and - _ . :"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string Describe(absl::string_view ns, absl::string_view id) {
+  return ns.empty() ? absl::StrCat("sequence \"", id, "\"")
+                    : absl::StrCat("sequence \"", id, "\" in namespace \"", ns, "\"");
+}
+
+}  // namespace
+
+absl::string_view GoneReasonName(GoneReason r) {
+  switch (r) {
+    case GoneReason::kReleased: return "released";
+    case GoneReason::kExpired: return "expired";
+    case GoneReason::kEvicted: return "evicted";
+  }
+  return "gone";
+}
+
+// ------------------------------------------------------------------ Handle
+
+SequenceStore::Handle::Handle(SequenceStore* store, std::shared_ptr<Sequence> seq)
+    : store_(store), seq_(std::move(seq)) {}
+
+SequenceStore::Handle::Handle(Handle&& o) noexcept
+    : store_(std::exchange(o.store_, nullptr)), seq_(std::move(o.seq_)) {}
+
+SequenceStore::Handle& SequenceStore::Handle::operator=(Handle&& o) noexcept {
+  if (this != &o) {
+    if (store_ != nullptr && seq_) store_->Unuse(seq_.get());
+    store_ = std::exchange(o.store_, nullptr);
+    seq_ = std::move(o.seq_);
+  }
+  return *this;
+}
+
+SequenceStore::Handle::~Handle() {
+  if (store_ != nullptr && seq_) store_->Unuse(seq_.get());
+}
+
+// ------------------------------------------------------------------- Store
+
+absl::StatusOr<std::unique_ptr<SequenceStore>> SequenceStore::Create(const StoreOptions& options,
+                                                                     const KernelBackend* backend) {
+  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<PagePool> pool, PagePool::Create(options.pool));
+  return std::unique_ptr<SequenceStore>(new SequenceStore(options, backend, std::move(pool)));
+}
+
+SequenceStore::SequenceStore(const StoreOptions& options, const KernelBackend* backend,
+                             std::unique_ptr<PagePool> pool)
+    : options_(options), backend_(backend), pool_(std::move(pool)) {}
+
+SequenceStore::~SequenceStore() {
+  // Sequences free their pages into the pool: drop them before the pool.
+  absl::MutexLock lock(&mu_);
+  live_.clear();
+  cached_.clear();
+}
+
+std::string SequenceStore::Key(absl::string_view ns, absl::string_view id) {
+  return absl::StrCat(ns, "/", id);
+}
+
+void SequenceStore::Unuse(Sequence* seq) {
+  absl::MutexLock lock(&mu_);
+  --seq->active_calls;
+  seq->last_used = absl::Now();
+}
+
+void SequenceStore::Tombstone(const std::string& key, GoneReason reason) {
+  if (gone_.insert_or_assign(key, reason).second) gone_order_.push_back(key);
+  while (static_cast<int>(gone_order_.size()) > options_.tombstones) {
+    gone_.erase(gone_order_.front());
+    gone_order_.pop_front();
+  }
+  if (events_.on_gone) events_.on_gone(reason);
+}
+
+absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequenceArgs& args) {
+  KVQ_RETURN_IF_ERROR(CheckName("namespace", args.ns, /*allow_empty=*/true));
+  KVQ_RETURN_IF_ERROR(CheckName("sequence_id", args.id, /*allow_empty=*/true));
+  KVQ_ASSIGN_OR_RETURN(QuantSpec spec, QuantSpec::Parse(args.scheme));
+  KVQ_RETURN_IF_ERROR(args.shape.Validate());
+  if (args.ttl < absl::ZeroDuration() || args.ttl > options_.max_ttl) {
+    return absl::InvalidArgumentError(absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(args.ttl),
+                                                   " exceeds the maximum ",
+                                                   absl::ToInt64Seconds(options_.max_ttl)));
+  }
+  StreamConfig config;
+  config.spec = spec;
+  config.head_dim = args.shape.head_dim;
+  config.rope = args.shape.rope;
+  if (absl::Status st = config.Validate(); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("scheme \"", args.scheme, "\" with head_dim ",
+                                                   args.shape.head_dim, ": ", st.message()));
+  }
+  std::string id = args.id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!id.empty() && live_.contains(Key(args.ns, id))) {
+      return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
+    }
+    if (static_cast<int>(live_.size()) >= options_.max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the server holds its maximum of ", options_.max_sequences, " sequences"));
+    }
+    if (id.empty()) {
+      static thread_local std::mt19937_64 rng(std::random_device{}());
+      id = absl::StrFormat("seq-%d-%016x", ++next_id_, rng());
+    }
+  }
+  std::unique_ptr<Sequence> seq;
+  KVQ_RETURN_IF_ERROR(WithEviction(nullptr, [&]() -> absl::Status {
+    KVQ_ASSIGN_OR_RETURN(seq, Sequence::Create(args.ns, id, args.shape, config, args.codebooks,
+                                               backend_, pool_.get()));
+    return absl::OkStatus();
+  }));
+  if (!args.prompt_token_ids.empty()) {
+    absl::StatusOr<std::unique_ptr<Sequence>> reused = ReusePrefix(args, *seq);
+    if (reused.ok() && *reused != nullptr) seq = std::move(*reused);
+  }
+  seq->ttl = args.ttl == absl::ZeroDuration() ? options_.default_ttl : args.ttl;
+  seq->last_used = absl::Now();
+  std::shared_ptr<Sequence> shared(std::move(seq));
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(args.ns, id);
+  if (live_.contains(key)) {
+    return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
+  }
+  gone_.erase(key);
+  live_[key] = Entry{shared};
+  ++shared->active_calls;
+  return Handle(this, shared);
+}
+
+absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, absl::string_view id) {
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(ns, id);
+  auto it = live_.find(key);
+  if (it == live_.end()) {
+    if (auto g = gone_.find(key); g != gone_.end()) {
+      switch (g->second) {
+        case GoneReason::kEvicted:
+          return absl::NotFoundError(absl::StrCat(Describe(ns, id),
+                                                  " was evicted to free memory; recompute it"));
+        case GoneReason::kExpired:
+          return absl::NotFoundError(
+              absl::StrCat(Describe(ns, id), " expired: its lease ran out while idle"));
+        case GoneReason::kReleased:
+          return absl::NotFoundError(absl::StrCat(Describe(ns, id), " was released"));
+      }
+    }
+    return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
+  }
+  std::shared_ptr<Sequence> seq = it->second.seq;
+  ++seq->active_calls;
+  seq->last_used = absl::Now();
+  return Handle(this, std::move(seq));
+}
+
+absl::StatusOr<int64_t> SequenceStore::Release(absl::string_view ns, absl::string_view id) {
+  std::shared_ptr<Sequence> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::string key = Key(ns, id);
+    auto it = live_.find(key);
+    if (it == live_.end()) {
+      if (gone_.contains(key)) {
+        return absl::NotFoundError(
+            absl::StrCat(Describe(ns, id), " was already ", GoneReasonName(gone_[key])));
+      }
+      return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
+    }
+    seq = std::move(it->second.seq);
+    live_.erase(it);
+    Tombstone(key, GoneReason::kReleased);
+    seq->released = true;
+    seq->last_used = absl::Now();
+    if (options_.evict_when_full && registered_blocks_.contains(seq.get())) {
+      cached_.push_back(seq);  // Its blocks stay reusable until evicted.
+    } else {
+      registered_blocks_.erase(seq.get());
+    }
+  }
+  absl::ReaderMutexLock lock(&seq->mu());
+  return static_cast<int64_t>(seq->Bytes().total());
+}
+
+absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
+                                                          absl::string_view source,
+                                                          absl::string_view new_id, int tokens,
+                                                          absl::Duration ttl) {
+  KVQ_RETURN_IF_ERROR(CheckName("new_sequence_id", new_id, /*allow_empty=*/true));
+  if (ttl < absl::ZeroDuration() || ttl > options_.max_ttl) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ttl_seconds = ", absl::ToInt64Seconds(ttl), " exceeds the maximum ",
+        absl::ToInt64Seconds(options_.max_ttl)));
+  }
+  KVQ_ASSIGN_OR_RETURN(Handle src, Get(ns, source));
+  std::string id(new_id);
+  {
+    absl::MutexLock lock(&mu_);
+    if (id.empty()) id = absl::StrFormat("seq-%d-fork", ++next_id_);
+    if (live_.contains(Key(ns, id))) {
+      return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
+    }
+  }
+  std::unique_ptr<Sequence> fork;
+  {
+    absl::MutexLock lock(&src->mu());
+    if (src->in_transaction()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(Describe(ns, source), " has an append stream in progress"));
+    }
+    const int n = tokens == 0 ? src->num_tokens() : tokens;
+    if (n < 0 || n > src->num_tokens()) {
+      return absl::OutOfRangeError(absl::StrCat("num_tokens = ", tokens, " is not in [0, ",
+                                                src->num_tokens(), "]"));
+    }
+    KVQ_RETURN_IF_ERROR(WithEviction(&*src, [&]() -> absl::Status {
+      KVQ_ASSIGN_OR_RETURN(fork, src->Fork(std::string(ns), id, n));
+      return absl::OkStatus();
+    }));
+  }
+  fork->ttl = ttl == absl::ZeroDuration() ? src->ttl : ttl;
+  fork->last_used = absl::Now();
+  std::shared_ptr<Sequence> shared(std::move(fork));
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(ns, id);
+  if (live_.contains(key)) {
+    return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
+  }
+  gone_.erase(key);
+  live_[key] = Entry{shared};
+  ++shared->active_calls;
+  return Handle(this, shared);
+}
+
+absl::Status SequenceStore::WithEviction(const Sequence* user,
+                                         const std::function<absl::Status()>& fn) {
+  while (true) {
+    absl::Status st = fn();
+    if (st.code() != absl::StatusCode::kResourceExhausted || !options_.evict_when_full ||
+        !EvictOne(user)) {
+      return st;
+    }
+  }
+}
+
+bool SequenceStore::EvictOne(const Sequence* keep) {
+  std::shared_ptr<Sequence> victim;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!cached_.empty()) {
+      victim = std::move(cached_.front());
+      cached_.pop_front();
+      registered_blocks_.erase(victim.get());
+    } else {
+      auto best = live_.end();
+      for (auto it = live_.begin(); it != live_.end(); ++it) {
+        const Sequence* s = it->second.seq.get();
+        if (s == keep || s->active_calls > 0) continue;
+        if (best == live_.end() || s->last_used < best->second.seq->last_used) best = it;
+      }
+      if (best == live_.end()) return false;
+      victim = std::move(best->second.seq);
+      const std::string key = best->first;
+      live_.erase(best);
+      registered_blocks_.erase(victim.get());
+      Tombstone(key, GoneReason::kEvicted);
+    }
+  }
+  return true;  // `victim` frees its pages here, outside the store lock.
+}
+
+int SequenceStore::ExpireIdle(absl::Time now) {
+  std::vector<std::shared_ptr<Sequence>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = live_.begin(); it != live_.end();) {
+      Sequence* s = it->second.seq.get();
+      if (s->active_calls == 0 && now - s->last_used > s->ttl) {
+        expired.push_back(std::move(it->second.seq));
+        registered_blocks_.erase(s);
+        Tombstone(it->first, GoneReason::kExpired);
+        live_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    while (!cached_.empty() && now - cached_.front()->last_used > cached_.front()->ttl) {
+      registered_blocks_.erase(cached_.front().get());
+      expired.push_back(std::move(cached_.front()));
+      cached_.pop_front();
+    }
+  }
+  return static_cast<int>(expired.size());
+}
+
+// ----------------------------------------------------------- prefix reuse
+
+uint64_t SequenceStore::Fingerprint(const Sequence& seq) const {
+  const ModelShape& m = seq.shape();
+  uint64_t h = absl::HashOf(seq.ns(), seq.config().spec.ToString(), m.num_layers, m.num_kv_heads,
+                            m.num_q_heads, m.head_dim, m.rope.theta, m.rope.rotary_dim,
+                            static_cast<int>(m.rope.pairing), static_cast<int>(m.rope.scaling),
+                            m.rope.factor);
+  if (seq.config().spec.nuq) {
+    // Sequences with different codebooks store different codes.
+    for (int l = 0; l < m.num_layers; ++l) {
+      for (int head = 0; head < m.num_kv_heads; ++head) {
+        const KvStream& s = seq.stream(l, head);
+        const int n = 1 << s.spec().bits;
+        for (Side side : {Side::kKey, Side::kValue}) {
+          h = absl::HashOf(h, absl::string_view(reinterpret_cast<const char*>(s.levels(side, 0)),
+                                                static_cast<size_t>(s.head_dim()) * n * 2));
+        }
+      }
+    }
+  }
+  return h;
+}
+
+std::vector<uint64_t> SequenceStore::ChainHashes(const Sequence& seq,
+                                                 absl::Span<const int32_t> ids) const {
+  std::vector<uint64_t> out;
+  const int sink = seq.config().spec.sink;
+  const int block = seq.block_tokens();
+  uint64_t h = Fingerprint(seq);
+  size_t done = 0;
+  for (size_t end = sink + block; end <= ids.size(); end += block) {
+    h = absl::HashOf(h, absl::string_view(reinterpret_cast<const char*>(ids.data() + done),
+                                          (end - done) * sizeof(int32_t)));
+    done = end;
+    out.push_back(h);
+  }
+  return out;
+}
+
+void SequenceStore::RegisterPrefixBlocks(const std::shared_ptr<Sequence>& seq) {
+  const int sink = seq->config().spec.sink;
+  const int block = seq->block_tokens();
+  const int complete = std::min<int>(seq->num_tokens(), seq->token_ids().size());
+  if (complete < sink + block) return;
+  std::vector<uint64_t> hashes =
+      ChainHashes(*seq, absl::MakeConstSpan(seq->token_ids()).subspan(0, complete));
+  absl::MutexLock lock(&mu_);
+  int& done = registered_blocks_[seq.get()];
+  for (int k = done; k < static_cast<int>(hashes.size()); ++k) {
+    PrefixEntry& e = prefixes_[hashes[k]];
+    if (e.seq.expired()) e = PrefixEntry{seq, sink + (k + 1) * block};
+  }
+  done = static_cast<int>(hashes.size());
+}
+
+absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const CreateSequenceArgs& args,
+                                                                      const Sequence& fresh) {
+  std::vector<uint64_t> hashes = ChainHashes(fresh, args.prompt_token_ids);
+  for (int k = static_cast<int>(hashes.size()) - 1; k >= 0; --k) {
+    std::shared_ptr<Sequence> source;
+    int tokens = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = prefixes_.find(hashes[k]);
+      if (it == prefixes_.end()) continue;
+      source = it->second.seq.lock();
+      tokens = it->second.tokens;
+      if (!source) {
+        prefixes_.erase(it);
+        continue;
+      }
+    }
+    absl::MutexLock lock(&source->mu());
+    const std::vector<int32_t>& ids = source->token_ids();
+    if (source->in_transaction() || source->num_tokens() < tokens ||
+        static_cast<int>(ids.size()) < tokens ||
+        !std::equal(ids.begin(), ids.begin() + tokens, args.prompt_token_ids.begin())) {
+      continue;  // A hash collision or a source that changed: never serve wrong KV.
+    }
+    std::unique_ptr<Sequence> fork;
+    absl::Status st = WithEviction(source.get(), [&]() -> absl::Status {
+      KVQ_ASSIGN_OR_RETURN(fork, source->Fork(fresh.ns(), fresh.id(), tokens));
+      return absl::OkStatus();
+    });
+    if (!st.ok()) return st;
+    if (events_.on_prefix_hit) events_.on_prefix_hit(tokens);
+    return fork;
+  }
+  return std::unique_ptr<Sequence>();
+}
+
+// ------------------------------------------------------------------- stats
+
+StoreStats SequenceStore::Stats() const {
+  StoreStats st;
+  std::vector<std::shared_ptr<Sequence>> live;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, e] : live_) live.push_back(e.seq);
+    st.cached_sequences = static_cast<int64_t>(cached_.size());
+  }
+  st.pool = pool_->Stats();
+  st.sequences = static_cast<int64_t>(live.size());
+  for (const auto& seq : live) {
+    absl::ReaderMutexLock lock(&seq->mu());
+    st.bytes += seq->Bytes();
+    const int64_t tokens = seq->num_tokens();
+    st.tokens_by_scheme[seq->config().spec.ToString()] += tokens;
+    st.fp16_equivalent_bytes += tokens * seq->shape().num_layers * seq->shape().num_kv_heads *
+                                seq->shape().head_dim * 2 * 2;
+  }
+  return st;
+}
+
+}  // namespace kvq

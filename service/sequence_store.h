@@ -1,0 +1,164 @@
+// SequenceStore: every sequence of a server, their leases, eviction and the
+// prefix-reuse registry, over one PagePool.
+//
+// Thread-safety: all methods are thread-safe. Lock order: a sequence's mutex
+// may be held while calling into the store (eviction under allocation
+// pressure), never the other way round; the store never locks a sequence
+// that a caller could hold (it evicts only sequences no call is using).
+#ifndef KVQ_SERVICE_SEQUENCE_STORE_H_
+#define KVQ_SERVICE_SEQUENCE_STORE_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "service/page_pool.h"
+#include "service/sequence.h"
+
+namespace kvq {
+
+struct StoreOptions {
+  PagePoolOptions pool;
+  absl::Duration default_ttl = absl::Minutes(10);
+  absl::Duration max_ttl = absl::Hours(24);
+  // When the pool is full, evict released (prefix-cache) and then idle
+  // sequences, least recently used first, instead of failing.
+  bool evict_when_full = false;
+  int max_sequences = 100000;
+  // Evicted / expired ids remembered to answer NOT_FOUND with the reason.
+  int tombstones = 100000;
+};
+
+// Why a sequence left the store (for NOT_FOUND messages and metrics).
+enum class GoneReason { kReleased, kExpired, kEvicted };
+absl::string_view GoneReasonName(GoneReason r);
+
+struct CreateSequenceArgs {
+  std::string ns;
+  std::string id;  // Empty: generated.
+  ModelShape shape;
+  std::string scheme;
+  absl::Duration ttl = absl::ZeroDuration();  // Zero: default.
+  std::vector<Codebook> codebooks;
+  std::vector<int32_t> prompt_token_ids;
+};
+
+struct StoreStats {
+  PagePoolStats pool;
+  int64_t sequences = 0;        // Live (not released) sequences.
+  int64_t cached_sequences = 0; // Released, kept as prefix cache.
+  ByteBreakdown bytes;          // Referenced bytes of live sequences by component.
+  // Tokens stored per canonical scheme (live sequences).
+  absl::flat_hash_map<std::string, int64_t> tokens_by_scheme;
+  // fp16 bytes the stored tokens would take (for the compression ratio).
+  int64_t fp16_equivalent_bytes = 0;
+};
+
+// Counters the metrics layer exports.
+struct StoreEvents {
+  std::function<void(GoneReason)> on_gone;
+  std::function<void(int tokens)> on_prefix_hit;
+};
+
+class SequenceStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<SequenceStore>> Create(const StoreOptions& options,
+                                                               const KernelBackend* backend);
+  ~SequenceStore();
+
+  void set_events(StoreEvents events) { events_ = std::move(events); }
+
+  // A sequence in use by one call: keeps it from expiring or being evicted.
+  class Handle {
+   public:
+    Handle() = default;
+    Handle(SequenceStore* store, std::shared_ptr<Sequence> seq);
+    Handle(Handle&& o) noexcept;
+    Handle& operator=(Handle&& o) noexcept;
+    ~Handle();
+    Sequence* operator->() const { return seq_.get(); }
+    Sequence& operator*() const { return *seq_; }
+    const std::shared_ptr<Sequence>& shared() const { return seq_; }
+
+   private:
+    SequenceStore* store_ = nullptr;
+    std::shared_ptr<Sequence> seq_;
+  };
+
+  // ALREADY_EXISTS, INVALID_ARGUMENT (scheme, layout, codebooks),
+  // RESOURCE_EXHAUSTED. The handle's sequence may start with a reused prefix.
+  absl::StatusOr<Handle> Create(const CreateSequenceArgs& args);
+  // NOT_FOUND naming whether the id was never known, released, expired or
+  // evicted. Refreshes the lease.
+  absl::StatusOr<Handle> Get(absl::string_view ns, absl::string_view id);
+  // Removes the sequence; returns the bytes it referenced. With eviction
+  // enabled its pages stay as prefix cache until evicted.
+  absl::StatusOr<int64_t> Release(absl::string_view ns, absl::string_view id);
+  absl::StatusOr<Handle> Fork(absl::string_view ns, absl::string_view source,
+                              absl::string_view new_id, int tokens, absl::Duration ttl);
+
+  // Runs `fn` (which allocates from the pool while the caller holds the
+  // sequence's lock); on RESOURCE_EXHAUSTED with eviction enabled, evicts
+  // and retries. `fn` must be all-or-nothing.
+  absl::Status WithEviction(const Sequence* user, const std::function<absl::Status()>& fn);
+
+  // Registers blocks that became complete (call with the sequence locked).
+  void RegisterPrefixBlocks(const std::shared_ptr<Sequence>& seq);
+
+  // Drops sequences whose lease ran out; returns how many.
+  int ExpireIdle(absl::Time now);
+
+  StoreStats Stats() const;
+  PagePool& pool() { return *pool_; }
+  const KernelBackend* backend() const { return backend_; }
+  const StoreOptions& options() const { return options_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<Sequence> seq;
+  };
+  SequenceStore(const StoreOptions& options, const KernelBackend* backend,
+                std::unique_ptr<PagePool> pool);
+  static std::string Key(absl::string_view ns, absl::string_view id);
+  void Unuse(Sequence* seq);
+  void Tombstone(const std::string& key, GoneReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts one sequence other than `keep`; false if none is evictable.
+  bool EvictOne(const Sequence* keep);
+  // Prefix registry.
+  uint64_t Fingerprint(const Sequence& seq) const;
+  absl::StatusOr<std::unique_ptr<Sequence>> ReusePrefix(const CreateSequenceArgs& args,
+                                                        const Sequence& fresh);
+
+  const StoreOptions options_;
+  const KernelBackend* backend_;
+  std::unique_ptr<PagePool> pool_;
+  StoreEvents events_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Entry> live_ ABSL_GUARDED_BY(mu_);
+  // Released sequences kept as prefix cache (eviction enabled), oldest first.
+  std::deque<std::shared_ptr<Sequence>> cached_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, GoneReason> gone_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
+  struct PrefixEntry {
+    std::weak_ptr<Sequence> seq;
+    int tokens = 0;
+  };
+  absl::flat_hash_map<uint64_t, PrefixEntry> prefixes_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<const Sequence*, int> registered_blocks_ ABSL_GUARDED_BY(mu_);
+  // Chain hashes of the blocks of `ids` under `seq`'s namespace, layout and
+  // scheme: hash k covers tokens [0, sink + k * block).
+  std::vector<uint64_t> ChainHashes(const Sequence& seq, absl::Span<const int32_t> ids) const;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_SERVICE_SEQUENCE_STORE_H_
