@@ -85,7 +85,7 @@ absl::Status Sequence::Atomically(int layer_begin, int layer_end, bool allocates
   return status;
 }
 
-absl::Status Sequence::AppendDense(const DenseKv& kv) {
+absl::Status Sequence::ValidateDense(const DenseKv& kv) const {
   if (kv.layers < 1 || kv.layer_begin < 0 || kv.layer_begin + kv.layers > shape_.num_layers) {
     return absl::OutOfRangeError(absl::StrCat("layers [", kv.layer_begin, ", ",
                                               kv.layer_begin + kv.layers, ") are not inside [0, ",
@@ -95,24 +95,35 @@ absl::Status Sequence::AppendDense(const DenseKv& kv) {
     return absl::InvalidArgumentError(absl::StrCat("tokens = ", kv.tokens, " must be >= 1"));
   }
   const int h = shape_.num_kv_heads;
-  const int d = shape_.head_dim;
-  const size_t stride = static_cast<size_t>(kv.tokens) * d * DTypeBytes(kv.dtype);
-  auto view = [&](const uint8_t* base, int l, int head) {
-    return ConstTensorView{base + (static_cast<size_t>(l) * h + head) * stride, kv.dtype,
-                           kv.tokens, d, 0};
-  };
-  bool allocates = false;
   for (int l = 0; l < kv.layers; ++l) {
     for (int head = 0; head < h; ++head) {
       const KvStream& s = stream(kv.layer_begin + l, head);
-      absl::Status st = s.ValidateAppend(view(kv.k, l, head), view(kv.v, l, head));
+      absl::Status st = s.ValidateAppend(DenseView(kv, kv.k, l, head), DenseView(kv, kv.v, l, head));
       if (!st.ok()) {
         return absl::Status(st.code(), absl::StrCat("layer ", kv.layer_begin + l, " kv_head ",
                                                     head, ": ", st.message()));
       }
-      allocates |= s.PagesNeeded(kv.tokens) > 0;
     }
   }
+  return absl::OkStatus();
+}
+
+ConstTensorView Sequence::DenseView(const DenseKv& kv, const uint8_t* base, int l, int head) const {
+  const size_t stride = static_cast<size_t>(kv.tokens) * shape_.head_dim * DTypeBytes(kv.dtype);
+  return ConstTensorView{base + (static_cast<size_t>(l) * shape_.num_kv_heads + head) * stride,
+                         kv.dtype, kv.tokens, shape_.head_dim, 0};
+}
+
+absl::Status Sequence::AppendDense(const DenseKv& kv) {
+  KVQ_RETURN_IF_ERROR(ValidateDense(kv));
+  const int h = shape_.num_kv_heads;
+  bool allocates = false;
+  for (int l = 0; l < kv.layers; ++l) {
+    for (int head = 0; head < h; ++head) {
+      allocates |= stream(kv.layer_begin + l, head).PagesNeeded(kv.tokens) > 0;
+    }
+  }
+  auto view = [&](const uint8_t* base, int l, int head) { return DenseView(kv, base, l, head); };
   return Atomically(kv.layer_begin, kv.layer_begin + kv.layers, allocates, [&] {
     for (int l = 0; l < kv.layers; ++l) {
       for (int head = 0; head < h; ++head) {

@@ -82,6 +82,8 @@ class Sequence {
   // All-or-nothing appends. On any error (validation, pool exhausted) every
   // stream is exactly as before.
   absl::Status AppendDense(const DenseKv& kv);
+  // The checks AppendDense makes before touching anything.
+  absl::Status ValidateDense(const DenseKv& kv) const;
   absl::Status AppendRaw(const RawPagesKv& pages);
 
   // Snapshots for multi-message all-or-nothing (the Append stream): Begin
@@ -112,6 +114,7 @@ class Sequence {
 
  private:
   Sequence(std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config);
+  ConstTensorView DenseView(const DenseKv& kv, const uint8_t* base, int layer, int head) const;
   // Runs `body` (which appends to the streams of layers [begin, end)) so
   // that a failure restores them, snapshotting only when `body` may fail
   // half-way (when it allocates pages).

@@ -1,0 +1,763 @@
+#include "service/kvq_service.h"
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/status_macros.h"
+#include "service/tensor_codec.h"
+
+namespace kvq {
+namespace {
+
+absl::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+}
+
+// Reader locks on several sequences, taken in address order (no deadlock).
+class ReadLocks {
+ public:
+  explicit ReadLocks(std::vector<Sequence*> seqs) {
+    std::sort(seqs.begin(), seqs.end());
+    seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
+    for (Sequence* s : seqs) locks_.push_back(std::make_unique<absl::ReaderMutexLock>(&s->mu()));
+  }
+
+ private:
+  std::vector<std::unique_ptr<absl::ReaderMutexLock>> locks_;
+};
+
+absl::StatusOr<ModelShape> ShapeFromWire(const v1::ModelLayout& l) {
+  ModelShape m;
+  m.num_layers = l.num_layers();
+  m.num_kv_heads = l.num_kv_heads();
+  m.num_q_heads = l.num_q_heads();
+  m.head_dim = l.head_dim();
+  const v1::RopeParams& r = l.rope();
+  m.rope.theta = r.theta() == 0.0f ? 10000.0f : r.theta();
+  m.rope.rotary_dim = r.rotary_dim();
+  m.rope.factor = r.factor() == 0.0f ? 1.0f : r.factor();
+  switch (r.pairing()) {
+    case v1::RopeParams::PAIRING_HALF_SPLIT: m.rope.pairing = RopeConfig::Pairing::kHalfSplit; break;
+    case v1::RopeParams::PAIRING_ADJACENT: m.rope.pairing = RopeConfig::Pairing::kAdjacent; break;
+    default: return absl::InvalidArgumentError("layout.rope.pairing is not a known pairing");
+  }
+  switch (r.scaling()) {
+    case v1::RopeParams::SCALING_NONE: m.rope.scaling = RopeConfig::Scaling::kNone; break;
+    case v1::RopeParams::SCALING_LINEAR: m.rope.scaling = RopeConfig::Scaling::kLinear; break;
+    case v1::RopeParams::SCALING_NTK: m.rope.scaling = RopeConfig::Scaling::kNtk; break;
+    default: return absl::InvalidArgumentError("layout.rope.scaling is not a known scaling");
+  }
+  KVQ_RETURN_IF_ERROR(m.Validate());
+  if (absl::Status st = m.rope.Validate(m.head_dim); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("layout.", st.message()));
+  }
+  return m;
+}
+
+void FillBytes(const ByteBreakdown& b, v1::ByteBreakdown* out) {
+  out->set_codes(b.codes);
+  out->set_scales(b.scales);
+  out->set_outliers(b.outliers);
+  out->set_residual(b.residual);
+  out->set_sink(b.sink);
+  out->set_codebook(b.codebook);
+  out->set_padding(b.padding);
+  out->set_total(b.total());
+}
+
+// One item of a batched attention call.
+struct AttendJob {
+  SequenceStore::Handle seq;
+  std::vector<float> q;  // [num_queries, num_q_heads, head_dim]
+  int num_queries = 0;
+  std::vector<int32_t> positions;  // Empty: every key visible.
+  int key_begin = 0;
+  int key_end = 0;  // 0: every committed token.
+  std::string field;  // "items[i]" for messages.
+};
+
+// Runs the jobs' attention over `layer` as one backend call. Callers must
+// not hold the sequences' locks.
+absl::Status RunAttention(const KernelBackend& backend, int layer, std::vector<AttendJob>& jobs,
+                          float softmax_scale, v1::AttendResponse* resp) {
+  std::vector<Sequence*> seqs;
+  for (AttendJob& j : jobs) seqs.push_back(&*j.seq);
+  ReadLocks locks(seqs);
+  std::vector<AttentionTask> tasks;
+  std::vector<std::vector<float>> outs(jobs.size()), lses(jobs.size());
+  int group = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    AttendJob& j = jobs[i];
+    Sequence& s = *j.seq;
+    const ModelShape& m = s.shape();
+    if (group == 0) group = m.group_size();
+    if (m.group_size() != group) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          j.field, ": every item of one call must have the same GQA group size (",
+          group, "), this sequence has ", m.group_size()));
+    }
+    if (layer < 0 || layer >= m.num_layers) {
+      return absl::OutOfRangeError(
+          absl::StrCat("layer = ", layer, " is not in [0, ", m.num_layers, ")"));
+    }
+    const int committed = s.committed_tokens(layer);
+    const int end = j.key_end == 0 ? committed : j.key_end;
+    if (j.key_begin < 0 || j.key_begin > end || end > committed) {
+      return absl::OutOfRangeError(absl::StrCat(j.field, ": key range [", j.key_begin, ", ", end,
+                                                ") is not inside the ", committed,
+                                                " stored tokens of layer ", layer));
+    }
+    outs[i].assign(static_cast<size_t>(j.num_queries) * m.num_q_heads * m.head_dim, 0.0f);
+    lses[i].assign(static_cast<size_t>(j.num_queries) * m.num_q_heads, 0.0f);
+    for (int h = 0; h < m.num_kv_heads; ++h) {
+      AttentionTask t;
+      t.stream = &s.stream(layer, h);
+      t.key_begin = j.key_begin;
+      t.key_end = end;
+      t.num_queries = j.num_queries;
+      t.q = j.q.data() + static_cast<size_t>(h) * group * m.head_dim;
+      t.q_stride = m.num_q_heads * m.head_dim;
+      t.q_positions = j.positions.empty() ? nullptr : j.positions.data();
+      t.out = outs[i].data() + static_cast<size_t>(h) * group * m.head_dim;
+      t.out_stride = m.num_q_heads * m.head_dim;
+      t.lse = lses[i].data() + static_cast<size_t>(h) * group;
+      t.lse_stride = m.num_q_heads;
+      tasks.push_back(t);
+    }
+  }
+  AttentionOptions opts;
+  opts.group_size = group;
+  opts.softmax_scale = softmax_scale;
+  KVQ_RETURN_IF_ERROR(backend.Attend(tasks, opts));
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const ModelShape& m = jobs[i].seq->shape();
+    v1::AttendResult* r = resp->add_results();
+    SetTensor(r->mutable_out(), DType::kFloat32,
+              {jobs[i].num_queries, m.num_q_heads, m.head_dim}, outs[i].data(),
+              outs[i].size() * sizeof(float));
+    SetTensor(r->mutable_lse(), DType::kFloat32, {jobs[i].num_queries, m.num_q_heads},
+              lses[i].data(), lses[i].size() * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckScale(float scale) {
+  if (!(scale >= 0.0f) || !std::isfinite(scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("softmax_scale = ", scale, " must be finite and >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+KvqService::KvqService(SequenceStore* store, Metrics* metrics, const ServiceOptions& options)
+    : store_(store), metrics_(metrics), options_(options) {}
+
+absl::Status KvqService::CheckSize(const google::protobuf::Message& m) const {
+  const size_t bytes = m.ByteSizeLong();
+  if (static_cast<int64_t>(bytes) > options_.max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("message of ", bytes,
+                                                   " bytes exceeds max_message_bytes = ",
+                                                   options_.max_message_bytes));
+  }
+  return absl::OkStatus();
+}
+
+// A unary handler: time it, count its bytes, finish with its status.
+#define KVQ_UNARY(method, ctx, req, resp, body)                                  \
+  do {                                                                           \
+    RpcTimer timer(metrics_, RpcMethod::method);                                 \
+    metrics_->AddReceivedBytes(RpcMethod::method, (req)->ByteSizeLong());        \
+    absl::Status kvq_st = CheckSize(*(req));                                     \
+    if (kvq_st.ok()) kvq_st = [&]() -> absl::Status body();                      \
+    if (kvq_st.ok()) metrics_->AddSentBytes(RpcMethod::method, (resp)->ByteSizeLong()); \
+    timer.Finish(static_cast<int>(kvq_st.code()));                               \
+    auto* reactor = (ctx)->DefaultReactor();                                     \
+    reactor->Finish(ToGrpc(kvq_st));                                             \
+    return reactor;                                                              \
+  } while (0)
+
+grpc::ServerUnaryReactor* KvqService::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                    const v1::GetServerInfoRequest* req,
+                                                    v1::ServerInfo* resp) {
+  KVQ_UNARY(kGetServerInfo, ctx, req, resp, {
+    resp->set_version(options_.version);
+    resp->set_backend(options_.backend_name);
+    for (const std::string& s : SchemeNames()) resp->add_schemes(s);
+    for (const char* o : {"gN", "rN", "pre_rope", "outliers=P", "sink=S", "nuq", "rotate", "ktok"}) {
+      resp->add_scheme_options(o);
+    }
+    for (v1::DType d : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+      resp->add_input_dtypes(d);
+      resp->add_output_dtypes(d);
+    }
+    resp->set_capacity_bytes(store_->pool().Stats().capacity_bytes);
+    resp->set_max_message_bytes(options_.max_message_bytes);
+    resp->set_max_tokens_per_sequence(1 << 24);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext* ctx,
+                                                     const v1::CreateSequenceRequest* req,
+                                                     v1::CreateSequenceResponse* resp) {
+  KVQ_UNARY(kCreateSequence, ctx, req, resp, {
+    CreateSequenceArgs args;
+    args.ns = req->namespace_();
+    args.id = req->sequence_id();
+    KVQ_ASSIGN_OR_RETURN(args.shape, ShapeFromWire(req->layout()));
+    args.scheme = req->scheme();
+    args.ttl = absl::Seconds(req->ttl_seconds());
+    absl::StatusOr<QuantSpec> spec = QuantSpec::Parse(req->scheme());
+    if (!spec.ok()) return spec.status();
+    for (int i = 0; i < req->codebooks_size(); ++i) {
+      const std::string field = absl::StrCat("codebooks[", i, "]");
+      const int levels = 1 << spec->bits;
+      Codebook cb;
+      cb.bits = spec->bits;
+      cb.head_dim = args.shape.head_dim;
+      KVQ_ASSIGN_OR_RETURN(WireTensor k, CheckTensor(req->codebooks(i).key_levels(),
+                                                      field + ".key_levels",
+                                                      {args.shape.head_dim, levels}));
+      KVQ_ASSIGN_OR_RETURN(WireTensor v, CheckTensor(req->codebooks(i).value_levels(),
+                                                      field + ".value_levels",
+                                                      {args.shape.head_dim, levels}));
+      cb.key_levels = ToFloats(k);
+      cb.value_levels = ToFloats(v);
+      args.codebooks.push_back(std::move(cb));
+    }
+    args.prompt_token_ids.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
+    KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Create(args));
+    absl::MutexLock lock(&seq->mu());
+    if (!args.prompt_token_ids.empty()) seq->token_ids() = args.prompt_token_ids;
+    resp->set_sequence_id(seq->id());
+    resp->set_scheme(seq->config().spec.ToString());
+    resp->set_num_tokens(seq->num_tokens());
+    resp->set_block_tokens(seq->block_tokens());
+    return absl::OkStatus();
+  });
+}
+
+// ------------------------------------------------------------------ Append
+
+class KvqService::AppendReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
+ public:
+  AppendReactor(KvqService* service, grpc::CallbackServerContext* ctx, v1::AppendResponse* resp)
+      : service_(service), ctx_(ctx), resp_(resp), timer_(service->metrics(), RpcMethod::kAppend) {
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (ctx_->IsCancelled()) return Done(absl::CancelledError("append stream cancelled"));
+      return Done(Commit());
+    }
+    service_->metrics()->AddReceivedBytes(RpcMethod::kAppend, req_.ByteSizeLong());
+    absl::Status st = Process();
+    if (!st.ok()) return Done(st);
+    StartRead(&req_);
+  }
+
+  void OnCancel() override {}
+
+  void OnDone() override {
+    if (seq_.shared() && !committed_) {
+      absl::MutexLock lock(&seq_->mu());
+      seq_->Rollback();
+    }
+    delete this;
+  }
+
+ private:
+  absl::Status Process() {
+    KVQ_RETURN_IF_ERROR(service_->CheckSize(req_));
+    if (!seq_.shared()) {
+      if (req_.sequence().sequence_id().empty()) {
+        return absl::InvalidArgumentError("the first message must set sequence.sequence_id");
+      }
+      KVQ_ASSIGN_OR_RETURN(seq_, service_->store()->Get(req_.sequence().namespace_(),
+                                                         req_.sequence().sequence_id()));
+      absl::MutexLock lock(&seq_->mu());
+      KVQ_RETURN_IF_ERROR(service_->store()->WithEviction(&*seq_, [&] {
+        return seq_->BeginTransaction();
+      }));
+    } else if (!req_.sequence().sequence_id().empty() &&
+               (req_.sequence().sequence_id() != seq_->id() ||
+                req_.sequence().namespace_() != seq_->ns())) {
+      return absl::InvalidArgumentError("sequence changed within one append stream");
+    }
+    absl::MutexLock lock(&seq_->mu());
+    const ModelShape& m = seq_->shape();
+    const int before = seq_->layer_tokens(0);
+    if (req_.has_chunk()) {
+      const v1::KvChunk& c = req_.chunk();
+      const bool dense = c.has_k() || c.has_v();
+      if (dense == c.has_pages()) {
+        return absl::InvalidArgumentError("chunk must carry either k and v or pages");
+      }
+      if (dense) {
+        KVQ_ASSIGN_OR_RETURN(WireTensor k, CheckTensor(c.k(), "chunk.k",
+                                                       {-1, m.num_kv_heads, -1, m.head_dim}));
+        KVQ_ASSIGN_OR_RETURN(WireTensor v, CheckTensor(c.v(), "chunk.v", k.shape));
+        if (v.dtype != k.dtype) return absl::InvalidArgumentError("chunk.v.dtype differs from chunk.k.dtype");
+        DenseKv kv{c.layer_begin(), static_cast<int>(k.shape[0]), static_cast<int>(k.shape[2]),
+                   k.dtype, k.data, v.data};
+        KVQ_RETURN_IF_ERROR(
+            service_->store()->WithEviction(&*seq_, [&] { return seq_->AppendDense(kv); }));
+      } else {
+        const v1::QuantizedPages& p = c.pages();
+        const PageLayout& L = seq_->stream(0, 0).layout();
+        if (p.page_bytes() != static_cast<int64_t>(L.page_bytes) || p.page_tokens() != L.page_tokens) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "chunk.pages: page_bytes = ", p.page_bytes(), " and page_tokens = ", p.page_tokens(),
+              " must be ", L.page_bytes, " and ", L.page_tokens, " for this sequence's scheme"));
+        }
+        if (p.layers() < 1 || p.tokens() < 1) {
+          return absl::InvalidArgumentError("chunk.pages: layers and tokens must be >= 1");
+        }
+        const uint64_t want = static_cast<uint64_t>(p.layers()) * m.num_kv_heads *
+                              seq_->stream(0, 0).PagesFor(p.tokens()) * L.page_bytes;
+        if (p.page_data().size() != want) {
+          return absl::InvalidArgumentError(absl::StrCat("chunk.pages.page_data has ",
+                                                         p.page_data().size(), " bytes, expected ",
+                                                         want));
+        }
+        RawPagesKv raw{c.layer_begin(), p.layers(), p.tokens(),
+                       reinterpret_cast<const uint8_t*>(p.page_data().data())};
+        KVQ_RETURN_IF_ERROR(
+            service_->store()->WithEviction(&*seq_, [&] { return seq_->AppendRaw(raw); }));
+      }
+    }
+    if (req_.token_ids_size() > 0) {
+      std::vector<int32_t>& ids = seq_->token_ids();
+      if (static_cast<int>(ids.size()) != before) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "token_ids must continue the sequence's known ids: ", ids.size(),
+            " ids are known for ", before, " stored tokens"));
+      }
+      ids.insert(ids.end(), req_.token_ids().begin(), req_.token_ids().end());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Commit() {
+    if (!seq_.shared()) return absl::InvalidArgumentError("append stream carried no message");
+    absl::MutexLock lock(&seq_->mu());
+    seq_->Commit();
+    committed_ = true;
+    service_->store()->RegisterPrefixBlocks(seq_.shared());
+    resp_->set_num_tokens(seq_->num_tokens());
+    resp_->set_bytes_stored(seq_->Bytes().total());
+    return absl::OkStatus();
+  }
+
+  void Done(const absl::Status& st) {
+    if (!st.ok() && seq_.shared() && !committed_) {
+      absl::MutexLock lock(&seq_->mu());
+      seq_->Rollback();
+      committed_ = true;  // Nothing left to undo.
+    }
+    timer_.Finish(static_cast<int>(st.code()));
+    Finish(ToGrpc(st));
+  }
+
+  KvqService* service_;
+  grpc::CallbackServerContext* ctx_;
+  v1::AppendResponse* resp_;
+  RpcTimer timer_;
+  v1::AppendRequest req_;
+  SequenceStore::Handle seq_;
+  bool committed_ = false;
+};
+
+grpc::ServerReadReactor<v1::AppendRequest>* KvqService::Append(grpc::CallbackServerContext* ctx,
+                                                               v1::AppendResponse* resp) {
+  return new AppendReactor(this, ctx, resp);
+}
+
+// ------------------------------------------------------------ FetchDequant
+
+class KvqService::FetchReactor : public grpc::ServerWriteReactor<v1::FetchResponse> {
+ public:
+  FetchReactor(KvqService* service, grpc::CallbackServerContext* ctx, const v1::FetchRequest* req)
+      : service_(service), ctx_(ctx), req_(*req),
+        timer_(service->metrics(), RpcMethod::kFetchDequant) {
+    service_->metrics()->AddReceivedBytes(RpcMethod::kFetchDequant, req->ByteSizeLong());
+    absl::Status st = Plan();
+    if (!st.ok()) {
+      Done(st);
+      return;
+    }
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return Done(absl::CancelledError("fetch stream broken"));
+    Next();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Piece {
+    int layer, begin, end;
+  };
+
+  absl::Status Plan() {
+    KVQ_ASSIGN_OR_RETURN(seq_, service_->store()->Get(req_.sequence().namespace_(),
+                                                       req_.sequence().sequence_id()));
+    absl::ReaderMutexLock lock(&seq_->mu());
+    const ModelShape& m = seq_->shape();
+    const int lb = req_.layer_begin();
+    const int le = req_.layer_end() == 0 ? m.num_layers : req_.layer_end();
+    if (lb < 0 || lb >= le || le > m.num_layers) {
+      return absl::OutOfRangeError(absl::StrCat("layers [", lb, ", ", le, ") are not inside [0, ",
+                                                m.num_layers, ")"));
+    }
+    int available = std::numeric_limits<int>::max();
+    for (int l = lb; l < le; ++l) available = std::min(available, seq_->committed_tokens(l));
+    const int tb = req_.token_begin();
+    const int te = req_.token_end() == 0 ? available : req_.token_end();
+    if (tb < 0 || tb > te || te > available) {
+      return absl::OutOfRangeError(absl::StrCat("tokens [", tb, ", ", te, ") are not inside the ",
+                                                available, " tokens stored in layers [", lb, ", ",
+                                                le, ")"));
+    }
+    const int64_t chunk = req_.max_chunk_bytes() > 0 ? req_.max_chunk_bytes()
+                                                     : service_->options().fetch_chunk_bytes;
+    if (req_.raw()) {
+      if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
+        return absl::InvalidArgumentError("dtype must be unset for a raw fetch");
+      }
+      const KvStream& s = seq_->stream(lb, 0);
+      if (s.spec().kind == SchemeKind::kFp8E4m3) {
+        return absl::FailedPreconditionError("raw fetch is not available for fp8_e4m3");
+      }
+      const int base = s.page_base();
+      const int pt = s.layout().page_tokens;
+      int quantized = std::numeric_limits<int>::max();
+      for (int l = lb; l < le; ++l) quantized = std::min(quantized, seq_->stream(l, 0).quantized_tokens());
+      if (tb < base || te > base + quantized || (tb - base) % pt != 0) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "a raw fetch covers quantized tokens: [token_begin, token_end) must start on a page "
+            "boundary (sink ", base, " + k * ", pt, ") inside [", base, ", ", base + quantized,
+            "); fetch the sink and the fp16 tail with raw = false"));
+      }
+      const int64_t page_set = static_cast<int64_t>(m.num_kv_heads) * s.layout().page_bytes;
+      const int pages_per_msg = static_cast<int>(std::max<int64_t>(1, chunk / page_set));
+      for (int l = lb; l < le; ++l) {
+        for (int t = tb; t < te; t += pages_per_msg * pt) {
+          pieces_.push_back({l, t, std::min(te, t + pages_per_msg * pt)});
+        }
+      }
+      return absl::OkStatus();
+    }
+    KVQ_ASSIGN_OR_RETURN(dtype_, req_.dtype() == v1::DTYPE_UNSPECIFIED
+                                     ? absl::StatusOr<DType>(DType::kFloat16)
+                                     : FromWire(req_.dtype(), "dtype"));
+    const int64_t per_token = static_cast<int64_t>(m.num_kv_heads) * m.head_dim * 2 * DTypeBytes(dtype_);
+    const int step = static_cast<int>(std::max<int64_t>(1, chunk / per_token));
+    for (int l = lb; l < le; ++l) {
+      for (int t = tb; t < te; t += step) pieces_.push_back({l, t, std::min(te, t + step)});
+      if (tb == te) pieces_.push_back({l, tb, te});
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Fill(const Piece& p) {
+    resp_.Clear();
+    resp_.set_layer(p.layer);
+    resp_.set_token_begin(p.begin);
+    absl::ReaderMutexLock lock(&seq_->mu());
+    const ModelShape& m = seq_->shape();
+    const int n = p.end - p.begin;
+    if (req_.raw()) {
+      const KvStream& s0 = seq_->stream(p.layer, 0);
+      const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
+      v1::QuantizedPages* out = resp_.mutable_pages();
+      out->set_layers(1);
+      out->set_tokens(n);
+      out->set_page_bytes(s0.layout().page_bytes);
+      out->set_page_tokens(s0.layout().page_tokens);
+      std::string* data = out->mutable_page_data();
+      data->resize(per_stream * m.num_kv_heads);
+      for (int h = 0; h < m.num_kv_heads; ++h) {
+        const KvStream& s = seq_->stream(p.layer, h);
+        KVQ_RETURN_IF_ERROR(s.CopyPages(p.begin - s.page_base(), p.end - s.page_base(),
+                                        reinterpret_cast<uint8_t*>(data->data()) + h * per_stream));
+      }
+      return absl::OkStatus();
+    }
+    const size_t per_head = static_cast<size_t>(n) * m.head_dim * DTypeBytes(dtype_);
+    std::string* k = resp_.mutable_k()->mutable_data();
+    std::string* v = resp_.mutable_v()->mutable_data();
+    k->resize(per_head * m.num_kv_heads);
+    v->resize(per_head * m.num_kv_heads);
+    ReadOptions ro;
+    ro.dtype = dtype_;
+    ro.apply_rope = req_.apply_rope();
+    for (int h = 0; h < m.num_kv_heads; ++h) {
+      TensorView ko{k->data() + h * per_head, dtype_, n, m.head_dim, 0};
+      TensorView vo{v->data() + h * per_head, dtype_, n, m.head_dim, 0};
+      KVQ_RETURN_IF_ERROR(seq_->stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
+    }
+    for (v1::Tensor* t : {resp_.mutable_k(), resp_.mutable_v()}) {
+      t->set_dtype(ToWire(dtype_));
+      t->add_shape(m.num_kv_heads);
+      t->add_shape(n);
+      t->add_shape(m.head_dim);
+    }
+    return absl::OkStatus();
+  }
+
+  void Next() {
+    if (next_ == pieces_.size()) return Done(absl::OkStatus());
+    absl::Status st = Fill(pieces_[next_++]);
+    if (!st.ok()) return Done(st);
+    service_->metrics()->AddSentBytes(RpcMethod::kFetchDequant, resp_.ByteSizeLong());
+    StartWrite(&resp_);
+  }
+
+  void Done(const absl::Status& st) {
+    timer_.Finish(static_cast<int>(st.code()));
+    Finish(ToGrpc(st));
+  }
+
+  KvqService* service_;
+  grpc::CallbackServerContext* ctx_;
+  v1::FetchRequest req_;
+  RpcTimer timer_;
+  SequenceStore::Handle seq_;
+  DType dtype_ = DType::kFloat16;
+  std::vector<Piece> pieces_;
+  size_t next_ = 0;
+  v1::FetchResponse resp_;
+};
+
+grpc::ServerWriteReactor<v1::FetchResponse>* KvqService::FetchDequant(
+    grpc::CallbackServerContext* ctx, const v1::FetchRequest* req) {
+  return new FetchReactor(this, ctx, req);
+}
+
+// ------------------------------------------------------------------ Attend
+
+absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp) {
+  KVQ_RETURN_IF_ERROR(CheckScale(req.softmax_scale()));
+  if (req.items_size() == 0) return absl::InvalidArgumentError("items is empty");
+  std::vector<AttendJob> jobs;
+  for (int i = 0; i < req.items_size(); ++i) {
+    const v1::AttendItem& it = req.items(i);
+    AttendJob j;
+    j.field = absl::StrCat("items[", i, "]");
+    absl::StatusOr<SequenceStore::Handle> h =
+        store_->Get(it.sequence().namespace_(), it.sequence().sequence_id());
+    if (!h.ok()) return Prefixed(h.status(), j.field + ".sequence: ");
+    j.seq = std::move(*h);
+    const ModelShape& m = j.seq->shape();
+    KVQ_ASSIGN_OR_RETURN(WireTensor q,
+                         CheckTensor(it.q(), j.field + ".q", {-1, m.num_q_heads, m.head_dim}));
+    j.num_queries = static_cast<int>(q.shape[0]);
+    j.q = ToFloats(q);
+    if (it.q_positions_size() != 0 && it.q_positions_size() != j.num_queries) {
+      return absl::InvalidArgumentError(absl::StrCat(j.field, ".q_positions has ",
+                                                     it.q_positions_size(), " entries for ",
+                                                     j.num_queries, " queries"));
+    }
+    j.positions.assign(it.q_positions().begin(), it.q_positions().end());
+    j.key_begin = it.key_begin();
+    j.key_end = it.key_end();
+    jobs.push_back(std::move(j));
+  }
+  absl::Status st = RunAttention(*store_->backend(), req.layer(), jobs, req.softmax_scale(), resp);
+  if (st.code() == absl::StatusCode::kInvalidArgument &&
+      absl::StartsWith(st.message(), "attention task ")) {
+    return absl::InvalidArgumentError(absl::StrCat("q: ", st.message()));
+  }
+  return st;
+}
+
+grpc::ServerUnaryReactor* KvqService::Attend(grpc::CallbackServerContext* ctx,
+                                             const v1::AttendRequest* req,
+                                             v1::AttendResponse* resp) {
+  KVQ_UNARY(kAttend, ctx, req, resp, { return DoAttend(*req, resp); });
+}
+
+absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
+                                        v1::AttendResponse* resp) {
+  KVQ_RETURN_IF_ERROR(CheckScale(req.softmax_scale()));
+  if (req.items_size() == 0) return absl::InvalidArgumentError("items is empty");
+  struct Item {
+    SequenceStore::Handle seq;
+    DenseKv kv;
+    WireTensor q;
+  };
+  std::vector<Item> items;
+  // Check every item before appending any.
+  for (int i = 0; i < req.items_size(); ++i) {
+    const v1::AppendAttendItem& it = req.items(i);
+    const std::string field = absl::StrCat("items[", i, "]");
+    absl::StatusOr<SequenceStore::Handle> h =
+        store_->Get(it.sequence().namespace_(), it.sequence().sequence_id());
+    if (!h.ok()) return Prefixed(h.status(), field + ".sequence: ");
+    Item item{std::move(*h), {}, {}};
+    const ModelShape& m = item.seq->shape();
+    KVQ_ASSIGN_OR_RETURN(WireTensor k,
+                         CheckTensor(it.k(), field + ".k", {m.num_kv_heads, -1, m.head_dim}));
+    KVQ_ASSIGN_OR_RETURN(WireTensor v, CheckTensor(it.v(), field + ".v", k.shape));
+    if (v.dtype != k.dtype) return absl::InvalidArgumentError(field + ".v.dtype differs from k");
+    KVQ_ASSIGN_OR_RETURN(item.q, CheckTensor(it.q(), field + ".q",
+                                             {k.shape[1], m.num_q_heads, m.head_dim}));
+    item.kv = DenseKv{req.layer(), 1, static_cast<int>(k.shape[1]), k.dtype, k.data, v.data};
+    {
+      absl::ReaderMutexLock lock(&item.seq->mu());
+      KVQ_RETURN_IF_ERROR(Prefixed(item.seq->ValidateDense(item.kv), field + ": "));
+      if (item.seq->in_transaction()) {
+        return absl::AbortedError(field + ": an append stream is in progress on this sequence");
+      }
+    }
+    items.push_back(std::move(item));
+  }
+  std::vector<AttendJob> jobs;
+  for (size_t i = 0; i < items.size(); ++i) {
+    Item& item = items[i];
+    AttendJob j;
+    j.field = absl::StrCat("items[", i, "]");
+    {
+      absl::MutexLock lock(&item.seq->mu());
+      const int before = item.seq->layer_tokens(req.layer());
+      KVQ_RETURN_IF_ERROR(Prefixed(store_->WithEviction(&*item.seq, [&] {
+                                     return item.seq->AppendDense(item.kv);
+                                   }),
+                                   j.field + ": "));
+      for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before + t);
+      j.key_end = before + item.kv.tokens;
+    }
+    j.q = ToFloats(item.q);
+    j.num_queries = item.kv.tokens;
+    j.seq = std::move(item.seq);
+    jobs.push_back(std::move(j));
+  }
+  return RunAttention(*store_->backend(), req.layer(), jobs, req.softmax_scale(), resp);
+}
+
+grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,
+                                                   const v1::AppendAttendRequest* req,
+                                                   v1::AttendResponse* resp) {
+  KVQ_UNARY(kAppendAttend, ctx, req, resp, { return DoAppendAttend(*req, resp); });
+}
+
+// ------------------------------------------------------------ DecodeStream
+
+class KvqService::DecodeReactor
+    : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+ public:
+  DecodeReactor(KvqService* service) : service_(service) { StartRead(&req_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return Finish(grpc::Status::OK);  // Client closed (or cancelled).
+    RpcTimer timer(service_->metrics(), RpcMethod::kDecodeStream);
+    service_->metrics()->AddReceivedBytes(RpcMethod::kDecodeStream, req_.ByteSizeLong());
+    resp_.Clear();
+    absl::Status st = service_->CheckSize(req_);
+    if (st.ok()) st = service_->DoAppendAttend(req_.step(), resp_.mutable_result());
+    timer.Finish(static_cast<int>(st.code()));
+    if (!st.ok()) return Finish(ToGrpc(st));
+    service_->metrics()->AddSentBytes(RpcMethod::kDecodeStream, resp_.ByteSizeLong());
+    StartWrite(&resp_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "decode stream broken"));
+    StartRead(&req_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  KvqService* service_;
+  v1::DecodeRequest req_;
+  v1::DecodeResponse resp_;
+};
+
+grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* KvqService::DecodeStream(
+    grpc::CallbackServerContext*) {
+  return new DecodeReactor(this);
+}
+
+// ------------------------------------------------------ fork, release, stats
+
+grpc::ServerUnaryReactor* KvqService::Fork(grpc::CallbackServerContext* ctx,
+                                           const v1::ForkRequest* req, v1::ForkResponse* resp) {
+  KVQ_UNARY(kFork, ctx, req, resp, {
+    KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle f,
+                         store_->Fork(req->source().namespace_(), req->source().sequence_id(),
+                                      req->new_sequence_id(), req->num_tokens(),
+                                      absl::Seconds(req->ttl_seconds())));
+    absl::ReaderMutexLock lock(&f->mu());
+    resp->set_sequence_id(f->id());
+    resp->set_num_tokens(f->num_tokens());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvqService::Release(grpc::CallbackServerContext* ctx,
+                                              const v1::ReleaseRequest* req,
+                                              v1::ReleaseResponse* resp) {
+  KVQ_UNARY(kRelease, ctx, req, resp, {
+    KVQ_ASSIGN_OR_RETURN(int64_t bytes, store_->Release(req->sequence().namespace_(),
+                                                        req->sequence().sequence_id()));
+    resp->set_bytes_freed(bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
+                                            const v1::StatsRequest* req,
+                                            v1::StatsResponse* resp) {
+  KVQ_UNARY(kStats, ctx, req, resp, {
+    const PagePoolStats pool = store_->pool().Stats();
+    resp->set_capacity_bytes(pool.capacity_bytes);
+    resp->set_used_bytes(pool.used_bytes);
+    resp->set_pages_total(pool.slabs_total);
+    resp->set_pages_used(pool.slabs_used);
+    ByteBreakdown bytes;
+    int64_t fp16 = 0;
+    int64_t elements = 0;
+    if (req->sequence().sequence_id().empty()) {
+      StoreStats st = store_->Stats();
+      resp->set_sequences(st.sequences);
+      bytes = st.bytes;
+      fp16 = st.fp16_equivalent_bytes;
+      elements = fp16 / 2;
+    } else {
+      KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Get(req->sequence().namespace_(),
+                                                                  req->sequence().sequence_id()));
+      absl::ReaderMutexLock lock(&seq->mu());
+      const ModelShape& m = seq->shape();
+      resp->set_sequences(1);
+      resp->set_num_tokens(seq->num_tokens());
+      resp->set_scheme(seq->config().spec.ToString());
+      bytes = seq->Bytes();
+      elements = int64_t{seq->num_tokens()} * m.num_layers * m.num_kv_heads * m.head_dim * 2;
+      fp16 = elements * 2;
+    }
+    FillBytes(bytes, resp->mutable_bytes());
+    resp->set_bits_per_element(elements ? 8.0 * bytes.total() / elements : 0.0);
+    resp->set_compression_vs_fp16(bytes.total() ? static_cast<double>(fp16) / bytes.total() : 0.0);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvq

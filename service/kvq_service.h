@@ -1,0 +1,81 @@
+// KvqService: the gRPC handlers of kvq.v1.KvCache (callback API).
+//
+// Handlers are thin: they check the wire input (naming the field and the
+// bound), call the store and the kernels, and map absl::Status to
+// grpc::Status. Attention over the sequences of one request runs as one
+// batched backend call on the backend's threads.
+#ifndef KVQ_SERVICE_KVQ_SERVICE_H_
+#define KVQ_SERVICE_KVQ_SERVICE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "kvq/v1/kvq.grpc.pb.h"
+#include "service/metrics.h"
+#include "service/sequence_store.h"
+
+namespace kvq {
+
+struct ServiceOptions {
+  // Requests above this are answered INVALID_ARGUMENT naming the limit (the
+  // gRPC transport limit is set higher so the check can run).
+  int64_t max_message_bytes = int64_t{64} << 20;
+  // Default size of one FetchDequant response message.
+  int64_t fetch_chunk_bytes = int64_t{1} << 20;
+  std::string backend_name = "cpu";
+  std::string version = "0.1.0";
+};
+
+grpc::Status ToGrpc(const absl::Status& s);
+
+class KvqService final : public v1::KvCache::CallbackService {
+ public:
+  KvqService(SequenceStore* store, Metrics* metrics, const ServiceOptions& options);
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* req,
+                                          v1::ServerInfo* resp) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
+                                           const v1::CreateSequenceRequest* req,
+                                           v1::CreateSequenceResponse* resp) override;
+  grpc::ServerReadReactor<v1::AppendRequest>* Append(grpc::CallbackServerContext* ctx,
+                                                     v1::AppendResponse* resp) override;
+  grpc::ServerWriteReactor<v1::FetchResponse>* FetchDequant(grpc::CallbackServerContext* ctx,
+                                                            const v1::FetchRequest* req) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
+                                   v1::AttendResponse* resp) override;
+  grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* ctx,
+                                         const v1::AppendAttendRequest* req,
+                                         v1::AttendResponse* resp) override;
+  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* DecodeStream(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
+                                 v1::ForkResponse* resp) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
+                                    const v1::ReleaseRequest* req,
+                                    v1::ReleaseResponse* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
+                                  v1::StatsResponse* resp) override;
+
+  // The handler bodies, callable without gRPC (DecodeStream reuses them).
+  absl::Status DoAppendAttend(const v1::AppendAttendRequest& req, v1::AttendResponse* resp);
+  absl::Status DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp);
+
+  SequenceStore* store() { return store_; }
+  Metrics* metrics() { return metrics_; }
+  const ServiceOptions& options() const { return options_; }
+  absl::Status CheckSize(const google::protobuf::Message& m) const;
+
+ private:
+  class AppendReactor;
+  class FetchReactor;
+  class DecodeReactor;
+
+  SequenceStore* store_;
+  Metrics* metrics_;
+  ServiceOptions options_;
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_SERVICE_KVQ_SERVICE_H_

@@ -1,0 +1,220 @@
+#include "service/metrics.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+namespace kvq {
+namespace {
+
+const char* const kCodeNames[kNumStatusCodes] = {
+    "OK",           "CANCELLED",       "UNKNOWN",           "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+prometheus::MetricFamily Gauge(std::string name, std::string help) {
+  prometheus::MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = prometheus::MetricType::Gauge;
+  return f;
+}
+
+void Add(prometheus::MetricFamily& f, double value,
+         std::vector<prometheus::ClientMetric::Label> labels = {}) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;
+  f.metric.push_back(std::move(m));
+}
+
+}  // namespace
+
+absl::string_view RpcMethodName(RpcMethod m) {
+  static const char* const kNames[kNumRpcMethods] = {
+      "GetServerInfo", "CreateSequence", "Append", "FetchDequant", "Attend",
+      "AppendAttend",  "DecodeStream",   "Fork",   "Release",      "Stats"};
+  return kNames[static_cast<int>(m)];
+}
+
+// Reads the store when Prometheus scrapes.
+class Metrics::StoreCollector : public prometheus::Collectable {
+ public:
+  StoreCollector(SequenceStore* store, std::string tier) : store_(store), tier_(std::move(tier)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const StoreStats st = store_->Stats();
+    const std::vector<prometheus::ClientMetric::Label> tier = {{"tier", tier_}};
+    std::vector<prometheus::MetricFamily> out;
+
+    auto capacity = Gauge("kvq_capacity_bytes", "Page pool capacity.");
+    Add(capacity, st.pool.capacity_bytes, tier);
+    out.push_back(std::move(capacity));
+
+    auto used = Gauge("kvq_used_bytes",
+                      "Bytes of live blocks in the page pool (shared pages count once).");
+    Add(used, st.pool.used_bytes, tier);
+    out.push_back(std::move(used));
+
+    auto component = Gauge("kvq_kv_bytes",
+                           "KV bytes referenced by live sequences, by what they hold "
+                           "(a page shared by several sequences counts in each).");
+    const std::pair<const char*, size_t> parts[] = {
+        {"codes", st.bytes.codes},       {"scales", st.bytes.scales},
+        {"outliers", st.bytes.outliers}, {"residual", st.bytes.residual},
+        {"sink", st.bytes.sink},         {"codebook", st.bytes.codebook},
+        {"padding", st.bytes.padding}};
+    for (const auto& [name, bytes] : parts) {
+      Add(component, bytes, {{"tier", tier_}, {"component", name}});
+    }
+    out.push_back(std::move(component));
+
+    auto slabs = Gauge("kvq_pool_slabs", "Page pool slabs by state.");
+    Add(slabs, st.pool.slabs_total, {{"tier", tier_}, {"state", "total"}});
+    Add(slabs, st.pool.slabs_used, {{"tier", tier_}, {"state", "used"}});
+    out.push_back(std::move(slabs));
+
+    auto pages = Gauge("kvq_pool_pages", "Blocks (pages and per-stream fp16 blocks) by state.");
+    Add(pages, st.pool.blocks_used, {{"tier", tier_}, {"state", "used"}});
+    Add(pages, st.pool.shared_blocks, {{"tier", tier_}, {"state", "shared"}});
+    out.push_back(std::move(pages));
+
+    auto seqs = Gauge("kvq_sequences", "Sequences by state.");
+    Add(seqs, st.sequences, {{"state", "active"}});
+    Add(seqs, st.cached_sequences, {{"state", "cached"}});
+    out.push_back(std::move(seqs));
+
+    auto tokens = Gauge("kvq_tokens_stored", "Tokens stored in every layer, by scheme.");
+    for (const auto& [scheme, n] : st.tokens_by_scheme) Add(tokens, n, {{"scheme", scheme}});
+    out.push_back(std::move(tokens));
+
+    auto ratio = Gauge("kvq_compression_ratio",
+                       "fp16 bytes the stored tokens would take / bytes they reference.");
+    Add(ratio, st.bytes.total() ? static_cast<double>(st.fp16_equivalent_bytes) / st.bytes.total()
+                                : 0.0);
+    out.push_back(std::move(ratio));
+    return out;
+  }
+
+ private:
+  SequenceStore* store_;
+  std::string tier_;
+};
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind,
+                                                         SequenceStore* store,
+                                                         absl::string_view tier) {
+  std::unique_ptr<Metrics> m(new Metrics());
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  m->collector_ = std::make_shared<StoreCollector>(store, std::string(tier));
+
+  auto& requests = prometheus::BuildCounter()
+                       .Name("kvq_rpc_requests_total")
+                       .Help("RPCs handled, by method and status code.")
+                       .Register(*m->registry_);
+  auto& latency = prometheus::BuildHistogram()
+                      .Name("kvq_rpc_duration_seconds")
+                      .Help("RPC handling time, by method.")
+                      .Register(*m->registry_);
+  auto& received = prometheus::BuildCounter()
+                       .Name("kvq_rpc_received_bytes_total")
+                       .Help("Request message bytes received, by method.")
+                       .Register(*m->registry_);
+  auto& sent = prometheus::BuildCounter()
+                   .Name("kvq_rpc_sent_bytes_total")
+                   .Help("Response message bytes sent, by method.")
+                   .Register(*m->registry_);
+  const prometheus::Histogram::BucketBoundaries buckets = {
+      1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30};
+  for (int i = 0; i < kNumRpcMethods; ++i) {
+    const std::string method(RpcMethodName(static_cast<RpcMethod>(i)));
+    for (int c = 0; c < kNumStatusCodes; ++c) {
+      m->requests_[i][c] = &requests.Add({{"method", method}, {"code", kCodeNames[c]}});
+    }
+    m->latency_[i] = &latency.Add({{"method", method}}, buckets);
+    m->received_[i] = &received.Add({{"method", method}});
+    m->sent_[i] = &sent.Add({{"method", method}});
+  }
+  auto& gone = prometheus::BuildCounter()
+                   .Name("kvq_sequences_removed_total")
+                   .Help("Sequences removed, by reason (released, expired lease, evicted).")
+                   .Register(*m->registry_);
+  for (GoneReason r : {GoneReason::kReleased, GoneReason::kExpired, GoneReason::kEvicted}) {
+    m->gone_[static_cast<int>(r)] = &gone.Add({{"reason", std::string(GoneReasonName(r))}});
+  }
+  m->prefix_hits_ = &prometheus::BuildCounter()
+                         .Name("kvq_prefix_reuse_hits_total")
+                         .Help("CreateSequence calls that reused a stored prefix.")
+                         .Register(*m->registry_)
+                         .Add({});
+  m->prefix_tokens_ = &prometheus::BuildCounter()
+                           .Name("kvq_prefix_reuse_tokens_total")
+                           .Help("Tokens of KV shared instead of stored by prefix reuse.")
+                           .Register(*m->registry_)
+                           .Add({});
+  if (!bind.empty()) {
+    try {
+      m->exposer_ = std::make_unique<prometheus::Exposer>(bind);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", bind, ": ", e.what()));
+    }
+    m->exposer_->RegisterCollectable(m->registry_);
+    m->exposer_->RegisterCollectable(m->collector_);
+    const std::vector<int> ports = m->exposer_->GetListeningPorts();
+    m->port_ = ports.empty() ? 0 : ports[0];
+  }
+  return m;
+}
+
+Metrics::~Metrics() = default;
+
+std::string Metrics::Scrape() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (auto& f : collector_->Collect()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+void Metrics::RecordRpc(RpcMethod method, int status_code, double seconds) {
+  const int i = static_cast<int>(method);
+  if (status_code < 0 || status_code >= kNumStatusCodes) status_code = 2;  // UNKNOWN
+  requests_[i][status_code]->Increment();
+  latency_[i]->Observe(seconds);
+}
+
+void Metrics::AddReceivedBytes(RpcMethod method, size_t bytes) {
+  received_[static_cast<int>(method)]->Increment(static_cast<double>(bytes));
+}
+
+void Metrics::AddSentBytes(RpcMethod method, size_t bytes) {
+  sent_[static_cast<int>(method)]->Increment(static_cast<double>(bytes));
+}
+
+void Metrics::RecordGone(GoneReason reason) { gone_[static_cast<int>(reason)]->Increment(); }
+
+void Metrics::RecordPrefixHit(int tokens) {
+  prefix_hits_->Increment();
+  prefix_tokens_->Increment(tokens);
+}
+
+RpcTimer::RpcTimer(Metrics* metrics, RpcMethod method)
+    : metrics_(metrics), method_(method), start_(absl::Now()) {}
+
+RpcTimer::~RpcTimer() {
+  if (!done_) Finish(2);
+}
+
+void RpcTimer::Finish(int status_code) {
+  if (done_) return;
+  done_ = true;
+  if (metrics_ != nullptr) {
+    metrics_->RecordRpc(method_, status_code, absl::ToDoubleSeconds(absl::Now() - start_));
+  }
+}
+
+}  // namespace kvq

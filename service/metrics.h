@@ -1,0 +1,91 @@
+// Metrics: one object owns the Prometheus registry, the exposer on its own
+// port, the RPC families (built once, handles kept: no Add() on the hot
+// path) and a collector that reads the store's gauges at scrape time, so
+// memory figures are the allocation at that moment, never a stale copy.
+#ifndef KVQ_SERVICE_METRICS_H_
+#define KVQ_SERVICE_METRICS_H_
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "service/sequence_store.h"
+
+namespace kvq {
+
+enum class RpcMethod {
+  kGetServerInfo,
+  kCreateSequence,
+  kAppend,
+  kFetchDequant,
+  kAttend,
+  kAppendAttend,
+  kDecodeStream,
+  kFork,
+  kRelease,
+  kStats,
+};
+inline constexpr int kNumRpcMethods = 10;
+inline constexpr int kNumStatusCodes = 17;  // grpc::StatusCode 0..16.
+absl::string_view RpcMethodName(RpcMethod m);
+
+class Metrics {
+ public:
+  // Starts the exposer on `bind` ("127.0.0.1:9464"; port 0 picks a free
+  // one); an empty `bind` keeps metrics in memory only (tests).
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& bind,
+                                                         SequenceStore* store,
+                                                         absl::string_view tier);
+  ~Metrics();
+
+  // Port the exposer listens on (0 without one).
+  int port() const { return port_; }
+  // The text exposition of everything (what /metrics serves).
+  std::string Scrape() const;
+
+  void RecordRpc(RpcMethod method, int status_code, double seconds);
+  void AddReceivedBytes(RpcMethod method, size_t bytes);
+  void AddSentBytes(RpcMethod method, size_t bytes);
+  void RecordGone(GoneReason reason);
+  void RecordPrefixHit(int tokens);
+
+ private:
+  class StoreCollector;
+  Metrics() = default;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<StoreCollector> collector_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+  std::array<std::array<prometheus::Counter*, kNumStatusCodes>, kNumRpcMethods> requests_{};
+  std::array<prometheus::Histogram*, kNumRpcMethods> latency_{};
+  std::array<prometheus::Counter*, kNumRpcMethods> received_{};
+  std::array<prometheus::Counter*, kNumRpcMethods> sent_{};
+  std::array<prometheus::Counter*, 3> gone_{};
+  prometheus::Counter* prefix_hits_ = nullptr;
+  prometheus::Counter* prefix_tokens_ = nullptr;
+};
+
+// Times one RPC and records it when destroyed (or when Finish is called).
+class RpcTimer {
+ public:
+  RpcTimer(Metrics* metrics, RpcMethod method);
+  ~RpcTimer();
+  void Finish(int status_code);
+
+ private:
+  Metrics* metrics_;
+  RpcMethod method_;
+  absl::Time start_;
+  bool done_ = false;
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_SERVICE_METRICS_H_

@@ -1,0 +1,107 @@
+#include "service/server_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051", "gRPC listen address (host:port; port 0 picks one)");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
+          "Prometheus /metrics listen address; empty disables it");
+ABSL_FLAG(std::string, backend, "auto", "Kernel backend: auto, cpu, ref or cuda");
+ABSL_FLAG(int64_t, capacity_bytes, 0,
+          "Page pool size in bytes; 0 uses --capacity_fraction of available memory");
+ABSL_FLAG(double, capacity_fraction, 0.25,
+          "Fraction of available memory for the page pool when --capacity_bytes is 0");
+ABSL_FLAG(int64_t, slab_bytes, 1 << 20, "Page pool slab size (a multiple of 64)");
+ABSL_FLAG(int32_t, default_ttl_seconds, 600, "Idle lease of a sequence when the client sets none");
+ABSL_FLAG(int32_t, max_ttl_seconds, 86400, "Largest idle lease a client may ask for");
+ABSL_FLAG(bool, evict, false,
+          "When the pool is full, evict released and idle sequences (LRU) instead of failing");
+ABSL_FLAG(int32_t, max_sequences, 100000, "Most sequences held at once");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest request message accepted");
+ABSL_FLAG(int64_t, fetch_chunk_bytes, 1 << 20, "Default FetchDequant message size");
+ABSL_FLAG(std::string, port_file, "", "Write the bound gRPC port to this file");
+ABSL_FLAG(int32_t, shutdown_grace_seconds, 10, "On SIGTERM, time in-flight RPCs get to finish");
+
+namespace kvq {
+
+absl::StatusOr<size_t> AvailableMemoryBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("MemAvailable:", 0) == 0) {
+      std::istringstream fields(line.substr(13));
+      size_t kib = 0;
+      fields >> kib;
+      return kib * 1024;
+    }
+  }
+  return absl::UnavailableError("cannot read MemAvailable from /proc/meminfo");
+}
+
+absl::StatusOr<ServerConfig> ConfigFromFlags() {
+  ServerConfig c;
+  auto bad = [](absl::string_view flag, auto value, absl::string_view bound) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", bound));
+  };
+  c.address = absl::GetFlag(FLAGS_address);
+  if (c.address.find(':') == std::string::npos) return bad("address", c.address, "must be host:port");
+  c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  c.backend = absl::GetFlag(FLAGS_backend);
+  if (c.backend != "auto" && c.backend != "cpu" && c.backend != "ref" && c.backend != "cuda") {
+    return bad("backend", c.backend, "must be auto, cpu, ref or cuda");
+  }
+  c.port_file = absl::GetFlag(FLAGS_port_file);
+
+  const int64_t slab = absl::GetFlag(FLAGS_slab_bytes);
+  if (slab < 64 || slab % 64 != 0 || slab > (int64_t{1} << 30)) {
+    return bad("slab_bytes", slab, "must be a multiple of 64 in [64, 1 GiB]");
+  }
+  c.store.pool.slab_bytes = slab;
+  int64_t capacity = absl::GetFlag(FLAGS_capacity_bytes);
+  if (capacity < 0) return bad("capacity_bytes", capacity, "must be >= 0");
+  if (capacity == 0) {
+    const double fraction = absl::GetFlag(FLAGS_capacity_fraction);
+    if (!(fraction > 0.0 && fraction <= 0.95)) {
+      return bad("capacity_fraction", fraction, "must be in (0, 0.95]");
+    }
+    absl::StatusOr<size_t> available = AvailableMemoryBytes();
+    if (!available.ok()) return available.status();
+    capacity = static_cast<int64_t>(fraction * static_cast<double>(*available));
+  }
+  if (capacity < slab) {
+    return bad("capacity_bytes", capacity, absl::StrCat("must hold at least one slab of ", slab, " bytes"));
+  }
+  c.store.pool.capacity_bytes = capacity;
+
+  const int32_t ttl = absl::GetFlag(FLAGS_default_ttl_seconds);
+  const int32_t max_ttl = absl::GetFlag(FLAGS_max_ttl_seconds);
+  if (max_ttl < 1) return bad("max_ttl_seconds", max_ttl, "must be >= 1");
+  if (ttl < 1 || ttl > max_ttl) {
+    return bad("default_ttl_seconds", ttl, absl::StrCat("must be in [1, --max_ttl_seconds=", max_ttl, "]"));
+  }
+  c.store.default_ttl = absl::Seconds(ttl);
+  c.store.max_ttl = absl::Seconds(max_ttl);
+  c.store.evict_when_full = absl::GetFlag(FLAGS_evict);
+  c.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  if (c.store.max_sequences < 1) return bad("max_sequences", c.store.max_sequences, "must be >= 1");
+
+  c.service.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (c.service.max_message_bytes < 1024 || c.service.max_message_bytes > (int64_t{1} << 30)) {
+    return bad("max_message_bytes", c.service.max_message_bytes, "must be in [1 KiB, 1 GiB]");
+  }
+  c.service.fetch_chunk_bytes = absl::GetFlag(FLAGS_fetch_chunk_bytes);
+  if (c.service.fetch_chunk_bytes < 1024 ||
+      c.service.fetch_chunk_bytes > c.service.max_message_bytes) {
+    return bad("fetch_chunk_bytes", c.service.fetch_chunk_bytes,
+               "must be in [1 KiB, --max_message_bytes]");
+  }
+  const int32_t grace = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  if (grace < 0) return bad("shutdown_grace_seconds", grace, "must be >= 0");
+  c.shutdown_grace = absl::Seconds(grace);
+  return c;
+}
+
+}  // namespace kvq

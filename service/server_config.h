@@ -1,0 +1,34 @@
+// ServerConfig: every setting of kvq-server, filled from absl flags and
+// checked in one place (each error names the flag and its bound).
+#ifndef KVQ_SERVICE_SERVER_CONFIG_H_
+#define KVQ_SERVICE_SERVER_CONFIG_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "service/kvq_service.h"
+#include "service/sequence_store.h"
+
+namespace kvq {
+
+struct ServerConfig {
+  std::string address = "127.0.0.1:50051";
+  std::string metrics_address = "127.0.0.1:9464";  // Empty: no metrics endpoint.
+  std::string backend = "auto";                    // auto | cpu | ref | cuda
+  std::string port_file;  // Written with the bound gRPC port (tests use port 0).
+  absl::Duration reaper_interval = absl::Seconds(1);
+  absl::Duration shutdown_grace = absl::Seconds(10);
+  StoreOptions store;
+  ServiceOptions service;
+};
+
+// Reads the flags defined in server_config.cc.
+absl::StatusOr<ServerConfig> ConfigFromFlags();
+
+// Bytes of memory available for the pool on this machine (host memory on
+// the CPU backend), for --capacity_fraction.
+absl::StatusOr<size_t> AvailableMemoryBytes();
+
+}  // namespace kvq
+
+#endif  // KVQ_SERVICE_SERVER_CONFIG_H_

@@ -1,0 +1,105 @@
+// kvq-server: the quantized KV-cache service.
+//
+//   kvq-server --address=0.0.0.0:50051 --metrics_address=0.0.0.0:9464 \
+//              --capacity_bytes=$((8 << 30)) --backend=auto --evict
+//
+// SIGTERM or SIGINT: stop accepting, let in-flight RPCs finish (up to
+// --shutdown_grace_seconds), exit 0.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/server_builder.h"
+#include "kernels/backend.h"
+#include "service/server_config.h"
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "kvq-server: %s\n", std::string(s.message()).c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("kvq-server: a quantized KV-cache service over gRPC. Flags: --helpfull");
+  absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<kvq::ServerConfig> config = kvq::ConfigFromFlags();
+  if (!config.ok()) return Fail(config.status());
+
+  std::string backend_name = config->backend == "auto" ? "cpu" : config->backend;
+  if (backend_name == "cuda") {
+    return Fail(absl::UnimplementedError(
+        "--backend=cuda: this build serves from host memory only; use --backend=cpu or auto"));
+  }
+  absl::StatusOr<const kvq::KernelBackend*> backend = kvq::BackendByName(backend_name);
+  if (!backend.ok()) return Fail(backend.status());
+  config->service.backend_name = backend_name;
+
+  absl::StatusOr<std::unique_ptr<kvq::SequenceStore>> store =
+      kvq::SequenceStore::Create(config->store, *backend);
+  if (!store.ok()) return Fail(store.status());
+  absl::StatusOr<std::unique_ptr<kvq::Metrics>> metrics =
+      kvq::Metrics::Create(config->metrics_address, store->get(), "host");
+  if (!metrics.ok()) return Fail(metrics.status());
+  kvq::Metrics* m = metrics->get();
+  (*store)->set_events({[m](kvq::GoneReason r) { m->RecordGone(r); },
+                        [m](int tokens) { m->RecordPrefixHit(tokens); }});
+
+  kvq::KvqService service(store->get(), m, config->service);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config->address, grpc::InsecureServerCredentials(), &port);
+  // Twice the limit, so an oversized message reaches the handler's check
+  // (which names the limit) instead of failing in the transport.
+  const int64_t transport_limit = std::min<int64_t>(2 * config->service.max_message_bytes, INT32_MAX);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(transport_limit));
+  builder.SetMaxSendMessageSize(static_cast<int>(transport_limit));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return Fail(absl::UnavailableError(absl::StrCat("cannot listen on ", config->address)));
+  }
+  if (!config->port_file.empty()) {
+    std::ofstream(config->port_file) << port << "\n";
+  }
+  const std::string host = config->address.substr(0, config->address.rfind(':'));
+  std::printf("kvq-server: listening on %s:%d (backend %s, pool %zu MiB)\n", host.c_str(), port,
+              backend_name.c_str(), config->store.pool.capacity_bytes >> 20);
+  if (m->port() != 0) {
+    const std::string mhost = config->metrics_address.substr(0, config->metrics_address.rfind(':'));
+    std::printf("kvq-server: metrics at http://%s:%d/metrics\n", mhost.c_str(), m->port());
+  }
+  std::fflush(stdout);
+
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  absl::Time next_reap = absl::Now() + config->reaper_interval;
+  while (!g_stop.load()) {
+    absl::SleepFor(absl::Milliseconds(50));
+    if (absl::Now() >= next_reap) {
+      (*store)->ExpireIdle(absl::Now());
+      next_reap = absl::Now() + config->reaper_interval;
+    }
+  }
+  std::printf("kvq-server: shutting down\n");
+  std::fflush(stdout);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::ToInt64Milliseconds(config->shutdown_grace)));
+  server->Wait();
+  return 0;
+}
