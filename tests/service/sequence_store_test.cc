@@ -1,0 +1,229 @@
+#include "service/sequence_store.h"
+
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+
+namespace kvq {
+namespace {
+
+constexpr int kLayers = 2;
+constexpr int kHeads = 2;
+constexpr int kDim = 64;
+
+ModelShape Shape() {
+  ModelShape m;
+  m.num_layers = kLayers;
+  m.num_kv_heads = kHeads;
+  m.num_q_heads = 2 * kHeads;
+  m.head_dim = kDim;
+  return m;
+}
+
+std::unique_ptr<SequenceStore> MakeStore(size_t capacity, bool evict) {
+  StoreOptions o;
+  o.pool.capacity_bytes = capacity;
+  o.pool.slab_bytes = 64 << 10;
+  o.evict_when_full = evict;
+  o.default_ttl = absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<SequenceStore>> s = SequenceStore::Create(o, &CpuBackend());
+  EXPECT_TRUE(s.ok()) << s.status();
+  return std::move(*s);
+}
+
+CreateSequenceArgs Args(const std::string& id, const std::string& scheme = "kivi2") {
+  CreateSequenceArgs a;
+  a.ns = "tenant";
+  a.id = id;
+  a.shape = Shape();
+  a.scheme = scheme;
+  return a;
+}
+
+// Dense K/V for all layers: [layers, heads, tokens, dim] fp32.
+struct Kv {
+  std::vector<float> k, v;
+  DenseKv view(int tokens) const {
+    return DenseKv{0, kLayers, tokens, DType::kFloat32, reinterpret_cast<const uint8_t*>(k.data()),
+                   reinterpret_cast<const uint8_t*>(v.data())};
+  }
+};
+Kv MakeKv(int tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n;
+  Kv kv;
+  kv.k.resize(static_cast<size_t>(kLayers) * kHeads * tokens * kDim);
+  kv.v.resize(kv.k.size());
+  for (float& x : kv.k) x = n(rng);
+  for (float& x : kv.v) x = n(rng);
+  return kv;
+}
+
+std::vector<float> ReadAll(Sequence& s, int layer, int head) {
+  absl::ReaderMutexLock lock(&s.mu());
+  const int n = s.layer_tokens(layer);
+  std::vector<float> k(static_cast<size_t>(n) * kDim), v(k.size());
+  EXPECT_TRUE(s.stream(layer, head).Read(0, n, {}, Floats(k.data(), n, kDim), Floats(v.data(), n, kDim)).ok());
+  k.insert(k.end(), v.begin(), v.end());
+  return k;
+}
+
+TEST(SequenceStoreTest, CreateRejectsBadInputWithTheField) {
+  auto store = MakeStore(4 << 20, false);
+  CreateSequenceArgs a = Args("a", "kivi5");
+  EXPECT_EQ(store->Create(a).status().message(),
+            "scheme \"kivi5\": unknown base scheme \"kivi5\"; expected one of fp16, bf16, int8, "
+            "fp8_e4m3, kivi4, kivi3, kivi2");
+  a = Args("a");
+  a.shape.num_q_heads = 3;
+  EXPECT_EQ(store->Create(a).status().message(),
+            "layout.num_q_heads = 3 must be a multiple of num_kv_heads = 2, at most 64x");
+  a = Args("bad id!");
+  EXPECT_EQ(store->Create(a).status().message(),
+            "sequence_id may hold only letters, digits and - _ . :");
+  ASSERT_TRUE(store->Create(Args("a")).ok());
+  absl::StatusOr<SequenceStore::Handle> dup = store->Create(Args("a"));
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(store->Get("tenant", "zzz").status().message(),
+            "sequence \"zzz\" in namespace \"tenant\" does not exist");
+  EXPECT_EQ(store->Get("other", "a").status().code(), absl::StatusCode::kNotFound)
+      << "namespaces are isolated";
+}
+
+TEST(SequenceStoreTest, FullPoolFailsCleanlyAndKeepsData) {
+  auto store = MakeStore(1 << 20, /*evict=*/false);
+  absl::StatusOr<SequenceStore::Handle> h = store->Create(Args("a", "fp16"));
+  ASSERT_TRUE(h.ok());
+  Kv small = MakeKv(64, 1);
+  {
+    absl::MutexLock lock(&(*h)->mu());
+    ASSERT_TRUE((*h)->AppendDense(small.view(64)).ok());
+  }
+  const std::vector<float> before = ReadAll(**h, 1, 1);
+  const size_t used = store->pool().Stats().used_bytes;
+  Kv big = MakeKv(2048, 2);  // fp16: 2048 tokens x 2 x 2 x 2 x 64 x 2 bytes = 2 MiB > pool.
+  absl::Status st;
+  {
+    absl::MutexLock lock(&(*h)->mu());
+    st = store->WithEviction(&**h, [&] { return (*h)->AppendDense(big.view(2048)); });
+  }
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(ReadAll(**h, 1, 1), before) << "a failed append must not change stored data";
+  EXPECT_EQ(store->pool().Stats().used_bytes, used) << "a failed append must not leak pages";
+}
+
+TEST(SequenceStoreTest, EvictionTakesTheLeastRecentlyUsedIdleSequence) {
+  auto store = MakeStore(1 << 20, /*evict=*/true);
+  Kv kv = MakeKv(512, 3);  // fp16, 512 KiB per sequence.
+  for (const char* id : {"old", "new"}) {
+    absl::StatusOr<SequenceStore::Handle> h = store->Create(Args(id, "fp16"));
+    ASSERT_TRUE(h.ok());
+    absl::MutexLock lock(&(*h)->mu());
+    ASSERT_TRUE(store->WithEviction(&**h, [&] { return (*h)->AppendDense(kv.view(512)); }).ok());
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_TRUE(store->Get("tenant", "old").ok());  // Still there: the pool had room for both?
+  absl::StatusOr<SequenceStore::Handle> third = store->Create(Args("third", "fp16"));
+  ASSERT_TRUE(third.ok()) << third.status();
+  {
+    absl::MutexLock lock(&(*third)->mu());
+    absl::Status st =
+        store->WithEviction(&**third, [&] { return (*third)->AppendDense(kv.view(512)); });
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  // "old" was touched by the Get above, so "new" was the least recently used.
+  absl::StatusOr<SequenceStore::Handle> gone = store->Get("tenant", "new");
+  ASSERT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(gone.status().message(),
+            "sequence \"new\" in namespace \"tenant\" was evicted to free memory; recompute it");
+}
+
+TEST(SequenceStoreTest, IdleLeasesExpireAndReturnTheirPages) {
+  auto store = MakeStore(4 << 20, false);
+  const size_t empty = store->pool().Stats().used_bytes;
+  CreateSequenceArgs a = Args("a");
+  a.ttl = absl::Seconds(5);
+  {
+    absl::StatusOr<SequenceStore::Handle> h = store->Create(a);
+    ASSERT_TRUE(h.ok());
+    Kv kv = MakeKv(300, 4);
+    absl::MutexLock lock(&(*h)->mu());
+    ASSERT_TRUE((*h)->AppendDense(kv.view(300)).ok());
+    EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Hours(1)), 0) << "in use: no expiry";
+  }
+  EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Seconds(1)), 0);
+  EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Seconds(6)), 1);
+  EXPECT_EQ(store->pool().Stats().used_bytes, empty);
+  EXPECT_EQ(store->Get("tenant", "a").status().message(),
+            "sequence \"a\" in namespace \"tenant\" expired: its lease ran out while idle");
+}
+
+TEST(SequenceStoreTest, TransactionRollbackRestoresEverything) {
+  auto store = MakeStore(8 << 20, false);
+  absl::StatusOr<SequenceStore::Handle> h = store->Create(Args("a"));
+  ASSERT_TRUE(h.ok());
+  Kv kv = MakeKv(300, 5);
+  {
+    absl::MutexLock lock(&(*h)->mu());
+    ASSERT_TRUE((*h)->AppendDense(kv.view(200)).ok());
+  }
+  const std::vector<float> before = ReadAll(**h, 0, 1);
+  const size_t used = store->pool().Stats().used_bytes;
+  {
+    absl::MutexLock lock(&(*h)->mu());
+    ASSERT_TRUE((*h)->BeginTransaction().ok());
+    ASSERT_TRUE((*h)->AppendDense(kv.view(300)).ok());
+    EXPECT_EQ((*h)->committed_tokens(0), 200);
+    (*h)->Rollback();
+  }
+  EXPECT_EQ(ReadAll(**h, 0, 1), before);
+  EXPECT_EQ(store->pool().Stats().used_bytes, used);
+}
+
+TEST(SequenceStoreTest, PrefixReuseSharesPagesOfTheSameTokens) {
+  auto store = MakeStore(16 << 20, false);
+  std::vector<int32_t> ids(600);
+  for (int i = 0; i < 600; ++i) ids[i] = 1000 + i;
+  Kv kv = MakeKv(600, 6);
+  CreateSequenceArgs a = Args("first");
+  absl::StatusOr<SequenceStore::Handle> first = store->Create(a);
+  ASSERT_TRUE(first.ok());
+  {
+    absl::MutexLock lock(&(*first)->mu());
+    ASSERT_TRUE((*first)->AppendDense(kv.view(600)).ok());
+    (*first)->token_ids() = ids;
+    store->RegisterPrefixBlocks(first->shared());
+  }
+  const size_t used = store->pool().Stats().used_bytes;
+  CreateSequenceArgs b = Args("second");
+  b.prompt_token_ids = ids;
+  b.prompt_token_ids[590] = 7;  // Differs after 4 full blocks of 128.
+  absl::StatusOr<SequenceStore::Handle> second = store->Create(b);
+  ASSERT_TRUE(second.ok());
+  {
+    absl::ReaderMutexLock lock(&(*second)->mu());
+    EXPECT_EQ((*second)->num_tokens(), 512);
+    // The new sequence owns only its fp16 blocks (sink/tail); its pages are shared.
+    EXPECT_EQ(store->pool().Stats().used_bytes - used,
+              kLayers * kHeads * AuxBytes((*second)->stream(0, 0).config()))
+        << "the prefix pages are shared";
+  }
+  std::vector<float> a0 = ReadAll(**first, 1, 0);
+  std::vector<float> b0 = ReadAll(**second, 1, 0);
+  EXPECT_TRUE(std::equal(b0.begin(), b0.begin() + 512 * kDim, a0.begin()));
+
+  CreateSequenceArgs c = Args("third");
+  c.prompt_token_ids = ids;
+  c.prompt_token_ids[3] = 9;  // Differs in the first block: nothing to reuse.
+  c.ns = "tenant";
+  absl::StatusOr<SequenceStore::Handle> third = store->Create(c);
+  ASSERT_TRUE(third.ok());
+  absl::ReaderMutexLock lock3(&(*third)->mu());
+  EXPECT_EQ((*third)->num_tokens(), 0);
+  EXPECT_TRUE((*third)->token_ids().empty());
+}
+
+}  // namespace
+}  // namespace kvq
