@@ -30,11 +30,11 @@ absl::Status ValidateAttention(absl::Span<const AttentionTask> tasks,
     };
     if (t.stream == nullptr) return bad("stream is null");
     const int n = t.stream->num_tokens();
-    const int end = t.key_end < 0 ? n : t.key_end;
+    const int end = t.key_end == -1 ? n : t.key_end;
     if (t.key_begin < 0 || t.key_begin > end || end > n) {
       return absl::OutOfRangeError(absl::StrCat(
           "attention task ", i, ": key range [", t.key_begin, ", ", end,
-          ") is not inside [0, ", n, ")"));
+          ") is not inside [0, ", n, "]"));
     }
     if (t.num_queries < 1) return bad("num_queries must be >= 1");
     if (t.q == nullptr || t.out == nullptr || t.lse == nullptr) {

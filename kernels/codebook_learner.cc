@@ -14,10 +14,18 @@
 namespace kvq {
 namespace {
 
+// A normalised value and the weight of its error: the squared range of its
+// group, because the real (unnormalised) error is range * normalised error.
+struct Sample {
+  float u;
+  float w;
+  bool operator<(const Sample& o) const { return u < o.u; }
+};
+
 // Normalised samples per channel of one side.
-std::vector<std::vector<float>> Normalise(const std::vector<float>& x, int n, int d,
+std::vector<std::vector<Sample>> Normalise(const std::vector<float>& x, int n, int d,
                                           const PageLayout& L, const SideLayout& S) {
-  std::vector<std::vector<float>> samples(d);
+  std::vector<std::vector<Sample>> samples(d);
   const int g = L.block_tokens;
   for (int b = 0; b + g <= n; b += g) {
     const float* block = &x[static_cast<size_t>(b) * d];
@@ -32,7 +40,7 @@ std::vector<std::vector<float>> Normalise(const std::vector<float>& x, int n, in
       });
       if (!(mx > mn)) return;
       for_each([&](int i) {
-        if (!skip[i]) samples[i % d].push_back((block[i] - mn) / (mx - mn));
+        if (!skip[i]) samples[i % d].push_back({(block[i] - mn) / (mx - mn), (mx - mn) * (mx - mn)});
       });
     };
     if (S.axis == ParamAxis::kChannelGroups) {
@@ -51,27 +59,47 @@ std::vector<std::vector<float>> Normalise(const std::vector<float>& x, int n, in
   return samples;
 }
 
-void KMeans1D(std::vector<float>& s, int k, int iterations, float* levels) {
+// Weighted error of quantizing sorted samples to the nearest of `levels`.
+double QuantError(const std::vector<Sample>& s, const float* levels, int k) {
+  double err = 0.0;
+  int j = 0;
+  for (const Sample& x : s) {
+    while (j + 1 < k && std::fabs(levels[j + 1] - x.u) <= std::fabs(levels[j] - x.u)) ++j;
+    const double e = x.u - levels[j];
+    err += x.w * e * e;
+  }
+  return err;
+}
+
+// Weighted 1-D k-means (Lloyd) with the end levels pinned at 0 and 1. The
+// result is kept only if it beats uniform levels on the calibration data
+// itself: k-means finds a local optimum, and on symmetric tails uniform
+// levels can be better.
+void KMeans1D(std::vector<Sample>& s, int k, int iterations, float* levels) {
   for (int i = 0; i < k; ++i) levels[i] = static_cast<float>(i) / (k - 1);
   if (s.size() < static_cast<size_t>(4 * k)) return;  // Too little data: stay uniform.
   std::sort(s.begin(), s.end());
-  for (int i = 1; i < k - 1; ++i) levels[i] = s[s.size() * i / (k - 1)];
-  std::vector<double> sum(k);
-  std::vector<size_t> count(k);
+  const double uniform_error = QuantError(s, levels, k);
+  std::vector<float> l(k);
+  l[0] = 0.0f;
+  l[k - 1] = 1.0f;
+  for (int i = 1; i < k - 1; ++i) l[i] = s[s.size() * i / (k - 1)].u;
+  std::vector<double> sum(k), weight(k);
   for (int it = 0; it < iterations; ++it) {
     std::fill(sum.begin(), sum.end(), 0.0);
-    std::fill(count.begin(), count.end(), 0);
+    std::fill(weight.begin(), weight.end(), 0.0);
     int j = 0;
-    for (float x : s) {  // s is sorted: the nearest level only moves right.
-      while (j + 1 < k && std::fabs(levels[j + 1] - x) <= std::fabs(levels[j] - x)) ++j;
-      sum[j] += x;
-      ++count[j];
+    for (const Sample& x : s) {  // s is sorted: the nearest level only moves right.
+      while (j + 1 < k && std::fabs(l[j + 1] - x.u) <= std::fabs(l[j] - x.u)) ++j;
+      sum[j] += static_cast<double>(x.w) * x.u;
+      weight[j] += x.w;
     }
     for (int i = 1; i < k - 1; ++i) {
-      if (count[i] > 0) levels[i] = static_cast<float>(sum[i] / count[i]);
+      if (weight[i] > 0.0) l[i] = static_cast<float>(sum[i] / weight[i]);
     }
-    std::sort(levels, levels + k);
+    std::sort(l.begin(), l.end());
   }
+  if (QuantError(s, l.data(), k) < uniform_error) std::copy(l.begin(), l.end(), levels);
 }
 
 }  // namespace

@@ -214,7 +214,7 @@ void AttendRef(const AttentionTask& task, const AttentionOptions& options) {
   const KvStream& s = *task.stream;
   const int d = s.head_dim();
   const int begin = task.key_begin;
-  const int end = task.key_end < 0 ? s.num_tokens() : task.key_end;
+  const int end = task.key_end == -1 ? s.num_tokens() : task.key_end;
   const double scale = SoftmaxScale(options, d);
   std::vector<float> q(d), k(d), v(d);
   std::vector<double> scores;

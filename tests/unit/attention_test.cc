@@ -240,6 +240,8 @@ TEST_P(AttentionTest, MergeOfSplitRangesEqualsWholeRange) {
   ASSERT_TRUE(Attend(whole, 0, n_).ok());
   std::vector<int> splits = {config_.spec.sink > 0 ? 2 : 1, pb_ + pt_ + 5,
                              std::min(n_ - 1, pb_ + quantized_ + 2)};
+  // Same error measure as Check(): relative, floored at the values' RMS.
+  const double value_rms = RmsOfRows(vd_, 0, n_, d_);
   for (int m : splits) {
     AttendCall a = whole, b = whole;
     ASSERT_TRUE(Attend(a, 0, m).ok());
@@ -250,7 +252,7 @@ TEST_P(AttentionTest, MergeOfSplitRangesEqualsWholeRange) {
         float lse = 0.0f;
         MergeAttention(a.Out(i, g), a.Lse(i, g), b.Out(i, g), b.Lse(i, g), d_, merged.data(), &lse);
         std::vector<double> want(whole.Out(i, g), whole.Out(i, g) + d_);
-        EXPECT_LE(RelativeError(merged.data(), want), kMergeTol)
+        EXPECT_LE(RelativeError(merged.data(), want, value_rms), kMergeTol)
             << "split at " << m << ", query " << i << " head " << g;
         EXPECT_NEAR(lse, whole.Lse(i, g), kMergeTol * std::max(1.0f, std::fabs(lse)))
             << "split at " << m << ", query " << i << " head " << g;
@@ -339,15 +341,15 @@ TEST_P(AttentionTest, RejectsBadTasks) {
     t.key_begin = 5;
     t.key_end = 3;
     ExpectStatus(attend({good, t}, options), absl::StatusCode::kOutOfRange,
-                 absl::StrCat("attention task 1: key range [5, 3) is not inside [0, ", n_, ")"));
+                 absl::StrCat("attention task 1: key range [5, 3) is not inside [0, ", n_, "]"));
     t.key_begin = 0;
     t.key_end = n_ + 1;
     ExpectStatus(attend({t}, options), absl::StatusCode::kOutOfRange,
-                 absl::StrCat("attention task 0: key range [0, ", n_ + 1, ") is not inside [0, ", n_, ")"));
+                 absl::StrCat("attention task 0: key range [0, ", n_ + 1, ") is not inside [0, ", n_, "]"));
     t.key_begin = -1;
     t.key_end = 4;
     ExpectStatus(attend({t}, options), absl::StatusCode::kOutOfRange,
-                 absl::StrCat("attention task 0: key range [-1, 4) is not inside [0, ", n_, ")"));
+                 absl::StrCat("attention task 0: key range [-1, 4) is not inside [0, ", n_, "]"));
   }
   {
     AttendCall bad = run;

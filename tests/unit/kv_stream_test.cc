@@ -138,7 +138,9 @@ TEST_P(KvStreamTest, StoredRowsWithinSchemeBound) {
                         << input[c] << ": error " << std::fabs(stored[c] - input[c])
                         << " exceeds the bound " << bound;
         }
-        if (!(std::fabs(via_ref[c] - stored[c]) <= 1e-6 * (1.0 + std::fabs(stored[c]))) &&
+        // Up to float rounding of zero + scale * level (an FMA may round once
+        // where the reference rounds twice): a millionth of the group's span.
+        if (!(std::fabs(via_ref[c] - stored[c]) <= 1e-6 * (1.0 + std::fabs(stored[c])) + 1e-3 * bound) &&
             ++failures <= kMaxReported) {
           ADD_FAILURE() << name << "[" << t << "][" << c << "]: the reference decodes this "
                         << "page as " << via_ref[c] << ", the stream's backend as " << stored[c];
