@@ -281,6 +281,7 @@ bool SequenceStore::EvictOne(const Sequence* keep) {
       victim = std::move(cached_.front());
       cached_.pop_front();
       registered_blocks_.erase(victim.get());
+      if (events_.on_gone) events_.on_gone(GoneReason::kEvicted);
     } else {
       auto best = live_.end();
       for (auto it = live_.begin(); it != live_.end(); ++it) {
@@ -316,6 +317,7 @@ int SequenceStore::ExpireIdle(absl::Time now) {
     }
     while (!cached_.empty() && now - cached_.front()->last_used > cached_.front()->ttl) {
       registered_blocks_.erase(cached_.front().get());
+      if (events_.on_gone) events_.on_gone(GoneReason::kExpired);
       expired.push_back(std::move(cached_.front()));
       cached_.pop_front();
     }

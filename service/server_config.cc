@@ -1,5 +1,6 @@
 #include "service/server_config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -28,6 +29,7 @@ ABSL_FLAG(int32_t, shutdown_grace_seconds, 10, "On SIGTERM, time in-flight RPCs 
 namespace kvq {
 
 absl::StatusOr<size_t> AvailableMemoryBytes() {
+  size_t available = 0;
   std::ifstream in("/proc/meminfo");
   std::string line;
   while (std::getline(in, line)) {
@@ -35,10 +37,20 @@ absl::StatusOr<size_t> AvailableMemoryBytes() {
       std::istringstream fields(line.substr(13));
       size_t kib = 0;
       fields >> kib;
-      return kib * 1024;
+      available = kib * 1024;
     }
   }
-  return absl::UnavailableError("cannot read MemAvailable from /proc/meminfo");
+  if (available == 0) return absl::UnavailableError("cannot read MemAvailable from /proc/meminfo");
+  // In a container the cgroup limit (v2, then v1) is the real bound.
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream limit_file(path);
+    size_t limit = 0;
+    if (limit_file >> limit && limit > 0) {
+      available = std::min(available, limit);
+      break;
+    }
+  }
+  return available;
 }
 
 absl::StatusOr<ServerConfig> ConfigFromFlags() {
