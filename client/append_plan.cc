@@ -1,8 +1,10 @@
 #include "client/append_plan.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <numeric>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -201,6 +203,38 @@ ChunkBuilder::ChunkBuilder(const HostTensor& k, const HostTensor& v, const Appen
                            const KernelBackend* backend)
     : k_(k), v_(v), plan_(plan), options_(options), sequence_(sequence), backend_(backend) {}
 
+absl::StatusOr<std::unique_ptr<KvStream>> ChunkBuilder::QuantizeStream(int layer, int head) const {
+  const int heads = static_cast<int>(k_.shape[1]);
+  const int tokens = static_cast<int>(k_.shape[2]);
+  const int d = static_cast<int>(k_.shape[3]);
+  const QuantizedSplit& q = plan_.split;
+  const int model_layer = options_.layer_begin + layer;
+  const Codebook* codebook = config_.spec.nuq ? sequence_->codebook(model_layer, head) : nullptr;
+  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
+                       KvStream::Create(config_, backend_, HeapPageAllocator(), codebook));
+  // The sink only has to be complete: its contents do not reach pages.
+  if (config_.spec.sink > 0) {
+    const std::vector<uint16_t> zeros(static_cast<size_t>(config_.spec.sink) * d, 0);
+    const ConstTensorView z{zeros.data(), DType::kFloat16, config_.spec.sink, d, 0};
+    KVQ_RETURN_IF_ERROR(s->Append(z, z));
+  }
+  const size_t elem = DTypeBytes(k_.dtype);
+  const size_t offset =
+      ((static_cast<size_t>(layer) * heads + head) * tokens + q.dense_head) * d * elem;
+  const ConstTensorView kv{k_.bytes() + offset, k_.dtype, q.paged, d, 0};
+  const ConstTensorView vv{v_.bytes() + offset, v_.dtype, q.paged, d, 0};
+  if (absl::Status st = s->Append(kv, vv); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("layer ", model_layer, " kv head ", head,
+                                                ", from prompt token ", q.dense_head, ": ",
+                                                st.message()));
+  }
+  if (s->quantized_tokens() != q.paged || s->tail_tokens() != 0) {
+    return absl::InternalError(absl::StrCat("local stream quantized ", s->quantized_tokens(),
+                                            " of ", q.paged, " tokens"));
+  }
+  return s;
+}
+
 absl::Status ChunkBuilder::QuantizeLayers(int layer_begin, int layers) {
   if (sequence_ == nullptr) {
     return absl::FailedPreconditionError("a quantized plan needs the sequence's config");
@@ -211,37 +245,32 @@ absl::Status ChunkBuilder::QuantizeLayers(int layer_begin, int layers) {
   }
   streams_.clear();
   quantized_begin_ = -1;
+  // Streams are independent: quantize them on several threads. The result
+  // does not depend on the thread count.
   const int heads = static_cast<int>(k_.shape[1]);
-  const int tokens = static_cast<int>(k_.shape[2]);
-  const int d = static_cast<int>(k_.shape[3]);
-  const QuantizedSplit& q = plan_.split;
-  const size_t elem = DTypeBytes(k_.dtype);
-  const std::vector<uint16_t> zeros(static_cast<size_t>(std::max(config_.spec.sink, 0)) * d, 0);
-  for (int l = layer_begin; l < layer_begin + layers; ++l) {
-    for (int h = 0; h < heads; ++h) {
-      const int model_layer = options_.layer_begin + l;
-      const Codebook* codebook = config_.spec.nuq ? sequence_->codebook(model_layer, h) : nullptr;
-      KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
-                           KvStream::Create(config_, backend_, HeapPageAllocator(), codebook));
-      // The sink only has to be complete: its contents do not reach pages.
-      if (config_.spec.sink > 0) {
-        const ConstTensorView z{zeros.data(), DType::kFloat16, config_.spec.sink, d, 0};
-        KVQ_RETURN_IF_ERROR(s->Append(z, z));
-      }
-      const size_t offset = ((static_cast<size_t>(l) * heads + h) * tokens + q.dense_head) * d * elem;
-      const ConstTensorView kv{k_.bytes() + offset, k_.dtype, q.paged, d, 0};
-      const ConstTensorView vv{v_.bytes() + offset, v_.dtype, q.paged, d, 0};
-      if (absl::Status st = s->Append(kv, vv); !st.ok()) {
-        return absl::Status(st.code(), absl::StrCat("layer ", model_layer, " kv head ", h,
-                                                    ", from prompt token ", q.dense_head,
-                                                    ": ", st.message()));
-      }
-      if (s->quantized_tokens() != q.paged || s->tail_tokens() != 0) {
-        return absl::InternalError(absl::StrCat("local stream quantized ", s->quantized_tokens(),
-                                                " of ", q.paged, " tokens"));
-      }
-      streams_.push_back(std::move(s));
+  const int count = layers * heads;
+  std::vector<absl::StatusOr<std::unique_ptr<KvStream>>> out;
+  out.reserve(count);
+  for (int i = 0; i < count; ++i) out.emplace_back(absl::UnknownError("not quantized"));
+  int threads = options_.threads > 0 ? options_.threads
+                                     : static_cast<int>(std::thread::hardware_concurrency());
+  threads = std::clamp(threads, 1, count);
+  std::atomic<int> next{0};
+  auto work = [&] {
+    for (int i = next++; i < count; i = next++) {
+      out[i] = QuantizeStream(layer_begin + i / heads, i % heads);
     }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  for (absl::StatusOr<std::unique_ptr<KvStream>>& s : out) {
+    if (!s.ok()) {
+      streams_.clear();
+      return s.status();
+    }
+    streams_.push_back(std::move(*s));
   }
   quantized_begin_ = layer_begin;
   quantized_layers_ = layers;

@@ -85,6 +85,8 @@ struct PlanOptions {
   int64_t max_chunk_bytes = kDefaultMaxChunkBytes;
   // First model layer the prompt covers (KvChunk.layer_begin of chunk 0).
   int layer_begin = 0;
+  // Threads quantizing a group of layers (0: one per hardware thread).
+  int threads = 0;
 };
 
 // Dense plan: every token as `wire_dtype` rows.
@@ -113,6 +115,7 @@ class ChunkBuilder {
 
  private:
   absl::Status QuantizeLayers(int layer_begin, int layers);
+  absl::StatusOr<std::unique_ptr<KvStream>> QuantizeStream(int layer, int head) const;
 
   const HostTensor& k_;
   const HostTensor& v_;

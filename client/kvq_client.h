@@ -101,6 +101,7 @@ struct AppendOptions {
   int start_tokens = 0;
   int block_tokens = 0;
   const KernelBackend* backend = nullptr;  // Local quantization; null: CPU.
+  int quantize_threads = 0;                // 0: one per hardware thread.
   ProgressFn progress;
   CallOptions call;
 };
@@ -229,11 +230,18 @@ class KvqClient {
   // assembled from the server stream. Retried as a whole.
   absl::StatusOr<FetchedKv> FetchDequant(absl::string_view sequence_id,
                                          const FetchOptions& options = {});
-  // The stored pages (raw = true), unprocessed.
+  // The stored pages (raw = true), unprocessed. The server serves raw pages
+  // only for quantized tokens: the range must start on a page boundary
+  // (sink + k * page_tokens) and end inside the quantized part (OUT_OF_RANGE
+  // otherwise); options.dtype and apply_rope are not sent.
   absl::StatusOr<RawFetch> FetchRaw(absl::string_view sequence_id,
                                     const FetchOptions& options = {});
-  // FetchRaw of every token of the layer range, then LocalSequence: the
-  // wire carries the quantized bytes; dequantization runs here.
+  // The layer range's sink and fp16 tail as fp16 rows and its quantized part
+  // as raw pages (FetchRaw), then a LocalSequence dequantizes here: the
+  // wire carries the quantized bytes. One Stats call first for the length.
+  // Bit-exact against FetchDequant except with `rotate` (its sink and tail
+  // go through one extra rotation round trip). fp8_e4m3 (no raw pages)
+  // falls back to FetchDequant.
   absl::StatusOr<FetchedKv> FetchDequantLocal(absl::string_view sequence_id,
                                               const SequenceConfig& config,
                                               const FetchOptions& options = {});

@@ -10,6 +10,15 @@
 
 namespace kvq {
 
+TokenPlacement PlaceTokens(const StreamConfig& config, int num_tokens) {
+  TokenPlacement p;
+  p.sink = std::clamp(config.spec.sink, 0, std::max(num_tokens, 0));
+  const int rest = std::max(num_tokens, 0) - p.sink;
+  p.quantized = config.spec.is_kivi() ? rest - rest % config.spec.flush_tokens() : rest;
+  p.tail = rest - p.quantized;
+  return p;
+}
+
 absl::StatusOr<std::unique_ptr<LocalSequence>> LocalSequence::Create(
     const SequenceConfig& config, int layer_begin, int layers, const KernelBackend* backend) {
   KVQ_ASSIGN_OR_RETURN(StreamConfig stream_config, config.ToStreamConfig());
@@ -29,6 +38,7 @@ absl::StatusOr<std::unique_ptr<LocalSequence>> LocalSequence::Create(
   s->layer_begin_ = layer_begin;
   s->layers_ = layers;
   s->kv_heads_ = m.num_kv_heads;
+  s->held_.resize(layers);
   for (int l = layer_begin; l < layer_begin + layers; ++l) {
     for (int h = 0; h < m.num_kv_heads; ++h) {
       KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> stream,
@@ -143,6 +153,48 @@ absl::Status LocalSequence::ApplyChunk(const v1::KvChunk& chunk) {
   return AppendDense(chunk.layer_begin(), 0, chunk.k(), chunk.v(), /*per_layer_shape=*/false);
 }
 
+absl::Status LocalSequence::HoldPages(int layer, const v1::QuantizedPages& pages) {
+  const KvStream& first = stream(layer, 0);
+  const PageLayout& L = first.layout();
+  if (pages.page_bytes() != static_cast<int64_t>(L.page_bytes) ||
+      pages.page_tokens() != L.page_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pages are ", pages.page_bytes(), " bytes of ", pages.page_tokens(),
+        " tokens; this sequence's pages are ", L.page_bytes, " bytes of ", L.page_tokens));
+  }
+  if (pages.tokens() < 1 || std::max(pages.layers(), 1) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("fetched pages of layer ", layer,
+                                                   " must hold >= 1 token of 1 layer"));
+  }
+  HeldPages& held = held_[layer - layer_begin_];
+  if (held.tokens % L.page_tokens != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fetched pages of layer ", layer, " continue after a partly filled page"));
+  }
+  const size_t run = static_cast<size_t>(first.PagesFor(pages.tokens())) * L.page_bytes;
+  if (pages.page_data().size() != run * kv_heads_) {
+    return absl::InvalidArgumentError(absl::StrCat("page_data has ", pages.page_data().size(),
+                                                   " bytes; ", kv_heads_, " kv heads x ",
+                                                   pages.tokens(), " tokens need ",
+                                                   run * kv_heads_));
+  }
+  held.heads.resize(kv_heads_);
+  for (int h = 0; h < kv_heads_; ++h) held.heads[h].append(pages.page_data(), h * run, run);
+  held.tokens += pages.tokens();
+  if (held.tokens % config_.spec.flush_tokens() != 0) return absl::OkStatus();
+  for (int h = 0; h < kv_heads_; ++h) {
+    KvStream& s = *streams_[static_cast<size_t>(layer - layer_begin_) * kv_heads_ + h];
+    absl::Status st =
+        s.AppendPages(reinterpret_cast<const uint8_t*>(held.heads[h].data()), held.tokens);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("layer ", layer, " kv head ", h, ": ",
+                                                  st.message()));
+    }
+  }
+  held = HeldPages();
+  return absl::OkStatus();
+}
+
 absl::Status LocalSequence::ApplyFetched(const v1::FetchResponse& response) {
   const int layer = response.layer();
   KVQ_RETURN_IF_ERROR(CheckLayers(layer, 1));
@@ -151,22 +203,31 @@ absl::Status LocalSequence::ApplyFetched(const v1::FetchResponse& response) {
     return absl::InvalidArgumentError(absl::StrCat(
         "fetch response for layer ", layer, " must carry either k/v or pages"));
   }
-  const int layers = dense ? 1 : std::max(response.pages().layers(), 1);
-  KVQ_RETURN_IF_ERROR(CheckLayers(layer, layers));
-  for (int l = layer; l < layer + layers; ++l) {
-    if (layer_tokens(l) != response.token_begin()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "fetch response for layer ", l, " starts at token ", response.token_begin(),
-          " but the layer holds ", layer_tokens(l), " tokens: responses must come in token order"));
-    }
+  const HeldPages& held = held_[layer - layer_begin_];
+  const int end = layer_tokens(layer) + held.tokens;
+  if (response.token_begin() != end) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fetch response for layer ", layer, " starts at token ", response.token_begin(),
+        " but the layer's tokens end at ", end, ": responses must come in token order"));
   }
-  if (dense) return AppendDense(layer, 1, response.k(), response.v(), /*per_layer_shape=*/true);
-  return AppendPages(layer, response.pages());
+  if (!dense) return HoldPages(layer, response.pages());
+  if (held.tokens > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fetched pages of layer ", layer, " end inside a flush block (", held.tokens,
+        " tokens held)"));
+  }
+  return AppendDense(layer, 1, response.k(), response.v(), /*per_layer_shape=*/true);
 }
 
 absl::StatusOr<FetchedKv> LocalSequence::Read(int token_begin, int token_end,
                                               const ReadOptions& options) const {
   if (token_end < 0) token_end = num_tokens();
+  for (const HeldPages& held : held_) {
+    if (held.tokens > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          held.tokens, " tokens of fetched pages end inside a flush block"));
+    }
+  }
   if (token_begin < 0 || token_end < token_begin || token_end > num_tokens()) {
     return absl::OutOfRangeError(absl::StrCat("token range [", token_begin, ", ", token_end,
                                               ") is not inside [0, ", num_tokens(), "]"));

@@ -4,13 +4,16 @@
 // and dequantizes locally, so a client can fetch raw pages (2-5 bits per
 // element on the wire) and expand them itself.
 //
-// Raw fetch responses are applied in token order per layer: dense k/v
-// ([kv_heads, tokens, head_dim], the sink and the fp16 tail, keys pre-RoPE,
-// unrotated) are appended as rows, pages as raw pages.
+// Fetch responses are applied in token order per layer: dense k/v
+// ([kv_heads, tokens, head_dim]; for the sink and the fp16 tail, fetched as
+// fp16 with apply_rope = false) are appended as rows, raw pages as pages.
+// The server cuts raw fetches into messages of whole pages, which need not
+// end on a flush block: pages are held back until they do.
 #ifndef KVQ_CLIENT_LOCAL_SEQUENCE_H_
 #define KVQ_CLIENT_LOCAL_SEQUENCE_H_
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -31,6 +34,16 @@ struct FetchedKv {
   HostTensor v;
 };
 
+// Where the first `num_tokens` tokens of a stream of `config` live: the
+// fp16 sink, pages, the fp16 tail (the stream invariant: the tail holds
+// fewer than flush_tokens() tokens).
+struct TokenPlacement {
+  int sink = 0;
+  int quantized = 0;
+  int tail = 0;
+};
+TokenPlacement PlaceTokens(const StreamConfig& config, int num_tokens);
+
 class LocalSequence {
  public:
   // Streams for layers [layer_begin, layer_begin + layers) of a sequence of
@@ -46,8 +59,9 @@ class LocalSequence {
   // INVALID_ARGUMENT for shapes, dtypes, page sizes; OUT_OF_RANGE for layers
   // outside this sequence; FAILED_PRECONDITION from AppendPages.
   absl::Status ApplyChunk(const v1::KvChunk& chunk);
-  // Appends one raw FetchResponse; its token_begin must be the layer's
-  // current token count (FAILED_PRECONDITION names the gap otherwise).
+  // Appends one FetchResponse; its token_begin must be where the layer's
+  // tokens (including pages held back) end: FAILED_PRECONDITION names the
+  // gap otherwise.
   absl::Status ApplyFetched(const v1::FetchResponse& response);
 
   int layer_begin() const { return layer_begin_; }
@@ -60,7 +74,8 @@ class LocalSequence {
   const KvStream& stream(int layer, int head) const;
 
   // K and V of tokens [token_begin, token_end) of every layer held
-  // (token_end < 0: num_tokens()). OUT_OF_RANGE outside what is stored.
+  // (token_end < 0: num_tokens()). OUT_OF_RANGE outside what is stored;
+  // FAILED_PRECONDITION while pages that end mid flush block are held back.
   absl::StatusOr<FetchedKv> Read(int token_begin, int token_end,
                                  const ReadOptions& options) const;
 
@@ -70,12 +85,20 @@ class LocalSequence {
                            bool per_layer_shape);
   absl::Status AppendPages(int layer, const v1::QuantizedPages& pages);
   absl::Status CheckLayers(int layer, int layers) const;
+  absl::Status HoldPages(int layer, const v1::QuantizedPages& pages);
+
+  // Raw pages of one layer received but not yet appended, per head.
+  struct HeldPages {
+    int tokens = 0;
+    std::vector<std::string> heads;
+  };
 
   StreamConfig config_;
   int layer_begin_ = 0;
   int layers_ = 0;
   int kv_heads_ = 0;
   std::vector<std::unique_ptr<KvStream>> streams_;  // [layer][head].
+  std::vector<HeldPages> held_;                      // [layer].
 };
 
 }  // namespace kvq

@@ -1,0 +1,604 @@
+#include "client/kvq_client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/grpc_status.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "kernels/status_macros.h"
+
+namespace kvq {
+namespace {
+
+double JitterFactor(double jitter) {
+  if (jitter <= 0.0) return 1.0;
+  thread_local std::minstd_rand rng(std::random_device{}());
+  std::uniform_real_distribution<double> d(1.0 - jitter, 1.0 + jitter);
+  return d(rng);
+}
+
+absl::Status CheckTensor(const HostTensor& t, absl::string_view name, int rank) {
+  if (t.rank() != rank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must have rank ", rank, ", got ", t.DebugString()));
+  }
+  if (absl::Status st = t.Validate(); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<AttendOutput>> ToOutputs(v1::AttendResponse&& response) {
+  std::vector<AttendOutput> out;
+  out.reserve(response.results_size());
+  for (int i = 0; i < response.results_size(); ++i) {
+    v1::AttendResult* r = response.mutable_results(i);
+    AttendOutput o;
+    KVQ_ASSIGN_OR_RETURN(o.out, FromProto(std::move(*r->mutable_out()),
+                                          absl::StrCat("results[", i, "].out")));
+    KVQ_ASSIGN_OR_RETURN(o.lse, FromProto(std::move(*r->mutable_lse()),
+                                          absl::StrCat("results[", i, "].lse")));
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+absl::Status FillAppendAttend(int layer, absl::Span<const AppendAttendItem> items,
+                              float softmax_scale, absl::string_view ns,
+                              v1::AppendAttendRequest* request) {
+  request->set_layer(layer);
+  request->set_softmax_scale(softmax_scale);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AppendAttendItem& it = items[i];
+    const std::string at = absl::StrCat("items[", i, "].");
+    KVQ_RETURN_IF_ERROR(CheckTensor(it.k, at + "k", 3));
+    KVQ_RETURN_IF_ERROR(CheckTensor(it.v, at + "v", 3));
+    KVQ_RETURN_IF_ERROR(CheckTensor(it.q, at + "q", 3));
+    v1::AppendAttendItem* item = request->add_items();
+    item->mutable_sequence()->set_namespace_(std::string(ns));
+    item->mutable_sequence()->set_sequence_id(it.sequence_id);
+    ToProto(it.k, item->mutable_k());
+    ToProto(it.v, item->mutable_v());
+    ToProto(it.q, item->mutable_q());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool IsRetryableCode(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
+}
+
+absl::Duration RetryBackoff(const RetryPolicy& policy, int retry) {
+  absl::Duration d = policy.initial_backoff;
+  for (int i = 1; i < retry && d < policy.max_backoff; ++i) d = d * policy.multiplier;
+  return std::min(d, policy.max_backoff);
+}
+
+// ------------------------------------------------------------------ client
+
+absl::StatusOr<std::unique_ptr<KvqClient>> KvqClient::Connect(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("target is empty");
+  if (options.deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("deadline must be > 0");
+  }
+  if (options.retry.max_attempts < 1) {
+    return absl::InvalidArgumentError("retry.max_attempts must be >= 1");
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  auto creds = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  return std::make_unique<KvqClient>(grpc::CreateCustomChannel(options.target, creds, args),
+                                     options);
+}
+
+KvqClient::KvqClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
+    : options_(options), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
+
+void KvqClient::SetDeadline(grpc::ClientContext* context, const CallOptions& call) const {
+  const absl::Duration d =
+      call.deadline > absl::ZeroDuration() ? call.deadline : options_.deadline;
+  if (d == absl::InfiniteDuration()) return;
+  context->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d));
+}
+
+void KvqClient::Ref(absl::string_view sequence_id, v1::SequenceRef* out) const {
+  out->set_namespace_(options_.ns);
+  out->set_sequence_id(std::string(sequence_id));
+}
+
+absl::Status KvqClient::Call(
+    bool idempotent, const CallOptions& call,
+    const std::function<grpc::Status(grpc::ClientContext*, int attempt)>& attempt) {
+  const int attempts = idempotent ? std::max(options_.retry.max_attempts, 1) : 1;
+  absl::Status status;
+  for (int i = 1; i <= attempts; ++i) {
+    if (i > 1) {
+      absl::SleepFor(RetryBackoff(options_.retry, i - 1) * JitterFactor(options_.retry.jitter));
+    }
+    grpc::ClientContext context;
+    SetDeadline(&context, call);
+    status = FromGrpcStatus(attempt(&context, i));
+    if (status.ok() || !IsRetryableCode(status.code())) return status;
+  }
+  return status;
+}
+
+absl::StatusOr<v1::ServerInfo> KvqClient::GetServerInfo(const CallOptions& call) {
+  v1::ServerInfo info;
+  KVQ_RETURN_IF_ERROR(Call(true, call, [&](grpc::ClientContext* ctx, int) {
+    info.Clear();
+    return stub_->GetServerInfo(ctx, v1::GetServerInfoRequest(), &info);
+  }));
+  return info;
+}
+
+absl::StatusOr<SequenceInfo> KvqClient::CreateSequence(const CreateOptions& options) {
+  KVQ_RETURN_IF_ERROR(options.config.ToStreamConfig().status());
+  v1::CreateSequenceRequest request;
+  request.set_namespace_(options_.ns);
+  request.set_sequence_id(options.sequence_id);
+  ToProto(options.config.layout, request.mutable_layout());
+  request.set_scheme(options.config.scheme);
+  request.set_ttl_seconds(options.ttl_seconds);
+  for (const Codebook& c : options.config.codebooks) ToProto(c, request.add_codebooks());
+  request.mutable_prompt_token_ids()->Assign(options.prompt_token_ids.begin(),
+                                             options.prompt_token_ids.end());
+  v1::CreateSequenceResponse response;
+  KVQ_RETURN_IF_ERROR(Call(false, options.call, [&](grpc::ClientContext* ctx, int) {
+    return stub_->CreateSequence(ctx, request, &response);
+  }));
+  return SequenceInfo{response.sequence_id(), response.scheme(), response.num_tokens(),
+                      response.block_tokens()};
+}
+
+absl::StatusOr<AppendResult> KvqClient::SendPlan(absl::string_view sequence_id,
+                                                 const HostTensor& k, const HostTensor& v,
+                                                 const AppendPlan& plan,
+                                                 const AppendOptions& options,
+                                                 const SequenceConfig* config) {
+  PlanOptions plan_options{options.max_chunk_bytes, options.layer_begin,
+                           options.quantize_threads};
+  ChunkBuilder builder(k, v, plan, plan_options, config,
+                       options.backend ? options.backend : &CpuBackend());
+  AppendResult result;
+  // Append is never retried: one attempt, one stream.
+  v1::AppendResponse response;
+  absl::Status local;  // A client-side failure that cancelled the stream.
+  const absl::Status st = Call(false, options.call, [&](grpc::ClientContext* ctx, int) {
+    std::unique_ptr<grpc::ClientWriterInterface<v1::AppendRequest>> writer =
+        stub_->Append(ctx, &response);
+    v1::AppendRequest request;
+    Ref(sequence_id, request.mutable_sequence());
+    request.mutable_token_ids()->Assign(options.token_ids.begin(), options.token_ids.end());
+    bool ok = true;
+    if (options.progress) options.progress(0, plan.total_bytes);
+    for (const PlannedChunk& chunk : plan.chunks) {
+      absl::StatusOr<v1::KvChunk> built = builder.Build(chunk);
+      if (!built.ok()) {
+        local = built.status();
+        ctx->TryCancel();  // Nothing is committed without a half-close.
+        break;
+      }
+      request.mutable_chunk()->Swap(&*built);
+      ok = writer->Write(request);
+      if (!ok) break;
+      request.Clear();
+      ++result.chunks;
+      result.wire_bytes += chunk.payload_bytes;
+      if (options.progress) options.progress(result.wire_bytes, plan.total_bytes);
+    }
+    if (local.ok() && ok && plan.chunks.empty()) ok = writer->Write(request);
+    if (local.ok() && ok) writer->WritesDone();
+    return writer->Finish();
+  });
+  if (!local.ok()) return local;
+  KVQ_RETURN_IF_ERROR(st);
+  result.num_tokens = response.num_tokens();
+  result.bytes_stored = response.bytes_stored();
+  return result;
+}
+
+absl::StatusOr<AppendResult> KvqClient::AppendPrompt(absl::string_view sequence_id,
+                                                     const HostTensor& k, const HostTensor& v,
+                                                     const AppendOptions& options) {
+  PlanOptions plan_options{options.max_chunk_bytes, options.layer_begin,
+                           options.quantize_threads};
+  KVQ_ASSIGN_OR_RETURN(const AppendPlan plan,
+                       PlanDenseAppend(k, v, options.wire_dtype.value_or(k.dtype), plan_options));
+  return SendPlan(sequence_id, k, v, plan, options, nullptr);
+}
+
+absl::StatusOr<AppendResult> KvqClient::AppendPromptQuantized(absl::string_view sequence_id,
+                                                              const SequenceConfig& config,
+                                                              const HostTensor& k,
+                                                              const HostTensor& v,
+                                                              const AppendOptions& options) {
+  KVQ_ASSIGN_OR_RETURN(const StreamConfig stream_config, config.ToStreamConfig());
+  if (k.rank() == 4 && (k.shape[0] + options.layer_begin > config.layout.num_layers ||
+                        k.shape[1] != config.layout.num_kv_heads)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k is ", k.DebugString(), " from layer ", options.layer_begin, "; the sequence has ",
+        config.layout.num_layers, " layers and ", config.layout.num_kv_heads, " kv heads"));
+  }
+  PlanOptions plan_options{options.max_chunk_bytes, options.layer_begin,
+                           options.quantize_threads};
+  KVQ_ASSIGN_OR_RETURN(const AppendPlan plan,
+                       PlanQuantizedAppend(k, v, stream_config, options.start_tokens,
+                                           options.block_tokens, plan_options));
+  return SendPlan(sequence_id, k, v, plan, options, &config);
+}
+
+absl::Status KvqClient::FetchStream(
+    absl::string_view sequence_id, const FetchOptions& options, bool raw,
+    const std::function<absl::Status(v1::FetchResponse&&)>& on_message,
+    const std::function<void()>& on_restart) {
+  v1::FetchRequest request;
+  Ref(sequence_id, request.mutable_sequence());
+  request.set_layer_begin(options.layer_begin);
+  request.set_layer_end(options.layer_end);
+  request.set_token_begin(options.token_begin);
+  request.set_token_end(options.token_end);
+  if (!raw) request.set_dtype(ToProtoDType(options.dtype));  // Raw: unset.
+  request.set_apply_rope(options.apply_rope && !raw);
+  request.set_raw(raw);
+  request.set_max_chunk_bytes(options.max_chunk_bytes);
+  absl::Status local;
+  absl::Status st = Call(true, options.call, [&](grpc::ClientContext* ctx, int attempt) {
+    if (attempt > 1) on_restart();
+    std::unique_ptr<grpc::ClientReaderInterface<v1::FetchResponse>> reader =
+        stub_->FetchDequant(ctx, request);
+    v1::FetchResponse message;
+    while (reader->Read(&message)) {
+      local = on_message(std::move(message));
+      if (!local.ok()) {
+        ctx->TryCancel();
+        break;
+      }
+      message.Clear();
+    }
+    return reader->Finish();
+  });
+  return local.ok() ? st : local;
+}
+
+absl::StatusOr<FetchedKv> KvqClient::FetchDequant(absl::string_view sequence_id,
+                                                  const FetchOptions& options) {
+  FetchAssembler assembler;
+  KVQ_RETURN_IF_ERROR(FetchStream(
+      sequence_id, options, /*raw=*/false,
+      [&](v1::FetchResponse&& m) {
+        KVQ_RETURN_IF_ERROR(assembler.Add(std::move(m)));
+        if (options.progress) options.progress(assembler.bytes(), -1);
+        return absl::OkStatus();
+      },
+      [&] { assembler.Clear(); }));
+  return assembler.Finish();
+}
+
+absl::StatusOr<RawFetch> KvqClient::FetchRaw(absl::string_view sequence_id,
+                                             const FetchOptions& options) {
+  RawFetch raw;
+  KVQ_RETURN_IF_ERROR(FetchStream(
+      sequence_id, options, /*raw=*/true,
+      [&](v1::FetchResponse&& m) {
+        raw.wire_bytes += static_cast<int64_t>(m.k().data().size() + m.v().data().size() +
+                                               m.pages().page_data().size());
+        raw.responses.push_back(std::move(m));
+        if (options.progress) options.progress(raw.wire_bytes, -1);
+        return absl::OkStatus();
+      },
+      [&] { raw = RawFetch(); }));
+  return raw;
+}
+
+absl::StatusOr<FetchedKv> KvqClient::FetchDequantLocal(absl::string_view sequence_id,
+                                                       const SequenceConfig& config,
+                                                       const FetchOptions& options) {
+  KVQ_ASSIGN_OR_RETURN(const StreamConfig stream_config, config.ToStreamConfig());
+  // fp8_e4m3 keeps its scale per stream: no raw pages, the server dequantizes.
+  if (stream_config.spec.kind == SchemeKind::kFp8E4m3) return FetchDequant(sequence_id, options);
+  KVQ_ASSIGN_OR_RETURN(const v1::StatsResponse stats, Stats(sequence_id, options.call));
+  const int num_tokens = stats.num_tokens();
+  const TokenPlacement place = PlaceTokens(stream_config, num_tokens);
+  const int layer_end = options.layer_end > 0 ? options.layer_end : config.layout.num_layers;
+  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<LocalSequence> local,
+                       LocalSequence::Create(config, options.layer_begin,
+                                             layer_end - options.layer_begin));
+  // Every token of the layer range, in order: the sink and the tail as the
+  // fp16 rows they are stored as (keys pre-RoPE), the quantized part as raw
+  // pages. Each part is kept until its stream completes, so a retried
+  // stream never applies a message twice.
+  int64_t done = 0;
+  auto fetch_part = [&](int begin, int end, bool raw) -> absl::Status {
+    if (begin >= end) return absl::OkStatus();
+    FetchOptions part = options;
+    part.token_begin = begin;
+    part.token_end = end;
+    part.dtype = DType::kFloat16;
+    part.apply_rope = false;
+    std::vector<v1::FetchResponse> messages;
+    int64_t bytes = 0;
+    KVQ_RETURN_IF_ERROR(FetchStream(
+        sequence_id, part, raw,
+        [&](v1::FetchResponse&& m) {
+          bytes += static_cast<int64_t>(m.k().data().size() + m.v().data().size() +
+                                        m.pages().page_data().size());
+          messages.push_back(std::move(m));
+          if (options.progress) options.progress(done + bytes, -1);
+          return absl::OkStatus();
+        },
+        [&] {
+          messages.clear();
+          bytes = 0;
+        }));
+    done += bytes;
+    // The server sends the layers in order; apply them as they came.
+    for (const v1::FetchResponse& m : messages) KVQ_RETURN_IF_ERROR(local->ApplyFetched(m));
+    return absl::OkStatus();
+  };
+  KVQ_RETURN_IF_ERROR(fetch_part(0, place.sink, false));
+  KVQ_RETURN_IF_ERROR(fetch_part(place.sink, place.sink + place.quantized, true));
+  KVQ_RETURN_IF_ERROR(fetch_part(place.sink + place.quantized, num_tokens, false));
+  ReadOptions read;
+  read.dtype = options.dtype;
+  read.apply_rope = options.apply_rope;
+  return local->Read(options.token_begin, options.token_end > 0 ? options.token_end : -1, read);
+}
+
+absl::StatusOr<std::vector<AttendOutput>> KvqClient::Attend(int layer,
+                                                            absl::Span<const AttendQuery> items,
+                                                            float softmax_scale,
+                                                            const CallOptions& call) {
+  v1::AttendRequest request;
+  request.set_layer(layer);
+  request.set_softmax_scale(softmax_scale);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttendQuery& it = items[i];
+    KVQ_RETURN_IF_ERROR(CheckTensor(it.q, absl::StrCat("items[", i, "].q"), 3));
+    v1::AttendItem* item = request.add_items();
+    Ref(it.sequence_id, item->mutable_sequence());
+    ToProto(it.q, item->mutable_q());
+    item->mutable_q_positions()->Assign(it.q_positions.begin(), it.q_positions.end());
+    item->set_key_begin(it.key_begin);
+    item->set_key_end(it.key_end);
+  }
+  v1::AttendResponse response;
+  KVQ_RETURN_IF_ERROR(Call(true, call, [&](grpc::ClientContext* ctx, int) {
+    response.Clear();
+    return stub_->Attend(ctx, request, &response);
+  }));
+  return ToOutputs(std::move(response));
+}
+
+absl::StatusOr<std::vector<AttendOutput>> KvqClient::AppendAttend(
+    int layer, absl::Span<const AppendAttendItem> items, float softmax_scale,
+    const CallOptions& call) {
+  v1::AppendAttendRequest request;
+  KVQ_RETURN_IF_ERROR(FillAppendAttend(layer, items, softmax_scale, options_.ns, &request));
+  v1::AttendResponse response;
+  KVQ_RETURN_IF_ERROR(Call(false, call, [&](grpc::ClientContext* ctx, int) {
+    return stub_->AppendAttend(ctx, request, &response);
+  }));
+  return ToOutputs(std::move(response));
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> KvqClient::OpenDecodeSession(
+    absl::Duration deadline) {
+  std::unique_ptr<DecodeSession> s(new DecodeSession());
+  s->ns_ = options_.ns;
+  if (deadline != absl::InfiniteDuration()) {
+    s->context_.set_deadline(std::chrono::system_clock::now() +
+                             absl::ToChronoMilliseconds(deadline));
+  }
+  s->stream_ = stub_->DecodeStream(&s->context_);
+  if (s->stream_ == nullptr) return absl::InternalError("DecodeStream returned no stream");
+  return s;
+}
+
+absl::StatusOr<ForkResult> KvqClient::Fork(absl::string_view source_id,
+                                           const ForkOptions& options) {
+  v1::ForkRequest request;
+  Ref(source_id, request.mutable_source());
+  request.set_new_sequence_id(options.new_sequence_id);
+  request.set_num_tokens(options.num_tokens);
+  request.set_ttl_seconds(options.ttl_seconds);
+  v1::ForkResponse response;
+  KVQ_RETURN_IF_ERROR(Call(false, options.call, [&](grpc::ClientContext* ctx, int) {
+    return stub_->Fork(ctx, request, &response);
+  }));
+  return ForkResult{response.sequence_id(), response.num_tokens()};
+}
+
+absl::StatusOr<int64_t> KvqClient::Release(absl::string_view sequence_id,
+                                           const CallOptions& call) {
+  v1::ReleaseRequest request;
+  Ref(sequence_id, request.mutable_sequence());
+  v1::ReleaseResponse response;
+  KVQ_RETURN_IF_ERROR(Call(true, call, [&](grpc::ClientContext* ctx, int attempt) {
+    response.Clear();
+    grpc::Status st = stub_->Release(ctx, request, &response);
+    // An earlier attempt may have released it and lost the reply.
+    if (attempt > 1 && st.error_code() == grpc::StatusCode::NOT_FOUND) return grpc::Status::OK;
+    return st;
+  }));
+  return response.bytes_freed();
+}
+
+absl::StatusOr<v1::StatsResponse> KvqClient::Stats(absl::string_view sequence_id,
+                                                   const CallOptions& call) {
+  v1::StatsRequest request;
+  Ref(sequence_id, request.mutable_sequence());
+  v1::StatsResponse response;
+  KVQ_RETURN_IF_ERROR(Call(true, call, [&](grpc::ClientContext* ctx, int) {
+    response.Clear();
+    return stub_->Stats(ctx, request, &response);
+  }));
+  return response;
+}
+
+// ---------------------------------------------------------- decode session
+
+DecodeSession::~DecodeSession() {
+  if (stream_ != nullptr && !final_.has_value()) {
+    context_.TryCancel();
+    stream_->Finish();
+  }
+}
+
+absl::Status DecodeSession::Broken() {
+  if (!final_.has_value()) {
+    absl::Status st = FromGrpcStatus(stream_->Finish());
+    final_ = st.ok() ? absl::UnavailableError("decode stream closed by the server") : st;
+  }
+  return *final_;
+}
+
+absl::Status DecodeSession::Write(int layer, absl::Span<const AppendAttendItem> items,
+                                  float softmax_scale) {
+  if (final_.has_value()) return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
+  if (writes_done_) return absl::FailedPreconditionError("session closed");
+  v1::DecodeRequest request;
+  KVQ_RETURN_IF_ERROR(FillAppendAttend(layer, items, softmax_scale, ns_, request.mutable_step()));
+  if (!stream_->Write(request)) return Broken();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<AttendOutput>> DecodeSession::Read() {
+  if (final_.has_value()) return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
+  v1::DecodeResponse response;
+  if (!stream_->Read(&response)) return Broken();
+  return ToOutputs(std::move(*response.mutable_result()));
+}
+
+absl::StatusOr<std::vector<AttendOutput>> DecodeSession::Step(
+    int layer, absl::Span<const AppendAttendItem> items, float softmax_scale) {
+  KVQ_RETURN_IF_ERROR(Write(layer, items, softmax_scale));
+  return Read();
+}
+
+absl::Status DecodeSession::Close() {
+  if (final_.has_value()) return *final_;
+  if (!writes_done_) {
+    stream_->WritesDone();
+    writes_done_ = true;
+  }
+  // Drain responses nobody read so that Finish() can complete.
+  v1::DecodeResponse unread;
+  while (stream_->Read(&unread)) {
+  }
+  final_ = FromGrpcStatus(stream_->Finish());
+  return *final_;
+}
+
+// --------------------------------------------------------- fetch assembly
+
+absl::Status FetchAssembler::Add(v1::FetchResponse&& response) {
+  Piece p;
+  p.layer = response.layer();
+  p.token_begin = response.token_begin();
+  KVQ_ASSIGN_OR_RETURN(p.k, FromProto(std::move(*response.mutable_k()), "k"));
+  KVQ_ASSIGN_OR_RETURN(p.v, FromProto(std::move(*response.mutable_v()), "v"));
+  if (p.k.rank() != 3 || p.k.shape != p.v.shape || p.k.dtype != p.v.dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fetch response for layer ", p.layer, ": k and v must be the same ",
+                     "[kv_heads, tokens, head_dim], got ", p.k.DebugString(), " and ",
+                     p.v.DebugString()));
+  }
+  if (!pieces_.empty()) {
+    const Piece& f = pieces_.front();
+    if (p.k.dtype != f.k.dtype || p.k.shape[0] != f.k.shape[0] || p.k.shape[2] != f.k.shape[2]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fetch response for layer ", p.layer, " is ", p.k.DebugString(),
+          ", an earlier one was ", f.k.DebugString()));
+    }
+  }
+  bytes_ += static_cast<int64_t>(p.k.byte_size() + p.v.byte_size());
+  pieces_.push_back(std::move(p));
+  return absl::OkStatus();
+}
+
+void FetchAssembler::Clear() {
+  pieces_.clear();
+  bytes_ = 0;
+}
+
+absl::StatusOr<FetchedKv> FetchAssembler::Finish() {
+  FetchedKv out;
+  if (pieces_.empty()) return out;
+  std::stable_sort(pieces_.begin(), pieces_.end(), [](const Piece& a, const Piece& b) {
+    return a.layer != b.layer ? a.layer < b.layer : a.token_begin < b.token_begin;
+  });
+  const int64_t heads = pieces_[0].k.shape[0], d = pieces_[0].k.shape[2];
+  const DType dtype = pieces_[0].k.dtype;
+  // Per layer: [token_begin, token_end) and its pieces.
+  struct Span {
+    int layer;
+    int begin;
+    int end;
+    size_t first;
+    size_t count;
+  };
+  std::vector<Span> layers;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const Piece& p = pieces_[i];
+    const int n = static_cast<int>(p.k.shape[1]);
+    if (layers.empty() || layers.back().layer != p.layer) {
+      if (!layers.empty() && p.layer != layers.back().layer + 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "fetch responses skip from layer ", layers.back().layer, " to ", p.layer));
+      }
+      layers.push_back({p.layer, p.token_begin, p.token_begin + n, i, 1});
+      continue;
+    }
+    Span& s = layers.back();
+    if (p.token_begin != s.end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fetch responses of layer ", p.layer, " leave a gap or overlap at token ", s.end,
+          " (next piece starts at ", p.token_begin, ")"));
+    }
+    s.end += n;
+    ++s.count;
+  }
+  for (const Span& s : layers) {
+    if (s.begin != layers[0].begin || s.end != layers[0].end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", s.layer, " covers tokens [", s.begin, ", ", s.end, "), layer ",
+          layers[0].layer, " covers [", layers[0].begin, ", ", layers[0].end, ")"));
+    }
+  }
+  const int64_t tokens = layers[0].end - layers[0].begin;
+  out.layer_begin = layers[0].layer;
+  out.token_begin = layers[0].begin;
+  const std::vector<int64_t> shape = {static_cast<int64_t>(layers.size()), heads, tokens, d};
+  out.k = HostTensor::Zeros(dtype, shape);
+  out.v = HostTensor::Zeros(dtype, shape);
+  const size_t elem = DTypeBytes(dtype);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    for (size_t i = layers[l].first; i < layers[l].first + layers[l].count; ++i) {
+      const Piece& p = pieces_[i];
+      const int64_t n = p.k.shape[1];
+      const int64_t t0 = p.token_begin - layers[l].begin;
+      for (int64_t h = 0; h < heads; ++h) {
+        const size_t dst = ((l * heads + h) * tokens + t0) * d * elem;
+        const size_t src = static_cast<size_t>(h * n * d) * elem;
+        std::memcpy(out.k.mutable_bytes() + dst, p.k.bytes() + src, n * d * elem);
+        std::memcpy(out.v.mutable_bytes() + dst, p.v.bytes() + src, n * d * elem);
+      }
+    }
+  }
+  pieces_.clear();
+  return out;
+}
+
+}  // namespace kvq

@@ -1,0 +1,13 @@
+"""Python client of kvq, a quantized KV-cache service (see client.py for a
+decode-worker example and docs/CLIENTS.md)."""
+
+from .client import (AppendResult, AttendQuery, DecodeItem, DecodeSession, KvqClient, KvqError,
+                     ModelLayout, RetryPolicy, RopeParams, SequenceInfo)
+from .tensors import (bf16_bits_to_float32, float32_to_bf16_bits, from_tensor, plan_chunks,
+                      to_tensor)
+
+__all__ = [
+    "AppendResult", "AttendQuery", "DecodeItem", "DecodeSession", "KvqClient", "KvqError",
+    "ModelLayout", "RetryPolicy", "RopeParams", "SequenceInfo", "bf16_bits_to_float32",
+    "float32_to_bf16_bits", "from_tensor", "plan_chunks", "to_tensor",
+]

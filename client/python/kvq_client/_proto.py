@@ -1,0 +1,86 @@
+"""The generated protobuf and gRPC modules of proto/kvq/v1/kvq.proto.
+
+They live in ``kvq_client/_gen`` (not in git). ``generate.sh`` writes them;
+from a source checkout the first import writes them too when grpcio-tools is
+installed. Run as a script (``python3 kvq_client/_proto.py [--force]``) to
+regenerate.
+"""
+
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+GEN_DIR = os.path.join(_PACKAGE_DIR, "_gen")
+
+
+def proto_root():
+    """The directory holding kvq/v1/kvq.proto ($KVQ_PROTO_DIR or the checkout's proto/)."""
+    root = os.environ.get("KVQ_PROTO_DIR") or os.path.join(_PACKAGE_DIR, "..", "..", "..", "proto")
+    return os.path.normpath(root)
+
+
+def generate(force=False):
+    """Writes kvq_pb2.py and kvq_pb2_grpc.py under _gen/kvq/v1.
+
+    The grpc module's absolute import of kvq_pb2 becomes a relative one, so
+    the modules live inside this package. Generation goes to a temporary
+    directory that is renamed into place, so concurrent first imports are
+    safe.
+    """
+    if os.path.isdir(GEN_DIR) and not force:
+        return GEN_DIR
+    proto = os.path.join(proto_root(), "kvq", "v1", "kvq.proto")
+    if not os.path.isfile(proto):
+        raise ImportError(
+            f"kvq_client: the generated modules are missing and {proto} was not found; "
+            "run client/python/generate.sh from a kvq checkout (or set KVQ_PROTO_DIR)")
+    try:
+        from grpc_tools import protoc
+    except ImportError as e:
+        raise ImportError("kvq_client: generating the gRPC modules needs grpcio-tools "
+                          "(scripts/install_deps.sh installs it)") from e
+    tmp = tempfile.mkdtemp(prefix="_gen.", dir=_PACKAGE_DIR)
+    try:
+        rc = protoc.main(["grpc_tools.protoc", f"-I{proto_root()}", f"--python_out={tmp}",
+                          f"--grpc_python_out={tmp}", "kvq/v1/kvq.proto"])
+        if rc != 0:
+            raise ImportError(f"kvq_client: protoc failed on {proto} (exit {rc})")
+        for sub in ("", "kvq", os.path.join("kvq", "v1")):
+            open(os.path.join(tmp, sub, "__init__.py"), "a").close()
+        grpc_module = os.path.join(tmp, "kvq", "v1", "kvq_pb2_grpc.py")
+        with open(grpc_module) as f:
+            text = f.read()
+        text = text.replace("from kvq.v1 import kvq_pb2 as", "from . import kvq_pb2 as")
+        with open(grpc_module, "w") as f:
+            f.write(text)
+        if force and os.path.isdir(GEN_DIR):
+            shutil.rmtree(GEN_DIR)
+        try:
+            os.rename(tmp, GEN_DIR)
+        except OSError:
+            if not os.path.isdir(GEN_DIR):  # Lost a race: someone else's copy is in place.
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    importlib.invalidate_caches()
+    return GEN_DIR
+
+
+def modules():
+    """(kvq_pb2, kvq_pb2_grpc), generating them first when needed."""
+    try:
+        pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2")
+        grpc_pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2_grpc")
+    except ImportError:
+        generate()
+        pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2")
+        grpc_pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2_grpc")
+    return pb2, grpc_pb2
+
+
+if __name__ == "__main__":
+    print(generate(force="--force" in sys.argv[1:]))

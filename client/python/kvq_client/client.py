@@ -1,0 +1,432 @@
+"""KvqClient: the Python client of the kvq.v1.KvCache service.
+
+numpy arrays in and out; every call has a deadline (the client's unless the
+call passes one); idempotent calls (info, fetch, attend, stats, release) are
+retried with exponential backoff on UNAVAILABLE and DEADLINE_EXCEEDED, calls
+that change state (create_sequence, append_prompt, append_attend, decode
+sessions, fork) never are. A release retried after a lost reply treats
+NOT_FOUND as success. Errors raise KvqError with the server's status code and
+message (the codes are listed in proto/kvq/v1/kvq.proto).
+
+A prefill worker::
+
+    from kvq_client import KvqClient, ModelLayout
+    with KvqClient("kvq:50051", namespace="tenant-a") as kvq:
+        seq = kvq.create_sequence(ModelLayout(32, 8, 32, 128), scheme="kivi2:g32:r128")
+        kvq.append_prompt(seq.sequence_id, k, v)   # [layers, kv_heads, tokens, head_dim]
+
+A decode worker (one stream for the whole decode loop, one request per layer
+per step, many sequences batched per request)::
+
+    import numpy as np
+    from kvq_client import KvqClient, DecodeItem
+
+    with KvqClient("kvq:50051", namespace="tenant-a") as kvq:
+        with kvq.decode_session() as session:
+            for step in range(max_new_tokens):
+                for layer in range(num_layers):
+                    q, k, v = model.qkv(layer, hidden)   # post-RoPE q, this step's k/v
+                    items = [DecodeItem(seq_id, k[i], v[i], q[i])
+                             for i, seq_id in enumerate(batch)]
+                    # k, v: [kv_heads, 1, head_dim]; q: [1, num_q_heads, head_dim]
+                    results = session.step(layer, items)
+                    attn = np.stack([out for out, lse in results])
+                    hidden = model.finish_layer(layer, attn)
+        for seq_id in batch:
+            kvq.release(seq_id)
+
+Client-side quantization (raw pages) needs the C++ kernels: use the C++
+client (kvq::KvqClient::AppendPromptQuantized) or `kvq append --quantize`.
+"""
+
+import dataclasses
+import queue
+import random
+import threading
+import time
+from typing import Callable, List, Optional, Sequence
+
+import grpc
+import numpy as np
+
+from . import _proto
+from .tensors import assemble_fetch, from_tensor, plan_chunks, to_tensor
+from .tensors import wire_dtype as _wire_dtype
+
+pb, pb_grpc = _proto.modules()
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class KvqError(Exception):
+    """A failed kvq call: `code` is a grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code, details):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc_error(cls, e):
+        return cls(e.code(), e.details())
+
+
+@dataclasses.dataclass
+class RetryPolicy:
+    max_attempts: int = 4          # 1 disables retries.
+    initial_backoff: float = 0.05  # Seconds.
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2            # Each wait scaled by a random factor in [1-j, 1+j].
+
+    def backoff(self, retry):
+        """Seconds before retry number `retry` (1-based), without jitter."""
+        return min(self.initial_backoff * self.multiplier ** (retry - 1), self.max_backoff)
+
+
+@dataclasses.dataclass
+class RopeParams:
+    theta: float = 10000.0
+    rotary_dim: int = 0               # 0: head_dim.
+    pairing: str = "half_split"       # or "adjacent".
+    scaling: str = "none"             # "linear", "ntk".
+    factor: float = 1.0
+
+
+@dataclasses.dataclass
+class ModelLayout:
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    rope: RopeParams = dataclasses.field(default_factory=RopeParams)
+
+    def to_proto(self):
+        m = pb.ModelLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                           num_q_heads=self.num_q_heads, head_dim=self.head_dim)
+        r = self.rope
+        m.rope.theta = r.theta
+        m.rope.rotary_dim = r.rotary_dim
+        m.rope.pairing = {"half_split": pb.RopeParams.PAIRING_HALF_SPLIT,
+                          "adjacent": pb.RopeParams.PAIRING_ADJACENT}[r.pairing]
+        m.rope.scaling = {"none": pb.RopeParams.SCALING_NONE,
+                          "linear": pb.RopeParams.SCALING_LINEAR,
+                          "ntk": pb.RopeParams.SCALING_NTK}[r.scaling]
+        m.rope.factor = r.factor
+        return m
+
+
+@dataclasses.dataclass
+class SequenceInfo:
+    sequence_id: str
+    scheme: str        # Canonical.
+    num_tokens: int    # A reused prefix already present.
+    block_tokens: int
+
+
+@dataclasses.dataclass
+class AppendResult:
+    num_tokens: int
+    bytes_stored: int
+    wire_bytes: int
+    chunks: int
+
+
+@dataclasses.dataclass
+class AttendQuery:
+    sequence_id: str
+    q: np.ndarray                       # Post-RoPE [num_queries, num_q_heads, head_dim].
+    q_positions: Optional[Sequence[int]] = None  # None: every stored token is visible.
+    key_begin: int = 0
+    key_end: int = 0                    # 0: all stored tokens.
+
+
+@dataclasses.dataclass
+class DecodeItem:
+    sequence_id: str
+    k: np.ndarray   # [kv_heads, tokens, head_dim]
+    v: np.ndarray
+    q: np.ndarray   # [tokens, num_q_heads, head_dim]
+
+
+Progress = Callable[[int, int], None]  # (done_bytes, total_bytes or -1).
+
+
+def _results(response):
+    return [(from_tensor(r.out, f"results[{i}].out"), from_tensor(r.lse, f"results[{i}].lse"))
+            for i, r in enumerate(response.results)]
+
+
+class DecodeSession:
+    """A DecodeStream: write() sends one layer's append+attend for some
+    sequences, read() returns the results in write order; step() does both.
+    Not thread-safe. Use as a context manager or call close()."""
+
+    _END = object()
+
+    def __init__(self, client, stub, timeout):
+        self._client = client
+        self._requests = queue.Queue()
+        self._responses = stub.DecodeStream(iter(self._requests.get, self._END), timeout=timeout)
+        self._closed = False
+
+    def write(self, layer, items, softmax_scale=0.0):
+        if self._closed:
+            raise KvqError(grpc.StatusCode.FAILED_PRECONDITION, "decode session closed")
+        request = pb.DecodeRequest()
+        self._client._fill_append_attend(request.step, layer, items, softmax_scale)
+        self._requests.put(request)
+
+    def read(self):
+        try:
+            return _results(next(self._responses).result)
+        except StopIteration:
+            raise KvqError(grpc.StatusCode.UNAVAILABLE, "decode stream closed by the server")
+        except grpc.RpcError as e:
+            raise KvqError.from_rpc_error(e) from None
+
+    def step(self, layer, items, softmax_scale=0.0):
+        self.write(layer, items, softmax_scale)
+        return self.read()
+
+    def close(self):
+        """Half-closes, drains unread results and raises the stream's error, if any."""
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.put(self._END)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError as e:
+            raise KvqError.from_rpc_error(e) from None
+
+    def cancel(self):
+        self._closed = True
+        self._requests.put(self._END)
+        self._responses.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
+
+class KvqClient:
+    """Client of one kvq server and one namespace. Thread-safe."""
+
+    def __init__(self, target="localhost:50051", namespace="", deadline=30.0,
+                 retry=None, max_message_bytes=64 << 20, channel=None):
+        self.namespace = namespace
+        self.deadline = deadline
+        self.retry = retry or RetryPolicy()
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        self._own_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.KvCacheStub(self._channel)
+        self._rng = random.Random()
+        self._rng_lock = threading.Lock()
+
+    def close(self):
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------ plumbing
+
+    def _ref(self, sequence_id, out):
+        out.namespace = self.namespace
+        out.sequence_id = sequence_id
+
+    def _call(self, fn, idempotent, deadline=None, on_retry_status=None):
+        """Runs fn(timeout, attempt) with retries for idempotent calls."""
+        timeout = self.deadline if deadline is None else deadline
+        attempts = max(self.retry.max_attempts, 1) if idempotent else 1
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:
+                with self._rng_lock:
+                    jitter = self._rng.uniform(1 - self.retry.jitter, 1 + self.retry.jitter)
+                time.sleep(self.retry.backoff(attempt - 1) * jitter)
+            try:
+                return fn(timeout, attempt)
+            except grpc.RpcError as e:
+                if on_retry_status is not None and attempt > 1:
+                    handled = on_retry_status(e.code())
+                    if handled is not None:
+                        return handled
+                if e.code() not in _RETRYABLE or attempt == attempts:
+                    raise KvqError.from_rpc_error(e) from None
+
+    def _fill_append_attend(self, request, layer, items, softmax_scale):
+        request.layer = layer
+        request.softmax_scale = softmax_scale
+        for it in items:
+            if not isinstance(it, DecodeItem):
+                it = DecodeItem(*it)
+            item = request.items.add()
+            self._ref(it.sequence_id, item.sequence)
+            for name, array, rank in (("k", it.k, 3), ("v", it.v, 3), ("q", it.q, 3)):
+                if np.ndim(array) != rank:
+                    raise ValueError(f"{name} must have rank {rank}, got shape {np.shape(array)}")
+                to_tensor(array, out=getattr(item, name))
+
+    # ---------------------------------------------------------------- RPCs
+
+    def info(self, deadline=None):
+        """ServerInfo (a kvq.v1 message): version, backend, schemes, limits."""
+        return self._call(lambda t, _: self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=t),
+                          idempotent=True, deadline=deadline)
+
+    def create_sequence(self, layout, scheme="kivi2:g32:r128", sequence_id="", ttl_seconds=0,
+                        prompt_token_ids=None, codebooks=None, deadline=None):
+        """Creates a sequence; `codebooks` (nuq) is a list of (key_levels,
+        value_levels) float32 arrays [head_dim, 2^bits] per (layer, kv head)."""
+        request = pb.CreateSequenceRequest(namespace=self.namespace, sequence_id=sequence_id,
+                                           scheme=scheme, ttl_seconds=ttl_seconds)
+        request.layout.CopyFrom(layout.to_proto() if isinstance(layout, ModelLayout) else layout)
+        request.prompt_token_ids.extend(prompt_token_ids or [])
+        for key_levels, value_levels in codebooks or []:
+            c = request.codebooks.add()
+            to_tensor(np.asarray(key_levels, np.float32), out=c.key_levels)
+            to_tensor(np.asarray(value_levels, np.float32), out=c.value_levels)
+        r = self._call(lambda t, _: self._stub.CreateSequence(request, timeout=t),
+                       idempotent=False, deadline=deadline)
+        return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens)
+
+    def append_prompt(self, sequence_id, k, v, layer_begin=0, max_chunk_bytes=1 << 20,
+                      wire_dtype=None, token_ids=None, progress: Optional[Progress] = None,
+                      deadline=None):
+        """Streams k and v ([layers, kv_heads, tokens, head_dim], float32 or
+        float16) in chunks of at most max_chunk_bytes: one all-or-nothing
+        append. `wire_dtype` ('fp32', 'fp16', 'bf16') converts on the
+        way; default: the arrays' dtype."""
+        k = np.asarray(k)
+        v = np.asarray(v)
+        if k.ndim != 4 or k.shape != v.shape:
+            raise ValueError(f"k {k.shape} and v {v.shape} must both be "
+                             "[layers, kv_heads, tokens, head_dim]")
+        if k.dtype != v.dtype:
+            k, v = k.astype(np.float32), v.astype(np.float32)
+        wire = _wire_dtype(wire_dtype or k.dtype)
+        item = {pb.DTYPE_FP32: 4, pb.DTYPE_FP16: 2, pb.DTYPE_BF16: 2}[wire]
+        layers, heads, tokens, dim = k.shape
+        token_bytes = 2 * heads * dim * item
+        chunks = plan_chunks(layers, tokens, token_bytes, max_chunk_bytes)
+        total = sum(n * t * token_bytes for _, n, _, t in chunks)
+        sent = {"bytes": 0, "chunks": 0}
+
+        def requests():
+            if progress:
+                progress(0, total)
+            first = pb.AppendRequest()
+            self._ref(sequence_id, first.sequence)
+            first.token_ids.extend(token_ids or [])
+            if not chunks:
+                yield first
+            for i, (l0, n, t0, t) in enumerate(chunks):
+                request = first if i == 0 else pb.AppendRequest()
+                request.chunk.layer_begin = layer_begin + l0
+                to_tensor(k[l0:l0 + n, :, t0:t0 + t], wire, out=request.chunk.k)
+                to_tensor(v[l0:l0 + n, :, t0:t0 + t], wire, out=request.chunk.v)
+                yield request
+                sent["bytes"] += n * t * token_bytes
+                sent["chunks"] += 1
+                if progress:
+                    progress(sent["bytes"], total)
+
+        r = self._call(lambda t, _: self._stub.Append(requests(), timeout=t),
+                       idempotent=False, deadline=deadline)
+        return AppendResult(r.num_tokens, r.bytes_stored, sent["bytes"], sent["chunks"])
+
+    def fetch(self, sequence_id, layer_begin=0, layer_end=0, token_begin=0, token_end=0,
+              dtype="fp16", apply_rope=False, max_chunk_bytes=0,
+              progress: Optional[Progress] = None, deadline=None):
+        """Dequantized (K, V), each [layers, kv_heads, tokens, head_dim]
+        (float16 for 'fp16', float32 for 'fp32' and 'bf16'). Retried as a
+        whole."""
+        request = pb.FetchRequest(layer_begin=layer_begin, layer_end=layer_end,
+                                  token_begin=token_begin, token_end=token_end,
+                                  dtype=_wire_dtype(dtype), apply_rope=apply_rope,
+                                  max_chunk_bytes=max_chunk_bytes)
+        self._ref(sequence_id, request.sequence)
+
+        def run(timeout, _):
+            pieces, done = [], 0
+            for m in self._stub.FetchDequant(request, timeout=timeout):
+                k = from_tensor(m.k, "k")
+                v = from_tensor(m.v, "v")
+                pieces.append((m.layer, m.token_begin, k, v))
+                done += len(m.k.data) + len(m.v.data)
+                if progress:
+                    progress(done, -1)
+            return assemble_fetch(pieces)
+
+        _, _, K, V = self._call(run, idempotent=True, deadline=deadline)
+        return K, V
+
+    def attend(self, layer, items, softmax_scale=0.0, deadline=None):
+        """[(out [num_queries, num_q_heads, head_dim], lse [num_queries,
+        num_q_heads])] float32, one per AttendQuery (or (sequence_id, q, ...)
+        tuple), in order."""
+        request = pb.AttendRequest(layer=layer, softmax_scale=softmax_scale)
+        for it in items:
+            if not isinstance(it, AttendQuery):
+                it = AttendQuery(*it)
+            if np.ndim(it.q) != 3:
+                raise ValueError(f"q must be [num_queries, num_q_heads, head_dim], got {np.shape(it.q)}")
+            item = request.items.add(key_begin=it.key_begin, key_end=it.key_end)
+            self._ref(it.sequence_id, item.sequence)
+            to_tensor(it.q, out=item.q)
+            item.q_positions.extend(it.q_positions or [])
+        r = self._call(lambda t, _: self._stub.Attend(request, timeout=t),
+                       idempotent=True, deadline=deadline)
+        return _results(r)
+
+    def append_attend(self, layer, items, softmax_scale=0.0, deadline=None):
+        """Appends each DecodeItem's k/v to its sequence's layer, then attends;
+        [(out, lse)] per item. Never retried."""
+        request = pb.AppendAttendRequest()
+        self._fill_append_attend(request, layer, items, softmax_scale)
+        r = self._call(lambda t, _: self._stub.AppendAttend(request, timeout=t),
+                       idempotent=False, deadline=deadline)
+        return _results(r)
+
+    def decode_session(self, deadline=None):
+        """A DecodeSession; `deadline` (seconds) covers the whole session
+        (default: none, it lives as long as the decode loop)."""
+        return DecodeSession(self, self._stub, deadline)
+
+    def fork(self, sequence_id, new_sequence_id="", num_tokens=0, ttl_seconds=0, deadline=None):
+        """(new sequence id, tokens shared). Never retried."""
+        request = pb.ForkRequest(new_sequence_id=new_sequence_id, num_tokens=num_tokens,
+                                 ttl_seconds=ttl_seconds)
+        self._ref(sequence_id, request.source)
+        r = self._call(lambda t, _: self._stub.Fork(request, timeout=t),
+                       idempotent=False, deadline=deadline)
+        return r.sequence_id, r.num_tokens
+
+    def release(self, sequence_id, deadline=None):
+        """Bytes freed (0 when a retry found the sequence already released)."""
+        request = pb.ReleaseRequest()
+        self._ref(sequence_id, request.sequence)
+        lost_reply = lambda code: 0 if code == grpc.StatusCode.NOT_FOUND else None
+        r = self._call(lambda t, _: self._stub.Release(request, timeout=t),
+                       idempotent=True, deadline=deadline, on_retry_status=lost_reply)
+        return r if isinstance(r, int) else r.bytes_freed
+
+    def stats(self, sequence_id="", deadline=None):
+        """StatsResponse (a kvq.v1 message) of one sequence, or server-wide for ""."""
+        request = pb.StatsRequest()
+        self._ref(sequence_id, request.sequence)
+        return self._call(lambda t, _: self._stub.Stats(request, timeout=t),
+                          idempotent=True, deadline=deadline)

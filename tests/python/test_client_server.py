@@ -1,0 +1,134 @@
+"""The Python client against the real kvq-server on a free loopback port.
+
+Needs the server binary: $KVQ_SERVER_BIN (ctest sets it), else the test is
+skipped."""
+
+import os
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from kvq_client import AttendQuery, DecodeItem, KvqClient, KvqError, ModelLayout, RopeParams
+
+SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
+
+pytestmark = pytest.mark.skipif(not os.access(SERVER_BIN, os.X_OK),
+                                reason="KVQ_SERVER_BIN does not name a kvq-server binary")
+
+LAYERS, HEADS, QHEADS, DIM = 2, 2, 4, 64
+
+
+@pytest.fixture(scope="module")
+def address():
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = os.path.join(tmp, "port")
+        proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+                                 f"--port_file={port_file}", "--capacity_bytes=268435456",
+                                 "--backend=cpu"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            give_up = time.monotonic() + 60  # Start-up bound, not a timing assertion.
+            port = 0
+            while time.monotonic() < give_up and proc.poll() is None:
+                try:
+                    with open(port_file) as f:
+                        port = int(f.read().strip() or 0)
+                except (OSError, ValueError):
+                    port = 0
+                if port > 0:
+                    break
+                time.sleep(0.02)
+            assert port > 0, "kvq-server did not start"
+            yield f"127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+@pytest.fixture
+def client(address):
+    with KvqClient(address, namespace="py") as c:
+        yield c
+
+
+def layout():
+    return ModelLayout(LAYERS, HEADS, QHEADS, DIM, RopeParams(theta=500000.0))
+
+
+def test_prefill_fetch_attend_stats_release(client):
+    info = client.info()
+    assert "kivi2" in list(info.schemes)
+    seq = client.create_sequence(layout(), scheme="kivi2:sink=4", sequence_id="p1")
+    assert seq.scheme == "kivi2:g32:r128:sink=4" and seq.block_tokens == 128
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((LAYERS, HEADS, 600, DIM)).astype(np.float32)
+    v = rng.standard_normal((LAYERS, HEADS, 600, DIM)).astype(np.float16)
+    progress = []
+    r = client.append_prompt("p1", k, v, max_chunk_bytes=64 << 10,
+                             progress=lambda d, t: progress.append((d, t)))
+    assert r.num_tokens == 600 and r.chunks > LAYERS
+    assert progress[-1][0] == progress[-1][1]
+
+    K, V = client.fetch("p1", dtype="fp32", max_chunk_bytes=32 << 10)
+    assert K.shape == (LAYERS, HEADS, 600, DIM) and K.dtype == np.float32
+    # Sink (4) and the fp16 tail (600 - 4 - 512 = 84 tokens) come back as
+    # fp16 of the input; the rest is 2-bit quantized.
+    assert (K[:, :, :4] == k[:, :, :4].astype(np.float16)).all()
+    assert (V[:, :, 516:] == v[:, :, 516:]).all()
+    err = np.abs(K - k).mean()
+    assert 0.0 < err < 0.5
+    K16, _ = client.fetch("p1", layer_begin=1, token_begin=100, token_end=200)
+    assert K16.shape == (1, HEADS, 100, DIM) and K16.dtype == np.float16
+    assert (K16.astype(np.float32) == K[1:, :, 100:200].astype(np.float16).astype(np.float32)).all()
+
+    q = rng.standard_normal((2, QHEADS, DIM)).astype(np.float32)
+    [(out, lse)] = client.attend(1, [AttendQuery("p1", q, q_positions=[300, 599])])
+    assert out.shape == (2, QHEADS, DIM) and lse.shape == (2, QHEADS)
+    # Attention over the fetched cache (GQA: q heads 2h, 2h+1 share kv head h).
+    for i, pos in enumerate([300, 599]):
+        for h in range(QHEADS):
+            keys, vals = K[1, h // 2, :pos + 1], V[1, h // 2, :pos + 1].astype(np.float32)
+            s = keys @ q[i, h] / np.sqrt(DIM)
+            m = s.max()
+            w = np.exp(s - m)
+            np.testing.assert_allclose(out[i, h], w @ vals / w.sum(), rtol=2e-3, atol=2e-3)
+            np.testing.assert_allclose(lse[i, h], m + np.log(w.sum()), rtol=1e-4, atol=1e-3)
+
+    stats = client.stats("p1")
+    assert stats.num_tokens == 600 and stats.scheme == seq.scheme
+    assert client.stats().sequences >= 1
+    assert client.release("p1") > 0
+    with pytest.raises(KvqError) as e:
+        client.release("p1")
+    assert e.value.code.name == "NOT_FOUND"
+
+
+def test_decode_session_append_attend_and_fork(client):
+    client.create_sequence(layout(), scheme="kivi4", sequence_id="d1")
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((LAYERS, HEADS, 130, DIM)).astype(np.float16)
+    client.append_prompt("d1", k, k)
+    with client.decode_session() as session:
+        for step in range(3):
+            for layer in range(LAYERS):
+                item = DecodeItem("d1", rng.standard_normal((HEADS, 1, DIM)).astype(np.float16),
+                                  rng.standard_normal((HEADS, 1, DIM)).astype(np.float16),
+                                  rng.standard_normal((1, QHEADS, DIM)).astype(np.float32))
+                [(out, lse)] = session.step(layer, [item])
+                assert out.shape == (1, QHEADS, DIM) and np.isfinite(lse).all()
+    for layer in range(LAYERS):
+        client.append_attend(layer, [("d1", k[layer, :, :1], k[layer, :, :1],
+                                      rng.standard_normal((1, QHEADS, DIM)).astype(np.float32))])
+    assert client.stats("d1").num_tokens == 134
+    child, n = client.fork("d1", new_sequence_id="d2", num_tokens=128)
+    assert (child, n) == ("d2", 128)
+    assert client.stats("d2").num_tokens == 128
+    with pytest.raises(KvqError) as e:
+        client.create_sequence(layout(), sequence_id="d1")
+    assert e.value.code.name == "ALREADY_EXISTS"
+    client.release("d2")
+    client.release("d1")
