@@ -74,6 +74,10 @@ int main(int argc, char** argv) {
   if (server == nullptr || port == 0) {
     return Fail(absl::UnavailableError(absl::StrCat("cannot listen on ", config->address)));
   }
+  // Before the port file and the start-up lines announce the server: a
+  // SIGTERM sent as soon as they appear must shut it down cleanly.
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
   if (!config->port_file.empty()) {
     std::ofstream(config->port_file) << port << "\n";
   }
@@ -86,8 +90,6 @@ int main(int argc, char** argv) {
   }
   std::fflush(stdout);
 
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
   absl::Time next_reap = absl::Now() + config->reaper_interval;
   while (!g_stop.load()) {
     absl::SleepFor(absl::Milliseconds(50));

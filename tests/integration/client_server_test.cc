@@ -2,21 +2,16 @@
 // by the kvq CLI: create / append (dense and client-quantized) / fetch
 // (server and local dequantization) / attend / append-attend / decode
 // stream / stats / fork / release.
-#include <signal.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -25,6 +20,7 @@
 #include "client/npy.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "tests/integration/server_process.h"
 
 namespace kvq {
 namespace {
@@ -41,68 +37,10 @@ HostTensor Random(std::vector<int64_t> shape, uint32_t seed) {
   return *HostTensor::FromFloats(v, std::move(shape));
 }
 
-// Starts kvq-server on 127.0.0.1:0 and learns its port from --port_file.
-class ServerProcess {
- public:
-  absl::Status Start() {
-    dir_ = ::testing::TempDir() + "/kvq_it_" + std::to_string(getpid());
-    mkdir(dir_.c_str(), 0755);
-    const std::string port_file = dir_ + "/port";
-    std::remove(port_file.c_str());
-    const std::vector<std::string> args = {KVQ_SERVER_BIN, "--address=127.0.0.1:0",
-                                           "--metrics_address=127.0.0.1:0",
-                                           "--port_file=" + port_file,
-                                           "--capacity_bytes=268435456", "--backend=cpu"};
-    pid_ = fork();
-    if (pid_ < 0) return absl::InternalError("fork failed");
-    if (pid_ == 0) {
-      std::vector<char*> argv;
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    // Bounded wait for start-up (not a timing assertion: a slow machine
-    // only waits longer).
-    const absl::Time give_up = absl::Now() + absl::Seconds(60);
-    while (absl::Now() < give_up) {
-      std::ifstream in(port_file);
-      int port = 0;
-      if (in >> port && port > 0) {
-        address_ = absl::StrCat("127.0.0.1:", port);
-        return absl::OkStatus();
-      }
-      int status;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return absl::InternalError("kvq-server exited during start-up");
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return absl::DeadlineExceededError("kvq-server did not write its port");
-  }
-
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      int status;
-      waitpid(pid_, &status, 0);
-    }
-  }
-
-  const std::string& address() const { return address_; }
-  const std::string& dir() const { return dir_; }
-
- private:
-  pid_t pid_ = -1;
-  std::string address_;
-  std::string dir_;
-};
-
 class ClientServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = new ServerProcess();
+    server_ = new ServerProcess(KVQ_SERVER_BIN);
     start_ = server_->Start();
   }
   static void TearDownTestSuite() {

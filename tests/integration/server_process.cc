@@ -1,0 +1,112 @@
+#include "tests/integration/server_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace kvq {
+namespace {
+
+std::atomic<int> g_next_instance{0};
+
+}  // namespace
+
+ServerProcess::ServerProcess(std::string server_bin) : server_bin_(std::move(server_bin)) {}
+
+ServerProcess::~ServerProcess() {
+  if (pid_ > 0) (void)Terminate();
+}
+
+absl::Status ServerProcess::Start(const std::vector<std::string>& extra_flags) {
+  if (pid_ > 0) return absl::FailedPreconditionError("the server is already running");
+  dir_ = absl::StrCat(::testing::TempDir(), "/kvq_it_", getpid(), "_", g_next_instance++);
+  mkdir(dir_.c_str(), 0755);
+  const std::string port_file = dir_ + "/port";
+  const std::string stdout_file = dir_ + "/stdout";
+  std::remove(port_file.c_str());
+  std::vector<std::string> args = {server_bin_, "--address=127.0.0.1:0",
+                                   "--metrics_address=127.0.0.1:0", "--port_file=" + port_file,
+                                   "--capacity_bytes=268435456", "--backend=cpu"};
+  args.insert(args.end(), extra_flags.begin(), extra_flags.end());
+  pid_ = fork();
+  if (pid_ < 0) return absl::InternalError("fork failed");
+  if (pid_ == 0) {
+    const int fd = open(stdout_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      close(fd);
+    }
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  // Bounded wait for start-up (not a timing assertion: a slow machine only
+  // waits longer).
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < give_up) {
+    std::ifstream in(port_file);
+    int port = 0;
+    if (in >> port && port > 0) {
+      address_ = absl::StrCat("127.0.0.1:", port);
+      return absl::OkStatus();
+    }
+    int status;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrCat("kvq-server exited during start-up (status ",
+                                              status, ")"));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError("kvq-server did not write its port");
+}
+
+absl::StatusOr<std::string> ServerProcess::MetricsAddress() const {
+  const std::string prefix = "metrics at http://";
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < give_up) {
+    const std::string out = Stdout();
+    const size_t at = out.find(prefix);
+    if (at != std::string::npos) {
+      const size_t begin = at + prefix.size();
+      const size_t end = out.find("/metrics", begin);
+      if (end != std::string::npos) return out.substr(begin, end - begin);
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::NotFoundError(absl::StrCat("no metrics address in the server's stdout: ",
+                                          Stdout()));
+}
+
+absl::StatusOr<int> ServerProcess::Terminate() {
+  if (pid_ <= 0) return absl::FailedPreconditionError("the server is not running");
+  kill(pid_, SIGTERM);
+  int status = 0;
+  const pid_t reaped = waitpid(pid_, &status, 0);
+  pid_ = -1;
+  if (reaped < 0) return absl::InternalError("waitpid failed");
+  return status;
+}
+
+std::string ServerProcess::Stdout() const {
+  std::ifstream in(dir_ + "/stdout");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace kvq
