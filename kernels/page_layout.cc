@@ -76,6 +76,10 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
     return absl::InvalidArgumentError(absl::StrCat(
         "head_dim must be a multiple of 16 in [16, 256], got ", head_dim));
   }
+  if (spec.is_kivi() && head_dim % std::min(spec.group, head_dim) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_dim ", head_dim, " must be a multiple of the value group size g=", spec.group));
+  }
   PageLayout l;
   l.head_dim = head_dim;
   l.bits = spec.bits;

@@ -54,6 +54,8 @@ struct CallScratch {
   std::vector<float> lse;        // Per unit: rows.
   std::vector<size_t> out_base;  // Per unit: offset into out / lse (rows).
   std::vector<float> merged;     // One row.
+  std::vector<size_t> q_base;    // Per task: offset of its rows in q.
+  std::vector<int> cuts;         // Split points of one block's key range.
 };
 
 CallScratch& ThreadCallScratch() {
@@ -73,7 +75,7 @@ void SplitRange(const KvStream& s, int begin, int end, int chunk, std::vector<in
   const int pt = s.layout().page_tokens;
   const int base = s.page_base();
   int t = begin;
-  while (end - t > chunk + chunk / 2) {
+  while (static_cast<int64_t>(end) - t > static_cast<int64_t>(chunk) + chunk / 2) {
     int next = t + chunk;
     if (next > base) next = base + (next - base) / pt * pt;  // Page-aligned.
     if (next <= t) next = t + chunk;
@@ -119,7 +121,8 @@ class CpuBackendImpl final : public KernelBackend {
     }
     if (cs.q.size() < q_floats) cs.q.resize(q_floats);
     if (cs.visible.size() < total_rows) cs.visible.resize(total_rows);
-    std::vector<size_t> q_base(tasks.size());
+    std::vector<size_t>& q_base = cs.q_base;
+    q_base.resize(tasks.size());
     {
       size_t off = 0;
       for (size_t i = 0; i < tasks.size(); ++i) {
@@ -173,7 +176,7 @@ class CpuBackendImpl final : public KernelBackend {
     cs.jobs.clear();
     cs.out_base.clear();
     size_t partial_rows = 0;
-    std::vector<int> cuts;
+    std::vector<int>& cuts = cs.cuts;
     for (Block& b : cs.blocks) {
       const AttentionTask& t = tasks[b.task];
       const KvStream& s = *t.stream;

@@ -10,15 +10,24 @@
 // p_rt v_t. The whole dequantized KV is never materialized: at most one tile
 // of floats lives in a thread-local buffer.
 //
-// Paths:
+// Paths, chosen per side of a page:
 //  * fp16 / bf16 pages and the fp16 sink and tail rows: the float tile kernel
 //    reads the 16-bit rows directly (F16C / shift conversion + FMA).
-//  * kivi, uniform levels, per-channel keys, no pre_rope (AVX2): integer
-//    kernels on the packed codes, see "kivi fast path" below for the math.
-//  * everything else (int8, fp8, nuq, pre_rope, outliers, ktok, other
-//    targets): the generic tile path dequantizes one tile of K and V to float
-//    (simd_dequant-inl.h, bit-identical to the reference), applies RoPE to
-//    the keys, and runs the float tile kernel.
+//  * keys of kivi with per-channel groups, uniform levels, post-RoPE (AVX2):
+//    the per-channel scales fold into the query, which is quantized to int16
+//    per block; integer dot products on the codes (see "kivi fast path").
+//    Sparse outliers correct the affected scores afterwards.
+//  * values with per-token groups, uniform or (<= 3 bits) nuq levels: kivi
+//    and int8 (AVX2): scales fold into the softmax weights, zeros into one
+//    float per group; codes (or levels) convert to float once per token for
+//    all rows, float FMAs.
+//  * everything else (fp8, int8 keys, pre_rope or ktok or nuq keys, 4-bit nuq
+//    values, the portable targets): the generic tile path dequantizes one
+//    tile to float (simd_dequant-inl.h, bit-identical to the reference),
+//    applies RoPE to keys, and runs the float tile kernel.
+// Only the integer key path rounds anything beyond float arithmetic: its
+// output is within ~5e-4 of the reference (contract: 5e-3), every other path
+// within float rounding (~3e-6; contract 1e-4).
 //
 // RoPE (pre_rope keys) without a sin/cos per element: angles are linear in
 // the position, so R(t0 + j) = R(t0) R(j). Key j of a tile starting at t0 is
@@ -38,6 +47,7 @@
 #include <limits>
 #include <vector>
 
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "kernels/cpu/simd_dequant-inl.h"
@@ -58,6 +68,28 @@ using VF = hn::Vec<DF>;
 constexpr int kTile = 32;             // Tokens per tile.
 constexpr int kSLd = kTile + 16;      // Leading dimension of score rows (padding).
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Memory requests issued while the scores of a tile are computed, spread over
+// its tokens: the values of this tile (read next, channel chunk by chunk, a
+// pattern the hardware prefetcher follows poorly) and the keys of the next
+// tile (often in another page: the prefetcher restarts at every 4 KiB).
+struct Prefetch {
+  const uint8_t* a = nullptr;  // Row t of stream a at a + t * stride.
+  const uint8_t* b = nullptr;
+  size_t stride = 0;
+  size_t row_bytes = 0;
+  int rows_a = 0, rows_b = 0;
+  HWY_INLINE void Rows(int t, int n) const {
+    for (int u = t; u < t + n; ++u) {
+      if (u < rows_a) {
+        for (size_t i = 0; i < row_bytes; i += 64) hwy::Prefetch(a + u * stride + i);
+      }
+      if (u < rows_b) {
+        for (size_t i = 0; i < row_bytes; i += 64) hwy::Prefetch(b + u * stride + i);
+      }
+    }
+  }
+};
 
 // ---------------------------------------------------------------------------
 // Row loaders of the float tile kernel.
@@ -106,6 +138,7 @@ struct Scratch {
   std::vector<float> vbuf;   // [kTile][d]
   std::vector<float> qrot;   // [kMaxRows][d]
   std::vector<double> base_c, base_s;  // cos / sin of the tile base angle per pair.
+  std::vector<float> base_cf, base_sf;  // The same as floats (channel layout when adjacent).
   SideContext kctx, vctx;
   RopeTables rope;
   // kivi fast path.
@@ -113,8 +146,12 @@ struct Scratch {
   std::vector<int16_t> qi;      // [kMaxRows][d]
   std::vector<int32_t> ipart;   // [kTile][kMaxRows][8]
   std::vector<float> vparams;   // [2][ng][kTile + 2]: scale then zero, token-major per group.
-  std::vector<int16_t> wi;      // [kMaxRows][ng][kTile + 2]
+  std::vector<float> wf;        // [kMaxRows][ng][kTile + 2]
   std::vector<float> zsum;      // [kMaxRows][ng]
+  // Row padding (see AttendRangeImpl).
+  std::vector<float> qpad, outpad;  // [kMaxRows][d]
+  int32_t vispad[kMaxRows];
+  float lsepad[kMaxRows];
 
   void Prepare(int head_dim) {
     if (d == head_dim) return;
@@ -128,12 +165,16 @@ struct Scratch {
     qrot.assign(kMaxRows * D, 0.0f);
     base_c.assign(D, 0.0);
     base_s.assign(D, 0.0);
+    base_cf.assign(D, 0.0f);
+    base_sf.assign(D, 0.0f);
     kparams.assign(2 * D, 0.0f);
     qi.assign(kMaxRows * D, 0);
     ipart.assign(static_cast<size_t>(kTile) * kMaxRows * 8, 0);
     vparams.assign(2 * D * (kTile + 2), 0.0f);
-    wi.assign(kMaxRows * D * (kTile + 2), 0);
+    wf.assign(kMaxRows * D * (kTile + 2), 0.0f);
     zsum.assign(kMaxRows * D, 0.0f);
+    qpad.assign(kMaxRows * D, 0.0f);
+    outpad.assign(kMaxRows * D, 0.0f);
   }
 };
 
@@ -250,20 +291,60 @@ struct RopeBase {
   }
 };
 
-// qrot[r] = R(-t0) q[r] (only the rotary channels change).
-void RotateQueries(const Rope& rope, const Scratch& sc, int rows, const float* q, int d,
+// qrot[r] = R(-t0) q[r] (only the rotary channels change): x0' = x0 c + x1 s,
+// x1' = x1 c - x0 s per pair, vectorized in the layout of each pairing.
+void RotateQueries(const Rope& rope, Scratch& sc, int rows, const float* q, int d,
                    float* qrot) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
   const int np = rope.rotary_dim() / 2;
+  const int rot = 2 * np;
+  float* cf = sc.base_cf.data();
+  float* sf = sc.base_sf.data();
   std::memcpy(qrot, q, sizeof(float) * rows * d);
-  for (int i = 0; i < np; ++i) {
-    const float c = static_cast<float>(sc.base_c[i]);
-    const float s = static_cast<float>(sc.base_s[i]);
-    const int a = rope.First(i);
-    const int b = rope.Second(i);
+  if (rope.config().pairing == RopeConfig::Pairing::kAdjacent) {
+    for (int i = 0; i < np; ++i) {  // Channel layout: c dup'ed, s as +s / -s.
+      cf[2 * i] = cf[2 * i + 1] = static_cast<float>(sc.base_c[i]);
+      sf[2 * i] = static_cast<float>(sc.base_s[i]);
+      sf[2 * i + 1] = -sf[2 * i];
+    }
     for (int r = 0; r < rows; ++r) {
-      const float q0 = q[r * d + a], q1 = q[r * d + b];
-      qrot[r * d + a] = q0 * c + q1 * s;
-      qrot[r * d + b] = q1 * c - q0 * s;
+      const float* x = q + r * d;
+      float* y = qrot + r * d;
+      int c = 0;
+#if HWY_TARGET != HWY_SCALAR
+      for (; c + N <= rot; c += N) {
+        const VF v = hn::LoadU(df, x + c);
+        hn::StoreU(hn::MulAdd(hn::Shuffle2301(v), hn::LoadU(df, sf + c), hn::Mul(v, hn::LoadU(df, cf + c))),
+                   df, y + c);
+      }
+#endif
+      for (; c < rot; c += 2) {
+        y[c] = x[c] * cf[c] + x[c + 1] * sf[c];
+        y[c + 1] = x[c + 1] * cf[c + 1] + x[c] * sf[c + 1];
+      }
+    }
+    return;
+  }
+  for (int i = 0; i < np; ++i) {
+    cf[i] = static_cast<float>(sc.base_c[i]);
+    sf[i] = static_cast<float>(sc.base_s[i]);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float* x = q + r * d;
+    float* y = qrot + r * d;
+    int i = 0;
+    for (; i + N <= np; i += N) {
+      const VF x0 = hn::LoadU(df, x + i);
+      const VF x1 = hn::LoadU(df, x + np + i);
+      const VF c = hn::LoadU(df, cf + i);
+      const VF s = hn::LoadU(df, sf + i);
+      hn::StoreU(hn::MulAdd(x1, s, hn::Mul(x0, c)), df, y + i);
+      hn::StoreU(hn::NegMulAdd(x0, s, hn::Mul(x1, c)), df, y + np + i);
+    }
+    for (; i < np; ++i) {
+      y[i] = x[i] * cf[i] + x[np + i] * sf[i];
+      y[np + i] = x[np + i] * cf[i] - x[i] * sf[i];
     }
   }
 }
@@ -315,25 +396,31 @@ HWY_INLINE void ReduceParts(const float* HWY_RESTRICT part, int n, float* HWY_RE
   }
 }
 
-// S[r][t] = q_r . k_t for t < n. TS tokens per step keep >= 4 independent
-// FMA chains in flight whatever R is.
+// S[r][t] = q_r . k_t for t < n. TS tokens per step keep several
+// independent FMA chains in flight, and with R <= 4 the chunk of each query
+// row stays in a register across the TS tokens (loads, not FMAs, are the
+// limit when every FMA reads q from memory).
 template <int R, class KL>
-HWY_INLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
+HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
                            const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part,
-                           float* HWY_RESTRICT S) {
+                           float* HWY_RESTRICT S, const Prefetch& pf = Prefetch()) {
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
   int t = 0;
   for (; t + TS <= n; t += TS) {
+    pf.Rows(t, TS);
     VF acc[TS][R];
     for (int u = 0; u < TS; ++u) {
       for (int r = 0; r < R; ++r) acc[u][r] = hn::Zero(df);
     }
+    const typename KL::T* kt = k + static_cast<size_t>(t) * kstride;
     for (int c = 0; c < d; c += N) {
+      VF qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = hn::LoadU(df, q + r * d + c);
       for (int u = 0; u < TS; ++u) {
-        const VF kv = KL::Load(df, k + static_cast<size_t>(t + u) * kstride + c);
-        for (int r = 0; r < R; ++r) acc[u][r] = hn::MulAdd(kv, hn::LoadU(df, q + r * d + c), acc[u][r]);
+        const VF kv = KL::Load(df, kt + u * kstride + c);
+        for (int r = 0; r < R; ++r) acc[u][r] = hn::MulAdd(kv, qv[r], acc[u][r]);
       }
     }
     for (int u = 0; u < TS; ++u) {
@@ -355,7 +442,7 @@ HWY_INLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstride,
 // acc[r][:] += sum_t P[r][t] v_t for t < n. W vectors per channel chunk keep
 // R*W accumulators in registers.
 template <int R, class VL>
-HWY_INLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vstride, int n,
+HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vstride, int n,
                                const float* HWY_RESTRICT P, float* HWY_RESTRICT acc, int d) {
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
@@ -400,7 +487,7 @@ struct RowState {
 // Turns the scores of a tile (tokens t0 .. t0+n) into probabilities in place,
 // masking keys beyond each row's visible end, and rescales l and acc to the
 // new running max. Returns false when no row sees any key of the tile.
-HWY_INLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT visible_end,
+HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT visible_end,
                             float* HWY_RESTRICT S, RowState& st, float* HWY_RESTRICT acc, int d) {
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
@@ -445,76 +532,49 @@ HWY_INLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT vi
 // Keys, per-channel uniform: within a G-token block k[t][c] = z_c + s_c *
 // code[t][c], so q.k_t = sum_c (q_c s_c) code[t][c] + sum_c q_c z_c. Per block
 // and row, q~ = q * s is quantized to int16 with one float scale
-// a = max|q~| / 32767 (relative error ~1.5e-5, far inside the contract; an
-// int8 q~ would cost ~1e-2 on keys with outlier channels), the constant
-// sum_c q_c z_c is a float dot, and per token the integer dot of q~ with the
-// codes is vpmaddwd on codes widened to int16 (16 MACs per instruction, int32
-// sums: |sum| <= 256 * 32767 * 15 < 2^31).
+// a = max|q~| / 32767, the constant sum_c q_c z_c is a float dot, and per
+// token the integer dot of q~ with the codes is vpmaddwd on codes widened to
+// int16 (16 MACs per instruction, int32 sums: |sum| <= 256 * 32767 * 15 <
+// 2^31). The rounding residual e of q~ is folded into the constant against
+// the middle code m: a sum_c e_c m, so the error left, a sum_c e_c (code - m),
+// is unbiased; scores move by ~1e-5 of their scale. (An int8 q~, as
+// vpmaddubsw would take, measured 7e-3..1e-2 relative output error on keys
+// with outlier channels: over the 5e-3 contract.)
 //
-// Values, per-token groups: v[t][c] = z_tg + s_tg * code[t][c] for the
-// channel group g of c, so o_c = sum_t (p_t s_tg) code[t][c] + sum_t p_t z_tg.
-// Per tile and row the weights w_tg = p_t s_tg are quantized to int16 with
-// one scale (a = max w / 32767), the zero term is a float dot per group, and
-// the integer sum runs over token pairs: codes of tokens t and t+1
-// interleaved as int16 pairs times the broadcast pair (w_t, w_t+1), one
-// vpmaddwd per 8 channels and 2 tokens.
+// Values, per-token groups (kivi, and int8 with one group): v[t][c] = z_tg +
+// s_tg * code[t][c] for the channel group g of c, so
+// o_c = sum_t (p_t s_tg) code[t][c] + sum_t p_t z_tg: the scales fold into the
+// softmax weights, the zeros into one float per (row, group), and each
+// token's codes convert to float once (shift and mask of the bit plane, no
+// dequantization) for all rows of the group. Float FMAs keep this path
+// exact to float rounding: integer weights (int16 per tile) cost ~6e-5 and
+// were no faster, because every int16 multiply-add needs a separate add.
 //
-// Codes widen straight from the bit planes: for a 16-channel run starting at
-// c0, the plane bytes c0 mod P .. +16 zero-extended to int16, shifted right by
-// (c0 / P) * b and masked; channels stay in natural order.
+// Codes come straight from the bit planes: for a run of channels starting at
+// c0, the plane bytes c0 mod P .. zero-extended, shifted right by (c0 / P) * b
+// and masked; channels stay in natural order.
 
 #if HWY_TARGET == HWY_AVX2
 
-bool KiviFastPath(const KvStream& s) {
+// Which sides of a stream's pages the kernels below take; the other side
+// (or both) goes through the generic float tiles.
+struct FastSides {
+  bool key = false;    // kivi per-channel keys, uniform levels, post-RoPE.
+  bool value = false;  // Per-token groups of >= 16 channels, uniform (kivi, int8).
+};
+FastSides ChooseFastSides(const KvStream& s) {
   const QuantSpec& spec = s.spec();
   const PageLayout& L = s.layout();
   const int d = L.head_dim;
-  if (!spec.is_kivi() || spec.nuq || spec.pre_rope || spec.has_outliers()) return false;
-  if (L.key.axis != ParamAxis::kChannelGroups || L.value.axis != ParamAxis::kTokenGroups) return false;
-  if (L.value.group_channels % 16 != 0) return false;
-  if (d > 256) return false;
-  if (spec.bits == 3) return d % 128 == 0;
-  return d % 64 == 0;
-}
-
-// Widens the codes of one row to int16, 16 channels per vector, natural order.
-template <int kBits>
-HWY_INLINE void WidenCodes(const uint8_t* HWY_RESTRICT row, int d, __m256i* HWY_RESTRICT out) {
-  auto zx = [](const uint8_t* p) {
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
-  if constexpr (kBits == 4) {
-    const int P = d / 2;
-    const __m256i m4 = _mm256_set1_epi16(0x0F);
-    for (int k = 0; k < P / 16; ++k) {
-      const __m256i x = zx(row + 16 * k);
-      out[k] = _mm256_and_si256(x, m4);
-      out[P / 16 + k] = _mm256_srli_epi16(x, 4);
-    }
-  } else if constexpr (kBits == 2) {
-    const int P = d / 4;
-    const __m256i m2 = _mm256_set1_epi16(0x03);
-    for (int k = 0; k < P / 16; ++k) {
-      const __m256i x = zx(row + 16 * k);
-      out[k] = _mm256_and_si256(x, m2);
-      out[P / 16 + k] = _mm256_and_si256(_mm256_srli_epi16(x, 2), m2);
-      out[2 * P / 16 + k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m2);
-      out[3 * P / 16 + k] = _mm256_srli_epi16(x, 6);
-    }
-  } else {  // 3 bits: a 2-bit plane (low bits) then a 1-bit plane (high bit).
-    const int P2 = d / 4;
-    const int P1 = d / 8;
-    WidenCodes<2>(row, d, out);
-    const __m256i m4 = _mm256_set1_epi16(0x04);
-    const uint8_t* hi = row + P2;
-    for (int j = 0; j < d / 16; ++j) {
-      const int c0 = 16 * j;
-      const __m256i y = zx(hi + c0 % P1);
-      const int bit = c0 / P1;
-      const __m256i h = bit >= 2 ? _mm256_srli_epi16(y, bit - 2) : _mm256_slli_epi16(y, 2 - bit);
-      out[j] = _mm256_or_si256(out[j], _mm256_and_si256(h, m4));
-    }
-  }
+  FastSides f;
+  if (L.key.format != CodeFormat::kPacked && L.key.format != CodeFormat::kInt8) return f;
+  const bool dims = spec.bits == 3 ? (d == 128 || d == 256) : (d == 64 || d == 128 || d == 256);
+  if (!dims) return f;
+  f.key = L.key.axis == ParamAxis::kChannelGroups && !spec.pre_rope && !spec.nuq;
+  // nuq values: up to 8 levels, picked by blends (NuqLevels8).
+  f.value = L.value.axis == ParamAxis::kTokenGroups && L.value.group_channels % 16 == 0 &&
+            (!spec.nuq || spec.bits <= 3);
+  return f;
 }
 
 HWY_INLINE float HMax(__m256 v) {
@@ -530,27 +590,33 @@ HWY_INLINE float HSum(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// Channels [16j, 16j + 16) of one row widened to int16 (as WidenCodes).
-template <int kBits>
-HWY_INLINE __m256i WidenChunk(const uint8_t* HWY_RESTRICT row, int d, int j) {
-  auto zx = [](const uint8_t* p) {
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
+HWY_INLINE __m256i Zx16(const uint8_t* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Channels [16j, 16j + 16) of one code row widened to int16, natural order:
+// the plane bytes c0 mod P .. +16 (P the plane's bytes per row) shifted right
+// by (c0 / P) * b and masked; 3-bit codes add the 1-bit plane's bit << 2.
+template <int kBits, int D>
+HWY_INLINE __m256i WidenChunk(const uint8_t* HWY_RESTRICT row, int j) {
   const int c0 = 16 * j;
-  if constexpr (kBits == 4) {
-    const int P = d / 2;
-    return c0 < P ? _mm256_and_si256(zx(row + c0), _mm256_set1_epi16(0x0F))
-                  : _mm256_srli_epi16(zx(row + c0 - P), 4);
+  if constexpr (kBits == 8) {
+    return Zx16(row + c0);
+  } else if constexpr (kBits == 4) {
+    constexpr int P = D / 2;
+    return c0 < P ? _mm256_and_si256(Zx16(row + c0), _mm256_set1_epi16(0x0F))
+                  : _mm256_srli_epi16(Zx16(row + c0 - P), 4);
   } else {
-    const int P = d / 4;
-    const __m256i x = zx(row + c0 % P);
-    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(2 * (c0 / P))),
+    constexpr int P = D / 4;
+    const int m = c0 / P;
+    const __m256i x = Zx16(row + c0 % P);
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(2 * m)),
                                         _mm256_set1_epi16(0x03));
     if constexpr (kBits == 2) {
       return lo;
     } else {
-      const int P1 = d / 8;
-      const __m256i y = zx(row + P + c0 % P1);
+      constexpr int P1 = D / 8;
+      const __m256i y = Zx16(row + P + c0 % P1);
       const __m256i h = _mm256_and_si256(_mm256_srl_epi16(y, _mm_cvtsi32_si128(c0 / P1)),
                                          _mm256_set1_epi16(0x01));
       return _mm256_or_si256(lo, _mm256_slli_epi16(h, 2));
@@ -558,63 +624,95 @@ HWY_INLINE __m256i WidenChunk(const uint8_t* HWY_RESTRICT row, int d, int j) {
   }
 }
 
-// Per-block key setup: int16 q~ per row, its scale and the zero-point dot.
-HWY_INLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block, int R,
+// Code of channel c in a packed row (scalar: sparse outlier corrections).
+template <int kBits, int D>
+HWY_INLINE int CodeAt(const uint8_t* HWY_RESTRICT row, int c) {
+  if constexpr (kBits == 8) {
+    return row[c];
+  } else if constexpr (kBits == 4) {
+    constexpr int P = D / 2;
+    return (row[c % P] >> (4 * (c / P))) & 0x0F;
+  } else {
+    constexpr int P = D / 4;
+    int v = (row[c % P] >> (2 * (c / P))) & 0x03;
+    if constexpr (kBits == 3) {
+      constexpr int P1 = D / 8;
+      v |= ((row[P + c % P1] >> (c / P1)) & 1) << 2;
+    }
+    return v;
+  }
+}
+
+// Per-block key setup: int16 q~ per row, its scale and the constant term.
+// The constant also carries the rounding residual of q~ against the middle
+// code m = (2^bits - 1) / 2: sum_c q~_c code_c = a sum_c qi_c code_c +
+// a sum_c e_c code_c, and a sum_c e_c m is added exactly, so what is left of
+// the rounding error is a sum_c e_c (code_c - m), small and unbiased.
+template <int D>
+HWY_NOINLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block, int R,
                              const float* HWY_RESTRICT q, Scratch& sc, float* a, float* cst) {
   const PageLayout& L = s.layout();
-  const int d = L.head_dim;
+  const float mid = 0.5f * static_cast<float>((1 << L.bits) - 1);
   float* scale = sc.kparams.data();
-  float* zero = scale + d;
-  HalfRowToFloat(L.Params(page, L.key, block), 2 * d, scale);
+  float* zero = scale + D;
+  HalfRowToFloat(L.Params(page, L.key, block), 2 * D, scale);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int r = 0; r < R; ++r) {
-    const float* qr = q + r * d;
+    const float* qr = q + r * D;
     __m256 vmax = _mm256_setzero_ps();
     __m256 vc = _mm256_setzero_ps();
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int c = 0; c < d; c += 8) {
+    for (int c = 0; c < D; c += 8) {
       const __m256 qv = _mm256_loadu_ps(qr + c);
       vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_mul_ps(qv, _mm256_loadu_ps(scale + c)), absmask));
       vc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zero + c), vc);
     }
     const float amax = HMax(vmax);
     cst[r] = HSum(vc);
-    int16_t* qi = sc.qi.data() + r * d;
+    int16_t* qi = sc.qi.data() + r * D;
     if (!(amax > 0.0f)) {
       a[r] = 0.0f;
-      std::memset(qi, 0, sizeof(int16_t) * d);
+      std::memset(qi, 0, sizeof(int16_t) * D);
       continue;
     }
     a[r] = amax / 32767.0f;
     const __m256 inv = _mm256_set1_ps(32767.0f / amax);
-    for (int c = 0; c < d; c += 16) {
+    __m256 resid = _mm256_setzero_ps();
+    for (int c = 0; c < D; c += 16) {
       const __m256 x0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(scale + c)), inv);
       const __m256 x1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + c + 8), _mm256_loadu_ps(scale + c + 8)), inv);
-      const __m256i i0 = _mm256_cvtps_epi32(x0);
-      const __m256i i1 = _mm256_cvtps_epi32(x1);
-      // packs interleaves 128-bit lanes; permute restores channel order.
-      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+      const __m256 r0 = _mm256_round_ps(x0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 r1 = _mm256_round_ps(x1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      resid = _mm256_add_ps(resid, _mm256_add_ps(_mm256_sub_ps(x0, r0), _mm256_sub_ps(x1, r1)));
+      // packs interleaves 128-bit lanes; the permute restores channel order.
+      const __m256i p = _mm256_permute4x64_epi64(
+          _mm256_packs_epi32(_mm256_cvtps_epi32(r0), _mm256_cvtps_epi32(r1)), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + c), p);
     }
+    cst[r] += mid * a[r] * HSum(resid);
   }
 }
 
 // Integer key scores of tokens [row, row + n) of one block.
-template <int R, int kBits>
-HWY_INLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row, int n,
-                              const float* a, const float* cst, Scratch& sc, float* HWY_RESTRICT S) {
-  const PageLayout& L = s.layout();
-  const int d = L.head_dim;
-  const int nv = d / 16;
+template <int R, int kBits, int D>
+HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row, int n,
+                              const float* a, const float* cst, Scratch& sc,
+                              float* HWY_RESTRICT S) {
+  constexpr int NV = D / 16;
+  const SideLayout& K = s.layout().key;
   int32_t* ipart = sc.ipart.data();
   const int16_t* qi = sc.qi.data();
-  __m256i codes[16];
   for (int t = 0; t < n; ++t) {
-    WidenCodes<kBits>(PageLayout::CodeRow(page, L.key, row + t), d, codes);
+    const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
+    __m256i codes[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) codes[j] = WidenChunk<kBits, D>(rowp, j);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256i* qv = reinterpret_cast<const __m256i*>(qi + r * d);
+      const __m256i* qv = reinterpret_cast<const __m256i*>(qi + r * D);
       __m256i s0 = _mm256_madd_epi16(codes[0], _mm256_loadu_si256(qv));
       __m256i s1 = _mm256_madd_epi16(codes[1], _mm256_loadu_si256(qv + 1));
-      for (int j = 2; j < nv; j += 2) {
+#pragma GCC unroll 16
+      for (int j = 2; j < NV; j += 2) {
         s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(codes[j], _mm256_loadu_si256(qv + j)));
         s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(codes[j + 1], _mm256_loadu_si256(qv + j + 1)));
       }
@@ -638,100 +736,197 @@ HWY_INLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row, i
   }
 }
 
-// acc[r] += sum_t P[r][t] v_t over tokens [row, row + n) of a page, integer
-// weights per (tile, row).
-template <int R, int kBits>
-HWY_INLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, int row, int n,
+// Codes of channels [c0, c0 + 8) of one row as floats (c0 a multiple of 8),
+// straight from the bit planes: bytes c0 mod P .. +8 zero-extended to int32,
+// shifted right by (c0 / P) * b and masked.
+template <int kBits, int D>
+HWY_INLINE __m256 CodesToFloat8(const uint8_t* HWY_RESTRICT row, int c0) {
+  auto zx = [](const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  };
+  __m256i v;
+  if constexpr (kBits == 8) {
+    v = zx(row + c0);
+  } else if constexpr (kBits == 4) {
+    constexpr int P = D / 2;
+    v = c0 < P ? _mm256_and_si256(zx(row + c0), _mm256_set1_epi32(0x0F))
+               : _mm256_srli_epi32(zx(row + c0 - P), 4);
+  } else {
+    constexpr int P = D / 4;
+    v = _mm256_and_si256(_mm256_srl_epi32(zx(row + c0 % P), _mm_cvtsi32_si128(2 * (c0 / P))),
+                         _mm256_set1_epi32(0x03));
+    if constexpr (kBits == 3) {
+      constexpr int P1 = D / 8;
+      const __m256i h = _mm256_and_si256(
+          _mm256_srl_epi32(zx(row + P + c0 % P1), _mm_cvtsi32_si128(c0 / P1)), _mm256_set1_epi32(0x01));
+      v = _mm256_or_si256(v, _mm256_slli_epi32(h, 2));
+    }
+  }
+  return _mm256_cvtepi32_ps(v);
+}
+
+// nuq: the levels of channels [c0, c0 + 8) for the codes of one row, exact:
+// a tree of blends on the code bits (each bit shifted into the sign, which is
+// all vblendvps reads) over rows[k][c], level k of every channel.
+template <int kBits, int D>
+HWY_INLINE __m256 NuqLevels8(const uint8_t* HWY_RESTRICT row, int c0, const float* HWY_RESTRICT rows) {
+  static_assert(kBits == 2 || kBits == 3, "blends cover up to 8 levels");
+  auto zx = [](const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  };
+  constexpr int P = D / 4;
+  __m256i v = _mm256_srl_epi32(zx(row + c0 % P), _mm_cvtsi32_si128(2 * (c0 / P)));
+  if constexpr (kBits == 3) {
+    constexpr int P1 = D / 8;
+    const __m256i h = _mm256_srl_epi32(zx(row + P + c0 % P1), _mm_cvtsi32_si128(c0 / P1));
+    v = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0x03)), _mm256_slli_epi32(h, 2));
+  }
+  const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 31));
+  const __m256 b1 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 30));
+  const float* r = rows + c0;
+  auto pick4 = [&](const float* q) {
+    const __m256 lo = _mm256_blendv_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(q + D), b0);
+    const __m256 hi = _mm256_blendv_ps(_mm256_loadu_ps(q + 2 * D), _mm256_loadu_ps(q + 3 * D), b0);
+    return _mm256_blendv_ps(lo, hi, b1);
+  };
+  if constexpr (kBits == 2) {
+    return pick4(r);
+  } else {
+    const __m256 b2 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 29));
+    return _mm256_blendv_ps(pick4(r), pick4(r + 4 * D), b2);
+  }
+}
+
+// Rows [r0, r0 + RG) of the value accumulation: 16-channel chunks outer,
+// tokens inner, 2*RG float accumulators; the converted codes of a token are
+// shared by the RG rows.
+template <int RG, int kBits, int D, bool kNuq>
+HWY_INLINE void KiviValueRows(const uint8_t* HWY_RESTRICT codes0, size_t row_bytes, int n, int r0,
+                              int ng, int gc_shift, int ld, const float* HWY_RESTRICT w,
+                              const float* zsum, const float* HWY_RESTRICT levels,
+                              float* HWY_RESTRICT acc) {
+  for (int j = 0; j < D / 16; ++j) {
+    const int c0 = 16 * j;
+    const int g = c0 >> gc_shift;
+    __m256 a[RG][2];
+    const float* wr[RG];
+    for (int r = 0; r < RG; ++r) {
+      float* ar = acc + (r0 + r) * D + c0;
+      const __m256 z = _mm256_set1_ps(zsum[(r0 + r) * ng + g]);
+      a[r][0] = _mm256_add_ps(_mm256_loadu_ps(ar), z);
+      a[r][1] = _mm256_add_ps(_mm256_loadu_ps(ar + 8), z);
+      wr[r] = w + (static_cast<size_t>(r0 + r) * ng + g) * ld;
+    }
+    const uint8_t* p = codes0;
+    for (int t = 0; t < n; ++t, p += row_bytes) {
+      __m256 x0, x1;
+      if constexpr (kNuq) {
+        x0 = NuqLevels8<kBits, D>(p, c0, levels);
+        x1 = NuqLevels8<kBits, D>(p, c0 + 8, levels);
+      } else {
+        x0 = CodesToFloat8<kBits, D>(p, c0);
+        x1 = CodesToFloat8<kBits, D>(p, c0 + 8);
+      }
+      for (int r = 0; r < RG; ++r) {
+        const __m256 wv = _mm256_broadcast_ss(wr[r] + t);
+        a[r][0] = _mm256_fmadd_ps(wv, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(wv, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < RG; ++r) {
+      float* ar = acc + (r0 + r) * D + c0;
+      _mm256_storeu_ps(ar, a[r][0]);
+      _mm256_storeu_ps(ar + 8, a[r][1]);
+    }
+  }
+}
+
+// acc[r] += sum_t P[r][t] v_t over tokens [row, row + n) of a page with
+// per-token groups: the scales fold into the weights (w = p * s per group)
+// and the zero points into one float per (row, group), so the codes only
+// need converting to float once per token for all rows.
+template <int R, int kBits, int D>
+HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, int row, int n,
                                     const float* HWY_RESTRICT P, Scratch& sc,
                                     float* HWY_RESTRICT acc) {
   const PageLayout& L = s.layout();
   const SideLayout& V = L.value;
-  const int d = L.head_dim;
   const int gc = V.group_channels;
-  const int ng = d / gc;
-  const int ld = kTile + 2;  // Token stride of the per-group arrays (even, padded).
-  float* vs = sc.vparams.data();            // [ng][ld] scales
+  const int ng = D / gc;
+  const int ld = kTile + 2;  // Token stride of the per-group arrays.
+  float* vs = sc.vparams.data();                  // [ng][ld] scales
   float* vz = vs + static_cast<size_t>(ng) * ld;  // [ng][ld] zeros
-  for (int t = 0; t < n; ++t) {
-    const uint16_t* p = L.Params(page, V, row + t);
-    for (int g = 0; g < ng; ++g) {
-      vs[g * ld + t] = HalfToFloat(p[g]);
-      vz[g * ld + t] = HalfToFloat(p[ng + g]);
+  // The tile's parameters are contiguous, [t][scale[ng], zero[ng]]: convert
+  // them at once, then transpose to per-group rows over tokens (an 8x8
+  // transpose per 8 tokens when 2 * ng == 8, the common case).
+  float* flat = sc.vbuf.data();
+  const int np = 2 * ng;
+  HalfRowToFloat(L.Params(page, V, row), n * np, flat);
+  const int npad = (n + 7) / 8 * 8;
+  for (int i = n * np; i < npad * np; ++i) flat[i] = 0.0f;
+  if (np == 8) {
+    for (int t = 0; t < npad; t += 8) {
+      const float* f = flat + t * 8;
+      const __m256 r0 = _mm256_loadu_ps(f), r1 = _mm256_loadu_ps(f + 8);
+      const __m256 r2 = _mm256_loadu_ps(f + 16), r3 = _mm256_loadu_ps(f + 24);
+      const __m256 r4 = _mm256_loadu_ps(f + 32), r5 = _mm256_loadu_ps(f + 40);
+      const __m256 r6 = _mm256_loadu_ps(f + 48), r7 = _mm256_loadu_ps(f + 56);
+      const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+      const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+      const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+      const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      // Row k of the transpose: parameter k of tokens t .. t+7 (0-3 scales, 4-7 zeros).
+      _mm256_storeu_ps(vs + 0 * ld + t, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(vs + 1 * ld + t, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(vs + 2 * ld + t, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(vs + 3 * ld + t, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(vz + 0 * ld + t, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(vz + 1 * ld + t, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(vz + 2 * ld + t, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(vz + 3 * ld + t, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  } else {
+    for (int t = 0; t < npad; ++t) {
+      for (int g = 0; g < ng; ++g) {
+        vs[g * ld + t] = flat[t * np + g];
+        vz[g * ld + t] = flat[t * np + ng + g];
+      }
     }
   }
-  const int npad = (n + 7) / 8 * 8;
-  for (int g = 0; g < ng; ++g) {
-    for (int t = n; t < npad; ++t) vs[g * ld + t] = vz[g * ld + t] = 0.0f;
-  }
-  // Weights per row: w = p * s (int16, one scale per row), zero term per group.
-  float a[kMaxRows];
-  int16_t* wi = sc.wi.data();
+  // w[r][g][t] = p * s; the zero term per (row, group) is sum_t p z.
+  float* w = sc.wf.data();
   float* zsum = sc.zsum.data();
   for (int r = 0; r < R; ++r) {
     const float* pr = P + r * kSLd;
-    __m256 vmax = _mm256_setzero_ps();
     for (int g = 0; g < ng; ++g) {
+      float* wrg = w + (static_cast<size_t>(r) * ng + g) * ld;
       __m256 vzs = _mm256_setzero_ps();
       for (int t = 0; t < npad; t += 8) {
         const __m256 pv = _mm256_loadu_ps(pr + t);
-        vmax = _mm256_max_ps(vmax, _mm256_mul_ps(pv, _mm256_loadu_ps(vs + g * ld + t)));
+        _mm256_storeu_ps(wrg + t, _mm256_mul_ps(pv, _mm256_loadu_ps(vs + g * ld + t)));
         vzs = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vz + g * ld + t), vzs);
       }
       zsum[r * ng + g] = HSum(vzs);
     }
-    const float wmax = HMax(vmax);
-    a[r] = wmax > 0.0f ? wmax / 32767.0f : 0.0f;
-    const __m256 inv = _mm256_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f);
-    for (int g = 0; g < ng; ++g) {
-      int16_t* w = wi + (static_cast<size_t>(r) * ng + g) * ld;
-      for (int t = 0; t < npad; t += 16) {
-        const __m256 w0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(pr + t), _mm256_loadu_ps(vs + g * ld + t)), inv);
-        const __m256 w1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(pr + t + 8), _mm256_loadu_ps(vs + g * ld + t + 8)), inv);
-        const __m256i p16 = _mm256_permute4x64_epi64(
-            _mm256_packs_epi32(_mm256_cvtps_epi32(w0), _mm256_cvtps_epi32(w1)), 0xD8);
-        if (t + 16 <= ld) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), p16);
-        } else {
-          alignas(32) int16_t tmp[16];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), p16);
-          std::memcpy(w + t, tmp, sizeof(int16_t) * (ld - t));
-        }
-      }
-      if (n % 2) w[n] = 0;  // The odd token pairs with a zero weight.
-    }
   }
-  // Integer accumulation: 16-channel chunks outer, token pairs inner.
-  const int npairs = (n + 1) / 2;
-  for (int j = 0; j < d / 16; ++j) {
-    const int g = (16 * j) / gc;
-    __m256i lo[R], hi[R];
-    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    for (int pi = 0; pi < npairs; ++pi) {
-      const int t = 2 * pi;
-      const __m256i c0 = WidenChunk<kBits>(PageLayout::CodeRow(page, V, row + t), d, j);
-      const __m256i c1 = t + 1 < n ? WidenChunk<kBits>(PageLayout::CodeRow(page, V, row + t + 1), d, j) : c0;
-      const __m256i il = _mm256_unpacklo_epi16(c0, c1);
-      const __m256i ih = _mm256_unpackhi_epi16(c0, c1);
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, wi + (static_cast<size_t>(r) * ng + g) * ld + t, sizeof(pair));
-        const __m256i wp = _mm256_set1_epi32(pair);
-        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(il, wp));
-        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(ih, wp));
+  const uint8_t* codes0 = PageLayout::CodeRow(page, V, row);
+  int gc_shift = 0;
+  while ((1 << gc_shift) < gc) ++gc_shift;  // group_channels is a power of two.
+  constexpr int RG = R < 4 ? R : 4;  // 8 accumulators + 2 codes + 1 weight.
+  for (int r0 = 0; r0 < R; r0 += RG) {
+    if constexpr (kBits == 2 || kBits == 3) {
+      if (s.spec().nuq) {
+        KiviValueRows<RG, kBits, D, true>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w, zsum,
+                                          sc.vctx.level_rows.data(), acc);
+        continue;
       }
     }
-    for (int r = 0; r < R; ++r) {
-      // lo holds channels {0-3, 8-11} of the chunk, hi {4-7, 12-15}.
-      const __m256 va = _mm256_set1_ps(a[r]);
-      const __m256 fl = _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), va);
-      const __m256 fh = _mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), va);
-      const __m256 z = _mm256_set1_ps(zsum[r * ng + g]);
-      float* ar = acc + r * d + 16 * j;
-      _mm256_storeu_ps(ar, _mm256_add_ps(_mm256_loadu_ps(ar),
-                                         _mm256_add_ps(_mm256_permute2f128_ps(fl, fh, 0x20), z)));
-      _mm256_storeu_ps(ar + 8, _mm256_add_ps(_mm256_loadu_ps(ar + 8),
-                                             _mm256_add_ps(_mm256_permute2f128_ps(fl, fh, 0x31), z)));
-    }
+    KiviValueRows<RG, kBits, D, false>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w, zsum,
+                                       nullptr, acc);
   }
 }
 
@@ -743,9 +938,8 @@ HWY_INLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, int 
 template <int R>
 class RowPass {
  public:
-  RowPass(const KvStream& s, const RangeJob& job, int r0, Scratch& sc)
-      : s_(s), d_(s.head_dim()), q_(job.q + static_cast<size_t>(r0) * s.head_dim()),
-        vis_(job.visible_end + r0), sc_(sc), rope_(s.rope()) {
+  RowPass(const KvStream& s, const float* q, const int32_t* visible_end, Scratch& sc)
+      : s_(s), d_(s.head_dim()), q_(q), vis_(visible_end), sc_(sc), rope_(s.rope()) {
     for (int r = 0; r < R; ++r) {
       st_.m[r] = kNegInf;
       st_.l[r] = 0.0f;
@@ -758,7 +952,8 @@ class RowPass {
     sc_.kctx.Init(s, Side::kKey);
     sc_.vctx.Init(s, Side::kValue);
 #if HWY_TARGET == HWY_AVX2
-    fast_ = KiviFastPath(s);
+    fast_ = ChooseFastSides(s);
+    outliers_ = s.layout().outliers_per_block > 0;
 #endif
   }
 
@@ -780,6 +975,7 @@ class RowPass {
       const int u = t - base;
       const int row = u % pt;
       const int n = std::min(qend - t, pt - row);
+      next_page_ = t + n < qend ? s_.page(u / pt + 1) : nullptr;
       PageSegment(s_.page(u / pt), row, n, t);
       t += n;
     }
@@ -809,6 +1005,25 @@ class RowPass {
   }
 
  private:
+  // Requests the value rows (codes, per-token parameters) of tile rows
+  // [row, row + m) and the key rows of the next tile (see Prefetch).
+  void PrefetchTile(const uint8_t* page, int row, int m, int n_left) {
+    const PageLayout& L = s_.layout();
+    auto lines = [](const void* p, size_t bytes) {
+      const char* c = static_cast<const char*>(p);
+      for (size_t i = 0; i < bytes; i += 64) hwy::Prefetch(c + i);
+    };
+    lines(PageLayout::CodeRow(page, L.value, row), L.value.code_row_bytes * m);
+    if (L.value.axis == ParamAxis::kTokenGroups) {
+      lines(L.Params(page, L.value, row), sizeof(uint16_t) * 2 * L.ParamsPerEntry(L.value) * m);
+    }
+    if (n_left > m) {
+      lines(PageLayout::CodeRow(page, L.key, row + m), L.key.code_row_bytes * std::min(kTile, n_left - m));
+    } else if (next_page_ != nullptr) {
+      lines(PageLayout::CodeRow(next_page_, L.key, 0), L.key.code_row_bytes * kTile);
+    }
+  }
+
   // The query rows to score keys of a tile starting at t0 against.
   const float* TileQueries(int t0) {
     if (!rope_) return q_;
@@ -842,10 +1057,21 @@ class RowPass {
         const int m = std::min(kTile, n - i);
         const auto* k = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.key, row + i));
         const auto* v = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.value, row + i));
+        Prefetch pf;
+        pf.a = reinterpret_cast<const uint8_t*>(v);
+        pf.rows_a = m;
+        pf.stride = pf.row_bytes = L.key.code_row_bytes;
+        if (i + m < n) {
+          pf.b = PageLayout::CodeRow(page, L.key, row + i + m);
+          pf.rows_b = std::min(kTile, n - i - m);
+        } else if (next_page_ != nullptr) {
+          pf.b = PageLayout::CodeRow(next_page_, L.key, 0);
+          pf.rows_b = kTile;
+        }
         if (bf) {
-          TileScores<R, Bf16Rows>(k, stride, m, q_, d_, sc_.part.data(), S);
+          TileScores<R, Bf16Rows>(k, stride, m, q_, d_, sc_.part.data(), S, pf);
         } else {
-          TileScores<R, F16Rows>(k, stride, m, q_, d_, sc_.part.data(), S);
+          TileScores<R, F16Rows>(k, stride, m, q_, d_, sc_.part.data(), S, pf);
         }
         if (!SoftmaxTile(R, m, t0 + i, vis_, S, st_, sc_.acc.data(), d_)) continue;
         if (bf) {
@@ -857,17 +1083,26 @@ class RowPass {
       return;
     }
 #if HWY_TARGET == HWY_AVX2
-    if (fast_) {
-      switch (L.bits) {
-        case 4: return KiviSegment<4>(page, row, n, t0);
-        case 3: return KiviSegment<3>(page, row, n, t0);
-        case 2: return KiviSegment<2>(page, row, n, t0);
+    if (fast_.key || fast_.value) {
+      switch (L.bits * 1000 + d_) {
+        case 8064: return KiviSegment<8, 64>(page, row, n, t0);
+        case 8128: return KiviSegment<8, 128>(page, row, n, t0);
+        case 8256: return KiviSegment<8, 256>(page, row, n, t0);
+        case 4064: return KiviSegment<4, 64>(page, row, n, t0);
+        case 4128: return KiviSegment<4, 128>(page, row, n, t0);
+        case 4256: return KiviSegment<4, 256>(page, row, n, t0);
+        case 3128: return KiviSegment<3, 128>(page, row, n, t0);
+        case 3256: return KiviSegment<3, 256>(page, row, n, t0);
+        case 2064: return KiviSegment<2, 64>(page, row, n, t0);
+        case 2128: return KiviSegment<2, 128>(page, row, n, t0);
+        case 2256: return KiviSegment<2, 256>(page, row, n, t0);
       }
     }
 #endif
     // Generic: dequantize a tile of K and V, rotate the keys, float kernel.
     for (int i = 0; i < n; i += kTile) {
       const int m = std::min(kTile, n - i);
+      PrefetchTile(page, row + i, m, n - i);
       float* kb = sc_.kbuf.data();
       DequantRows(sc_.kctx, page, row + i, m, kb);
       const float* q = q_;
@@ -883,7 +1118,9 @@ class RowPass {
   }
 
 #if HWY_TARGET == HWY_AVX2
-  template <int kBits>
+  // Page rows through the integer kernels on the side(s) that allow them and
+  // the generic float tiles on the other. Tiles never cross a G-token block.
+  template <int kBits, int D>
   void KiviSegment(const uint8_t* page, int row, int n, int t0) {
     const int g = s_.layout().block_tokens;
     float* S = sc_.S.data();
@@ -891,26 +1128,96 @@ class RowPass {
     while (i < n) {
       const int r = row + i;
       const int block = r / g;
-      const int m = std::min({kTile, n - i, (block + 1) * g - r});
-      if (block != key_block_ || page != key_page_) {
-        KiviKeyBlock(s_, page, block, R, q_, sc_, ka_, kcst_);
-        key_block_ = block;
-        key_page_ = page;
+      const int m = std::min({kTile, n - i, g > 1 ? (block + 1) * g - r : kTile});
+      if (!fast_.key) PrefetchTile(page, r, m, n - i);  // Keys dequantize: slower, more traffic.
+      bool key_done = false;
+      if constexpr (kBits != 8) {  // int8 keys are per token: generic.
+        if (fast_.key) {
+          key_done = true;
+          if (block != key_block_ || page != key_page_) {
+            KiviKeyBlock<D>(s_, page, block, R, q_, sc_, ka_, kcst_);
+            key_block_ = block;
+            key_page_ = page;
+          }
+          KiviKeyScores<R, kBits, D>(s_, page, r, m, ka_, kcst_, sc_, S);
+          if (outliers_) KeyOutliers<kBits, D>(page, block, r, m, S);
+        }
       }
-      KiviKeyScores<R, kBits>(s_, page, r, m, ka_, kcst_, sc_, S);
-      if (SoftmaxTile(R, m, t0 + i, vis_, S, st_, sc_.acc.data(), d_)) {
-        KiviValueAccumulate<R, kBits>(s_, page, r, m, S, sc_, sc_.acc.data());
+      if (!key_done) {
+        float* kb = sc_.kbuf.data();
+        DequantRows(sc_.kctx, page, r, m, kb);
+        const float* q = q_;
+        if (rope_) {
+          RopeTileKeys(*rope_, sc_.rope, kb, m, D);
+          q = TileQueries(t0 + i);
+        }
+        TileScores<R, F32Rows>(kb, D, m, q, D, sc_.part.data(), S);
+      }
+      if (SoftmaxTile(R, m, t0 + i, vis_, S, st_, sc_.acc.data(), D)) {
+        if (fast_.value) {
+          KiviValueAccumulate<R, kBits, D>(s_, page, r, m, S, sc_, sc_.acc.data());
+          if (outliers_) ValueOutliers<kBits, D>(page, block, r, m, S);
+        } else {
+          DequantRows(sc_.vctx, page, r, m, sc_.vbuf.data());
+          TileAccumulate<R, F32Rows>(sc_.vbuf.data(), D, m, S, sc_.acc.data(), D);
+        }
       }
       i += m;
     }
   }
-  bool fast_ = false;
+
+  // Sparse outliers: the integer kernels see the clamped codes; each table
+  // entry of the tile then adds q_c (x - dequant(code)) to its token's score,
+  // and p_t (x - dequant(code)) to channel c of the output.
+  template <int kBits, int D>
+  void KeyOutliers(const uint8_t* page, int block, int row, int m, float* S) {
+    const PageLayout& L = s_.layout();
+    const int k = L.outliers_per_block;
+    const uint16_t* tab = L.Outliers(page, L.key, block);
+    const int first = row - block * L.block_tokens;  // Tile start within the block.
+    const float* scale = sc_.kparams.data();
+    const float* zero = scale + D;
+    for (int e = 0; e < k; ++e) {
+      const int tt = tab[e] / D - first;
+      if (tt < 0 || tt >= m) continue;
+      const int c = tab[e] % D;
+      const float deq = zero[c] + scale[c] * static_cast<float>(CodeAt<kBits, D>(PageLayout::CodeRow(page, L.key, row + tt), c));
+      const float diff = HalfToFloat(tab[k + e]) - deq;
+      for (int r = 0; r < R; ++r) S[r * kSLd + tt] += q_[r * D + c] * diff;
+    }
+  }
+  template <int kBits, int D>
+  void ValueOutliers(const uint8_t* page, int block, int row, int m, const float* P) {
+    const PageLayout& L = s_.layout();
+    const int k = L.outliers_per_block;
+    const uint16_t* tab = L.Outliers(page, L.value, block);
+    const int first = row - block * L.block_tokens;
+    const int gc = L.value.group_channels;
+    const int ng = D / gc;
+    const bool nuq = s_.spec().nuq;
+    float* acc = sc_.acc.data();
+    for (int e = 0; e < k; ++e) {
+      const int tt = tab[e] / D - first;
+      if (tt < 0 || tt >= m) continue;
+      const int c = tab[e] % D;
+      const uint16_t* p = L.Params(page, L.value, row + tt);
+      const int code = CodeAt<kBits, D>(PageLayout::CodeRow(page, L.value, row + tt), c);
+      const float level = nuq ? sc_.vctx.level_table[static_cast<size_t>(c) * sc_.vctx.levels + code]
+                              : static_cast<float>(code);
+      const float deq = HalfToFloat(p[ng + c / gc]) + HalfToFloat(p[c / gc]) * level;
+      const float diff = HalfToFloat(tab[k + e]) - deq;
+      for (int r = 0; r < R; ++r) acc[r * D + c] += P[r * kSLd + tt] * diff;
+    }
+  }
+  FastSides fast_;
+  bool outliers_ = false;
   const uint8_t* key_page_ = nullptr;
   int key_block_ = -1;
   float ka_[kMaxRows];
   float kcst_[kMaxRows];
 #endif
 
+  const uint8_t* next_page_ = nullptr;  // The page after the current segment's.
   const KvStream& s_;
   const int d_;
   const float* q_;
@@ -922,27 +1229,49 @@ class RowPass {
 };
 
 template <int R>
-void RunRows(const KvStream& s, const RangeJob& job, int r0, Scratch& sc) {
-  RowPass<R> pass(s, job, r0, sc);
-  pass.Run(job.begin, job.end);
-  pass.Finish(job.out + static_cast<size_t>(r0) * s.head_dim(), job.lse + r0);
+void RunRows(const KvStream& s, int begin, int end, const float* q, const int32_t* visible_end,
+             float* out, float* lse, Scratch& sc) {
+  RowPass<R> pass(s, q, visible_end, sc);
+  pass.Run(begin, end);
+  pass.Finish(out, lse);
 }
 
 }  // namespace
 
+// Rows go kMaxRows at a time; a block of another size is padded to the next
+// of 1, 2, 4, 8 with masked rows (zero query, nothing visible), which keeps
+// the number of kernel instantiations (and compile time) down.
 void AttendRangeImpl(const RangeJob& job) {
   const KvStream& s = *job.stream;
-  Scratch& sc = ThreadScratch(s.head_dim());
+  const int d = s.head_dim();
+  Scratch& sc = ThreadScratch(d);
   for (int r0 = 0; r0 < job.rows; r0 += kMaxRows) {
-    switch (std::min(kMaxRows, job.rows - r0)) {
-      case 1: RunRows<1>(s, job, r0, sc); break;
-      case 2: RunRows<2>(s, job, r0, sc); break;
-      case 3: RunRows<3>(s, job, r0, sc); break;
-      case 4: RunRows<4>(s, job, r0, sc); break;
-      case 5: RunRows<5>(s, job, r0, sc); break;
-      case 6: RunRows<6>(s, job, r0, sc); break;
-      case 7: RunRows<7>(s, job, r0, sc); break;
-      case 8: RunRows<8>(s, job, r0, sc); break;
+    const int rows = std::min(kMaxRows, job.rows - r0);
+    const int padded = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
+    const float* q = job.q + static_cast<size_t>(r0) * d;
+    const int32_t* vis = job.visible_end + r0;
+    float* out = job.out + static_cast<size_t>(r0) * d;
+    float* lse = job.lse + r0;
+    if (padded != rows) {
+      std::copy(q, q + static_cast<size_t>(rows) * d, sc.qpad.begin());
+      std::fill(sc.qpad.begin() + static_cast<size_t>(rows) * d, sc.qpad.end(), 0.0f);
+      std::copy(vis, vis + rows, sc.vispad);
+      std::fill(sc.vispad + rows, sc.vispad + kMaxRows, 0);
+      q = sc.qpad.data();
+      vis = sc.vispad;
+      out = sc.outpad.data();
+      lse = sc.lsepad;
+    }
+    switch (padded) {
+      case 1: RunRows<1>(s, job.begin, job.end, q, vis, out, lse, sc); break;
+      case 2: RunRows<2>(s, job.begin, job.end, q, vis, out, lse, sc); break;
+      case 4: RunRows<4>(s, job.begin, job.end, q, vis, out, lse, sc); break;
+      default: RunRows<8>(s, job.begin, job.end, q, vis, out, lse, sc); break;
+    }
+    if (padded != rows) {
+      std::copy(sc.outpad.begin(), sc.outpad.begin() + static_cast<size_t>(rows) * d,
+                job.out + static_cast<size_t>(r0) * d);
+      std::copy(sc.lsepad, sc.lsepad + rows, job.lse + r0);
     }
   }
 }

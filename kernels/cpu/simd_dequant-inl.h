@@ -168,9 +168,9 @@ struct SideContext {
   Side side = Side::kKey;
   int levels = 0;                 // 2^bits with nuq, else 0.
   std::vector<float> level_table;  // [head_dim][levels] (nuq).
+  std::vector<float> level_rows;   // [levels][head_dim]: level k of every channel.
   std::vector<uint8_t> codes;      // One unpacked row.
-  std::vector<float> params;       // scale[D], zero[D] of one block.
-  std::vector<float> block_table;  // nuq per-channel: zero + scale*level, [D][levels].
+  std::vector<float> params;       // scale[D], zero[D] of one block (or one row).
   std::vector<int32_t> index;      // [D]: c * levels, for gathers.
 
   void Init(const KvStream& s, Side sd) {
@@ -182,11 +182,14 @@ struct SideContext {
     levels = s.spec().nuq ? (1 << s.spec().bits) : 0;
     if (levels > 0) {
       level_table.resize(static_cast<size_t>(d) * levels);
-      block_table.resize(level_table.size());
+      level_rows.resize(level_table.size());
       index.resize(d);
       for (int c = 0; c < d; ++c) {
         const uint16_t* h = s.levels(sd, c);
-        for (int i = 0; i < levels; ++i) level_table[static_cast<size_t>(c) * levels + i] = HalfToFloat(h[i]);
+        for (int i = 0; i < levels; ++i) {
+          level_table[static_cast<size_t>(c) * levels + i] = HalfToFloat(h[i]);
+          level_rows[static_cast<size_t>(i) * d + c] = HalfToFloat(h[i]);
+        }
         index[c] = c * levels;
       }
     }
@@ -201,8 +204,68 @@ HWY_INLINE hn::Vec<DF> CodesToFloat(const uint8_t* HWY_RESTRICT codes) {
   return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, codes)));
 }
 
+// nuq: x[c] = zero + scale * level_c[codes[c]] for c in [c0, c1), with
+// per-channel (zero, scale arrays) or per-group (scalars) parameters. Up to 8
+// levels a tree of blends on the code bits picks among the per-level rows
+// (exact, and much cheaper than a gather); 16 levels gather.
+template <int LV>
+HWY_INLINE void NuqRange(const SideContext& ctx, const uint8_t* HWY_RESTRICT codes, int c0, int c1,
+                         const float* HWY_RESTRICT scale, const float* HWY_RESTRICT zero, float s,
+                         float z, float* HWY_RESTRICT x) {
+  const DF df;
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const size_t d = ctx.index.size();
+  const float* HWY_RESTRICT rows = ctx.level_rows.data();
+  const float* HWY_RESTRICT table = ctx.level_table.data();
+  const int32_t* HWY_RESTRICT index = ctx.index.data();
+  const auto one = hn::Set(di, 1), two = hn::Set(di, 2), four = hn::Set(di, 4);
+  const auto vs = hn::Set(df, s), vz = hn::Set(df, z);
+  int c = c0;
+  for (; c + N <= c1; c += N) {
+    const auto code = hn::PromoteTo(di, hn::LoadU(d8, codes + c));
+    hn::Vec<DF> level;
+    if constexpr (LV <= 8) {
+      const auto b0 = hn::RebindMask(df, hn::TestBit(code, one));
+      const auto b1 = hn::RebindMask(df, hn::TestBit(code, two));
+      auto pick4 = [&](const float* r) {
+        const auto lo = hn::IfThenElse(b0, hn::LoadU(df, r + d), hn::LoadU(df, r));
+        const auto hi = hn::IfThenElse(b0, hn::LoadU(df, r + 3 * d), hn::LoadU(df, r + 2 * d));
+        return hn::IfThenElse(b1, hi, lo);
+      };
+      if constexpr (LV == 4) {
+        level = pick4(rows + c);
+      } else {
+        const auto b2 = hn::RebindMask(df, hn::TestBit(code, four));
+        level = hn::IfThenElse(b2, pick4(rows + 4 * d + c), pick4(rows + c));
+      }
+    } else {
+      level = hn::GatherIndex(df, table, hn::Add(hn::LoadU(di, index + c), code));
+    }
+    if (scale != nullptr) {
+      hn::StoreU(hn::Add(hn::LoadU(df, zero + c), hn::Mul(hn::LoadU(df, scale + c), level)), df, x + c);
+    } else {
+      hn::StoreU(hn::Add(vz, hn::Mul(vs, level)), df, x + c);
+    }
+  }
+  for (; c < c1; ++c) {
+    const float level = table[static_cast<size_t>(c) * LV + codes[c]];
+    x[c] = scale != nullptr ? zero[c] + scale[c] * level : z + s * level;
+  }
+}
+
+HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT codes, int c0, int c1,
+                            const float* scale, const float* zero, float s, float z, float* x) {
+  switch (ctx.levels) {
+    case 4: return NuqRange<4>(ctx, codes, c0, c1, scale, zero, s, z, x);
+    case 8: return NuqRange<8>(ctx, codes, c0, c1, scale, zero, s, z, x);
+    default: return NuqRange<16>(ctx, codes, c0, c1, scale, zero, s, z, x);
+  }
+}
+
 // Dequantizes rows [row0, row0 + n) of an int8 / packed side.
-HWY_INLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0,
+inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0,
                                   int n, float* HWY_RESTRICT out) {
   const KvStream& s = *ctx.stream;
   const PageLayout& L = s.layout();
@@ -211,7 +274,6 @@ HWY_INLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT 
   const int bits = L.bits;
   const int g = L.block_tokens;
   const DF df;
-  const hn::Rebind<int32_t, DF> di;
   const int N = static_cast<int>(hn::Lanes(df));
   uint8_t* codes = ctx.codes.data();
   float* scale = ctx.params.data();
@@ -225,27 +287,11 @@ HWY_INLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT 
     if (S.axis == ParamAxis::kChannelGroups) {
       if (row / g != cur_block) {
         cur_block = row / g;
-        const uint16_t* p = L.Params(page, S, cur_block);
-        HalfRowToFloat(p, 2 * d, scale);
-        if (lv > 0) {
-          // zero + scale * level for every (channel, level): one gather per
-          // element afterwards, same float ops as the reference.
-          float* t = ctx.block_table.data();
-          for (int c = 0; c < d; ++c) {
-            for (int i = 0; i < lv; ++i) {
-              t[c * lv + i] = zero[c] + scale[c] * ctx.level_table[static_cast<size_t>(c) * lv + i];
-            }
-          }
-        }
+        HalfRowToFloat(L.Params(page, S, cur_block), 2 * d, scale);
       }
       int c = 0;
       if (lv > 0) {
-        for (; c + N <= d; c += N) {
-          const auto idx = hn::Add(hn::LoadU(di, ctx.index.data() + c),
-                                   hn::PromoteTo(di, hn::LoadU(hn::Rebind<uint8_t, DF>(), codes + c)));
-          hn::StoreU(hn::GatherIndex(df, ctx.block_table.data(), idx), df, x + c);
-        }
-        for (; c < d; ++c) x[c] = ctx.block_table[static_cast<size_t>(c) * lv + codes[c]];
+        NuqRangeAny(ctx, codes, 0, d, scale, zero, 0.0f, 0.0f, x);
       } else {
         for (; c + N <= d; c += N) {
           const auto v = hn::Mul(hn::LoadU(df, scale + c), CodesToFloat(codes + c));
@@ -256,22 +302,18 @@ HWY_INLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT 
     } else {
       const int gc = S.group_channels;
       const int ng = d / gc;
-      const uint16_t* p = L.Params(page, S, row);
+      // This row's scales then zeros, converted at once.
+      float* pr = ctx.params.data();
+      HalfRowToFloat(L.Params(page, S, row), 2 * ng, pr);
       for (int j = 0; j < ng; ++j) {
-        const float sj = HalfToFloat(p[j]);
-        const float zj = HalfToFloat(p[ng + j]);
+        const float sj = pr[j];
+        const float zj = pr[ng + j];
         const auto vs = hn::Set(df, sj);
         const auto vz = hn::Set(df, zj);
         int c = j * gc;
         const int ce = c + gc;
         if (lv > 0) {
-          for (; c + N <= ce; c += N) {
-            const auto idx = hn::Add(hn::LoadU(di, ctx.index.data() + c),
-                                     hn::PromoteTo(di, hn::LoadU(hn::Rebind<uint8_t, DF>(), codes + c)));
-            const auto level = hn::GatherIndex(df, ctx.level_table.data(), idx);
-            hn::StoreU(hn::Add(vz, hn::Mul(vs, level)), df, x + c);
-          }
-          for (; c < ce; ++c) x[c] = zj + sj * ctx.level_table[static_cast<size_t>(c) * lv + codes[c]];
+          NuqRangeAny(ctx, codes, c, ce, nullptr, nullptr, sj, zj, x);
         } else {
           for (; c + N <= ce; c += N) {
             hn::StoreU(hn::Add(vz, hn::Mul(vs, CodesToFloat(codes + c))), df, x + c);
@@ -295,7 +337,7 @@ HWY_INLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT 
 }
 
 // Dequantizes page rows [row0, row0 + n) of any format.
-HWY_INLINE void DequantRows(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0, int n,
+inline HWY_NOINLINE void DequantRows(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0, int n,
                             float* HWY_RESTRICT out) {
   const KvStream& s = *ctx.stream;
   const SideLayout& S = s.layout().side(ctx.side);
