@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <map>
 #include <memory>
@@ -148,7 +149,7 @@ absl::StatusOr<LayerData> MakeLayerData(const KvLayout& layout, int context) {
 class CodebookCache {
  public:
   absl::StatusOr<const std::vector<Codebook>*> Get(const KvLayout& layout,
-                                                  const StreamConfig& config) {
+                                                   const StreamConfig& config) {
     const std::string key = absl::StrCat(layout.name, "/", config.spec.ToString());
     auto it = books_.find(key);
     if (it != books_.end()) return &it->second;
@@ -156,16 +157,16 @@ class CodebookCache {
     if (calibration.empty()) {
       for (int h = 0; h < layout.kv_heads; ++h) {
         KVQ_ASSIGN_OR_RETURN(SyntheticKv kv,
-                             GenerateSyntheticKv(GeneratorConfig(
-                                 layout, kCalibrationTokens, h, kSyntheticCalibrationSeed)));
+                             GenerateSyntheticKv(GeneratorConfig(layout, kCalibrationTokens, h,
+                                                                 kSyntheticCalibrationSeed)));
         calibration.push_back(std::move(kv));
       }
     }
     std::vector<Codebook> books;
     for (const SyntheticKv& kv : calibration) {
       KVQ_ASSIGN_OR_RETURN(
-          Codebook cb, LearnCodebook(config, config.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(),
-                                     kv.Values()));
+          Codebook cb,
+          LearnCodebook(config, config.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(), kv.Values()));
       books.push_back(std::move(cb));
     }
     return &books_.emplace(key, std::move(books)).first->second;
@@ -181,11 +182,25 @@ struct SchemeEntry {
   QuantSpec spec;
 };
 
-absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
-                                          const SchemeEntry& scheme, const LayerData& data,
-                                          const KernelBackend* backend, CodebookCache& codebooks,
-                                          CacheEvictor& evictor, int warmup, int reps) {
+// One scheme of one (layout, context), stored and ready to time: its
+// streams, the layer's attention tasks and their output buffers.
+struct StoredScheme {
   KernelsBenchRow row;
+  std::unique_ptr<CountingPageAllocator> allocator;
+  std::vector<std::unique_ptr<KvStream>> streams;
+  std::vector<float> out;
+  std::vector<float> lse;
+  std::vector<AttentionTask> tasks;
+  std::vector<double> us;  // Timed calls.
+};
+
+// Appends the layer to one stream per KV head, counts the bytes and measures
+// the attention error of one fused decode call.
+absl::StatusOr<std::unique_ptr<StoredScheme>> BuildScheme(
+    const KvLayout& layout, int context, const SchemeEntry& scheme, const LayerData& data,
+    const KernelBackend* backend, const AttentionOptions& options, CodebookCache& codebooks) {
+  auto stored = std::make_unique<StoredScheme>();
+  KernelsBenchRow& row = stored->row;
   row.layout = layout.name;
   row.context = context;
   row.scheme = scheme.text;
@@ -204,12 +219,12 @@ absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
   }
 
   const auto append_start = Clock::now();
-  CountingPageAllocator allocator;
-  std::vector<std::unique_ptr<KvStream>> streams;
+  stored->allocator = std::make_unique<CountingPageAllocator>();
+  std::vector<std::unique_ptr<KvStream>>& streams = stored->streams;
   for (int h = 0; h < heads; ++h) {
-    KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
-                         KvStream::Create(config, backend, &allocator,
-                                          books ? &(*books)[h] : nullptr));
+    KVQ_ASSIGN_OR_RETURN(
+        std::unique_ptr<KvStream> s,
+        KvStream::Create(config, backend, stored->allocator.get(), books ? &(*books)[h] : nullptr));
     const SyntheticKv& kv = data.heads[h];
     KVQ_RETURN_IF_ERROR(
         s->Append(scheme.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(), kv.Values()));
@@ -217,7 +232,7 @@ absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
   }
   row.append_seconds = SecondsSince(append_start);
 
-  row.kv_bytes = allocator.bytes_in_use();
+  row.kv_bytes = stored->allocator->bytes_in_use();
   for (int h = 0; h < heads; ++h) {
     KVQ_ASSIGN_OR_RETURN(ByteBreakdown b, AnalyticBytes(config, context));
     row.analytic_bytes += b.total();
@@ -230,9 +245,12 @@ absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
                      : 1.0;
 
   // One fused decode-attention call covers the layer: a task per KV head.
-  std::vector<float> out(static_cast<size_t>(heads) * g * d);
-  std::vector<float> lse(static_cast<size_t>(heads) * g);
-  std::vector<AttentionTask> tasks(heads);
+  std::vector<float>& out = stored->out;
+  std::vector<float>& lse = stored->lse;
+  std::vector<AttentionTask>& tasks = stored->tasks;
+  out.assign(static_cast<size_t>(heads) * g * d, 0.0f);
+  lse.assign(static_cast<size_t>(heads) * g, 0.0f);
+  tasks.resize(heads);
   for (int h = 0; h < heads; ++h) {
     AttentionTask& t = tasks[h];
     t.stream = streams[h].get();
@@ -244,8 +262,6 @@ absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
     t.lse = &lse[static_cast<size_t>(h) * g];
     t.lse_stride = g;
   }
-  AttentionOptions options;
-  options.group_size = g;
   KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
 
   double err_sum = 0.0;
@@ -262,21 +278,44 @@ absl::StatusOr<KernelsBenchRow> RunScheme(const KvLayout& layout, int context,
     row.attn_rel_error_max = std::max(row.attn_rel_error_max, e);
   }
   row.attn_rel_error = err_sum / (heads * g);
+  return stored;
+}
 
-  for (int i = 0; i < warmup; ++i) KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
-  std::vector<double> us;
-  for (int i = 0; i < reps; ++i) {
-    evictor.Evict();
-    const auto start = Clock::now();
-    KVQ_RETURN_IF_ERROR(backend->Attend(tasks, options));
-    us.push_back(SecondsSince(start) * 1e6);
+// Times every stored scheme: `warmup` untimed calls each, then `reps` rounds
+// in which the schemes take turns, one cold-cache call each, so load changes
+// on a shared machine hit every scheme alike and the ratios stay fair.
+absl::Status TimeSchemes(std::vector<std::unique_ptr<StoredScheme>>& schemes,
+                         const KernelBackend* backend, const AttentionOptions& options,
+                         CacheEvictor& evictor, int warmup, int reps) {
+  for (auto& s : schemes) {
+    for (int i = 0; i < warmup; ++i) KVQ_RETURN_IF_ERROR(backend->Attend(s->tasks, options));
   }
-  row.decode_us = Median(us);
-  row.decode_us_min = us.empty() ? 0.0 : *std::min_element(us.begin(), us.end());
-  return row;
+  for (int i = 0; i < reps; ++i) {
+    for (auto& s : schemes) {
+      evictor.Evict();
+      const auto start = Clock::now();
+      KVQ_RETURN_IF_ERROR(backend->Attend(s->tasks, options));
+      s->us.push_back(SecondsSince(start) * 1e6);
+    }
+  }
+  for (auto& s : schemes) {
+    s->row.decode_us = Median(s->us);
+    s->row.decode_us_min = s->us.empty() ? 0.0 : *std::min_element(s->us.begin(), s->us.end());
+  }
+  return absl::OkStatus();
 }
 
 std::string Pct(double x) { return absl::StrFormat("%+.1f%%", 100.0 * x); }
+
+// 1-minute load average (Linux), -1 where unavailable.
+double LoadAverage() {
+  double load = -1.0;
+  if (std::FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &load) != 1) load = -1.0;
+    std::fclose(f);
+  }
+  return load;
+}
 
 }  // namespace
 
@@ -345,6 +384,7 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
   result.backend_impl = std::string(backend->name());
   if (options.threads > 0) omp_set_num_threads(options.threads);
   result.threads = omp_get_max_threads();
+  result.load_start = LoadAverage();
   result.reps = options.reps > 0 ? options.reps : (options.quick ? kQuickReps : kDefaultReps);
   if (options.warmup < 0) return absl::InvalidArgumentError("warmup must be >= 0");
 
@@ -355,15 +395,15 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
   }
   std::vector<int> contexts = options.contexts;
   if (contexts.empty()) {
-    contexts = options.quick ? std::vector<int>{kQuickContext}
-                             : std::vector<int>{2048, 8192, 32768};
+    contexts =
+        options.quick ? std::vector<int>{kQuickContext} : std::vector<int>{2048, 8192, 32768};
   }
   const SyntheticKvModel model;
   for (int c : contexts) {
     if (c <= model.sink_tokens + model.retrieval_targets || c > (1 << 20)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "context ", c, " must be in (", model.sink_tokens + model.retrieval_targets,
-          ", 1048576]"));
+      return absl::InvalidArgumentError(absl::StrCat("context ", c, " must be in (",
+                                                     model.sink_tokens + model.retrieval_targets,
+                                                     ", 1048576]"));
     }
   }
   // Schemes, de-duplicated by canonical form; fp16 always runs first (the
@@ -378,8 +418,7 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
     return absl::OkStatus();
   };
   KVQ_RETURN_IF_ERROR(add_scheme("fp16"));
-  for (const std::string& s :
-       options.schemes.empty() ? DefaultKernelSchemes() : options.schemes) {
+  for (const std::string& s : options.schemes.empty() ? DefaultKernelSchemes() : options.schemes) {
     KVQ_RETURN_IF_ERROR(add_scheme(s));
   }
 
@@ -414,26 +453,42 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
       }
       KVQ_ASSIGN_OR_RETURN(LayerData data, MakeLayerData(layout, context));
       result.profiles.push_back(data.profile);
-      const size_t first = result.rows.size();
+      AttentionOptions attention;
+      attention.group_size = layout.group_size();
+      std::vector<std::unique_ptr<StoredScheme>> stored;
       for (size_t i = 0; i < schemes.size(); ++i) {
-        absl::StatusOr<KernelsBenchRow> row =
-            RunScheme(layout, context, schemes[i], data, backend, codebooks, evictor,
-                      options.warmup, result.reps);
-        if (!row.ok()) {
-          return absl::Status(row.status().code(),
+        absl::StatusOr<std::unique_ptr<StoredScheme>> s =
+            BuildScheme(layout, context, schemes[i], data, backend, attention, codebooks);
+        if (!s.ok()) {
+          return absl::Status(s.status().code(),
                               absl::StrCat(layout.name, " ctx=", context, " ", schemes[i].text,
-                                           ": ", row.status().message()));
+                                           ": ", s.status().message()));
         }
         if (progress) {
+          const KernelsBenchRow& r = (*s)->row;
           *progress << absl::StrFormat(
-              "[%6.1fs] %s ctx=%d %2d/%d %-38s bits %6.3f  err %.4f  decode %9.1f us  "
-              "(append %.1fs)\n",
-              SecondsSince(run_start), layout.name, context, i + 1, schemes.size(),
-              schemes[i].text, row->bits_per_element, row->attn_rel_error, row->decode_us,
-              row->append_seconds);
+              "[%6.1fs] %s ctx=%d %2d/%d %-38s bits %6.3f  err %.4f  (append %.1fs)\n",
+              SecondsSince(run_start), layout.name, context, i + 1, schemes.size(), schemes[i].text,
+              r.bits_per_element, r.attn_rel_error, r.append_seconds);
         }
-        result.rows.push_back(*std::move(row));
+        stored.push_back(*std::move(s));
       }
+      if (progress) {
+        *progress << absl::StrFormat("[%6.1fs] %s ctx=%d: timing %d schemes x %d rounds...\n",
+                                     SecondsSince(run_start), layout.name, context, stored.size(),
+                                     result.reps);
+      }
+      KVQ_RETURN_IF_ERROR(
+          TimeSchemes(stored, backend, attention, evictor, options.warmup, result.reps));
+      const size_t first = result.rows.size();
+      for (auto& s : stored) {
+        if (progress) {
+          *progress << absl::StrFormat("         %s ctx=%d %-38s decode %9.1f us\n", layout.name,
+                                       context, s->row.scheme, s->row.decode_us);
+        }
+        result.rows.push_back(s->row);
+      }
+      stored.clear();  // Frees this context's streams before the next one.
       const double fp16_us = result.rows[first].decode_us;  // fp16 runs first.
       for (size_t i = first; i < result.rows.size(); ++i) {
         KernelsBenchRow& r = result.rows[i];
@@ -445,6 +500,7 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
     }
   }
   result.total_seconds = SecondsSince(run_start);
+  result.load_end = LoadAverage();
   return result;
 }
 
@@ -487,7 +543,7 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
   auto speed_check = [&](absl::string_view scheme, double min_speedup) {
     CheckResult c;
     c.name = absl::StrFormat("%s speedup_vs_fp16 >= %.1f at %s/%d", scheme, min_speedup,
-                                  kCheckLayout, kCheckContext);
+                             kCheckLayout, kCheckContext);
     const KernelsBenchRow* r = find(kCheckLayout, kCheckContext, scheme);
     if (r == nullptr) {
       c.detail = "row not run";
@@ -503,8 +559,8 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
 
   {
     CheckResult c;
-    c.name = absl::StrFormat("fp16 bw_fraction >= %.2f at %s/%d", kMinFp16BwFraction,
-                                  kCheckLayout, kCheckContext);
+    c.name = absl::StrFormat("fp16 bw_fraction >= %.2f at %s/%d", kMinFp16BwFraction, kCheckLayout,
+                             kCheckContext);
     const KernelsBenchRow* r = find(kCheckLayout, kCheckContext, "fp16");
     if (r == nullptr) {
       c.detail = "row not run";
@@ -527,10 +583,9 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
       if (a == nullptr || b == nullptr) continue;
       const bool ok = a->attn_rel_error < b->attn_rel_error;
       all = all && ok;
-      parts.push_back(absl::StrFormat("%s/%d %.4f vs %.4f (%s)%s", p.layout, p.context,
-                                      a->attn_rel_error, b->attn_rel_error,
-                                      Pct(a->attn_rel_error / b->attn_rel_error - 1.0),
-                                      ok ? "" : " FAIL"));
+      parts.push_back(absl::StrFormat(
+          "%s/%d %.4f vs %.4f (%s)%s", p.layout, p.context, a->attn_rel_error, b->attn_rel_error,
+          Pct(a->attn_rel_error / b->attn_rel_error - 1.0), ok ? "" : " FAIL"));
     }
     if (parts.empty()) {
       c.detail = "rows not run";
@@ -555,7 +610,7 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
     any_quantized = true;
     CheckResult c;
     c.name = absl::StrFormat("%s decode <= 1/10 of ggml at %s/%d", r.scheme, kCheckLayout,
-                                  kCheckContext);
+                             kCheckContext);
     double peer_ms = 0.0;
     const char* peer = "";
     if (r.bits_per_element <= 4.5) {
@@ -577,9 +632,9 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
     checks.push_back(c);
   }
   if (!any_quantized) {
-    checks.push_back({absl::StrFormat("quantized decode <= 1/10 of ggml at %s/%d", kCheckLayout,
-                                      kCheckContext),
-                      CheckOutcome::kSkip, "rows not run"});
+    checks.push_back(
+        {absl::StrFormat("quantized decode <= 1/10 of ggml at %s/%d", kCheckLayout, kCheckContext),
+         CheckOutcome::kSkip, "rows not run"});
   }
   return checks;
 }
@@ -590,9 +645,12 @@ namespace {
 
 const char* OutcomeName(CheckOutcome o) {
   switch (o) {
-    case CheckOutcome::kPass: return "PASS";
-    case CheckOutcome::kFail: return "FAIL";
-    case CheckOutcome::kSkip: return "SKIP";
+    case CheckOutcome::kPass:
+      return "PASS";
+    case CheckOutcome::kFail:
+      return "FAIL";
+    case CheckOutcome::kSkip:
+      return "SKIP";
   }
   return "?";
 }
@@ -647,11 +705,13 @@ std::string FormatKernelsTable(const KernelsBenchResult& result, const std::stri
       if (r.layout != p.layout || r.context != p.context) continue;
       absl::StrAppendFormat(&out, "%-38s %7.3f %8.3f %6.2f %9.5f %9.5f %10.1f %8.2f %7.3f\n",
                             r.scheme, r.bits_per_element, r.bits_analytic, 100.0 * r.bits_gap,
-                            r.attn_rel_error, r.attn_rel_error_max, r.decode_us,
-                            r.speedup_vs_fp16, r.bw_fraction);
+                            r.attn_rel_error, r.attn_rel_error_max, r.decode_us, r.speedup_vs_fp16,
+                            r.bw_fraction);
     }
   }
-  absl::StrAppendFormat(&out, "\n# total %.1f s\n", result.total_seconds);
+  absl::StrAppendFormat(
+      &out, "\n# total %.1f s, 1-minute load average %.2f at the start, %.2f at the end\n",
+      result.total_seconds, result.load_start, result.load_end);
   return out;
 }
 
@@ -679,6 +739,8 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
   absl::StrAppend(&out, "  \"read_bandwidth_buffer_bytes\": ", result.bandwidth_bytes, ",\n");
   absl::StrAppend(&out, "  \"evict_bytes\": ", result.evict_bytes, ",\n");
   absl::StrAppend(&out, "  \"total_seconds\": ", JsonNumber(result.total_seconds), ",\n");
+  absl::StrAppend(&out, "  \"load_average_start\": ", JsonNumber(result.load_start), ",\n");
+  absl::StrAppend(&out, "  \"load_average_end\": ", JsonNumber(result.load_end), ",\n");
   absl::StrAppend(&out, "  \"data\": [\n");
   for (size_t i = 0; i < result.profiles.size(); ++i) {
     const AttentionProfile& p = result.profiles[i];
@@ -691,20 +753,20 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
   absl::StrAppend(&out, "  ],\n  \"rows\": [\n");
   for (size_t i = 0; i < result.rows.size(); ++i) {
     const KernelsBenchRow& r = result.rows[i];
-    absl::StrAppend(
-        &out, "    {\"layout\": ", JsonString(r.layout), ", \"context\": ", r.context,
-        ", \"scheme\": ", JsonString(r.scheme), ", \"canonical\": ", JsonString(r.canonical),
-        ", \"kv_bytes\": ", r.kv_bytes, ", \"analytic_bytes\": ", r.analytic_bytes,
-        ", \"bits_per_element\": ", JsonNumber(r.bits_per_element),
-        ", \"bits_analytic\": ", JsonNumber(r.bits_analytic),
-        ", \"bits_gap\": ", JsonNumber(r.bits_gap),
-        ", \"attn_rel_error\": ", JsonNumber(r.attn_rel_error),
-        ", \"attn_rel_error_max\": ", JsonNumber(r.attn_rel_error_max),
-        ", \"decode_us\": ", JsonNumber(r.decode_us),
-        ", \"decode_us_min\": ", JsonNumber(r.decode_us_min),
-        ", \"speedup_vs_fp16\": ", JsonNumber(r.speedup_vs_fp16),
-        ", \"bw_fraction\": ", JsonNumber(r.bw_fraction), "}",
-        i + 1 < result.rows.size() ? ",\n" : "\n");
+    absl::StrAppend(&out, "    {\"layout\": ", JsonString(r.layout), ", \"context\": ", r.context,
+                    ", \"scheme\": ", JsonString(r.scheme),
+                    ", \"canonical\": ", JsonString(r.canonical), ", \"kv_bytes\": ", r.kv_bytes,
+                    ", \"analytic_bytes\": ", r.analytic_bytes,
+                    ", \"bits_per_element\": ", JsonNumber(r.bits_per_element),
+                    ", \"bits_analytic\": ", JsonNumber(r.bits_analytic),
+                    ", \"bits_gap\": ", JsonNumber(r.bits_gap),
+                    ", \"attn_rel_error\": ", JsonNumber(r.attn_rel_error),
+                    ", \"attn_rel_error_max\": ", JsonNumber(r.attn_rel_error_max),
+                    ", \"decode_us\": ", JsonNumber(r.decode_us),
+                    ", \"decode_us_min\": ", JsonNumber(r.decode_us_min),
+                    ", \"speedup_vs_fp16\": ", JsonNumber(r.speedup_vs_fp16),
+                    ", \"bw_fraction\": ", JsonNumber(r.bw_fraction), "}",
+                    i + 1 < result.rows.size() ? ",\n" : "\n");
   }
   absl::StrAppend(&out, "  ]");
   if (checks != nullptr) {

@@ -70,7 +70,7 @@ struct KernelsBenchRow {
   size_t analytic_bytes = 0;
   double bits_per_element = 0.0;
   double bits_analytic = 0.0;
-  double bits_gap = 0.0;  // |measured - analytic| / analytic.
+  double bits_gap = 0.0;            // |measured - analytic| / analytic.
   double attn_rel_error = 0.0;      // Mean over query heads.
   double attn_rel_error_max = 0.0;  // Worst query head.
   double decode_us = 0.0;           // Median.
@@ -92,6 +92,10 @@ struct KernelsBenchResult {
   std::vector<AttentionProfile> profiles;
   std::vector<KernelsBenchRow> rows;
   double total_seconds = 0.0;
+  // 1-minute load average at the start and the end (-1 where unknown): on a
+  // shared machine, other work slows the timed calls and the bandwidth pass.
+  double load_start = -1.0;
+  double load_end = -1.0;
 };
 
 // Runs the benchmark; progress lines go to `progress` (may be null).
@@ -105,9 +109,10 @@ struct CheckResult {
   std::string detail;
 };
 
-// Peer figures recorded in docs (PEERS.md: ggml CPU flash-attention decode,
-// llama layout, 128d 32q/8kv, 32768 tokens, lower end of the range), not
-// measured by this tool. Used by the "<= 1/10 of ggml" check.
+// Peer figures recorded in docs (docs/KERNELS.md, section 3: ggml CPU
+// flash-attention decode on the development machine, 2 threads, llama layout
+// 128d 32q/8kv, 32768 tokens, cold cache, lower end of the measured range),
+// not measured by this tool. Used by the "<= 1/10 of ggml" check.
 inline constexpr double kPeerGgmlQ8_0DecodeMs = 160.0;  // 8.5 bits/element.
 inline constexpr double kPeerGgmlQ4_0DecodeMs = 153.0;  // 4.5 bits/element.
 

@@ -7,6 +7,11 @@
 // `kernels` stores a synthetic KV set in every scheme and reports bits per
 // element, attention error and decode-attention speed (bench/kernels_bench.h).
 // --quick is the short demo (2k context, both layouts, 5 reps).
+//
+//   kvq-bench rpc [--json] [--quick] [--check] [--server=HOST:PORT]
+//
+// `rpc` measures kvq over gRPC against raw gRPC and Redis on this machine
+// (bench/rpc_bench.h).
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -19,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "bench/kernels_bench.h"
+#include "bench/rpc_bench.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON document instead of the table.");
 ABSL_FLAG(bool, quick, false,
@@ -107,17 +113,21 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvq-bench <subcommand> [flags]\n"
       "  kernels   bits/element, attention error and decode speed of every scheme\n"
-      "            e.g. kvq-bench kernels --quick");
+      "            e.g. kvq-bench kernels --quick\n"
+      "  rpc       kvq over gRPC vs raw gRPC and Redis: transfer, round trip, Attend, decode\n"
+      "            e.g. kvq-bench rpc --quick");
   std::vector<std::string> words = {"kvq-bench"};
   for (int i = 1; i < argc; ++i) words.push_back(argv[i]);
   const std::string command = absl::StrJoin(words, " ");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::cerr << "usage: kvq-bench kernels [flags]   (see --help)\n";
+    std::cerr << "usage: kvq-bench kernels|rpc [flags]   (see --help)\n";
     return 2;
   }
   const std::string sub = args[1];
   if (sub == "kernels") return kvq::KernelsMain(command);
-  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels\n";
+  if (sub == "rpc") return kvq::RpcMain(command);
+  if (sub == "rpc-echo-server") return kvq::RpcEchoServerMain();  // Started by `rpc`.
+  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc\n";
   return 2;
 }

@@ -44,17 +44,18 @@ ReadBandwidth MeasureReadBandwidth(size_t buffer_bytes, int passes, int threads)
 #pragma omp parallel for num_threads(result.threads) schedule(static)
   for (size_t i = 0; i < words; ++i) data[i] = i * 0x9e3779b97f4a7c15ull;
 
+  // Threads take 1 MiB chunks dynamically, so a thread that the OS
+  // deschedules (shared machines) does not hold the pass back.
+  constexpr size_t kChunkWords = (size_t{1} << 20) / sizeof(uint64_t);
+  const int64_t chunks = static_cast<int64_t>((words + kChunkWords - 1) / kChunkWords);
   volatile uint64_t sink = 0;
   for (int pass = 0; pass < std::max(1, passes); ++pass) {
     uint64_t total = 0;
     const auto start = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(result.threads) reduction(+ : total)
-    {
-      const int n = omp_get_num_threads();
-      const int id = omp_get_thread_num();
-      const size_t begin = words * id / n;
-      const size_t end = words * (id + 1) / n;
-      total += SumWords(data + begin, end - begin);
+#pragma omp parallel for num_threads(result.threads) schedule(dynamic, 1) reduction(+ : total)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const size_t begin = static_cast<size_t>(c) * kChunkWords;
+      total += SumWords(data + begin, std::min(kChunkWords, words - begin));
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -70,7 +71,8 @@ ReadBandwidth MeasureReadBandwidth(size_t buffer_bytes, int passes, int threads)
 CacheEvictor::CacheEvictor(size_t bytes, int threads)
     : words_(bytes / sizeof(uint64_t)), threads_(std::max(1, threads)) {
   if (words_ == 0) return;
-  data_ = static_cast<uint64_t*>(std::aligned_alloc(64, (words_ * sizeof(uint64_t) + 63) / 64 * 64));
+  data_ =
+      static_cast<uint64_t*>(std::aligned_alloc(64, (words_ * sizeof(uint64_t) + 63) / 64 * 64));
   if (data_ == nullptr) {
     words_ = 0;
     return;

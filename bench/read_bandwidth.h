@@ -11,14 +11,14 @@
 namespace kvq {
 
 struct ReadBandwidth {
-  double bytes_per_second = 0.0;   // Median over the passes.
-  std::vector<double> passes;      // Bytes per second of every pass.
+  double bytes_per_second = 0.0;  // Median over the passes.
+  std::vector<double> passes;     // Bytes per second of every pass.
   size_t buffer_bytes = 0;
   int threads = 0;
 };
 
-// Sums a `buffer_bytes` buffer (touched once first) with `threads` OpenMP
-// threads, each reading its own contiguous share, `passes` times.
+// Sums a `buffer_bytes` buffer (touched once first) `passes` times with
+// `threads` OpenMP threads taking 1 MiB chunks dynamically.
 ReadBandwidth MeasureReadBandwidth(size_t buffer_bytes, int passes, int threads);
 
 // Reads a buffer larger than the last-level cache, so whatever a timed call

@@ -94,8 +94,7 @@ absl::Status Bad(absl::string_view field, absl::string_view why) {
 }
 
 int OutlierChannelCount(const SyntheticKvConfig& c) {
-  return c.model.outlier_channels >= 0 ? c.model.outlier_channels
-                                       : std::max(1, c.head_dim / 32);
+  return c.model.outlier_channels >= 0 ? c.model.outlier_channels : std::max(1, c.head_dim / 32);
 }
 
 }  // namespace
@@ -117,9 +116,8 @@ absl::Status SyntheticKvConfig::Validate() const {
   }
   const int rot = rope.rotary_dim == 0 ? head_dim : rope.rotary_dim;
   if (OutlierChannelCount(*this) > rot / 2) {
-    return Bad("model.outlier_channels",
-               absl::StrCat("must be <= rotary pairs ", rot / 2, ", got ",
-                            OutlierChannelCount(*this)));
+    return Bad("model.outlier_channels", absl::StrCat("must be <= rotary pairs ", rot / 2, ", got ",
+                                                      OutlierChannelCount(*this)));
   }
   if (OutlierChannelCount(*this) > 0 && m.outlier_channel_specs.empty()) {
     return Bad("model.outlier_channel_specs", "must not be empty");
@@ -140,9 +138,9 @@ absl::Status SyntheticKvConfig::Validate() const {
   if (!(m.sink_key_decay > 0.0 && m.sink_key_decay <= 1.0)) {
     return Bad("model.sink_key_decay", "must be in (0, 1]");
   }
-  for (double x : {m.key_bias_std, m.key_scale_log_std,
-                   m.outlier_token_scale, m.value_bias_std, m.value_scale_log_std,
-                   m.sink_value_scale, m.positional_logit, m.retrieval_logit, m.query_noise}) {
+  for (double x : {m.key_bias_std, m.key_scale_log_std, m.outlier_token_scale, m.value_bias_std,
+                   m.value_scale_log_std, m.sink_value_scale, m.positional_logit, m.retrieval_logit,
+                   m.query_noise}) {
     if (!(x >= 0.0) || !std::isfinite(x)) {
       return Bad("model", "constants must be finite and >= 0");
     }
@@ -260,9 +258,9 @@ absl::StatusOr<SyntheticKv> GenerateSyntheticKv(const SyntheticKvConfig& config)
     }
     for (int c = 0; c < d; ++c) {
       const double tv = token_rng.StudentT(m.value_dof) * t_norm;
-      const double x = t < S ? sink_value[static_cast<size_t>(t) * d + c] +
-                                   0.25 * value_scale[c] * tv
-                             : value_bias[c] + value_scale[c] * tv;
+      const double x = t < S
+                           ? sink_value[static_cast<size_t>(t) * d + c] + 0.25 * value_scale[c] * tv
+                           : value_bias[c] + value_scale[c] * tv;
       v[c] = static_cast<float>(x);
     }
     float* kp = &out.keys[static_cast<size_t>(t) * d];

@@ -76,8 +76,8 @@
 namespace kvq {
 
 // Fixed seeds of the benchmark data set and of the nuq calibration set.
-inline constexpr uint64_t kSyntheticModelSeed = 0x6b76712d6d6f646cull;   // "kvq-modl"
-inline constexpr uint64_t kSyntheticSampleSeed = 0x6b76712d74657374ull;  // "kvq-test"
+inline constexpr uint64_t kSyntheticModelSeed = 0x6b76712d6d6f646cull;        // "kvq-modl"
+inline constexpr uint64_t kSyntheticSampleSeed = 0x6b76712d74657374ull;       // "kvq-test"
 inline constexpr uint64_t kSyntheticCalibrationSeed = 0x6b76712d63616c69ull;  // "kvq-cali"
 
 // Constants of the model above; the defaults are the benchmark's data set.
@@ -143,11 +143,11 @@ struct SyntheticKv {
   int head_dim = 0;
   int tokens = 0;
   int group_size = 0;
-  int query_position = 0;            // tokens - 1.
-  std::vector<float> keys_pre_rope;  // [tokens, head_dim]
-  std::vector<float> keys;           // [tokens, head_dim], post-RoPE.
-  std::vector<float> values;         // [tokens, head_dim]
-  std::vector<float> queries;        // [group_size, head_dim], post-RoPE, at query_position.
+  int query_position = 0;              // tokens - 1.
+  std::vector<float> keys_pre_rope;    // [tokens, head_dim]
+  std::vector<float> keys;             // [tokens, head_dim], post-RoPE.
+  std::vector<float> values;           // [tokens, head_dim]
+  std::vector<float> queries;          // [group_size, head_dim], post-RoPE, at query_position.
   std::vector<int> outlier_channels;   // Sorted.
   std::vector<int> outlier_tokens;     // Sorted.
   std::vector<int> retrieval_targets;  // [group_size][retrieval_targets].

@@ -25,7 +25,8 @@ double SinkShare(const SyntheticKv& kv, int head, int sink_tokens) {
   double mx = -INFINITY;
   for (int t = 0; t < kv.tokens; ++t) {
     double dot = 0.0;
-    for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * kv.keys[static_cast<size_t>(t) * d + c];
+    for (int c = 0; c < d; ++c)
+      dot += static_cast<double>(q[c]) * kv.keys[static_cast<size_t>(t) * d + c];
     s[t] = dot / std::sqrt(static_cast<double>(d));
     mx = std::max(mx, s[t]);
   }
