@@ -27,16 +27,6 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64;
 
-HostTensor Random(std::vector<int64_t> shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return *HostTensor::FromFloats(v, std::move(shape));
-}
-
 class ClientServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

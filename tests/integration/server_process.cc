@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <utility>
 
@@ -17,6 +18,16 @@
 #include "gtest/gtest.h"
 
 namespace kvq {
+
+HostTensor Random(std::vector<int64_t> shape, uint32_t seed) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return *HostTensor::FromFloats(v, std::move(shape));
+}
 namespace {
 
 std::atomic<int> g_next_instance{0};

@@ -10,8 +10,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/host_tensor.h"
 
 namespace kvq {
+
+// fp32 N(0, 1) tensor of `shape`, deterministic in `seed`.
+HostTensor Random(std::vector<int64_t> shape, uint32_t seed);
 
 // Starts `server_bin` on 127.0.0.1:0 (and its metrics endpoint on
 // 127.0.0.1:0) with a 256 MiB CPU pool, learns the gRPC port from
