@@ -643,14 +643,14 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
 
 namespace {
 
+
+}  // namespace
+
 const char* OutcomeName(CheckOutcome o) {
   switch (o) {
-    case CheckOutcome::kPass:
-      return "PASS";
-    case CheckOutcome::kFail:
-      return "FAIL";
-    case CheckOutcome::kSkip:
-      return "SKIP";
+    case CheckOutcome::kPass: return "PASS";
+    case CheckOutcome::kFail: return "FAIL";
+    case CheckOutcome::kSkip: return "SKIP";
   }
   return "?";
 }
@@ -674,8 +674,6 @@ std::string JsonNumber(double x) {
   if (!std::isfinite(x)) return "null";
   return absl::StrFormat("%.6g", x);
 }
-
-}  // namespace
 
 std::string FormatKernelsTable(const KernelsBenchResult& result, const std::string& command) {
   std::string out;

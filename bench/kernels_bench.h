@@ -124,6 +124,13 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
                               const std::vector<CheckResult>* checks);
 std::string FormatChecks(const std::vector<CheckResult>& checks);
 
+// Report helpers shared by the bench subcommands.
+const char* OutcomeName(CheckOutcome o);
+// A JSON string literal (quotes and escapes included).
+std::string JsonString(absl::string_view s);
+// A JSON number, or null when not finite.
+std::string JsonNumber(double x);
+
 }  // namespace kvq
 
 #endif  // KVQ_BENCH_KERNELS_BENCH_H_

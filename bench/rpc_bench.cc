@@ -1090,34 +1090,6 @@ absl::StatusOr<RpcBenchResult> RpcBench::Run() {
 
 // ------------------------------------------------------------- output
 
-const char* OutcomeName(CheckOutcome o) {
-  switch (o) {
-    case CheckOutcome::kPass: return "PASS";
-    case CheckOutcome::kFail: return "FAIL";
-    case CheckOutcome::kSkip: return "SKIP";
-  }
-  return "?";
-}
-
-std::string JsonString(absl::string_view s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(ch));
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
-
-std::string JsonNumber(double x) {
-  if (!std::isfinite(x)) return "null";
-  return absl::StrFormat("%.6g", x);
-}
 
 // CPU milliseconds, "-" when unknown.
 std::string CpuMs(double seconds) {
