@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/simd_kernels.h"
 #include "kernels/numeric.h"
 
 namespace kvq {
@@ -29,11 +30,9 @@ void RowToFloat(const void* src, DType dtype, int n, float* dst) {
     case DType::kFloat32:
       std::memcpy(dst, src, sizeof(float) * n);
       return;
-    case DType::kFloat16: {
-      const auto* h = static_cast<const uint16_t*>(src);
-      for (int i = 0; i < n; ++i) dst[i] = HalfToFloat(h[i]);
+    case DType::kFloat16:
+      cpu::HalfToFloatSimd(static_cast<const uint16_t*>(src), n, dst);
       return;
-    }
     case DType::kBFloat16: {
       const auto* b = static_cast<const uint16_t*>(src);
       for (int i = 0; i < n; ++i) dst[i] = Bf16ToFloat(b[i]);
@@ -47,11 +46,9 @@ void FloatToRow(const float* src, int n, DType dtype, void* dst) {
     case DType::kFloat32:
       std::memcpy(dst, src, sizeof(float) * n);
       return;
-    case DType::kFloat16: {
-      auto* h = static_cast<uint16_t*>(dst);
-      for (int i = 0; i < n; ++i) h[i] = FloatToHalf(src[i]);
+    case DType::kFloat16:
+      cpu::FloatToHalfSimd(src, n, static_cast<uint16_t*>(dst));
       return;
-    }
     case DType::kBFloat16: {
       auto* b = static_cast<uint16_t*>(dst);
       for (int i = 0; i < n; ++i) b[i] = FloatToBf16(src[i]);

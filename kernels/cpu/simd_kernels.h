@@ -4,6 +4,7 @@
 #ifndef KVQ_KERNELS_CPU_SIMD_KERNELS_H_
 #define KVQ_KERNELS_CPU_SIMD_KERNELS_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/kv_stream.h"
@@ -47,6 +48,11 @@ void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, 
 // outliers (same codes as the reference). Returns false, writing nothing, for
 // the other cases (fp8, nuq, outliers), which the caller sends to the
 // reference.
+// fp16 <-> float for whole rows, rounding exactly as HalfToFloat /
+// FloatToHalf (IEEE round to nearest even) for finite values.
+void HalfToFloatSimd(const uint16_t* src, size_t n, float* dst);
+void FloatToHalfSimd(const float* src, size_t n, uint16_t* dst);
+
 bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
                       uint8_t* page, int row0);
 

@@ -241,6 +241,25 @@ void DequantizeRowsImpl(const KvStream& s, Side side, const uint8_t* page, int r
   DequantRows(ctx, page, row0, n, out);
 }
 
+// Row conversions for tensors at the API edge (RowToFloat / FloatToRow).
+void HalfToFloatImpl(const uint16_t* src, size_t n, float* dst) {
+  constexpr size_t kStep = size_t{1} << 20;  // HalfRowToFloat takes an int.
+  for (size_t i = 0; i < n; i += kStep) {
+    HalfRowToFloat(src + i, static_cast<int>(std::min(kStep, n - i)), dst + i);
+  }
+}
+
+void FloatToHalfImpl(const float* src, size_t n, uint16_t* dst) {
+  size_t c = 0;
+#if HWY_TARGET == HWY_AVX2
+  for (; c + 8 <= n; c += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; c < n; ++c) dst[c] = FloatToHalf(src[c]);
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace cpu
 }  // namespace kvq
@@ -252,6 +271,16 @@ namespace cpu {
 
 HWY_EXPORT(QuantizeRowsImpl);
 HWY_EXPORT(DequantizeRowsImpl);
+HWY_EXPORT(HalfToFloatImpl);
+HWY_EXPORT(FloatToHalfImpl);
+
+void HalfToFloatSimd(const uint16_t* src, size_t n, float* dst) {
+  HWY_DYNAMIC_DISPATCH(HalfToFloatImpl)(src, n, dst);
+}
+
+void FloatToHalfSimd(const float* src, size_t n, uint16_t* dst) {
+  HWY_DYNAMIC_DISPATCH(FloatToHalfImpl)(src, n, dst);
+}
 
 bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
                       uint8_t* page, int row0) {
