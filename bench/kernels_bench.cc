@@ -675,6 +675,19 @@ std::string JsonNumber(double x) {
   return absl::StrFormat("%.6g", x);
 }
 
+void AppendChecksJson(const std::vector<CheckResult>* checks, std::string* out) {
+  if (checks == nullptr) return;
+  absl::StrAppend(out, ",\n  \"checks\": [\n");
+  for (size_t i = 0; i < checks->size(); ++i) {
+    const CheckResult& c = (*checks)[i];
+    absl::StrAppend(out, "    {\"name\": ", JsonString(c.name),
+                    ", \"outcome\": ", JsonString(OutcomeName(c.outcome)),
+                    ", \"detail\": ", JsonString(c.detail), "}",
+                    i + 1 < checks->size() ? ",\n" : "\n");
+  }
+  absl::StrAppend(out, "  ]");
+}
+
 std::string FormatKernelsTable(const KernelsBenchResult& result, const std::string& command) {
   std::string out;
   absl::StrAppendFormat(&out, "# %s\n", command);
@@ -767,17 +780,7 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
                     i + 1 < result.rows.size() ? ",\n" : "\n");
   }
   absl::StrAppend(&out, "  ]");
-  if (checks != nullptr) {
-    absl::StrAppend(&out, ",\n  \"checks\": [\n");
-    for (size_t i = 0; i < checks->size(); ++i) {
-      const CheckResult& c = (*checks)[i];
-      absl::StrAppend(&out, "    {\"name\": ", JsonString(c.name),
-                      ", \"outcome\": ", JsonString(OutcomeName(c.outcome)),
-                      ", \"detail\": ", JsonString(c.detail), "}",
-                      i + 1 < checks->size() ? ",\n" : "\n");
-    }
-    absl::StrAppend(&out, "  ]");
-  }
+  AppendChecksJson(checks, &out);
   absl::StrAppend(&out, "\n}\n");
   return out;
 }

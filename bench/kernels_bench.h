@@ -130,6 +130,9 @@ const char* OutcomeName(CheckOutcome o);
 std::string JsonString(absl::string_view s);
 // A JSON number, or null when not finite.
 std::string JsonNumber(double x);
+// Appends `,\n  "checks": [...]` to a JSON document being built (nothing
+// when `checks` is null).
+void AppendChecksJson(const std::vector<CheckResult>* checks, std::string* out);
 
 }  // namespace kvq
 

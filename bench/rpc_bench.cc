@@ -1438,17 +1438,7 @@ std::string FormatRpcJson(const RpcBenchResult& r, const std::string& command,
                     "}", i + 1 < r.decode.size() ? ",\n" : "\n");
   }
   absl::StrAppend(&out, "  ]");
-  if (checks != nullptr) {
-    absl::StrAppend(&out, ",\n  \"checks\": [\n");
-    for (size_t i = 0; i < checks->size(); ++i) {
-      const CheckResult& c = (*checks)[i];
-      absl::StrAppend(&out, "    {\"name\": ", JsonString(c.name),
-                      ", \"outcome\": ", JsonString(OutcomeName(c.outcome)),
-                      ", \"detail\": ", JsonString(c.detail), "}",
-                      i + 1 < checks->size() ? ",\n" : "\n");
-    }
-    absl::StrAppend(&out, "  ]");
-  }
+  AppendChecksJson(checks, &out);
   absl::StrAppend(&out, "\n}\n");
   return out;
 }
