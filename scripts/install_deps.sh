@@ -9,6 +9,7 @@ packages=(
   libabsl-dev libhwy-dev libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
+  libopenblas-dev libicu-dev  # kvq-eval: forward-pass BLAS, tokenizer Unicode classes.
   redis-server  # Benchmark only: the Redis baseline of `kvq-bench rpc`.
 )
 
@@ -31,7 +32,8 @@ fi
 # Python client (client/python) and its tests: pip packages, as
 # "module:package" pairs; only the ones whose module does not import are
 # installed.
-python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest)
+python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest
+                 gguf:gguf tokenizers:tokenizers)  # The last two: kvq-eval cross-checks.
 python="${KVQ_PYTHON:-python3}"
 py_missing=()
 for pair in "${python_packages[@]}"; do

@@ -3,6 +3,9 @@
 # and are excluded; run them with `ctest -L gpu` on a machine with a GPU).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
+# The real-model tests (tests/eval) read the model and corpora from the eval
+# data dir; this fetches them once (a no-op afterwards).
+"$KVQ_ROOT/scripts/fetch_eval_data.sh"
 kvq_build
 cd "$KVQ_BUILD"
 ctest -LE gpu --output-on-failure -j "$KVQ_JOBS" "$@"

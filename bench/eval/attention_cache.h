@@ -1,0 +1,116 @@
+// AttentionCache: where the evaluated model's attention keeps K/V and
+// computes attention. Two implementations run the same kvq kernels:
+// KvqAttentionCache (in-process KvStreams, one per layer and KV head) and
+// RemoteAttentionCache (a sequence on a running kvq-server, through
+// AppendAttend), so a quality figure is a property of the stored scheme, not
+// of how it is reached.
+#ifndef KVQ_BENCH_EVAL_ATTENTION_CACHE_H_
+#define KVQ_BENCH_EVAL_ATTENTION_CACHE_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/accounting.h"
+#include "kernels/backend.h"
+#include "kernels/kv_stream.h"
+#include "kernels/quant_spec.h"
+#include "kernels/rope.h"
+#include "kernels/stream_config.h"
+
+namespace kvq::eval {
+
+struct CacheShape {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int num_q_heads = 0;
+  int head_dim = 0;
+  RopeConfig rope;
+};
+
+class AttentionCache {
+ public:
+  virtual ~AttentionCache() = default;
+
+  // True when keys are stored before RoPE (kvq rotates them inside
+  // attention); otherwise the model rotates keys before AppendAttend.
+  virtual bool KeysBeforeRope() const = 0;
+
+  // Appends `n` tokens to `layer` (k, v: [n][kv_heads * head_dim], positions
+  // continuing the layer's stored tokens) and writes the causal attention of
+  // the n post-RoPE queries q [n][q_heads * head_dim] over everything the
+  // layer holds to out [n][q_heads * head_dim].
+  virtual absl::Status AppendAttend(int layer, int n, const float* k, const float* v,
+                                    const float* q, float* out) = 0;
+
+  // Tokens stored in the last layer.
+  virtual int num_tokens() const = 0;
+
+  // A cache holding the same tokens that later appends do not share.
+  virtual absl::StatusOr<std::unique_ptr<AttentionCache>> Fork() const = 0;
+
+  // Bytes the stored K/V occupy, split by component.
+  virtual absl::StatusOr<ByteBreakdown> Bytes() const = 0;
+};
+
+// Stream config for one (layer, head) of `shape` under `spec`.
+StreamConfig MakeStreamConfig(const CacheShape& shape, const QuantSpec& spec);
+
+// In-process kvq streams. `codebooks` (nuq schemes): one per layer and KV
+// head, index layer * num_kv_heads + head.
+class KvqAttentionCache : public AttentionCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<KvqAttentionCache>> Create(
+      const CacheShape& shape, const QuantSpec& spec, const std::vector<Codebook>* codebooks,
+      const KernelBackend* backend);
+
+  bool KeysBeforeRope() const override { return spec_.pre_rope; }
+  absl::Status AppendAttend(int layer, int n, const float* k, const float* v, const float* q,
+                            float* out) override;
+  int num_tokens() const override;
+  absl::StatusOr<std::unique_ptr<AttentionCache>> Fork() const override;
+  absl::StatusOr<ByteBreakdown> Bytes() const override;
+
+ private:
+  KvqAttentionCache(const CacheShape& shape, const QuantSpec& spec, const KernelBackend* backend)
+      : shape_(shape), spec_(spec), backend_(backend) {}
+  KvStream& stream(int layer, int head) { return *streams_[layer * shape_.num_kv_heads + head]; }
+
+  CacheShape shape_;
+  QuantSpec spec_;
+  const KernelBackend* backend_;
+  std::vector<std::unique_ptr<KvStream>> streams_;  // [layer][kv_head]
+  std::vector<int32_t> positions_;                  // Scratch: query positions.
+  std::vector<float> lse_;                          // Scratch: discarded LSE.
+};
+
+// Plain fp32 attention over every appended row (no kvq): the exact
+// reference the fp16 scheme is checked against, and the recorder of K/V
+// rows that codebook calibration learns from.
+class ExactAttentionCache : public AttentionCache {
+ public:
+  explicit ExactAttentionCache(const CacheShape& shape, bool keys_before_rope = false);
+
+  bool KeysBeforeRope() const override { return keys_before_rope_; }
+  absl::Status AppendAttend(int layer, int n, const float* k, const float* v, const float* q,
+                            float* out) override;
+  int num_tokens() const override;
+  absl::StatusOr<std::unique_ptr<AttentionCache>> Fork() const override;
+  absl::StatusOr<ByteBreakdown> Bytes() const override;
+
+  // Rows appended to `layer`: [tokens][kv_heads * head_dim] (pre-RoPE keys
+  // when keys_before_rope).
+  const std::vector<float>& keys(int layer) const { return raw_k_[layer]; }
+  const std::vector<float>& values(int layer) const { return v_[layer]; }
+
+ private:
+  CacheShape shape_;
+  bool keys_before_rope_;
+  std::unique_ptr<Rope> rope_;
+  std::vector<std::vector<float>> k_, v_;  // Keys post-RoPE for attention.
+  std::vector<std::vector<float>> raw_k_;  // What was appended.
+};
+
+}  // namespace kvq::eval
+
+#endif  // KVQ_BENCH_EVAL_ATTENTION_CACHE_H_

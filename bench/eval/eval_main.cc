@@ -1,0 +1,479 @@
+// kvq-eval: the quality of a real model (SmolLM2-135M, GGUF) with its KV
+// cache stored in kvq schemes, against the same model with an fp16 cache.
+// See docs/QUALITY.md for the protocol and the figures.
+//
+//   kvq-eval                      # readable table, every scheme, 512/2048/8192
+//   kvq-eval --quick              # the short CI slice
+//   kvq-eval --json --out=r.json  # JSON rows (bench/eval/plot_quality.py)
+//   kvq-eval --server=host:port   # end-to-end: through a running kvq-server
+#include <cblas.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "bench/eval/attention_cache.h"
+#include "bench/eval/bpe_tokenizer.h"
+#include "bench/eval/eval_data.h"
+#include "bench/eval/eval_runner.h"
+#include "bench/eval/gguf_file.h"
+#include "bench/eval/llama_model.h"
+#include "bench/eval/remote_cache.h"
+#include "client/kvq_client.h"
+#include "client/progress_bar.h"
+#include "kernels/status_macros.h"
+
+ABSL_FLAG(std::string, model, "", "GGUF model (default: the eval data dir's SmolLM2 file)");
+ABSL_FLAG(std::string, data_dir, "", "Eval data dir (default: KVQ_EVAL_DATA or the user cache)");
+ABSL_FLAG(std::vector<std::string>, corpora, {},
+          "Evaluation corpora: names of <data_dir>/corpora/<name>.txt (default: every file but "
+          "calibration.txt)");
+ABSL_FLAG(std::string, calibration, "calibration", "Corpus the nuq codebooks are learned from");
+ABSL_FLAG(int, calib_tokens, 2048, "Calibration tokens");
+ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({"512", "2048", "8192"}),
+          "Window lengths in tokens");
+ABSL_FLAG(int, windows, 1, "Windows per corpus and context");
+ABSL_FLAG(std::vector<std::string>, schemes,
+          std::vector<std::string>({"fp16", "int8", "fp8_e4m3", "kivi4", "kivi3", "kivi2"}),
+          "kvq schemes (fp16 is always run first: it is the reference)");
+ABSL_FLAG(int, chunk, 512, "Prefill chunk (tokens per forward step)");
+ABSL_FLAG(int, gen_tokens, 256, "Greedy tokens for the top-1 agreement");
+ABSL_FLAG(std::vector<std::string>, passkey_contexts,
+          std::vector<std::string>({"2048", "8192"}), "Passkey prompt lengths ('' for none)");
+ABSL_FLAG(std::vector<std::string>, passkey_depths,
+          std::vector<std::string>({"0.1", "0.5", "0.9"}), "Depths of the key (0..1)");
+ABSL_FLAG(std::vector<std::string>, passkey_schemes, {},
+          "Schemes that run the passkey probe (default: all)");
+ABSL_FLAG(std::string, server, "", "host:port of a kvq-server: run end-to-end over gRPC");
+ABSL_FLAG(bool, json, false, "Print JSON instead of the table");
+ABSL_FLAG(std::string, out, "", "Also write the JSON to this file");
+ABSL_FLAG(std::string, dump_windows, "",
+          "Write the evaluation windows (token ids) as JSON for the llama.cpp peer");
+ABSL_FLAG(bool, quick, false,
+          "Short CI slice: first corpus, one 512-token window, fp16, kivi4 and "
+          "kivi4:pre_rope:sink=4, no passkey");
+ABSL_FLAG(int, blas_threads, 1,
+          "OpenBLAS threads for the forward pass's matrix products (a fixed count keeps the "
+          "numbers identical on machines with different core counts)");
+ABSL_FLAG(bool, progress, true, "Progress bar on stderr (when it is a terminal)");
+
+namespace kvq::eval {
+namespace {
+
+std::vector<int> ParseInts(const std::vector<std::string>& v, const char* flag) {
+  std::vector<int> out;
+  for (const auto& s : v) {
+    if (s.empty()) continue;
+    int x = 0;
+    if (!absl::SimpleAtoi(s, &x) || x <= 0) {
+      std::fprintf(stderr, "kvq-eval: --%s: '%s' is not a positive integer\n", flag, s.c_str());
+      std::exit(2);
+    }
+    out.push_back(x);
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat(path, ": not found (run scripts/fetch_eval_data.sh to fetch the eval data)"));
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Window {
+  std::string corpus;
+  int context = 0;
+  int index = 0;
+  std::vector<int32_t> tokens;
+};
+
+// Evenly spaced windows inside the corpus (never its very start: licence
+// headers and title pages are not representative text).
+std::vector<Window> MakeWindows(const std::string& corpus, const std::vector<int32_t>& tokens,
+                                int context, int count) {
+  std::vector<Window> out;
+  const int64_t room = static_cast<int64_t>(tokens.size()) - context;
+  if (room < 0) return out;
+  for (int i = 0; i < count; ++i) {
+    const int64_t start = room * (i + 1) / (count + 1);
+    out.push_back({corpus, context, i,
+                   std::vector<int32_t>(tokens.begin() + start, tokens.begin() + start + context)});
+  }
+  return out;
+}
+
+struct Row {
+  std::string scheme, corpus;
+  int context = 0;
+  int windows = 0;
+  double nll = 0.0;
+  int64_t scored = 0;
+  double kl = 0.0;
+  int agree = 0, generated = 0;
+  double prefill_seconds = 0.0;
+  std::vector<double> decode_seconds;
+  ByteBreakdown bytes;  // Of the last window.
+  int tokens = 0;
+  int passkey_ok = -1, passkey_trials = 0;
+
+  void Add(const WindowResult& r) {
+    ++windows;
+    nll += r.nll_sum;
+    scored += r.scored;
+    kl += r.kl_sum;
+    agree += r.agree;
+    generated += r.generated;
+    prefill_seconds += r.prefill_seconds;
+    decode_seconds.insert(decode_seconds.end(), r.decode_seconds.begin(), r.decode_seconds.end());
+    bytes = r.bytes;
+    tokens = r.tokens;
+  }
+  double ppl() const { return std::exp(nll / std::max<int64_t>(1, scored)); }
+};
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+size_t PeakRssBytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<size_t>(u.ru_maxrss) * 1024;
+}
+
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvq-eval: perplexity, KL, greedy agreement and passkey retrieval of SmolLM2-135M with "
+      "its KV cache in kvq schemes (docs/QUALITY.md).");
+  absl::ParseCommandLine(argc, argv);
+  openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_blas_threads)));
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  const std::string data_dir =
+      absl::GetFlag(FLAGS_data_dir).empty() ? EvalDataDir() : absl::GetFlag(FLAGS_data_dir);
+  const std::string model_path =
+      absl::GetFlag(FLAGS_model).empty() ? EvalModelPath() : absl::GetFlag(FLAGS_model);
+  std::vector<int> contexts = ParseInts(absl::GetFlag(FLAGS_contexts), "contexts");
+  std::vector<int> passkey_contexts =
+      ParseInts(absl::GetFlag(FLAGS_passkey_contexts), "passkey_contexts");
+  std::vector<std::string> scheme_names = absl::GetFlag(FLAGS_schemes);
+  std::vector<std::string> corpora = absl::GetFlag(FLAGS_corpora);
+  int windows = absl::GetFlag(FLAGS_windows);
+  int gen_tokens = absl::GetFlag(FLAGS_gen_tokens);
+  int calib_tokens = absl::GetFlag(FLAGS_calib_tokens);
+  if (quick) {
+    contexts = {512};
+    passkey_contexts.clear();
+    windows = 1;
+    gen_tokens = std::min(gen_tokens, 32);
+    calib_tokens = std::min(calib_tokens, 512);
+    if (absl::GetFlag(FLAGS_schemes) ==
+        std::vector<std::string>({"fp16", "int8", "fp8_e4m3", "kivi4", "kivi3", "kivi2"})) {
+      // Plain KIVI and the picked 4-bit default (docs/QUALITY.md).
+      scheme_names = {"fp16", "kivi4", "kivi4:pre_rope:sink=4"};
+    }
+  }
+  std::vector<double> depths;
+  for (const auto& s : absl::GetFlag(FLAGS_passkey_depths)) {
+    double d = 0;
+    if (!absl::SimpleAtod(s, &d) || d < 0 || d > 1) {
+      std::fprintf(stderr, "kvq-eval: --passkey_depths: '%s' is not in [0, 1]\n", s.c_str());
+      return 2;
+    }
+    depths.push_back(d);
+  }
+  // fp16 first: it is the reference every other scheme is compared with.
+  scheme_names.erase(std::remove(scheme_names.begin(), scheme_names.end(), "fp16"),
+                     scheme_names.end());
+  scheme_names.insert(scheme_names.begin(), "fp16");
+  std::vector<QuantSpec> specs;
+  for (const auto& name : scheme_names) {
+    auto spec = QuantSpec::Parse(name);
+    if (!spec.ok()) {
+      std::fprintf(stderr, "kvq-eval: --schemes: %s\n", spec.status().ToString().c_str());
+      return 2;
+    }
+    specs.push_back(*spec);
+  }
+  std::vector<std::string> passkey_schemes = absl::GetFlag(FLAGS_passkey_schemes);
+  auto runs_passkey = [&](const std::string& name) {
+    return passkey_schemes.empty() ||
+           std::find(passkey_schemes.begin(), passkey_schemes.end(), name) !=
+               passkey_schemes.end();
+  };
+
+  auto file = GgufFile::Open(model_path);
+  if (!file.ok()) {
+    std::fprintf(stderr, "kvq-eval: %s (run scripts/fetch_eval_data.sh)\n",
+                 file.status().ToString().c_str());
+    return 1;
+  }
+  auto model_or = LlamaModel::Load(**file);
+  auto tokenizer_or = BpeTokenizer::FromGguf(**file);
+  if (!model_or.ok() || !tokenizer_or.ok()) {
+    std::fprintf(stderr, "kvq-eval: %s\n",
+                 (model_or.ok() ? tokenizer_or.status() : model_or.status()).ToString().c_str());
+    return 1;
+  }
+  LlamaModel& model = **model_or;
+  const BpeTokenizer& tokenizer = *tokenizer_or;
+  const CacheShape shape = model.config().cache_shape();
+
+  // Corpora and windows.
+  const std::string corpus_dir = data_dir + "/corpora";
+  if (corpora.empty()) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(corpus_dir, ec)) {
+      const auto p = e.path();
+      if (p.extension() == ".txt" && p.stem() != absl::GetFlag(FLAGS_calibration)) {
+        corpora.push_back(p.stem().string());
+      }
+    }
+    std::sort(corpora.begin(), corpora.end());
+    if (corpora.empty()) {
+      std::fprintf(stderr, "kvq-eval: no corpora in %s (run scripts/fetch_eval_data.sh)\n",
+                   corpus_dir.c_str());
+      return 1;
+    }
+  }
+  if (quick) corpora.resize(1);
+  const int max_context = *std::max_element(contexts.begin(), contexts.end());
+  std::vector<Window> all_windows;
+  for (const auto& name : corpora) {
+    auto text = ReadFile(corpus_dir + "/" + name + ".txt");
+    if (!text.ok()) {
+      std::fprintf(stderr, "kvq-eval: %s\n", text.status().ToString().c_str());
+      return 1;
+    }
+    // Enough text for the windows (about 4 bytes per token, with room).
+    const size_t want = static_cast<size_t>(max_context) * (windows + 1) * 8;
+    const std::vector<int32_t> tokens =
+        tokenizer.Encode(absl::string_view(*text).substr(0, std::max(want, size_t{1} << 20)));
+    for (int c : contexts) {
+      auto w = MakeWindows(name, tokens, c, windows);
+      if (static_cast<int>(w.size()) < windows) {
+        std::fprintf(stderr, "kvq-eval: corpus %s has %zu tokens, too few for %d-token windows\n",
+                     name.c_str(), tokens.size(), c);
+        return 1;
+      }
+      all_windows.insert(all_windows.end(), w.begin(), w.end());
+    }
+  }
+  if (!absl::GetFlag(FLAGS_dump_windows).empty()) {
+    std::ofstream out(absl::GetFlag(FLAGS_dump_windows));
+    out << "{\"model\": " << JsonString(std::filesystem::path(model_path).filename().string())
+        << ", \"chunk\": " << absl::GetFlag(FLAGS_chunk) << ", \"windows\": [";
+    for (size_t i = 0; i < all_windows.size(); ++i) {
+      const Window& w = all_windows[i];
+      out << (i ? ",\n" : "\n") << "{\"corpus\": " << JsonString(w.corpus)
+          << ", \"context\": " << w.context << ", \"index\": " << w.index << ", \"tokens\": ["
+          << absl::StrJoin(w.tokens, ",") << "]}";
+    }
+    out << "]}\n";
+  }
+
+  // Caches: in-process, or sequences on a kvq-server.
+  std::unique_ptr<KvqClient> client;
+  if (!absl::GetFlag(FLAGS_server).empty()) {
+    ClientOptions options;
+    options.target = absl::GetFlag(FLAGS_server);
+    options.deadline = absl::Minutes(5);
+    auto c = KvqClient::Connect(options);
+    if (!c.ok()) {
+      std::fprintf(stderr, "kvq-eval: %s\n", c.status().ToString().c_str());
+      return 1;
+    }
+    client = std::move(*c);
+  }
+  std::map<std::string, std::vector<Codebook>> codebooks;
+  auto make_cache = [&](const QuantSpec& spec) -> absl::StatusOr<std::unique_ptr<AttentionCache>> {
+    const std::vector<Codebook>* cb = nullptr;
+    if (spec.nuq) {
+      const std::string key = spec.ToString();
+      if (!codebooks.count(key)) {
+        KVQ_ASSIGN_OR_RETURN(std::string text,
+                             ReadFile(corpus_dir + "/" + absl::GetFlag(FLAGS_calibration) + ".txt"));
+        std::vector<int32_t> tokens = tokenizer.Encode(absl::string_view(text).substr(0, 1 << 20));
+        if (static_cast<int>(tokens.size()) > calib_tokens) tokens.resize(calib_tokens);
+        KVQ_ASSIGN_OR_RETURN(codebooks[key], LearnCodebooks(model, tokens, spec,
+                                                            absl::GetFlag(FLAGS_chunk)));
+      }
+      cb = &codebooks[key];
+    }
+    if (client) {
+      KVQ_ASSIGN_OR_RETURN(auto cache, RemoteAttentionCache::Create(client.get(), shape, spec, cb));
+      return std::unique_ptr<AttentionCache>(std::move(cache));
+    }
+    KVQ_ASSIGN_OR_RETURN(auto cache, KvqAttentionCache::Create(shape, spec, cb, &CpuBackend()));
+    return std::unique_ptr<AttentionCache>(std::move(cache));
+  };
+
+  WindowOptions wopt;
+  wopt.chunk = absl::GetFlag(FLAGS_chunk);
+  wopt.gen_tokens = gen_tokens;
+  int passkey_runs = 0;
+  for (const auto& name : scheme_names) {
+    if (runs_passkey(name)) passkey_runs += passkey_contexts.size() * depths.size();
+  }
+  const int64_t total_steps =
+      static_cast<int64_t>(all_windows.size()) * specs.size() + passkey_runs;
+  ProgressBar bar("eval", absl::GetFlag(FLAGS_progress) && isatty(fileno(stderr)), false);
+  int64_t steps = 0;
+  std::map<std::tuple<std::string, std::string, int>, Row> rows;  // (scheme, corpus, context)
+  size_t reference_bytes = 0;
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "\nkvq-eval: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  for (const Window& w : all_windows) {
+    Reference reference;
+    for (size_t s = 0; s < specs.size(); ++s) {
+      auto cache = make_cache(specs[s]);
+      if (!cache.ok()) return fail(cache.status());
+      auto r = RunWindow(model, w.tokens, cache->get(), wopt, s == 0 ? nullptr : &reference,
+                         s == 0 ? &reference : nullptr);
+      if (!r.ok()) return fail(r.status());
+      reference_bytes = std::max(reference_bytes, reference.logprobs.size() * sizeof(float));
+      for (const std::string& corpus : {w.corpus, std::string("all")}) {
+        Row& row = rows[{scheme_names[s], corpus, w.context}];
+        row.scheme = scheme_names[s];
+        row.corpus = corpus;
+        row.context = w.context;
+        row.Add(*r);
+      }
+      bar.Update(++steps, total_steps);
+    }
+  }
+  for (size_t s = 0; s < specs.size(); ++s) {
+    if (!runs_passkey(scheme_names[s])) continue;
+    for (int c : passkey_contexts) {
+      Row& row = rows[{scheme_names[s], "passkey", c}];
+      row.scheme = scheme_names[s];
+      row.corpus = "passkey";
+      row.context = c;
+      row.passkey_ok = 0;
+      for (size_t d = 0; d < depths.size(); ++d) {
+        const PasskeyPrompt prompt = MakePasskeyPrompt(tokenizer, c, depths[d], 1000 + d);
+        auto cache = make_cache(specs[s]);
+        if (!cache.ok()) return fail(cache.status());
+        std::string answer;
+        auto ok = RunPasskey(model, tokenizer, prompt, cache->get(), wopt.chunk, &answer);
+        if (!ok.ok()) return fail(ok.status());
+        row.passkey_ok += *ok;
+        ++row.passkey_trials;
+        bar.Update(++steps, total_steps);
+      }
+    }
+  }
+  bar.Finish();
+
+  // Report.
+  const double elems_per_token = 2.0 * shape.num_layers * shape.num_kv_heads * shape.head_dim;
+  auto reference_row = [&](const Row& r) -> const Row* {
+    auto it = rows.find({"fp16", r.corpus, r.context});
+    return it == rows.end() ? nullptr : &it->second;
+  };
+  std::string json = "{\"tool\": \"kvq-eval\", \"model\": " +
+                      JsonString(std::filesystem::path(model_path).filename().string()) +
+                      ", \"mode\": " + JsonString(client ? "server" : "in-process") +
+                      ", \"chunk\": " + std::to_string(wopt.chunk) + ", \"rows\": [";
+  std::string table = absl::StrFormat(
+      "%-40s %-8s %6s %6s %8s %9s %8s %9s %6s %8s %8s %9s\n", "scheme", "corpus", "ctx", "bits",
+      "KV MiB", "ppl", "dPPL%", "KL", "top1", "passkey", "prefill", "ms/token");
+  bool first = true;
+  size_t kv_max = 0;
+  for (const auto& [key, r] : rows) {
+    const Row* ref = reference_row(r);
+    const bool has_ppl = r.scored > 0;
+    const double bits = r.tokens ? 8.0 * r.bytes.total() / (elems_per_token * r.tokens) : 0.0;
+    const double dppl = has_ppl && ref ? 100.0 * (r.ppl() / ref->ppl() - 1.0) : 0.0;
+    const double kl = r.scored ? r.kl / r.scored : 0.0;
+    const double top1 = r.generated ? static_cast<double>(r.agree) / r.generated : 0.0;
+    const double decode_ms = 1e3 * Median(r.decode_seconds);
+    kv_max = std::max(kv_max, r.bytes.total());
+    std::string passkey = "-";
+    if (r.passkey_trials) passkey = absl::StrCat(r.passkey_ok, "/", r.passkey_trials);
+    if (has_ppl) {
+      table += absl::StrFormat(
+          "%-40s %-8s %6d %6.2f %8.1f %9.4f %+8.3f %9.5f %6.3f %8s %7.1fs %9.2f\n", r.scheme,
+          r.corpus, r.context, bits, r.bytes.total() / 1048576.0, r.ppl(), dppl, kl, top1,
+          passkey, r.prefill_seconds / r.windows, decode_ms);
+    } else {
+      table += absl::StrFormat("%-40s %-8s %6d %6s %8s %9s %8s %9s %6s %8s %8s %9s\n", r.scheme,
+                               r.corpus, r.context, "", "", "", "", "", "", passkey, "", "");
+    }
+    json += absl::StrCat(first ? "\n" : ",\n", "{\"engine\": \"kvq\", \"scheme\": ",
+                         JsonString(r.scheme), ", \"corpus\": ", JsonString(r.corpus),
+                         ", \"context\": ", r.context);
+    first = false;
+    if (has_ppl) {
+      json += absl::StrFormat(
+          ", \"windows\": %d, \"tokens_scored\": %d, \"nll\": %.9g, \"ppl\": %.9g, "
+          "\"delta_ppl_pct\": %.6g, \"kl_mean\": %.9g, \"top1_agree\": %.6g, "
+          "\"generated\": %d, \"bits_per_element\": %.6g, \"kv_bytes\": %d, "
+          "\"kv_bytes_by_component\": {\"codes\": %d, \"scales\": %d, \"outliers\": %d, "
+          "\"residual\": %d, \"sink\": %d, \"codebook\": %d, \"padding\": %d}, "
+          "\"prefill_ms\": %.6g, \"decode_ms_per_token\": %.6g, \"decode_tokens_per_s\": %.6g",
+          r.windows, r.scored, r.nll / r.scored, r.ppl(), dppl, kl, top1, r.generated, bits,
+          r.bytes.total(), r.bytes.codes, r.bytes.scales, r.bytes.outliers, r.bytes.residual,
+          r.bytes.sink, r.bytes.codebook, r.bytes.padding, 1e3 * r.prefill_seconds / r.windows,
+          decode_ms, decode_ms > 0 ? 1e3 / decode_ms : 0.0);
+    }
+    if (r.passkey_trials) {
+      json += absl::StrFormat(", \"passkey_ok\": %d, \"passkey_trials\": %d, \"passkey_acc\": %.6g",
+                              r.passkey_ok, r.passkey_trials,
+                              static_cast<double>(r.passkey_ok) / r.passkey_trials);
+    }
+    json += "}";
+  }
+  const size_t scratch = model.ScratchBytes(wopt.chunk);
+  json += absl::StrFormat(
+      "\n], \"memory\": {\"weights_bytes\": %d, \"kv_bytes_max\": %d, \"scratch_bytes\": %d, "
+      "\"reference_logprobs_bytes\": %d, \"reserved_pool_bytes\": %d, \"peak_rss_bytes\": %d}}\n",
+      model.weight_bytes(), kv_max, scratch, reference_bytes, 0, PeakRssBytes());
+  table += absl::StrFormat(
+      "\nmemory: weights %.1f MiB (fp32), KV cache up to %.1f MiB, forward scratch %.1f MiB, "
+      "fp16 reference log-probs %.1f MiB, reserved pool %s, peak RSS %.1f MiB\n",
+      model.weight_bytes() / 1048576.0, kv_max / 1048576.0, scratch / 1048576.0,
+      reference_bytes / 1048576.0, client ? "on the server (see its Stats)" : "none (pages on demand)",
+      PeakRssBytes() / 1048576.0);
+  std::fputs(absl::GetFlag(FLAGS_json) ? json.c_str() : table.c_str(), stdout);
+  if (!absl::GetFlag(FLAGS_out).empty()) {
+    std::ofstream(absl::GetFlag(FLAGS_out)) << json;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvq::eval
+
+int main(int argc, char** argv) { return kvq::eval::Main(argc, argv); }

@@ -1,0 +1,79 @@
+// The measurements kvq-eval takes on one window of text: perplexity, KL
+// divergence and greedy agreement against the fp16-cache reference, prefill
+// and decode timings; the passkey retrieval probe; codebook calibration.
+#ifndef KVQ_BENCH_EVAL_EVAL_RUNNER_H_
+#define KVQ_BENCH_EVAL_EVAL_RUNNER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "bench/eval/attention_cache.h"
+#include "bench/eval/bpe_tokenizer.h"
+#include "bench/eval/llama_model.h"
+
+namespace kvq::eval {
+
+struct WindowOptions {
+  int chunk = 512;        // Prefill chunk, as a serving engine prefills.
+  int gen_tokens = 256;   // Greedy tokens generated after the window's prefix.
+};
+
+// What the fp16-cache run leaves for the others to compare against.
+struct Reference {
+  std::vector<float> logprobs;   // [scored][vocab] next-token log-probabilities.
+  std::vector<int32_t> greedy;   // The fp16 cache's greedy continuation.
+};
+
+struct WindowResult {
+  double nll_sum = 0.0;     // Over every next-token prediction in the window.
+  int64_t scored = 0;
+  double kl_sum = 0.0;      // Sum over positions of KL(reference || this).
+  int agree = 0;            // Greedy steps whose top-1 equals the reference's.
+  int generated = 0;
+  double prefill_seconds = 0.0;          // Whole window, chunked.
+  std::vector<double> decode_seconds;    // Per generated token.
+  ByteBreakdown bytes;                   // KV allocation with the whole window stored.
+  int tokens = 0;
+};
+
+// Runs `window` through `model` with `cache` (empty on entry): chunked
+// prefill of the first size - gen_tokens tokens, a fork that decodes
+// gen_tokens tokens one at a time (greedy for the reference, teacher-forced
+// on the reference's tokens otherwise), then the rest of the window. With
+// `reference` null the run is the reference and fills `reference_out`.
+absl::StatusOr<WindowResult> RunWindow(LlamaModel& model, absl::Span<const int32_t> window,
+                                       AttentionCache* cache, const WindowOptions& options,
+                                       const Reference* reference, Reference* reference_out);
+
+// Passkey retrieval: a 5-digit key stated once at `depth` (0..1) of filler
+// text `context` tokens long, then asked for.
+struct PasskeyPrompt {
+  std::vector<int32_t> tokens;
+  std::string key;
+};
+PasskeyPrompt MakePasskeyPrompt(const BpeTokenizer& tokenizer, int context, double depth,
+                                uint64_t seed);
+// Greedy answer (up to 8 tokens) and whether its first number is the key.
+absl::StatusOr<bool> RunPasskey(LlamaModel& model, const BpeTokenizer& tokenizer,
+                                const PasskeyPrompt& prompt, AttentionCache* cache, int chunk,
+                                std::string* answer);
+
+// Per-(layer, KV head) nuq codebooks for `spec`, learned by k-means from the
+// K/V rows the model produces on `calibration` (with an fp16 cache).
+absl::StatusOr<std::vector<Codebook>> LearnCodebooks(LlamaModel& model,
+                                                     absl::Span<const int32_t> calibration,
+                                                     const QuantSpec& spec, int chunk);
+
+// Numerics shared with the tests.
+// Log-softmax of `n` logits into `out` (double accumulation).
+void LogSoftmax(const float* logits, int n, float* out);
+// KL(p || q) from log-probabilities.
+double KlDivergence(const float* log_p, const float* log_q, int n);
+int ArgMax(const float* x, int n);
+
+}  // namespace kvq::eval
+
+#endif  // KVQ_BENCH_EVAL_EVAL_RUNNER_H_

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The full quality evaluation behind docs/QUALITY.md, one command:
+#
+#   bench/eval/run_quality.sh [OUT_DIR]      # default: docs/quality
+#
+#  1. kvq-eval, ablation: every option on its own and combined, at 512 and
+#     2048 tokens, on the evaluation corpora, passkey at 2048;
+#  2. the llama.cpp peer (scripts/run_llamacpp_peer.sh; builds
+#     llama-cpp-python on first use) on exactly the same windows with f16,
+#     q8_0 and q4_0 caches;
+#  3. kvq-eval and the peer again at 8192 tokens for the picked
+#     configurations, passkey at 8192;
+#  4. the markdown tables (quality_tables.py) and the plots
+#     (plot_quality.py, into docs/img).
+#
+# Hours on a 2-core machine (a kvq-eval 8192-token window takes about two
+# minutes per scheme there); not part of CI, which runs `kvq-eval --quick`.
+# KVQ_QUALITY_WINDOWS (default 1) sets the windows per corpus and context;
+# KVQ_QUALITY_CORPORA (default austen,code,kjv) the corpora of the short
+# contexts, KVQ_QUALITY_LONG_CORPORA (default austen,code) those at 8192.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+out="${1:-$root/docs/quality}"
+source "$root/scripts/env.sh"
+"$root/scripts/fetch_eval_data.sh"
+kvq_build --target kvq_eval >/dev/null
+eval_bin="$KVQ_BUILD/bench/eval/kvq-eval"
+windows="${KVQ_QUALITY_WINDOWS:-1}"
+corpora="${KVQ_QUALITY_CORPORA:-austen,code,kjv}"
+mkdir -p "$out" "$root/docs/img"
+
+# The configurations the defaults were picked from (docs/QUALITY.md): the
+# best 4-, 3- and 2-bit ones of the ablation, and the leanest 4-bit one.
+best4="kivi4:pre_rope:sink=4"
+lean4="kivi4:g128:r128:pre_rope:sink=4"
+best3="kivi3:pre_rope:outliers=1:sink=4"
+best2="kivi2:g16:r128:pre_rope:outliers=1:sink=4:nuq"
+lean2="kivi2:g128:r128:pre_rope:outliers=1:sink=4:nuq"
+# The ablation (KIVI / KVQuant style): per-token vs per-channel keys, with
+# and without the residual window, each KVQuant option alone, rotate, their
+# combinations, then the picked configurations.
+ablation=(
+  fp16 int8 fp8_e4m3 kivi4 kivi3 kivi2
+  kivi2:ktok kivi2:r0
+  kivi2:pre_rope kivi2:outliers=1 kivi2:sink=4 kivi2:nuq kivi2:rotate
+  kivi2:pre_rope:outliers=1:sink=4 kivi2:pre_rope:outliers=1:sink=4:nuq
+  kivi2:rotate:outliers=1:sink=4
+  kivi4:pre_rope kivi4:sink=4
+  "$best4" "$lean4" "$best3" "$best2" "$lean2"
+)
+long=(fp16 kivi4 "$best4" "$lean4" "$best3" "$best2" "$lean2")
+long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
+join() { local IFS=,; echo "$*"; }
+passkey="$(join fp16 "$best4" "$best3" "$best2")"
+
+"$eval_bin" --schemes="$(join "${ablation[@]}")" --contexts=512,2048 --windows="$windows" \
+  --corpora="$corpora" --passkey_contexts=2048 --passkey_schemes="$passkey" \
+  --dump_windows="$out/windows_short.json" --out="$out/kvq_short.json"
+"$root/scripts/run_llamacpp_peer.sh" "$out/windows_short.json" --out="$out/llamacpp_short.json"
+"$eval_bin" --schemes="$(join "${long[@]}")" --contexts=8192 --windows="$windows" \
+  --corpora="$long_corpora" --passkey_contexts=8192 --passkey_depths=0.1,0.5,0.9 \
+  --passkey_schemes="$(join fp16 "$best4" "$best3")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
+"$root/scripts/run_llamacpp_peer.sh" "$out/windows_long.json" --out="$out/llamacpp_long.json"
+
+python3 "$root/bench/eval/quality_tables.py" "$out"/kvq_*.json "$out"/llamacpp_*.json
+python3 "$root/bench/eval/plot_quality.py" "$out"/kvq_*.json "$out"/llamacpp_*.json \
+  --out-dir "$root/docs/img"

@@ -1,0 +1,87 @@
+"""kvq-eval --quick, the CI slice of the quality evaluation (docs/QUALITY.md).
+
+Checks that the C++ forward pass is the model's own (its fp16-cache
+perplexity on the slice is within 1% of what llama.cpp computes for the same
+GGUF and tokens with an f16 cache, recorded in docs/quality/quick_reference.json),
+that kivi4 stays within its bound, and that two runs print identical numbers.
+The kvq-eval binary comes from CTest (KVQ_EVAL_BIN).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+SOURCE = pathlib.Path(os.environ.get("KVQ_SOURCE_DIR", pathlib.Path(__file__).parents[2]))
+REFERENCE = SOURCE / "docs" / "quality" / "quick_reference.json"
+# Fields that are timings or process figures, not results.
+VOLATILE = {"prefill_ms", "decode_ms_per_token", "decode_tokens_per_s"}
+
+
+def run_quick(tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [os.environ["KVQ_EVAL_BIN"], "--quick", "--json", "--progress=false", f"--out={out}"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    return run_quick(tmp, "a"), run_quick(tmp, "b")
+
+
+def row(result, scheme, corpus="all"):
+    rows = [r for r in result["rows"] if r["scheme"] == scheme and r["corpus"] == corpus]
+    assert len(rows) == 1, (scheme, corpus, result["rows"])
+    return rows[0]
+
+
+def test_fp16_matches_llamacpp_f16_cache(runs):
+    reference = json.loads(REFERENCE.read_text())
+    fp16 = row(runs[0], "fp16", reference["corpus"])
+    assert fp16["context"] == reference["context"]
+    assert fp16["tokens_scored"] == reference["tokens_scored"]
+    ratio = fp16["ppl"] / reference["llamacpp_f16_ppl"]
+    assert abs(ratio - 1) <= 0.01, (fp16["ppl"], reference)
+
+
+def test_kivi4_within_its_bound(runs):
+    # The picked 4-bit configuration (docs/QUALITY.md). On 511 scored tokens
+    # ΔPPL moves by about ±0.5% from rounding alone (llama.cpp's own q8_0
+    # cache gives −0.48% on this slice), so CI bounds it at 1% and bounds the
+    # KL divergence, which is steadier; the 0.5% target is checked at 2048
+    # and 8192 tokens by bench/eval/run_quality.sh.
+    kivi4 = row(runs[0], "kivi4:pre_rope:sink=4")
+    assert kivi4["delta_ppl_pct"] <= 1.0, kivi4
+    assert kivi4["kl_mean"] < 0.01, kivi4
+    assert kivi4["top1_agree"] >= 0.9, kivi4
+    # Every byte counted: fewer bytes than fp16, and the split adds up.
+    fp16 = row(runs[0], "fp16")
+    assert kivi4["kv_bytes"] < fp16["kv_bytes"]
+    assert sum(kivi4["kv_bytes_by_component"].values()) == kivi4["kv_bytes"]
+    # Plain KIVI-4 is lossier (no pre-RoPE keys, no sink) but close.
+    plain = row(runs[0], "kivi4")
+    assert 0 < plain["kl_mean"] < 0.05, plain
+    assert plain["delta_ppl_pct"] <= 2.0, plain
+
+
+def test_fp16_reference_is_exact_against_itself(runs):
+    fp16 = row(runs[0], "fp16")
+    assert fp16["delta_ppl_pct"] == 0
+    assert fp16["kl_mean"] == 0
+    assert fp16["top1_agree"] == 1
+    # 512 tokens of K and V in fp16: 30 layers x 3 KV heads x 64 channels.
+    assert fp16["kv_bytes"] == 512 * 2 * 30 * 3 * 64 * 2
+    assert fp16["bits_per_element"] == 16
+
+
+def test_two_runs_print_identical_numbers(runs):
+    a, b = ([{k: v for k, v in r.items() if k not in VOLATILE} for r in run["rows"]]
+            for run in runs)
+    assert a == b
