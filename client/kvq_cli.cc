@@ -51,8 +51,9 @@ ABSL_FLAG(int32_t, layers, 0, "Number of model layers, [1, 1024].");
 ABSL_FLAG(int32_t, kv_heads, 0, "KV heads per layer, [1, 256].");
 ABSL_FLAG(int32_t, q_heads, 0, "Query heads per layer, a multiple of --kv_heads (0: = kv_heads).");
 ABSL_FLAG(int32_t, head_dim, 0, "Channels per head, a multiple of 16 in [16, 256].");
-ABSL_FLAG(std::string, scheme, "kivi2:g32:r128",
-          "Storage scheme, e.g. fp16, int8, kivi4, kivi2:g32:r128:pre_rope:outliers=1:sink=4.");
+ABSL_FLAG(std::string, scheme, "kivi4:g32:r128:sink=4",
+          "Storage scheme, e.g. fp16, int8, kivi4, kivi2:g32:r128:pre_rope:outliers=1:sink=4 "
+          "(the default is the one docs/QUALITY.md picked).");
 ABSL_FLAG(uint32_t, ttl_s, 0, "Idle lease in seconds (0: the server's default).");
 ABSL_FLAG(double, rope_theta, 10000.0, "RoPE base (pre_rope schemes).");
 ABSL_FLAG(int32_t, rope_dim, 0, "Rotated channels (0: head_dim) (pre_rope schemes).");
@@ -420,7 +421,7 @@ const std::vector<Command>& Commands() {
        "kvq info", {}, RunInfo},
       {"create", "Create a sequence for a model layout and storage scheme; prints its id.",
        "kvq create --layers=32 --kv_heads=8 --q_heads=32 --head_dim=128 "
-       "--scheme=kivi2:g32:r128 [--id=ID]",
+       "--scheme=kivi4:g32:r128:sink=4 [--id=ID]",
        Concat({"id", "scheme", "ttl_s"}, LayoutFlags()), RunCreate},
       {"append", "Append a prompt's K/V from .npy files (streamed in chunks).",
        "kvq append --id=ID --k=k.npy --v=v.npy [--quantize]",

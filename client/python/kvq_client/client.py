@@ -287,7 +287,7 @@ class KvqClient:
         return self._call(lambda t, _: self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=t),
                           idempotent=True, deadline=deadline)
 
-    def create_sequence(self, layout, scheme="kivi2:g32:r128", sequence_id="", ttl_seconds=0,
+    def create_sequence(self, layout, scheme="kivi4:g32:r128:sink=4", sequence_id="", ttl_seconds=0,
                         prompt_token_ids=None, codebooks=None, deadline=None):
         """Creates a sequence; `codebooks` (nuq) is a list of (key_levels,
         value_levels) float32 arrays [head_dim, 2^bits] per (layer, kv head)."""
