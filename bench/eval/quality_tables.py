@@ -41,7 +41,7 @@ def tables(rows, corpus):
     for ctx in contexts:
         sel = [r for r in rows if r["corpus"] == corpus and r["context"] == ctx and "ppl" in r]
         sel.sort(key=lambda r: (r["engine"] != "kvq", -r.get("bits_per_element", 0)))
-        out.append(f"\n**{ctx} tokens** (corpus: {corpus}; windows per corpus: "
+        out.append(f"\n**{ctx} tokens** (corpus: {corpus}; windows: "
                    f"{max(r.get('windows', 1) for r in sel)})\n")
         out.append("| engine | scheme | bits/elem | KV MiB | PPL | ΔPPL % | KL | top-1 | passkey "
                    "| prefill s | decode ms/token |")
