@@ -56,8 +56,9 @@ class RecordingCache : public AttentionCache {
     return inner_->AppendAttend(layer, n, rotated.data(), v, q, out);
   }
   int num_tokens() const override { return inner_->num_tokens(); }
+  // Calibration runs one straight prefill and never forks.
   absl::StatusOr<std::unique_ptr<AttentionCache>> Fork() const override {
-    return absl::UnimplementedError("RecordingCache::Fork");
+    return absl::FailedPreconditionError("RecordingCache: calibration does not fork");
   }
   absl::StatusOr<ByteBreakdown> Bytes() const override { return inner_->Bytes(); }
 
