@@ -48,7 +48,7 @@ ablation=(
   kivi4:pre_rope kivi4:sink=4
   "$best4" "$lean4" "$best3" "$best2" "$lean2"
 )
-long=(fp16 kivi4 "$best4" "$lean4" "$best3" "$best2" "$lean2")
+long=(fp16 kivi4 "$best4" "$lean4" "$best3" "$best2")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
 passkey="$(join fp16 "$best4" "$best3" "$best2")"
@@ -59,7 +59,7 @@ passkey="$(join fp16 "$best4" "$best3" "$best2")"
 "$root/scripts/run_llamacpp_peer.sh" "$out/windows_short.json" --out="$out/llamacpp_short.json"
 "$eval_bin" --schemes="$(join "${long[@]}")" --contexts=8192 --windows="$windows" \
   --corpora="$long_corpora" --passkey_contexts=8192 --passkey_depths=0.1,0.5,0.9 \
-  --passkey_schemes="$(join fp16 "$best4" "$best3")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
+  --passkey_schemes="$(join fp16 "$best4")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
 "$root/scripts/run_llamacpp_peer.sh" "$out/windows_long.json" --out="$out/llamacpp_long.json"
 
 python3 "$root/bench/eval/quality_tables.py" "$out"/kvq_*.json "$out"/llamacpp_*.json
