@@ -96,7 +96,11 @@ def targets(rows, corpus):
             fewer = [r for r in kvq if r["bits_per_element"] < q4["bits_per_element"]
                      and r["scheme"] != "fp16"]
             pick = min(fewer, key=lambda r: r["delta_ppl_pct"]) if fewer else None
-            if pick:
+            if pick is None:
+                out.append(f'| {ctx} | kvq below q4_0\'s {q4["bits_per_element"]} bits with lower '
+                           f'ΔPPL than its {q4["delta_ppl_pct"]:+.2f}% | none measured under '
+                           f'{q4["bits_per_element"]} bits | – | – | missed |')
+            else:
                 ok = pick["delta_ppl_pct"] < q4["delta_ppl_pct"]
                 out.append(
                     f'| {ctx} | kvq below q4_0\'s {q4["bits_per_element"]} bits with lower ΔPPL than '
