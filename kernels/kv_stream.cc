@@ -6,11 +6,35 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/simd_kernels.h"
 #include "kernels/numeric.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
+
 namespace {
+
+// Magnitude bits (sign cleared) of the largest finite `dtype` value <= limit
+// (limit > 0): |x| <= limit and x finite exactly when x's magnitude bits are
+// at most this (cpu::MaxAbsBits16/32).
+uint32_t LargestMagnitudeBits(DType dtype, float limit) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return FloatBits(limit);
+    case DType::kFloat16: {
+      if (limit >= kFp16Max) return 0x7bffu;
+      uint16_t h = FloatToHalf(limit) & 0x7fffu;
+      if (HalfToFloat(h) > limit) --h;
+      return h;
+    }
+    case DType::kBFloat16: {
+      uint16_t b = FloatToBf16(limit) & 0x7fffu;
+      if (b >= 0x7f80u || Bf16ToFloat(b) > limit) --b;
+      return b;
+    }
+  }
+  return 0;
+}
 
 // Upper bound on tokens per stream: keeps every offset inside 32 bits.
 constexpr int kMaxTokens = 1 << 24;
@@ -107,6 +131,20 @@ absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int ro
   // finite bf16 (larger floats would round to infinity).
   const bool bf16 = config_.spec.kind == SchemeKind::kBf16;
   const float limit = bf16 ? kBf16Max : kFp16Max;
+  // Fast path: one SIMD max over the magnitude bits per row (or per tensor
+  // when rows are contiguous); only a tensor that fails is walked again to
+  // name the first bad element.
+  const uint32_t max_bits = LargestMagnitudeBits(t.dtype, limit);
+  const bool contiguous = t.stride() == t.cols;
+  bool ok = true;
+  for (int r = 0; r < rows && ok; r = contiguous ? rows : r + 1) {
+    const size_t n = static_cast<size_t>(contiguous ? rows : 1) * t.cols;
+    const uint32_t m = t.dtype == DType::kFloat32
+                           ? cpu::MaxAbsBits32(reinterpret_cast<const uint32_t*>(t.row(r)), n)
+                           : cpu::MaxAbsBits16(reinterpret_cast<const uint16_t*>(t.row(r)), n);
+    ok = m <= max_bits;
+  }
+  if (ok) return absl::OkStatus();
   const char* range = bf16 ? " is outside the bf16 range +-" : " is outside the fp16 range +-";
   std::vector<float> row(head_dim());
   for (int r = 0; r < rows; ++r) {
@@ -150,21 +188,55 @@ int KvStream::PagesNeeded(int n) const {
 
 absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
   KVQ_RETURN_IF_ERROR(ValidateAppend(k, v));
+  return AppendValidated(k, v);
+}
+
+absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
   const int n = k.rows;
   if (n == 0) return absl::OkStatus();
   const int d = head_dim();
-  std::vector<float> kf(static_cast<size_t>(n) * d), vf(kf.size());
-  for (int r = 0; r < n; ++r) {
-    RowToFloat(k.row(r), k.dtype, d, &kf[static_cast<size_t>(r) * d]);
-    RowToFloat(v.row(r), v.dtype, d, &vf[static_cast<size_t>(r) * d]);
-    if (rotation_) {
-      rotation_->Forward(&kf[static_cast<size_t>(r) * d]);
-      rotation_->Forward(&vf[static_cast<size_t>(r) * d]);
+  const SchemeKind kind = config_.spec.kind;
+  const int to_sink = std::clamp(config_.spec.sink - num_tokens_, 0, n);
+
+  // 16-bit input that lands unchanged in 16-bit storage is copied, not
+  // converted: fp16 input into the fp16 sink and tail rows, and fp16 / bf16
+  // input into fp16 / bf16 pages. (x -> float -> same 16-bit type is the
+  // identity on finite values, which validation guaranteed.) Everything else
+  // goes through floats.
+  const bool same16 = !rotation_ && k.dtype == v.dtype && k.dtype != DType::kFloat32;
+  const bool copy_rows16 = same16 && k.dtype == DType::kFloat16;
+  const bool copy_pages =
+      same16 && tail_capacity_ == 0 &&
+      ((kind == SchemeKind::kFp16 && k.dtype == DType::kFloat16) ||
+       (kind == SchemeKind::kBf16 && k.dtype == DType::kBFloat16));
+  const bool rest_copied = tail_capacity_ == 0 ? copy_pages : copy_rows16;
+  const bool need_float =
+      kind == SchemeKind::kFp8E4m3 || !rest_copied || (to_sink > 0 && !copy_rows16);
+  std::vector<float> kf, vf;
+  if (need_float) {
+    kf.resize(static_cast<size_t>(n) * d);
+    vf.resize(kf.size());
+    for (int r = 0; r < n; ++r) {
+      RowToFloat(k.row(r), k.dtype, d, &kf[static_cast<size_t>(r) * d]);
+      RowToFloat(v.row(r), v.dtype, d, &vf[static_cast<size_t>(r) * d]);
+      if (rotation_) {
+        rotation_->Forward(&kf[static_cast<size_t>(r) * d]);
+        rotation_->Forward(&vf[static_cast<size_t>(r) * d]);
+      }
     }
   }
+  // Input row r into a 16-bit fp16 row (sink or tail).
+  auto put_fp16 = [&](int r, int slot) {
+    if (copy_rows16) {
+      std::memcpy(fp16_row(Side::kKey, slot), k.row(r), 2 * static_cast<size_t>(d));
+      std::memcpy(fp16_row(Side::kValue, slot), v.row(r), 2 * static_cast<size_t>(d));
+      return;
+    }
+    FloatToRow(&kf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kKey, slot));
+    FloatToRow(&vf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kValue, slot));
+  };
 
   // Plan where the n tokens go, then allocate every page before touching state.
-  const int to_sink = std::clamp(config_.spec.sink - num_tokens_, 0, n);
   const int pt = layout_.page_tokens;
   const int pages_needed = PagesNeeded(n);
   std::vector<uint8_t*> fresh;
@@ -180,7 +252,7 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
   }
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
 
-  if (config_.spec.kind == SchemeKind::kFp8E4m3 && fp8_scale(Side::kKey) == 0.0f) {
+  if (kind == SchemeKind::kFp8E4m3 && fp8_scale(Side::kKey) == 0.0f) {
     for (int side = 0; side < 2; ++side) {
       const std::vector<float>& x = side == 0 ? kf : vf;
       float amax = 0.0f;
@@ -190,10 +262,7 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
   }
 
   // Sink rows.
-  for (int r = 0; r < to_sink; ++r) {
-    FloatToRow(&kf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kKey, num_tokens_ + r));
-    FloatToRow(&vf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kValue, num_tokens_ + r));
-  }
+  for (int r = 0; r < to_sink; ++r) put_fp16(r, num_tokens_ + r);
   num_tokens_ += to_sink;
 
   if (tail_capacity_ == 0) {
@@ -203,8 +272,19 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
       const int page = quantized_tokens_ / pt;
       const int row = quantized_tokens_ % pt;
       const int count = std::min(n - r, pt - row);
-      backend_->QuantizeRows(*this, Side::kKey, &kf[static_cast<size_t>(r) * d], count, pages_[page], row);
-      backend_->QuantizeRows(*this, Side::kValue, &vf[static_cast<size_t>(r) * d], count, pages_[page], row);
+      if (copy_pages) {
+        for (int i = 0; i < count; ++i) {
+          std::memcpy(PageLayout::CodeRow(pages_[page], layout_.key, row + i), k.row(r + i),
+                      layout_.key.code_row_bytes);
+          std::memcpy(PageLayout::CodeRow(pages_[page], layout_.value, row + i), v.row(r + i),
+                      layout_.value.code_row_bytes);
+        }
+      } else {
+        backend_->QuantizeRows(*this, Side::kKey, &kf[static_cast<size_t>(r) * d], count,
+                               pages_[page], row);
+        backend_->QuantizeRows(*this, Side::kValue, &vf[static_cast<size_t>(r) * d], count,
+                               pages_[page], row);
+      }
       quantized_tokens_ += count;
       num_tokens_ += count;
       r += count;
@@ -214,9 +294,7 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
 
   // Block schemes: fill the fp16 tail; quantize it whenever it is full.
   for (int r = to_sink; r < n; ++r) {
-    const int slot = config_.spec.sink + tail_tokens();
-    FloatToRow(&kf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kKey, slot));
-    FloatToRow(&vf[static_cast<size_t>(r) * d], d, DType::kFloat16, fp16_row(Side::kValue, slot));
+    put_fp16(r, config_.spec.sink + tail_tokens());
     ++num_tokens_;
     if (tail_tokens() == tail_capacity_) FlushTail();
   }
@@ -264,9 +342,39 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
   for (Side side : {Side::kKey, Side::kValue}) {
     const TensorView& out = side == Side::kKey ? k_out : v_out;
     if (out.data == nullptr) continue;
+    // Rows stored in the requested 16-bit type, with nothing to apply, are
+    // copied as they are (the float round trip would be the identity).
+    const bool as_stored = !rotation_ && !(side == Side::kKey && rope_ && options.apply_rope);
+    const bool copy_fp16 = as_stored && options.dtype == DType::kFloat16;
+    const SideLayout& S = layout_.side(side);
+    const bool copy_pages =
+        as_stored && ((S.format == CodeFormat::kFp16 && options.dtype == DType::kFloat16) ||
+                      (S.format == CodeFormat::kBf16 && options.dtype == DType::kBFloat16));
+    const size_t row16 = 2 * static_cast<size_t>(d);
     int t = begin;
     while (t < end) {
       int count = 1;
+      if (copy_fp16 && t < sink_tokens()) {
+        std::memcpy(out.row(t - begin), sink_row(side, t), row16);
+        ++t;
+        continue;
+      }
+      if (copy_pages && t >= sink_tokens() && t - page_base() < quantized_tokens_) {
+        const int u = t - page_base();
+        const int row = u % pt;
+        count = std::min(end - t, pt - row);
+        for (int i = 0; i < count; ++i) {
+          std::memcpy(out.row(t + i - begin), PageLayout::CodeRow(pages_[u / pt], S, row + i),
+                      S.code_row_bytes);
+        }
+        t += count;
+        continue;
+      }
+      if (copy_fp16 && t - page_base() >= quantized_tokens_ && t >= sink_tokens()) {
+        std::memcpy(out.row(t - begin), tail_row(side, t - page_base() - quantized_tokens_), row16);
+        ++t;
+        continue;
+      }
       if (t < sink_tokens()) {
         RowToFloat(sink_row(side, t), DType::kFloat16, d, rows.data());
       } else if (t - page_base() < quantized_tokens_) {

@@ -55,6 +55,10 @@ class KvStream {
   // The checks Append() makes before touching anything, so a caller that
   // appends to several streams can validate all of them first.
   absl::Status ValidateAppend(ConstTensorView k, ConstTensorView v) const;
+  // Append() without its checks, for a caller that has just run
+  // ValidateAppend() on the same views (a Sequence validates every stream of
+  // an append before touching any; checking twice cost a pass over the data).
+  absl::Status AppendValidated(ConstTensorView k, ConstTensorView v);
   // Pages Append() of `n` more tokens would allocate.
   int PagesNeeded(int n) const;
 

@@ -128,7 +128,8 @@ absl::Status Sequence::AppendDense(const DenseKv& kv) {
     for (int l = 0; l < kv.layers; ++l) {
       for (int head = 0; head < h; ++head) {
         KVQ_RETURN_IF_ERROR(
-            stream(kv.layer_begin + l, head).Append(view(kv.k, l, head), view(kv.v, l, head)));
+            stream(kv.layer_begin + l, head)
+                .AppendValidated(view(kv.k, l, head), view(kv.v, l, head)));
       }
     }
     return absl::OkStatus();

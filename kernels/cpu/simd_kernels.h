@@ -53,6 +53,13 @@ void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, 
 void HalfToFloatSimd(const uint16_t* src, size_t n, float* dst);
 void FloatToHalfSimd(const float* src, size_t n, uint16_t* dst);
 
+// Largest magnitude bit pattern (sign bit cleared) of n fp16 / bf16 (16) or
+// fp32 (32) elements. Magnitude bits order like the magnitudes of finite
+// values and put Inf and NaN above every finite value, so one compare against
+// the bits of a limit checks a whole tensor (KvStream::ValidateInput).
+uint16_t MaxAbsBits16(const uint16_t* src, size_t n);
+uint32_t MaxAbsBits32(const uint32_t* src, size_t n);
+
 bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
                       uint8_t* page, int row0);
 

@@ -260,6 +260,26 @@ void FloatToHalfImpl(const float* src, size_t n, uint16_t* dst) {
   for (; c < n; ++c) dst[c] = FloatToHalf(src[c]);
 }
 
+// max over i of (src[i] with the sign bit cleared): the magnitude bits, which
+// order like the magnitudes for finite values and sort Inf / NaN above them.
+template <typename T>
+T MaxAbsBits(const T* HWY_RESTRICT src, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto magnitude = hn::Set(d, static_cast<T>(static_cast<T>(~T{0}) >> 1));
+  auto m0 = hn::Zero(d), m1 = hn::Zero(d);
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    m0 = hn::Max(m0, hn::And(hn::LoadU(d, src + i), magnitude));
+    m1 = hn::Max(m1, hn::And(hn::LoadU(d, src + i + N), magnitude));
+  }
+  T m = hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1)));
+  for (; i < n; ++i) m = std::max(m, static_cast<T>(src[i] & static_cast<T>(~T{0} >> 1)));
+  return m;
+}
+uint16_t MaxAbsBits16Impl(const uint16_t* src, size_t n) { return MaxAbsBits(src, n); }
+uint32_t MaxAbsBits32Impl(const uint32_t* src, size_t n) { return MaxAbsBits(src, n); }
+
 }  // namespace HWY_NAMESPACE
 }  // namespace cpu
 }  // namespace kvq
@@ -273,6 +293,15 @@ HWY_EXPORT(QuantizeRowsImpl);
 HWY_EXPORT(DequantizeRowsImpl);
 HWY_EXPORT(HalfToFloatImpl);
 HWY_EXPORT(FloatToHalfImpl);
+HWY_EXPORT(MaxAbsBits16Impl);
+HWY_EXPORT(MaxAbsBits32Impl);
+
+uint16_t MaxAbsBits16(const uint16_t* src, size_t n) {
+  return HWY_DYNAMIC_DISPATCH(MaxAbsBits16Impl)(src, n);
+}
+uint32_t MaxAbsBits32(const uint32_t* src, size_t n) {
+  return HWY_DYNAMIC_DISPATCH(MaxAbsBits32Impl)(src, n);
+}
 
 void HalfToFloatSimd(const uint16_t* src, size_t n, float* dst) {
   HWY_DYNAMIC_DISPATCH(HalfToFloatImpl)(src, n, dst);

@@ -83,6 +83,11 @@ Snapshot Take(const KvStream& s) {
           ReadSide(s, Side::kKey, 0, s.num_tokens()), ReadSide(s, Side::kValue, 0, s.num_tokens())};
 }
 
+void ExpectStatus(const absl::Status& st, absl::StatusCode code, const std::string& message) {
+  EXPECT_EQ(st.code(), code) << st;
+  EXPECT_EQ(st.message(), message);
+}
+
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -409,6 +414,69 @@ TEST_P(KvStreamTest, StridedAndHalfInputsMatchContiguousFloat) {
   EXPECT_TRUE(SameBits(a.k, b.k) && SameBits(a.v, b.v)) << "strided input changed the stream";
 }
 
+// fp16 and bf16 input, contiguous and strided (NaN in the padding, which is
+// not data), stores exactly what float input of the same values stores: the
+// 16-bit paths that copy rows instead of converting them change nothing.
+TEST_P(KvStreamTest, SixteenBitInputsMatchFloatInput) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (int stride : {d_, d_ + 8}) {
+      std::vector<uint16_t> kh(static_cast<size_t>(n_) * stride, 0x7e00),
+          vh(kh.size(), 0x7fc0);  // fp16 / bf16 NaN in the padding.
+      std::vector<float> kf(static_cast<size_t>(n_) * d_), vf(kf.size());
+      for (int t = 0; t < n_; ++t) {
+        FloatToRow(Row(Side::kKey, t), d_, dtype, &kh[static_cast<size_t>(t) * stride]);
+        FloatToRow(Row(Side::kValue, t), d_, dtype, &vh[static_cast<size_t>(t) * stride]);
+        RowToFloat(&kh[static_cast<size_t>(t) * stride], dtype, d_, &kf[static_cast<size_t>(t) * d_]);
+        RowToFloat(&vh[static_cast<size_t>(t) * stride], dtype, d_, &vf[static_cast<size_t>(t) * d_]);
+      }
+      std::unique_ptr<KvStream> want = NewStream(), got = NewStream();
+      ASSERT_NE(want, nullptr);
+      ASSERT_NE(got, nullptr);
+      ASSERT_TRUE(AppendRows(*want, kf, vf, 0, n_).ok());
+      // Two appends, so the second starts mid-page / mid-tail.
+      const int first = n_ / 3;
+      for (auto [b, e] : {std::pair{0, first}, std::pair{first, n_}}) {
+        const size_t off = static_cast<size_t>(b) * stride;
+        const absl::Status st = got->Append({kh.data() + off, dtype, e - b, d_, stride},
+                                            {vh.data() + off, dtype, e - b, d_, stride});
+        ASSERT_TRUE(st.ok()) << st;
+      }
+      const Snapshot a = Take(*want), b = Take(*got);
+      EXPECT_TRUE(SameBits(a.k, b.k) && SameBits(a.v, b.v) && a.bytes == b.bytes)
+          << DTypeName(dtype) << " input, stride " << stride;
+    }
+  }
+}
+
+// Each 16-bit input type is range-checked on its bits: the largest value
+// inside the limit passes, the next one up, Inf and NaN are named.
+TEST_P(KvStreamTest, SixteenBitInputsAreRangeChecked) {
+  std::unique_ptr<KvStream> s = NewStream();
+  ASSERT_NE(s, nullptr);
+  const bool bf16_scheme = config_.spec.kind == SchemeKind::kBf16;
+  const int m = 3;
+  auto append = [&](DType dtype, int row, int col, uint16_t bits) {
+    std::vector<uint16_t> k(static_cast<size_t>(m) * d_, 0), v(k.size(), 0);
+    k[static_cast<size_t>(row) * d_ + col] = bits;
+    return s->Append({k.data(), dtype, m, d_, 0}, {v.data(), dtype, m, d_, 0});
+  };
+  EXPECT_TRUE(append(DType::kFloat16, 1, 2, 0xfbff).ok());  // -65504
+  ExpectStatus(append(DType::kFloat16, 2, 7, 0xfc00), absl::StatusCode::kInvalidArgument,
+               "k[2][7] is not finite");
+  ExpectStatus(append(DType::kFloat16, 0, 1, 0x7e00), absl::StatusCode::kInvalidArgument,
+               "k[0][1] is not finite");
+  ExpectStatus(append(DType::kBFloat16, 1, 3, 0xffc0), absl::StatusCode::kInvalidArgument,
+               "k[1][3] is not finite");
+  if (bf16_scheme) {
+    EXPECT_TRUE(append(DType::kBFloat16, 0, 0, 0x7f7f).ok());  // Largest finite bf16.
+  } else {
+    EXPECT_TRUE(append(DType::kBFloat16, 0, 0, 0x477f).ok());  // 65280 <= 65504.
+    ExpectStatus(append(DType::kBFloat16, 2, 4, 0xc780), absl::StatusCode::kInvalidArgument,
+                 "k[2][4] = -65536 is outside the fp16 range +-65504");
+  }
+  EXPECT_EQ(s->num_tokens(), 2 * m);
+}
+
 TEST_P(KvStreamTest, ReadSubrangesMatchFullRead) {
   std::unique_ptr<KvStream> s = FullStream();
   ASSERT_NE(s, nullptr);
@@ -441,11 +509,6 @@ TEST_P(KvStreamTest, ReadSubrangesMatchFullRead) {
     FloatToRow(all_k.data(), static_cast<int>(all_k.size()), dtype, want.data());
     EXPECT_EQ(out, want) << "Read as " << DTypeName(dtype);
   }
-}
-
-void ExpectStatus(const absl::Status& st, absl::StatusCode code, const std::string& message) {
-  EXPECT_EQ(st.code(), code) << st;
-  EXPECT_EQ(st.message(), message);
 }
 
 TEST_P(KvStreamTest, RejectsBadValuesAndLeavesStreamUnchanged) {
