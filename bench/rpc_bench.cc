@@ -594,6 +594,11 @@ absl::Status RpcBench::RunBulk() {
               bytes, 0, T);
   ThroughputRow fetch =
       MakeRow("kvq_fetch_fp16", "kvq FetchDequant fp16 (all layers)", bytes, 0, T);
+  ThroughputRow fetch_into = MakeRow(
+      "kvq_fetch_into_fp16", "kvq FetchDequantInto fp16 (all layers, reused k/v)", bytes, 0, T);
+  // The caller's tensors, allocated and touched once, as raw Source's dst.
+  HostTensor k_into = HostTensor::Zeros(DType::kFloat16, k_.shape);
+  HostTensor v_into = HostTensor::Zeros(DType::kFloat16, v_.shape);
   ThroughputRow source =
       MakeRow("raw_source_stream", absl::StrCat("raw server stream (RawEcho.Source, ", mib, ")"),
               bytes, 0, T);
@@ -628,6 +633,14 @@ absl::Status RpcBench::RunBulk() {
     }
     fetched = FetchedKv();
 
+    span = Span(kvq_server_.get());
+    KVQ_RETURN_IF_ERROR(
+        Annotate(client_->FetchDequantInto(seq.sequence_id, {}, &k_into, &v_into), "FetchDequantInto"));
+    span.End(&fetch_into, timed);
+    if (rep == 0 && (k_into.data != k_.data || v_into.data != v_.data)) {
+      return absl::InternalError("FetchDequantInto of an fp16 sequence returned other bytes");
+    }
+
     span = Span(echo_server_.get());
     KVQ_RETURN_IF_ERROR(raw_->Source(bytes, options_.chunk_bytes, dst.data()));
     const double t_source = span.End(&source, timed);
@@ -642,8 +655,10 @@ absl::Status RpcBench::RunBulk() {
         timed ? result_.bulk_reps : result_.bulk_warmup, 1e3 * t_append, 1e3 * t_sink,
         1e3 * t_fetch, 1e3 * t_source, 1e3 * t_unary);
   }
-  for (ThroughputRow* r : {&append, &sink, &fetch, &source, &unary, &roundtrip}) Summarize(r);
-  result_.bulk = {append, sink, fetch, source, unary};
+  for (ThroughputRow* r : {&append, &sink, &fetch, &fetch_into, &source, &unary, &roundtrip}) {
+    Summarize(r);
+  }
+  result_.bulk = {append, sink, fetch, fetch_into, source, unary};
   result_.roundtrip.push_back(roundtrip);
   return absl::OkStatus();
 }
@@ -1172,6 +1187,8 @@ std::vector<CheckResult> CheckRpcBench(const RpcBenchResult& result) {
   };
   ratio_check("kvq fp16 append / raw client stream", "kvq_append_fp16", "raw_sink_stream");
   ratio_check("kvq fp16 fetch / raw server stream", "kvq_fetch_fp16", "raw_source_stream");
+  ratio_check("kvq fp16 fetch into reused k/v / raw server stream", "kvq_fetch_into_fp16",
+              "raw_source_stream");
 
   const ThroughputRow* redis =
       result.redis_best_id.empty() ? nullptr : result.FindRoundTrip(result.redis_best_id);
@@ -1289,7 +1306,8 @@ std::string FormatRpcTable(const RpcBenchResult& r, const std::string& command) 
   for (const ThroughputRow& row : r.bulk) {
     std::string ratio;
     const ThroughputRow* raw = row.id == "kvq_append_fp16"  ? r.FindBulk("raw_sink_stream")
-                               : row.id == "kvq_fetch_fp16" ? r.FindBulk("raw_source_stream")
+                               : row.id == "kvq_fetch_fp16" || row.id == "kvq_fetch_into_fp16"
+                                   ? r.FindBulk("raw_source_stream")
                                                             : nullptr;
     if (raw != nullptr && raw->fp16_gbps() > 0) {
       ratio = absl::StrFormat("%.2f", row.fp16_gbps() / raw->fp16_gbps());

@@ -286,6 +286,77 @@ absl::StatusOr<FetchedKv> KvqClient::FetchDequant(absl::string_view sequence_id,
   return assembler.Finish();
 }
 
+absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
+                                         const FetchOptions& options, HostTensor* k,
+                                         HostTensor* v) {
+  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("k and v must not be null");
+  KVQ_RETURN_IF_ERROR(CheckTensor(*k, "k", 4));
+  KVQ_RETURN_IF_ERROR(CheckTensor(*v, "v", 4));
+  if (k->shape != v->shape || k->dtype != options.dtype || v->dtype != options.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k and v must both be [layers, kv_heads, tokens, head_dim] of ", DTypeName(options.dtype),
+        ", got ", k->DebugString(), " and ", v->DebugString()));
+  }
+  const int64_t layers = k->shape[0], heads = k->shape[1], tokens = k->shape[2], d = k->shape[3];
+  FetchOptions o = options;
+  o.layer_end = static_cast<int>(options.layer_begin + layers);
+  o.token_end = static_cast<int>(options.token_begin + tokens);
+  if ((options.layer_end != 0 && options.layer_end != o.layer_end) ||
+      (options.token_end != 0 && options.token_end != o.token_end)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k is ", k->DebugString(), ": layers [", options.layer_begin, ", ", o.layer_end,
+        ") and tokens [", options.token_begin, ", ", o.token_end, "), but options ask for layer_end ",
+        options.layer_end, " and token_end ", options.token_end));
+  }
+  if (layers == 0) return absl::OkStatus();
+  const size_t elem = DTypeBytes(options.dtype);
+  std::vector<int64_t> filled(static_cast<size_t>(layers), 0);  // Tokens so far, per layer.
+  int64_t bytes = 0;
+  KVQ_RETURN_IF_ERROR(FetchStream(
+      sequence_id, o, /*raw=*/false,
+      [&](v1::FetchResponse&& m) -> absl::Status {
+        // Not moved from: the next Read reuses this message's buffers.
+        const int64_t l = int64_t{m.layer()} - options.layer_begin;
+        const int64_t t0 = int64_t{m.token_begin()} - options.token_begin;
+        const int64_t n = m.k().shape_size() == 3 ? m.k().shape(1) : -1;
+        const size_t piece = static_cast<size_t>(std::max<int64_t>(n, 0)) * d * elem;
+        const bool shape_ok =
+            n >= 0 && m.k().shape_size() == 3 && m.k().shape(0) == heads && m.k().shape(2) == d &&
+            m.v().shape_size() == 3 && m.v().shape(0) == heads && m.v().shape(1) == n &&
+            m.v().shape(2) == d && m.k().dtype() == ToProtoDType(options.dtype) &&
+            m.v().dtype() == m.k().dtype() && m.k().data().size() == heads * piece &&
+            m.v().data().size() == heads * piece;
+        if (!shape_ok || l < 0 || l >= layers || t0 != filled[l] || t0 + n > tokens) {
+          return absl::DataLossError(absl::StrCat(
+              "fetch response for layer ", m.layer(), " token ", m.token_begin(), " (",
+              n, " tokens) does not continue the range: layer ", m.layer(), " has ",
+              l >= 0 && l < layers ? filled[l] : -1, " of ", tokens, " tokens of [",
+              heads, ", tokens, ", d, "] ", DTypeName(options.dtype)));
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          const size_t dst = static_cast<size_t>(((l * heads + h) * tokens + t0) * d) * elem;
+          std::memcpy(k->mutable_bytes() + dst, m.k().data().data() + h * piece, piece);
+          std::memcpy(v->mutable_bytes() + dst, m.v().data().data() + h * piece, piece);
+        }
+        filled[l] += n;
+        bytes += static_cast<int64_t>(2 * heads * piece);
+        if (options.progress) options.progress(bytes, 2 * static_cast<int64_t>(k->byte_size()));
+        return absl::OkStatus();
+      },
+      [&] {
+        std::fill(filled.begin(), filled.end(), 0);
+        bytes = 0;
+      }));
+  for (int64_t l = 0; l < layers; ++l) {
+    if (filled[l] != tokens) {
+      return absl::DataLossError(absl::StrCat("fetch stream ended with ", filled[l], " of ",
+                                              tokens, " tokens of layer ",
+                                              options.layer_begin + l));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RawFetch> KvqClient::FetchRaw(absl::string_view sequence_id,
                                              const FetchOptions& options) {
   RawFetch raw;

@@ -230,6 +230,17 @@ class KvqClient {
   // assembled from the server stream. Retried as a whole.
   absl::StatusOr<FetchedKv> FetchDequant(absl::string_view sequence_id,
                                          const FetchOptions& options = {});
+  // FetchDequant into tensors the caller owns and may reuse across calls:
+  // k and v are [layers, kv_heads, tokens, head_dim] of options.dtype, and
+  // their shape sets the range (layers from options.layer_begin, tokens from
+  // options.token_begin; options.layer_end / token_end must be 0 or agree).
+  // Each message is copied straight into place as it arrives: no assembly
+  // buffer, and no fresh allocation when the caller reuses k and v (the way
+  // a decode worker fills its own KV blocks). INVALID_ARGUMENT names a bad
+  // output tensor; DATA_LOSS if the server's stream does not cover the
+  // range exactly. On error the tensors' contents are unspecified.
+  absl::Status FetchDequantInto(absl::string_view sequence_id, const FetchOptions& options,
+                                HostTensor* k, HostTensor* v);
   // The stored pages (raw = true), unprocessed. The server serves raw pages
   // only for quantized tokens: the range must start on a page boundary
   // (sink + k * page_tokens) and end inside the quantized part (OUT_OF_RANGE

@@ -115,6 +115,57 @@ TEST_F(ClientServerTest, QuantizedAndDenseAppendsStoreTheSameCache) {
   EXPECT_GT(stats->compression_vs_fp16(), 2.0);
 }
 
+// FetchDequantInto writes exactly what FetchDequant returns, for a sub-range
+// spread over several messages per layer, into tensors reused across calls;
+// bad output tensors are named.
+TEST_F(ClientServerTest, FetchDequantIntoMatchesFetchDequant) {
+  const SequenceInfo s = Create("into", "kivi4:g32:r128:sink=4");
+  config_.scheme = s.scheme;
+  const HostTensor k = Random({kLayers, kHeads, 700, kDim}, 11);
+  const HostTensor v = Random({kLayers, kHeads, 700, kDim}, 12);
+  ASSERT_TRUE(client_->AppendPrompt("into", k, v, {}).ok());
+  FetchOptions fetch;
+  fetch.layer_begin = 1;
+  fetch.token_begin = 3;
+  fetch.token_end = 650;
+  fetch.max_chunk_bytes = 8 << 10;  // Several messages per layer.
+  for (DType dtype : {DType::kFloat16, DType::kFloat32}) {
+    fetch.dtype = dtype;
+    fetch.layer_end = kLayers;
+    absl::StatusOr<FetchedKv> want = client_->FetchDequant("into", fetch);
+    ASSERT_TRUE(want.ok()) << want.status();
+    fetch.layer_end = 0;  // Taken from the tensors' shape.
+    HostTensor ko = HostTensor::Zeros(dtype, {kLayers - 1, kHeads, 647, kDim});
+    HostTensor vo = HostTensor::Zeros(dtype, ko.shape);
+    for (int rep = 0; rep < 2; ++rep) {  // The second call overwrites in place.
+      const absl::Status st = client_->FetchDequantInto("into", fetch, &ko, &vo);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(ko == want->k) << DTypeName(dtype) << " rep " << rep;
+      EXPECT_TRUE(vo == want->v) << DTypeName(dtype) << " rep " << rep;
+    }
+  }
+  HostTensor ko = HostTensor::Zeros(DType::kFloat16, {1, kHeads, 10, kDim});
+  HostTensor vo = HostTensor::Zeros(DType::kFloat32, ko.shape);
+  FetchOptions bad;
+  absl::Status st = client_->FetchDequantInto("into", bad, &ko, &vo);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(),
+            absl::StrCat("k and v must both be [layers, kv_heads, tokens, head_dim] of fp16, got ",
+                         ko.DebugString(), " and ", vo.DebugString()));
+  vo = HostTensor::Zeros(DType::kFloat16, ko.shape);
+  bad.token_end = 20;
+  st = client_->FetchDequantInto("into", bad, &ko, &vo);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), absl::StrCat("k is ", ko.DebugString(),
+                                       ": layers [0, 1) and tokens [0, 10), but options ask for "
+                                       "layer_end 0 and token_end 20"));
+  // A range past the stored tokens is the server's OUT_OF_RANGE.
+  bad.token_end = 0;
+  bad.token_begin = 695;
+  st = client_->FetchDequantInto("into", bad, &ko, &vo);
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+}
+
 TEST_F(ClientServerTest, AttentionMatchesALocalCopyOfTheCache) {
   const SequenceInfo s = Create("attend", "kivi4:g32:r128");
   config_.scheme = s.scheme;
