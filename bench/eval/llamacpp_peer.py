@@ -202,6 +202,74 @@ def evaluate_window(ev: Evaluator, tokens: list[int],
     return nll_sum, kl_sum, seconds, logp_keep
 
 
+def result_rows(acc: dict) -> list[dict]:
+    """Rows per (cache type, corpus, context) and pooled over corpora.
+
+    acc maps (cache type, corpus, context) to sums over windows: windows,
+    tokens, nll, kl, seconds. The pooled "all" row of a cache type is made
+    only where it covers the same corpora as the reference, so its change
+    against the reference compares the same tokens.
+    """
+    acc = dict(acc)
+    pooled: dict = {}
+    for (c, corpus, context), a in list(acc.items()):
+        p = pooled.setdefault((c, "all", context),
+                              {"nll": 0.0, "kl": 0.0, "seconds": 0.0, "tokens": 0,
+                               "windows": 0, "corpora": set()})
+        for k in ("nll", "kl", "seconds", "tokens", "windows"):
+            p[k] += a[k]
+        p["corpora"].add(corpus)
+    for (c, _, context), p in pooled.items():
+        if p["corpora"] == pooled[(REFERENCE, "all", context)]["corpora"]:
+            acc[(c, "all", context)] = p
+
+    rows = []
+    for (c, corpus, context), a in sorted(
+            acc.items(), key=lambda kv: (list(CACHE_TYPES).index(kv[0][0]),
+                                         kv[0][1], kv[0][2])):
+        nll = a["nll"] / a["tokens"]
+        ref = acc[(REFERENCE, corpus, context)]
+        ref_ppl = math.exp(ref["nll"] / ref["tokens"])
+        rows.append({
+            "engine": "llama.cpp", "scheme": c, "corpus": corpus,
+            "context": context, "windows": a["windows"],
+            "tokens_scored": a["tokens"], "nll": nll, "ppl": math.exp(nll),
+            "delta_ppl_pct": (math.exp(nll) / ref_ppl - 1.0) * 100.0,
+            "kl_mean": a["kl"] / a["tokens"],
+            "bits_per_element": CACHE_TYPES[c][1],
+            "prefill_ms": a["seconds"] * 1e3 / a["windows"],
+        })
+    return rows
+
+
+def merge_results(paths: list[Path]) -> dict:
+    """Combines result files of disjoint windows (e.g. one corpus per run).
+
+    The per-corpus rows carry everything the sums need (mean NLL and KL
+    times tokens, mean prefill time times windows); the pooled rows are
+    recomputed from them.
+    """
+    acc: dict = {}
+    version = None
+    for path in paths:
+        result = json.loads(path.read_text())
+        if version is not None and result["version"] != version:
+            raise ValueError(f"{path}: llama.cpp {result['version']}, an earlier file "
+                             f"has {version}")
+        version = result["version"]
+        for r in result["rows"]:
+            if r["corpus"] == "all":
+                continue
+            key = (r["scheme"], r["corpus"], r["context"])
+            if key in acc:
+                raise ValueError(f"{path}: {key} is in two files")
+            acc[key] = {"windows": r["windows"], "tokens": r["tokens_scored"],
+                        "nll": r["nll"] * r["tokens_scored"],
+                        "kl": r["kl_mean"] * r["tokens_scored"],
+                        "seconds": r["prefill_ms"] / 1e3 * r["windows"]}
+    return {"tool": "llama.cpp", "version": version, "rows": result_rows(acc)}
+
+
 def main(argv: list[str]) -> int:
     """Evaluates every selected window under every cache type."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -219,7 +287,19 @@ def main(argv: list[str]) -> int:
                          "always run: it is the reference)")
     ap.add_argument("--threads", type=int,
                     default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULT",
+                    help="instead of evaluating, combine result files of "
+                         "disjoint windows (the positional argument is then "
+                         "the first of them)")
     args = ap.parse_args(argv)
+
+    if args.merge:
+        text = json.dumps(merge_results([args.windows] + args.merge), indent=2) + "\n"
+        if args.out:
+            args.out.write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
 
     import llama_cpp
 
@@ -288,31 +368,7 @@ def main(argv: list[str]) -> int:
             for ev in evaluators.values():
                 ev.close()
 
-    # Pooled over corpora by tokens, as kvq-eval's "all" rows are.
-    pooled: dict = {}
-    for (c, corpus, context), a in list(acc.items()):
-        p = pooled.setdefault((c, "all", context),
-                              {"nll": 0.0, "kl": 0.0, "seconds": 0.0, "tokens": 0, "windows": 0})
-        for k in p:
-            p[k] += a[k]
-    acc.update(pooled)
-
-    rows = []
-    for (c, corpus, context), a in sorted(
-            acc.items(), key=lambda kv: (list(CACHE_TYPES).index(kv[0][0]),
-                                         kv[0][1], kv[0][2])):
-        nll = a["nll"] / a["tokens"]
-        ref = acc[(REFERENCE, corpus, context)]
-        ref_ppl = math.exp(ref["nll"] / ref["tokens"])
-        rows.append({
-            "engine": "llama.cpp", "scheme": c, "corpus": corpus,
-            "context": context, "windows": a["windows"],
-            "tokens_scored": a["tokens"], "nll": nll, "ppl": math.exp(nll),
-            "delta_ppl_pct": (math.exp(nll) / ref_ppl - 1.0) * 100.0,
-            "kl_mean": a["kl"] / a["tokens"],
-            "bits_per_element": CACHE_TYPES[c][1],
-            "prefill_ms": a["seconds"] * 1e3 / a["windows"],
-        })
+    rows = result_rows(acc)
     result = {"tool": "llama.cpp", "version": llama_cpp.__version__,
               "rows": rows}
     text = json.dumps(result, indent=2) + "\n"

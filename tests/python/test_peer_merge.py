@@ -1,0 +1,72 @@
+"""bench/eval/llamacpp_peer.py --merge: combining peer runs of disjoint windows.
+
+A run over two corpora and the merge of two one-corpus runs must give the
+same rows: per-corpus rows unchanged, pooled rows recomputed by tokens, and
+no pooled row for a cache type that covers fewer corpora than f16.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import pytest
+
+SOURCE = pathlib.Path(__file__).parents[2]
+spec = importlib.util.spec_from_file_location("llamacpp_peer",
+                                              SOURCE / "bench" / "eval" / "llamacpp_peer.py")
+peer = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peer)
+
+
+def sums(windows, tokens, nll_mean, kl_mean, ms):
+    return {"windows": windows, "tokens": tokens, "nll": nll_mean * tokens,
+            "kl": kl_mean * tokens, "seconds": ms / 1e3 * windows}
+
+
+ACC = {
+    ("f16", "austen", 8192): sums(1, 8191, 3.41, 0.0, 1000.0),
+    ("q4_0", "austen", 8192): sums(1, 8191, 3.45, 0.04, 3000.0),
+    ("f16", "code", 8192): sums(1, 8191, 1.63, 0.0, 2000.0),
+    ("q4_0", "code", 8192): sums(1, 8191, 1.70, 0.05, 5000.0),
+    ("q8_0", "austen", 8192): sums(1, 8191, 3.415, 0.004, 9000.0),
+}
+
+
+def write(tmp_path, name, keys):
+    path = tmp_path / name
+    rows = peer.result_rows({k: ACC[k] for k in keys})
+    path.write_text(json.dumps({"tool": "llama.cpp", "version": "0.3.36", "rows": rows}))
+    return path
+
+
+def by_key(rows):
+    return {(r["scheme"], r["corpus"], r["context"]): r for r in rows}
+
+
+def test_merge_of_one_corpus_runs_equals_one_run(tmp_path):
+    austen = write(tmp_path, "austen.json", [k for k in ACC if k[1] == "austen"])
+    code = write(tmp_path, "code.json", [k for k in ACC if k[1] == "code"])
+    merged = by_key(peer.merge_results([austen, code])["rows"])
+    whole = by_key(peer.result_rows(ACC))
+    assert merged.keys() == whole.keys()
+    for key, row in whole.items():
+        for field, value in row.items():
+            if isinstance(value, float):
+                assert merged[key][field] == pytest.approx(value, rel=1e-12), (key, field)
+            else:
+                assert merged[key][field] == value, (key, field)
+    # Pooled by tokens; q8_0 ran on austen only, so it has no pooled row.
+    pooled = merged[("q4_0", "all", 8192)]
+    assert pooled["tokens_scored"] == 2 * 8191
+    assert pooled["nll"] == pytest.approx((3.45 + 1.70) / 2)
+    ref = math.exp((3.41 + 1.63) / 2)
+    assert pooled["delta_ppl_pct"] == pytest.approx((math.exp((3.45 + 1.70) / 2) / ref - 1) * 100)
+    assert ("q8_0", "all", 8192) not in merged
+    assert ("q8_0", "austen", 8192) in merged
+
+
+def test_merge_refuses_overlapping_runs(tmp_path):
+    austen = write(tmp_path, "austen.json", [k for k in ACC if k[1] == "austen"])
+    with pytest.raises(ValueError, match="is in two files"):
+        peer.merge_results([austen, austen])
