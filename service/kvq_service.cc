@@ -477,7 +477,16 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<v1::FetchRespon
   }
 
   absl::Status Fill(const Piece& p) {
-    resp_.Clear();
+    // Dense pieces reuse the previous message's data strings: same-sized
+    // pieces (all but a layer's last) then skip the resize, which would
+    // zero-fill a whole message before the copy overwrites it.
+    if (req_.raw()) {
+      resp_.Clear();
+    } else {
+      resp_.clear_pages();
+      resp_.mutable_k()->clear_shape();
+      resp_.mutable_v()->clear_shape();
+    }
     resp_.set_layer(p.layer);
     resp_.set_token_begin(p.begin);
     absl::ReaderMutexLock lock(&seq_->mu());
