@@ -247,9 +247,11 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
       for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
       return p.status();
     }
-    std::memset(*p, 0, layout_.page_bytes);
+    // Copied pages are zeroed below, around the rows the copy writes.
+    if (!copy_pages) std::memset(*p, 0, layout_.page_bytes);
     fresh.push_back(*p);
   }
+  const size_t first_fresh = pages_.size();
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
 
   if (kind == SchemeKind::kFp8E4m3 && fp8_scale(Side::kKey) == 0.0f) {
@@ -273,6 +275,10 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
       const int row = quantized_tokens_ % pt;
       const int count = std::min(n - r, pt - row);
       if (copy_pages) {
+        // A fresh page starts at row 0; every byte the copy does not write
+        // (later rows, alignment padding) is zeroed, so no byte of a page
+        // ever shows what the pool held before.
+        if (static_cast<size_t>(page) >= first_fresh) ZeroAroundRows(pages_[page], count);
         for (int i = 0; i < count; ++i) {
           std::memcpy(PageLayout::CodeRow(pages_[page], layout_.key, row + i), k.row(r + i),
                       layout_.key.code_row_bytes);
@@ -299,6 +305,17 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
     if (tail_tokens() == tail_capacity_) FlushTail();
   }
   return absl::OkStatus();
+}
+
+void KvStream::ZeroAroundRows(uint8_t* page, int rows) const {
+  const SideLayout* sides[2] = {&layout_.key, &layout_.value};
+  if (sides[1]->codes_offset < sides[0]->codes_offset) std::swap(sides[0], sides[1]);
+  size_t at = 0;
+  for (const SideLayout* side : sides) {
+    std::memset(page + at, 0, side->codes_offset - at);
+    at = side->codes_offset + static_cast<size_t>(rows) * side->code_row_bytes;
+  }
+  std::memset(page + at, 0, layout_.page_bytes - at);
 }
 
 void KvStream::FlushTail() {

@@ -138,6 +138,9 @@ class KvStream {
   int NewQuantizedTokens(int n) const;
   // Quantizes the full tail into pages (whose memory is already allocated).
   void FlushTail();
+  // Zeroes every byte of a fresh page except code rows [0, rows) of both
+  // sides (which the caller writes). Pages without parameter sections only.
+  void ZeroAroundRows(uint8_t* page, int rows) const;
   uint16_t* fp16_row(Side side, int slot);
 
   StreamConfig config_;

@@ -429,7 +429,9 @@ TEST_P(KvStreamTest, SixteenBitInputsMatchFloatInput) {
         RowToFloat(&kh[static_cast<size_t>(t) * stride], dtype, d_, &kf[static_cast<size_t>(t) * d_]);
         RowToFloat(&vh[static_cast<size_t>(t) * stride], dtype, d_, &vf[static_cast<size_t>(t) * d_]);
       }
-      std::unique_ptr<KvStream> want = NewStream(), got = NewStream();
+      // The copy paths zero fresh pages themselves: give them poisoned ones.
+      TestAllocator poisoned;
+      std::unique_ptr<KvStream> want = NewStream(), got = NewStream(&poisoned);
       ASSERT_NE(want, nullptr);
       ASSERT_NE(got, nullptr);
       ASSERT_TRUE(AppendRows(*want, kf, vf, 0, n_).ok());
@@ -444,6 +446,11 @@ TEST_P(KvStreamTest, SixteenBitInputsMatchFloatInput) {
       const Snapshot a = Take(*want), b = Take(*got);
       EXPECT_TRUE(SameBits(a.k, b.k) && SameBits(a.v, b.v) && a.bytes == b.bytes)
           << DTypeName(dtype) << " input, stride " << stride;
+      ASSERT_EQ(want->num_pages(), got->num_pages());
+      for (int p = 0; p < want->num_pages(); ++p) {
+        EXPECT_EQ(std::memcmp(want->page(p), got->page(p), want->layout().page_bytes), 0)
+            << DTypeName(dtype) << " input, stride " << stride << ": page " << p;
+      }
     }
   }
 }
