@@ -568,7 +568,7 @@ FastSides ChooseFastSides(const KvStream& s) {
   const int d = L.head_dim;
   FastSides f;
   if (L.key.format != CodeFormat::kPacked && L.key.format != CodeFormat::kInt8) return f;
-  const bool dims = spec.bits == 3 ? (d == 128 || d == 256) : (d == 64 || d == 128 || d == 256);
+  const bool dims = d == 64 || d == 128 || d == 256;
   if (!dims) return f;
   f.key = L.key.axis == ParamAxis::kChannelGroups && !spec.pre_rope && !spec.nuq;
   // nuq values: up to 8 levels, picked by blends (NuqLevels8).
@@ -616,9 +616,22 @@ HWY_INLINE __m256i WidenChunk(const uint8_t* HWY_RESTRICT row, int j) {
       return lo;
     } else {
       constexpr int P1 = D / 8;
-      const __m256i y = Zx16(row + P + c0 % P1);
-      const __m256i h = _mm256_and_si256(_mm256_srl_epi16(y, _mm_cvtsi32_si128(c0 / P1)),
-                                         _mm256_set1_epi16(0x01));
+      __m256i h;
+      if constexpr (P1 >= 16) {
+        const __m256i y = Zx16(row + P + c0 % P1);
+        h = _mm256_srl_epi16(y, _mm_cvtsi32_si128(c0 / P1));
+      } else {
+        // head_dim 64: the high-bit plane is 8 bytes, so channels c0 .. c0+7
+        // read bit c0/8 of bytes 0..7 and c0+8 .. c0+15 the next bit of the
+        // same bytes: widen the 8 bytes twice, shift the upper 8 lanes (the
+        // upper 128-bit half) one further.
+        static_assert(P1 == 8, "head_dim 64");
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + P));
+        const __m256i y = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(b, b));
+        const __m256i h0 = _mm256_srl_epi16(y, _mm_cvtsi32_si128(c0 / P1));
+        h = _mm256_blend_epi32(h0, _mm256_srli_epi16(h0, 1), 0xF0);
+      }
+      h = _mm256_and_si256(h, _mm256_set1_epi16(0x01));
       return _mm256_or_si256(lo, _mm256_slli_epi16(h, 2));
     }
   }
@@ -1108,6 +1121,7 @@ class RowPass {
         case 4064: return KiviSegment<4, 64>(page, row, n, t0);
         case 4128: return KiviSegment<4, 128>(page, row, n, t0);
         case 4256: return KiviSegment<4, 256>(page, row, n, t0);
+        case 3064: return KiviSegment<3, 64>(page, row, n, t0);
         case 3128: return KiviSegment<3, 128>(page, row, n, t0);
         case 3256: return KiviSegment<3, 256>(page, row, n, t0);
         case 2064: return KiviSegment<2, 64>(page, row, n, t0);
