@@ -1,13 +1,12 @@
 #include "client/append_plan.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <numeric>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/parallel_for.h"
 #include "kernels/page_allocator.h"
 #include "kernels/status_macros.h"
 
@@ -252,19 +251,8 @@ absl::Status ChunkBuilder::QuantizeLayers(int layer_begin, int layers) {
   std::vector<absl::StatusOr<std::unique_ptr<KvStream>>> out;
   out.reserve(count);
   for (int i = 0; i < count; ++i) out.emplace_back(absl::UnknownError("not quantized"));
-  int threads = options_.threads > 0 ? options_.threads
-                                     : static_cast<int>(std::thread::hardware_concurrency());
-  threads = std::clamp(threads, 1, count);
-  std::atomic<int> next{0};
-  auto work = [&] {
-    for (int i = next++; i < count; i = next++) {
-      out[i] = QuantizeStream(layer_begin + i / heads, i % heads);
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+  ParallelFor(count, options_.threads,
+              [&](int i) { out[i] = QuantizeStream(layer_begin + i / heads, i % heads); });
   for (absl::StatusOr<std::unique_ptr<KvStream>>& s : out) {
     if (!s.ok()) {
       streams_.clear();

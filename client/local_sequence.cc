@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/parallel_for.h"
 #include "kernels/page_allocator.h"
 #include "kernels/status_macros.h"
 
@@ -220,7 +221,7 @@ absl::Status LocalSequence::ApplyFetched(const v1::FetchResponse& response) {
 }
 
 absl::StatusOr<FetchedKv> LocalSequence::Read(int token_begin, int token_end,
-                                              const ReadOptions& options) const {
+                                              const ReadOptions& options, int threads) const {
   if (token_end < 0) token_end = num_tokens();
   for (const HeldPages& held : held_) {
     if (held.tokens > 0) {
@@ -240,11 +241,17 @@ absl::StatusOr<FetchedKv> LocalSequence::Read(int token_begin, int token_end,
   out.k = HostTensor::Zeros(options.dtype, {layers_, kv_heads_, n, d});
   out.v = HostTensor::Zeros(options.dtype, {layers_, kv_heads_, n, d});
   const size_t run = static_cast<size_t>(n) * d * DTypeBytes(options.dtype);
-  for (size_t i = 0; i < streams_.size(); ++i) {
+  // Starting threads costs tens of microseconds: small reads stay on one.
+  if (static_cast<int64_t>(n) * d * static_cast<int64_t>(streams_.size()) < (int64_t{1} << 18)) {
+    threads = 1;
+  }
+  std::vector<absl::Status> status(streams_.size());
+  ParallelFor(static_cast<int>(streams_.size()), threads, [&](int i) {
     const TensorView kv{out.k.mutable_bytes() + i * run, options.dtype, n, d, 0};
     const TensorView vv{out.v.mutable_bytes() + i * run, options.dtype, n, d, 0};
-    KVQ_RETURN_IF_ERROR(streams_[i]->Read(token_begin, token_end, options, kv, vv));
-  }
+    status[i] = streams_[i]->Read(token_begin, token_end, options, kv, vv);
+  });
+  for (const absl::Status& st : status) KVQ_RETURN_IF_ERROR(st);
   return out;
 }
 

@@ -76,8 +76,10 @@ class LocalSequence {
   // K and V of tokens [token_begin, token_end) of every layer held
   // (token_end < 0: num_tokens()). OUT_OF_RANGE outside what is stored;
   // FAILED_PRECONDITION while pages that end mid flush block are held back.
-  absl::StatusOr<FetchedKv> Read(int token_begin, int token_end,
-                                 const ReadOptions& options) const;
+  // Streams are dequantized on up to `threads` threads (<= 0: one per
+  // hardware thread); the bytes do not depend on the count.
+  absl::StatusOr<FetchedKv> Read(int token_begin, int token_end, const ReadOptions& options,
+                                 int threads = 0) const;
 
  private:
   LocalSequence() = default;

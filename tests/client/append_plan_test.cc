@@ -366,6 +366,29 @@ TEST(QuantizedAppendTest, ChunksDoNotDependOnTheThreadCount) {
   EXPECT_EQ(wire[0], wire[1]);
 }
 
+// LocalSequence::Read dequantizes streams on several threads: the same
+// bytes for any count, including a large read that does use them.
+TEST(LocalSequenceTest, ReadDoesNotDependOnTheThreadCount) {
+  const Prompt p = MakePrompt(3, 3, 1000, 64, 6);  // 576k elements per side.
+  SequenceConfig seq;
+  seq.scheme = "kivi4:g32:r128:pre_rope:sink=4";
+  seq.layout = {3, 3, 3, 64, {}};
+  absl::StatusOr<std::unique_ptr<LocalSequence>> local = LocalSequence::Create(seq);
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_TRUE((*local)->ApplyChunk(DenseChunk(p, 0, 1000)).ok());
+  ReadOptions read;
+  read.apply_rope = true;
+  absl::StatusOr<FetchedKv> one = (*local)->Read(0, -1, read, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  for (int threads : {2, 5, 0}) {
+    absl::StatusOr<FetchedKv> many = (*local)->Read(0, -1, read, threads);
+    ASSERT_TRUE(many.ok()) << many.status();
+    EXPECT_TRUE(many->k == one->k && many->v == one->v) << threads << " threads";
+  }
+  // A range past the end is still refused.
+  EXPECT_EQ((*local)->Read(0, 1001, read, 4).status().code(), absl::StatusCode::kOutOfRange);
+}
+
 TEST(QuantizedAppendTest, KiviPagesCarryTwoToFiveBitsPerElement) {
   const Prompt p = MakePrompt(2, 2, 2048, 128, 3);
   for (const char* scheme : {"kivi2:g32:r128", "kivi4:g32:r128"}) {
