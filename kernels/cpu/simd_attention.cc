@@ -778,6 +778,59 @@ HWY_INLINE __m256 CodesToFloat8(const uint8_t* HWY_RESTRICT row, int c0) {
   return _mm256_cvtepi32_ps(v);
 }
 
+// Keys the integer path does not take (pre_rope, per-token groups) with
+// uniform packed codes, dequantized for the float tile kernel straight from
+// the bit planes: one FMA per 8 channels, no unpacked byte row. (The
+// DequantizeRows API stays bit-exact with the reference, multiply then add;
+// attention only needs float accuracy.) Sparse outliers are written over
+// their codes' values afterwards, before RoPE, as the reference does.
+template <int kBits, int D>
+HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int row, int m,
+                                   Scratch& sc, float* HWY_RESTRICT kb) {
+  const PageLayout& L = s.layout();
+  const SideLayout& K = L.key;
+  const int g = L.block_tokens;
+  float* p = sc.kparams.data();
+  if (K.axis == ParamAxis::kChannelGroups) {
+    int cur = -1;
+    for (int j = 0; j < m; ++j) {
+      if ((row + j) / g != cur) {
+        cur = (row + j) / g;
+        HalfRowToFloat(L.Params(page, K, cur), 2 * D, p);
+      }
+      const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
+      float* x = kb + static_cast<size_t>(j) * D;
+      for (int c = 0; c < D; c += 8) {
+        _mm256_storeu_ps(x + c, _mm256_fmadd_ps(CodesToFloat8<kBits, D>(codes, c),
+                                                _mm256_loadu_ps(p + c), _mm256_loadu_ps(p + D + c)));
+      }
+    }
+  } else {
+    const int gc = K.group_channels;
+    const int ng = D / gc;
+    for (int j = 0; j < m; ++j) {
+      HalfRowToFloat(L.Params(page, K, row + j), 2 * ng, p);
+      const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
+      float* x = kb + static_cast<size_t>(j) * D;
+      for (int c = 0; c < D; c += 8) {
+        const int grp = c / gc;
+        _mm256_storeu_ps(x + c, _mm256_fmadd_ps(CodesToFloat8<kBits, D>(codes, c),
+                                                _mm256_set1_ps(p[grp]), _mm256_set1_ps(p[ng + grp])));
+      }
+    }
+  }
+  const int k = L.outliers_per_block;
+  if (k == 0) return;
+  for (int b = row / g; b <= (row + m - 1) / g; ++b) {
+    const uint16_t* table = L.Outliers(page, K, b);
+    for (int e = 0; e < k; ++e) {
+      const int r = b * g + table[e] / D;
+      if (r < row || r >= row + m) continue;
+      kb[static_cast<size_t>(r - row) * D + table[e] % D] = HalfToFloat(table[k + e]);
+    }
+  }
+}
+
 // nuq: the levels of channels [c0, c0 + 8) for the codes of one row, exact:
 // a tree of blends on the code bits (each bit shifted into the sign, which is
 // all vblendvps reads) over rows[k][c], level k of every channel.
@@ -967,6 +1020,16 @@ class RowPass {
 #if HWY_TARGET == HWY_AVX2
     fast_ = ChooseFastSides(s);
     outliers_ = s.layout().outliers_per_block > 0;
+    // Uniform packed key codes whose groups are 8-channel aligned (head_dim
+    // 64/128/256 and groups of >= 8 channels): KiviKeyTileToFloat.
+    {
+      const SideLayout& K = s.layout().key;
+      const int d = s.head_dim();
+      plain_key_codes_ = K.format == CodeFormat::kPacked && !s.spec().nuq &&
+                         (d == 64 || d == 128 || d == 256) &&
+                         (K.axis == ParamAxis::kChannelGroups ||
+                          (K.axis == ParamAxis::kTokenGroups && K.group_channels % 8 == 0));
+    }
 #endif
   }
 
@@ -1177,7 +1240,11 @@ class RowPass {
       }
       if (!key_done) {
         float* kb = sc_.kbuf.data();
-        DequantRows(sc_.kctx, page, r, m, kb);
+        if (plain_key_codes_) {
+          KiviKeyTileToFloat<kBits, D>(s_, page, r, m, sc_, kb);
+        } else {
+          DequantRows(sc_.kctx, page, r, m, kb);
+        }
         const float* q = q_;
         if (rope_) {
           RopeTileKeys(*rope_, sc_.rope, kb, m, D);
@@ -1242,6 +1309,7 @@ class RowPass {
     }
   }
   FastSides fast_;
+  bool plain_key_codes_ = false;  // Generic-path keys KiviKeyTileToFloat can take.
   bool outliers_ = false;
   const uint8_t* key_page_ = nullptr;
   int key_block_ = -1;
