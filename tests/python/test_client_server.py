@@ -85,6 +85,19 @@ def test_prefill_fetch_attend_stats_release(client):
     assert K16.shape == (1, HEADS, 100, DIM) and K16.dtype == np.float16
     assert (K16.astype(np.float32) == K[1:, :, 100:200].astype(np.float16).astype(np.float32)).all()
 
+    # Into the caller's arrays, reused: the same values, several messages per layer.
+    Ko = np.full((LAYERS - 1, HEADS, 550, DIM), np.nan, dtype=np.float32)
+    Vo = np.full_like(Ko, np.nan)
+    for _ in range(2):
+        got = client.fetch("p1", layer_begin=1, token_begin=50, dtype="fp32",
+                           max_chunk_bytes=8 << 10, out=(Ko, Vo))
+        assert got[0] is Ko and got[1] is Vo
+        assert (Ko == K[1:, :, 50:600]).all() and (Vo == V[1:, :, 50:600]).all()
+    with pytest.raises(ValueError, match="out V must be a writeable C-contiguous float32"):
+        client.fetch("p1", dtype="fp32", out=(Ko, Vo.astype(np.float16)))
+    with pytest.raises(ValueError, match=r"tokens \[0, 550\), but layer_end is 2 and token_end 100"):
+        client.fetch("p1", layer_begin=1, layer_end=2, token_end=100, dtype="fp32", out=(Ko, Vo))
+
     q = rng.standard_normal((2, QHEADS, DIM)).astype(np.float32)
     [(out, lse)] = client.attend(1, [AttendQuery("p1", q, q_positions=[300, 599])])
     assert out.shape == (2, QHEADS, DIM) and lse.shape == (2, QHEADS)

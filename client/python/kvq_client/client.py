@@ -350,10 +350,18 @@ class KvqClient:
 
     def fetch(self, sequence_id, layer_begin=0, layer_end=0, token_begin=0, token_end=0,
               dtype="fp16", apply_rope=False, max_chunk_bytes=0,
-              progress: Optional[Progress] = None, deadline=None):
+              progress: Optional[Progress] = None, deadline=None, out=None):
         """Dequantized (K, V), each [layers, kv_heads, tokens, head_dim]
         (float16 for 'fp16', float32 for 'fp32' and 'bf16'). Retried as a
-        whole."""
+        whole.
+
+        out=(K, V): arrays the caller owns and may reuse, C-contiguous, of
+        that shape and dtype; their shape sets the range (from layer_begin
+        and token_begin; layer_end / token_end must be 0 or agree). Each
+        message is copied into place as it arrives and (K, V) is returned."""
+        if out is not None:
+            return self._fetch_into(sequence_id, layer_begin, layer_end, token_begin, token_end,
+                                    dtype, apply_rope, max_chunk_bytes, progress, deadline, out)
         request = pb.FetchRequest(layer_begin=layer_begin, layer_end=layer_end,
                                   token_begin=token_begin, token_end=token_end,
                                   dtype=_wire_dtype(dtype), apply_rope=apply_rope,
@@ -372,6 +380,61 @@ class KvqClient:
             return assemble_fetch(pieces)
 
         _, _, K, V = self._call(run, idempotent=True, deadline=deadline)
+        return K, V
+
+    def _fetch_into(self, sequence_id, layer_begin, layer_end, token_begin, token_end, dtype,
+                    apply_rope, max_chunk_bytes, progress, deadline, out):
+        K, V = out
+        want = np.float16 if _wire_dtype(dtype) == pb.DTYPE_FP16 else np.float32
+        for name, a in (("K", K), ("V", V)):
+            if (not isinstance(a, np.ndarray) or a.ndim != 4 or a.dtype != want
+                    or not a.flags.c_contiguous or not a.flags.writeable):
+                raise ValueError(
+                    f"out {name} must be a writeable C-contiguous {np.dtype(want).name} array "
+                    f"[layers, kv_heads, tokens, head_dim], got "
+                    f"{getattr(a, 'dtype', type(a).__name__)} {np.shape(a)}")
+        if K.shape != V.shape:
+            raise ValueError(f"out K {K.shape} and V {V.shape} differ")
+        layers, heads, tokens, d = K.shape
+        if (layer_end not in (0, layer_begin + layers)
+                or token_end not in (0, token_begin + tokens)):
+            raise ValueError(
+                f"out is {K.shape}: layers [{layer_begin}, {layer_begin + layers}) and tokens "
+                f"[{token_begin}, {token_begin + tokens}), but layer_end is {layer_end} and "
+                f"token_end {token_end}")
+        if layers == 0:
+            return K, V
+        request = pb.FetchRequest(layer_begin=layer_begin, layer_end=layer_begin + layers,
+                                  token_begin=token_begin, token_end=token_begin + tokens,
+                                  dtype=_wire_dtype(dtype), apply_rope=apply_rope,
+                                  max_chunk_bytes=max_chunk_bytes)
+        self._ref(sequence_id, request.sequence)
+
+        def run(timeout, _):
+            filled, done = [0] * layers, 0
+            for m in self._stub.FetchDequant(request, timeout=timeout):
+                k = from_tensor(m.k, "k")
+                v = from_tensor(m.v, "v")
+                l, t0 = m.layer - layer_begin, m.token_begin - token_begin
+                n = k.shape[1] if k.ndim == 3 else -1
+                if (k.shape != v.shape or n < 0 or k.shape[0] != heads or k.shape[2] != d
+                        or not 0 <= l < layers or t0 != filled[l] or t0 + n > tokens):
+                    raise KvqError(grpc.StatusCode.DATA_LOSS,
+                                   f"fetch response for layer {m.layer} token {m.token_begin} "
+                                   f"{k.shape} does not continue the range")
+                K[l, :, t0:t0 + n] = k
+                V[l, :, t0:t0 + n] = v
+                filled[l] += n
+                done += len(m.k.data) + len(m.v.data)
+                if progress:
+                    progress(done, 2 * K.nbytes)
+            for l, f in enumerate(filled):
+                if f != tokens:
+                    raise KvqError(grpc.StatusCode.DATA_LOSS,
+                                   f"fetch stream ended with {f} of {tokens} tokens of layer "
+                                   f"{layer_begin + l}")
+
+        self._call(run, idempotent=True, deadline=deadline)
         return K, V
 
     def attend(self, layer, items, softmax_scale=0.0, deadline=None):
