@@ -812,10 +812,11 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
       HalfRowToFloat(L.Params(page, K, row + j), 2 * ng, p);
       const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
       float* x = kb + static_cast<size_t>(j) * D;
-      for (int c = 0; c < D; c += 8) {
-        const int grp = c / gc;
-        _mm256_storeu_ps(x + c, _mm256_fmadd_ps(CodesToFloat8<kBits, D>(codes, c),
-                                                _mm256_set1_ps(p[grp]), _mm256_set1_ps(p[ng + grp])));
+      for (int grp = 0; grp < ng; ++grp) {
+        const __m256 vs = _mm256_set1_ps(p[grp]), vz = _mm256_set1_ps(p[ng + grp]);
+        for (int c = grp * gc; c < (grp + 1) * gc; c += 8) {
+          _mm256_storeu_ps(x + c, _mm256_fmadd_ps(CodesToFloat8<kBits, D>(codes, c), vs, vz));
+        }
       }
     }
   }
