@@ -19,8 +19,15 @@ namespace kvq {
 // group's range the most, so it is the one worth storing exactly; a channel
 // that is large everywhere (a stable outlier channel) scores low, because
 // per-channel scales already absorb it. Ties break to the lower index.
+//
+// Scores are computed with SIMD sorting networks where the group size allows
+// (kernels/cpu/simd_outliers.h) and the top k by selection: the same indices
+// in the same order as SelectOutliersRef, the scalar version, which the
+// tests compare it with.
 std::vector<int> SelectOutliers(const float* block, int rows, int d, const SideLayout& side,
                                 int k);
+std::vector<int> SelectOutliersRef(const float* block, int rows, int d, const SideLayout& side,
+                                   int k);
 
 }  // namespace kvq
 
