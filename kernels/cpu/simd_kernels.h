@@ -44,10 +44,10 @@ void AttendRange(const RangeJob& job);
 void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,
                         int n, float* out);
 
-// KernelBackend::QuantizeRows for fp16, bf16 and uniform kivi/int8 without
-// outliers (same codes as the reference). Returns false, writing nothing, for
-// the other cases (fp8, nuq, outliers), which the caller sends to the
-// reference.
+// KernelBackend::QuantizeRows for fp16, bf16 and uniform kivi/int8, with or
+// without sparse outliers (same codes, parameters and outlier tables as the
+// reference). Returns false, writing nothing, for the other cases (fp8,
+// nuq), which the caller sends to the reference.
 // fp16 <-> float for whole rows, rounding exactly as HalfToFloat /
 // FloatToHalf (IEEE round to nearest even) for finite values.
 void HalfToFloatSimd(const uint16_t* src, size_t n, float* dst);

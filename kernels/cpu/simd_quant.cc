@@ -8,9 +8,11 @@
 //    once per group) and codes with the same rounded division as UniformCode,
 //    vectorized over channels (per-channel keys: one G-row block at a time,
 //    min/max per channel in lanes; per-token groups: one row at a time), then
-//    packs bit planes with shifts (the inverse of the unpack). fp16 uses the
-//    F16C conversion (IEEE round to nearest even, as FloatToHalf) on AVX2;
-//    other targets and the rare cases (fp8, nuq, outliers) use the reference.
+//    packs bit planes with shifts (the inverse of the unpack). Sparse
+//    outliers are chosen by the same SelectOutliers and kept out of the
+//    group ranges by +-inf in copies of the block that feed min / max. fp16
+//    uses the F16C conversion (IEEE round to nearest even, as FloatToHalf)
+//    on AVX2; other targets and the rare cases (fp8, nuq) use the reference.
 
 #include "kernels/cpu/simd_targets.h"
 
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/outliers.h"
 #include "kernels/cpu/quant_math.h"
 #include "kernels/cpu/simd_dequant-inl.h"
 #include "kernels/cpu/simd_kernels.h"
@@ -40,6 +43,10 @@ namespace hn = hwy::HWY_NAMESPACE;
 struct QuantScratch {
   std::vector<uint8_t> codes;  // [rows][d]
   std::vector<float> scale, zero;  // [d] or [groups]
+  // With sparse outliers: the block with +inf (lo) / -inf (hi) at the
+  // outliers, the sources of the group minima / maxima, so the outliers stay
+  // out of the range as in the reference.
+  std::vector<float> lo, hi;
 };
 
 QuantScratch& ThreadQuantScratch() {
@@ -107,12 +114,34 @@ void PackRow(const uint8_t* codes, int n, int bits, uint8_t* row) {
   }
 }
 
+// Sparse outliers of `block` (g rows): the table as the reference writes it,
+// and qs.lo / qs.hi, the block with the outliers masked for min / max.
+void PrepareOutliers(const PageLayout& L, const SideLayout& S, const float* block, uint8_t* page,
+                     int block_index, QuantScratch& qs) {
+  const int g = L.block_tokens;
+  const int d = L.head_dim;
+  const int k = L.outliers_per_block;
+  const size_t size = static_cast<size_t>(g) * d;
+  qs.lo.assign(block, block + size);
+  qs.hi.assign(block, block + size);
+  const std::vector<int> idx = SelectOutliers(block, g, d, S, k);
+  uint16_t* table = L.Outliers(page, S, block_index);
+  for (int e = 0; e < k; ++e) {
+    table[e] = static_cast<uint16_t>(idx[e]);
+    table[k + e] = FloatToHalf(block[idx[e]]);
+    qs.lo[idx[e]] = std::numeric_limits<float>::infinity();
+    qs.hi[idx[e]] = -std::numeric_limits<float>::infinity();
+  }
+}
+
 void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) {
   const PageLayout& L = s.layout();
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
   const int bits = L.bits;
+  const int g = L.block_tokens;
+  const bool outliers = L.outliers_per_block > 0;
   const float topf = static_cast<float>((1 << bits) - 1);
   const hn::ScalableTag<float> df;
   const int N = static_cast<int>(hn::Lanes(df));
@@ -120,26 +149,37 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   QuantScratch& qs = ThreadQuantScratch();
   qs.codes.resize(static_cast<size_t>(d) + N);
   uint8_t* codes = qs.codes.data();
+  // A group whose every element is an outlier gets range [0, 0], as in the
+  // reference (min +inf > max -inf).
+  auto params_of = [&](float mn, float mx) {
+    if (mn > mx) mn = mx = 0.0f;
+    return MakeGroupParams(mn, mx, bits, false);
+  };
   if (S.axis == ParamAxis::kChannelGroups) {
-    const int g = L.block_tokens;
     qs.scale.resize(d);
     qs.zero.resize(d);
     for (int b = 0; b < n / g; ++b) {
       const float* block = rows + static_cast<size_t>(b) * g * d;
+      const float* lo_src = block;
+      const float* hi_src = block;
+      if (outliers) {
+        PrepareOutliers(L, S, block, page, row0 / g + b, qs);
+        lo_src = qs.lo.data();
+        hi_src = qs.hi.data();
+      }
       uint16_t* params = L.Params(page, S, row0 / g + b);
       for (int c = 0; c < d; c += N) {
-        auto mn = hn::LoadU(df, block + c);
-        auto mx = mn;
+        auto mn = hn::LoadU(df, lo_src + c);
+        auto mx = hn::LoadU(df, hi_src + c);
         for (int t = 1; t < g; ++t) {
-          const auto x = hn::LoadU(df, block + static_cast<size_t>(t) * d + c);
-          mn = hn::Min(mn, x);
-          mx = hn::Max(mx, x);
+          mn = hn::Min(mn, hn::LoadU(df, lo_src + static_cast<size_t>(t) * d + c));
+          mx = hn::Max(mx, hn::LoadU(df, hi_src + static_cast<size_t>(t) * d + c));
         }
         alignas(64) float lo[16], hi[16];
         hn::StoreU(mn, df, lo);
         hn::StoreU(mx, df, hi);
         for (int i = 0; i < N; ++i) {
-          const GroupParams p = MakeGroupParams(lo[i], hi[i], bits, false);
+          const GroupParams p = params_of(lo[i], hi[i]);
           params[c + i] = FloatToHalf(p.scale);
           params[d + c + i] = FloatToHalf(p.zero);
           qs.scale[c + i] = p.scale;
@@ -162,17 +202,24 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   const int ng = d / gc;
   for (int r = 0; r < n; ++r) {
     const float* x = rows + static_cast<size_t>(r) * d;
+    const float* lo_src = x;
+    const float* hi_src = x;
+    if (outliers && r / g < n / g) {  // Outliers live in whole blocks only.
+      if (r % g == 0) PrepareOutliers(L, S, x, page, row0 / g + r / g, qs);
+      lo_src = qs.lo.data() + static_cast<size_t>(r % g) * d;
+      hi_src = qs.hi.data() + static_cast<size_t>(r % g) * d;
+    }
     uint16_t* params = L.Params(page, S, row0 + r);
     for (int j = 0; j < ng; ++j) {
       const float* xg = x + j * gc;
-      auto mn = hn::LoadU(df, xg);
-      auto mx = mn;
+      auto mn = hn::LoadU(df, lo_src + j * gc);
+      auto mx = hn::LoadU(df, hi_src + j * gc);
       for (int c = N; c < gc; c += N) {
-        mn = hn::Min(mn, hn::LoadU(df, xg + c));
-        mx = hn::Max(mx, hn::LoadU(df, xg + c));
+        mn = hn::Min(mn, hn::LoadU(df, lo_src + j * gc + c));
+        mx = hn::Max(mx, hn::LoadU(df, hi_src + j * gc + c));
       }
-      const GroupParams p = MakeGroupParams(hn::GetLane(hn::MinOfLanes(df, mn)),
-                                            hn::GetLane(hn::MaxOfLanes(df, mx)), bits, false);
+      const GroupParams p = params_of(hn::GetLane(hn::MinOfLanes(df, mn)),
+                                      hn::GetLane(hn::MaxOfLanes(df, mx)));
       params[j] = FloatToHalf(p.scale);
       params[ng + j] = FloatToHalf(p.zero);
       const auto vs = hn::Set(df, p.scale);
@@ -225,7 +272,7 @@ bool QuantizeRowsImpl(const KvStream& s, Side side, const float* rows, int n, ui
     }
     case CodeFormat::kInt8:
     case CodeFormat::kPacked:
-      if (s.spec().nuq || s.layout().outliers_per_block > 0) return false;
+      if (s.spec().nuq) return false;
       QuantizeAffine(s, side, rows, n, page, row0);
       return true;
     case CodeFormat::kFp8E4m3:
