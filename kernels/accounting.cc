@@ -42,10 +42,8 @@ ByteBreakdown StreamBytes(const StreamConfig& config, const PageLayout& layout, 
   const int blocks = quantized / layout.block_tokens;
   for (const SideLayout* s : {&layout.key, &layout.value}) {
     b.codes += static_cast<size_t>(quantized) * s->code_row_bytes;
-    if (s->axis == ParamAxis::kChannelGroups) {
-      b.scales += static_cast<size_t>(blocks) * 2 * d * 2;
-    } else if (s->axis == ParamAxis::kTokenGroups) {
-      b.scales += static_cast<size_t>(quantized) * 2 * s->groups_per_token(d) * 2;
+    if (s->axis != ParamAxis::kNone) {
+      b.scales += static_cast<size_t>(blocks) * layout.ParamBlockBytes(*s);
     }
     b.outliers += static_cast<size_t>(blocks) * layout.outliers_per_block * 4;
   }
@@ -81,8 +79,7 @@ double NominalBitsPerElement(const StreamConfig& config) {
   double bits = 0.0;
   for (const SideLayout* s : {&layout->key, &layout->value}) {
     bits += 8.0 * s->code_row_bytes / d;
-    if (s->axis == ParamAxis::kChannelGroups) bits += 32.0 / g;
-    if (s->axis == ParamAxis::kTokenGroups) bits += 32.0 * s->groups_per_token(d) / d;
+    if (s->axis != ParamAxis::kNone) bits += 8.0 * layout->ParamBlockBytes(*s) / (g * d);
     bits += 32.0 * layout->outliers_per_block / (g * d);
   }
   return bits / 2.0;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/simd_kernels.h"
+#include "kernels/group_params.h"
 #include "kernels/numeric.h"
 #include "kernels/status_macros.h"
 
@@ -379,7 +380,7 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
       if (copy_pages && t >= sink_tokens() && t - page_base() < quantized_tokens_) {
         const int u = t - page_base();
         const int row = u % pt;
-        count = std::min(end - t, pt - row);
+        count = std::min({end - t, pt - row, quantized_tokens_ - u});
         for (int i = 0; i < count; ++i) {
           std::memcpy(out.row(t + i - begin), PageLayout::CodeRow(pages_[u / pt], S, row + i),
                       S.code_row_bytes);
@@ -397,7 +398,9 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
       } else if (t - page_base() < quantized_tokens_) {
         const int u = t - page_base();
         const int row = u % pt;
-        count = std::min(end - t, pt - row);
+        // A page may be quantized only partly (a flush smaller than a page):
+        // the rest of the range is in the tail.
+        count = std::min({end - t, pt - row, quantized_tokens_ - u});
         backend_->DequantizeRows(*this, side, pages_[u / pt], row, count, rows.data());
       } else {
         RowToFloat(tail_row(side, t - page_base() - quantized_tokens_), DType::kFloat16, d,
@@ -448,17 +451,8 @@ absl::Status CheckPage(const PageLayout& L, const uint8_t* page, int rows, int i
         }
       }
     }
-    if (S.axis == ParamAxis::kNone) continue;
-    const int entries = S.axis == ParamAxis::kChannelGroups ? rows / L.block_tokens : rows;
-    const int n = L.ParamsPerEntry(S);
-    for (int e = 0; e < entries; ++e) {
-      const uint16_t* p = L.Params(page, S, e);
-      for (int i = 0; i < n; ++i) {
-        if (!FiniteHalf(p[i]) || ((p[i] & 0x8000u) != 0 && (p[i] & 0x7fffu) != 0)) {
-          return bad(name, absl::StrCat("scale ", i, " must be finite and >= 0"), e);
-        }
-        if (!FiniteHalf(p[n + i])) return bad(name, absl::StrCat("zero point ", i, " is not finite"), e);
-      }
+    if (absl::Status st = CheckGroupParams(L, S, page, rows); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("page ", index, " ", name, " ", st.message()));
     }
     for (int b = 0; b < rows / L.block_tokens && L.outliers_per_block > 0; ++b) {
       const uint16_t* t = L.Outliers(page, S, b);

@@ -9,7 +9,7 @@
 namespace kvq {
 namespace {
 
-size_t AlignUp(size_t n) { return (n + kPageAlign - 1) / kPageAlign * kPageAlign; }
+size_t AlignUp(size_t n, size_t align) { return (n + align - 1) / align * align; }
 
 // Plane widths (bits) that make up a b-bit code.
 int PlaneCount(int bits) { return bits == 3 ? 2 : 1; }
@@ -116,6 +116,7 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
       case SchemeKind::kKivi:
         s.format = CodeFormat::kPacked;
         s.code_row_bytes = static_cast<size_t>(d) * spec.bits / 8;
+        s.param_bits = spec.param_bits;
         if (is_key && spec.key_axis == KeyAxis::kPerChannel) {
           s.axis = ParamAxis::kChannelGroups;
         } else {
@@ -131,26 +132,33 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
     l.outliers_per_block = static_cast<int>(
         std::ceil(spec.outlier_percent / 100.0 * l.block_tokens * d - 1e-9));
   }
+  // Code rows start on a cache line (the kernels stream them); parameter and
+  // outlier tables are read as bytes and 16-bit words, so they need only
+  // kTableAlign and pack behind the codes instead of padding each to a line.
   size_t offset = 0;
   size_t used = 0;
-  auto place = [&](size_t bytes) {
-    const size_t at = offset;
-    offset = AlignUp(offset + bytes);
+  auto place = [&](size_t bytes, size_t align) {
+    const size_t at = AlignUp(offset, align);
+    offset = at + bytes;
     used += bytes;
     return at;
   };
+  // Both sides' code rows first: their sizes are multiples of 64 bytes
+  // (page_tokens >= 32 rows of an even number of bytes), so the tables that
+  // follow share one alignment gap at the end of the page.
   for (SideLayout* s : {&l.key, &l.value}) {
-    s->codes_offset = place(s->code_row_bytes * t);
-    if (s->axis == ParamAxis::kChannelGroups) {
-      s->params_bytes = static_cast<size_t>(l.blocks_per_page()) * 2 * d * 2;
-    } else if (s->axis == ParamAxis::kTokenGroups) {
-      s->params_bytes = static_cast<size_t>(t) * 2 * s->groups_per_token(d) * 2;
+    s->codes_offset = place(s->code_row_bytes * t, kPageAlign);
+  }
+  for (SideLayout* s : {&l.key, &l.value}) {
+    if (s->axis != ParamAxis::kNone) {
+      s->params_bytes = static_cast<size_t>(l.blocks_per_page()) * l.ParamBlockBytes(*s);
     }
-    if (s->params_bytes) s->params_offset = place(s->params_bytes);
+    if (s->params_bytes) s->params_offset = place(s->params_bytes, kTableAlign);
     s->outliers_bytes =
         static_cast<size_t>(l.blocks_per_page()) * l.outliers_per_block * 2 * 2;
-    if (s->outliers_bytes) s->outliers_offset = place(s->outliers_bytes);
+    if (s->outliers_bytes) s->outliers_offset = place(s->outliers_bytes, kTableAlign);
   }
+  offset = AlignUp(offset, kPageAlign);
   l.page_bytes = offset;
   l.padding_bytes = offset - used;
   return l;

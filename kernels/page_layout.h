@@ -2,7 +2,8 @@
 //
 // A page holds `page_tokens` consecutive tokens of one (layer, KV head)
 // stream: key codes, value codes, their scales/zero points and the sparse
-// outlier tables, each section aligned to kPageAlign bytes. The reference
+// outlier tables (code sections aligned to kPageAlign bytes, tables to
+// kTableAlign, the page size a multiple of kPageAlign). The reference
 // kernels, the SIMD kernels and the CUDA kernels all address pages only
 // through this struct, so the offset math exists exactly once.
 //
@@ -23,16 +24,23 @@
 
 namespace kvq {
 
+// Pages and their code sections start on a cache line; parameter and
+// outlier tables only on kTableAlign.
 inline constexpr size_t kPageAlign = 64;
+inline constexpr size_t kTableAlign = 8;
 
 enum class Side { kKey = 0, kValue = 1 };
 
 // How one side's codes are parameterised.
 enum class ParamAxis {
   kNone,           // fp16 / bf16 / fp8: no per-page parameters.
-  kChannelGroups,  // Per channel, per G-token block: scale[D], zero[D] (fp16).
+  kChannelGroups,  // Per channel, per G-token block: scale[D], zero[D].
   kTokenGroups,    // Per token, per group of group_channels: scale[n], zero[n].
 };
+
+// Size of one p8 parameter block's header: fp16 scale step, zero base and
+// zero step, and two bytes of padding (see kernels/group_params.h).
+inline constexpr size_t kParams8HeaderBytes = 8;
 
 enum class CodeFormat { kFp16, kBf16, kInt8, kFp8E4m3, kPacked };
 
@@ -40,6 +48,7 @@ struct SideLayout {
   CodeFormat format = CodeFormat::kFp16;
   ParamAxis axis = ParamAxis::kNone;
   int group_channels = 0;  // kTokenGroups: channels per group.
+  int param_bits = 16;     // 16: fp16 scale/zero; 8: p8 blocks (group_params.h).
   size_t codes_offset = 0;
   size_t code_row_bytes = 0;
   size_t params_offset = 0;
@@ -77,6 +86,7 @@ struct PageLayout {
   static const uint8_t* CodeRow(const uint8_t* page, const SideLayout& s, int row) {
     return page + s.codes_offset + static_cast<size_t>(row) * s.code_row_bytes;
   }
+  // fp16 parameters (param_bits 16) only:
   // kChannelGroups: scale[head_dim] then zero[head_dim] of block `block`.
   // kTokenGroups:   scale[n] then zero[n] of token `row`.
   uint16_t* Params(uint8_t* page, const SideLayout& s, int block_or_row) const {
@@ -89,6 +99,24 @@ struct PageLayout {
   }
   int ParamsPerEntry(const SideLayout& s) const {
     return s.axis == ParamAxis::kChannelGroups ? head_dim : s.groups_per_token(head_dim);
+  }
+  // Parameter entries of one block: the block itself for channel groups,
+  // its block_tokens rows for token groups.
+  int EntriesPerBlock(const SideLayout& s) const {
+    return s.axis == ParamAxis::kChannelGroups ? 1 : block_tokens;
+  }
+  // Bytes of one block's parameters, in either format.
+  size_t ParamBlockBytes(const SideLayout& s) const {
+    const size_t groups = static_cast<size_t>(EntriesPerBlock(s)) * ParamsPerEntry(s);
+    return s.param_bits == 8 ? kParams8HeaderBytes + 2 * groups : 4 * groups;
+  }
+  // Parameters of block `block` (either format: for fp16 this is
+  // Params(page, s, first entry of the block)).
+  uint8_t* ParamBlock(uint8_t* page, const SideLayout& s, int block) const {
+    return page + s.params_offset + static_cast<size_t>(block) * ParamBlockBytes(s);
+  }
+  const uint8_t* ParamBlock(const uint8_t* page, const SideLayout& s, int block) const {
+    return page + s.params_offset + static_cast<size_t>(block) * ParamBlockBytes(s);
   }
   // Outlier table of block `block`: index[k] (t_in_block * head_dim + channel)
   // then value[k] (fp16).

@@ -61,7 +61,7 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       return Bad(text, absl::StrCat("option \"", opt, "\" applies only to kivi schemes"));
     }
     std::string key(opt.substr(0, opt.find('=')));
-    if (opt.size() > 1 && (opt[0] == 'g' || opt[0] == 'r') &&
+    if (opt.size() > 1 && (opt[0] == 'g' || opt[0] == 'r' || opt[0] == 'p') &&
         std::isdigit(static_cast<unsigned char>(opt[1]))) {
       key = std::string(opt.substr(0, 1));
     }
@@ -72,6 +72,10 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       if (!ParseInt(opt.substr(1), &spec.group)) return Bad(text, "g needs an integer, e.g. g32");
     } else if (key == "r") {
       if (!ParseInt(opt.substr(1), &spec.residual)) return Bad(text, "r needs an integer, e.g. r128");
+    } else if (key == "p") {
+      if (!ParseInt(opt.substr(1), &spec.param_bits)) {
+        return Bad(text, "p needs the parameter bits, p8 or p16");
+      }
     } else if (opt == "pre_rope") {
       spec.pre_rope = true;
     } else if (opt == "nuq") {
@@ -91,7 +95,7 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       }
     } else {
       return Bad(text, absl::StrCat("unknown option \"", opt,
-                                    "\"; expected gN, rN, pre_rope, outliers=P, "
+                                    "\"; expected gN, rN, p8, pre_rope, outliers=P, "
                                     "sink=S, nuq, rotate or ktok"));
     }
   }
@@ -121,6 +125,10 @@ absl::Status QuantSpec::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "residual r must be a multiple of g=", group, " in [0, 4096], got ", residual));
   }
+  if (param_bits != 8 && param_bits != 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group parameter bits p must be 8 or 16, got ", param_bits));
+  }
   if (!(outlier_percent >= 0.0 && outlier_percent <= 10.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("outliers must be in (0, 10] percent, got ", outlier_percent));
@@ -145,6 +153,7 @@ std::string QuantSpec::ToString() const {
     case SchemeKind::kKivi: break;
   }
   std::string out = absl::StrCat("kivi", bits, ":g", group, ":r", residual);
+  if (param_bits == 8) absl::StrAppend(&out, ":p8");
   if (pre_rope) absl::StrAppend(&out, ":pre_rope");
   if (has_outliers()) absl::StrAppend(&out, ":outliers=", outlier_percent);
   if (sink > 0) absl::StrAppend(&out, ":sink=", sink);

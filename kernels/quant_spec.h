@@ -10,6 +10,10 @@
 //                 group); power of two in [8, 256]; default 32
 //     rN          fp16 residual window R; multiple of G, <= 4096; default 128;
 //                 r0 keeps only the unfinished group (< G tokens) in fp16
+//     p8          group scales and zero points as 8-bit codes under one fp16
+//                 step/base header per block (double quantization, as in
+//                 llama.cpp's k-quants and QLoRA); p16 (default) stores them
+//                 in fp16
 //     pre_rope    keys are appended before RoPE; RoPE is applied in attention
 //                 and on fetch
 //     outliers=P  per quantization block the P% largest deviations are kept
@@ -18,8 +22,8 @@
 //     nuq         non-uniform levels from a per-channel k-means codebook
 //     rotate      randomized Hadamard transform over head_dim
 //     ktok        keys per-token instead of per-channel (for ablations)
-// ToString() prints the canonical form: base, g and r (for kivi), then the
-// options in the order above.
+// ToString() prints the canonical form: base, g and r (for kivi), p8 when
+// set, then the options in the order above.
 #ifndef KVQ_KERNELS_QUANT_SPEC_H_
 #define KVQ_KERNELS_QUANT_SPEC_H_
 
@@ -44,6 +48,7 @@ struct QuantSpec {
   int bits = 16;        // Bits per code: 16, 8, 4, 3 or 2.
   int group = 32;       // G, kivi only.
   int residual = 128;   // R, kivi only.
+  int param_bits = 16;  // 16: fp16 scale/zero per group; 8: p8 (kivi only).
   KeyAxis key_axis = KeyAxis::kPerChannel;
   bool pre_rope = false;
   double outlier_percent = 0.0;

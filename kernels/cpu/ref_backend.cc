@@ -11,6 +11,7 @@
 #include "kernels/cpu/outliers.h"
 #include "kernels/cpu/ref_kernels.h"
 #include "kernels/cpu/quant_math.h"
+#include "kernels/group_params.h"
 #include "kernels/numeric.h"
 
 namespace kvq {
@@ -67,38 +68,45 @@ void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, u
     return std::make_pair(mn, mx);
   };
 
-  if (S.axis == ParamAxis::kChannelGroups) {
-    for (int b = 0; b < n / g; ++b) {
-      uint16_t* params = L.Params(page, S, (row0 / g) + b);
-      for (int c = 0; c < d; ++c) {
-        auto [mn, mx] = group_minmax([&](auto&& f) {
-          for (int t = 0; t < g; ++t) f(static_cast<size_t>(b * g + t) * d + c);
-        });
-        const GroupParams p = MakeGroupParams(mn, mx, bits, nuq);
-        params[c] = FloatToHalf(p.scale);
-        params[d + c] = FloatToHalf(p.zero);
-        for (int t = 0; t < g; ++t) {
-          const size_t i = static_cast<size_t>(b * g + t) * d + c;
-          codes[i] = code_of(rows[i], p, c);
-        }
-      }
-    }
-  } else {
-    const int gc = S.group_channels;
-    const int ng = d / gc;
-    for (int r = 0; r < n; ++r) {
-      uint16_t* params = L.Params(page, S, row0 + r);
-      for (int j = 0; j < ng; ++j) {
-        auto [mn, mx] = group_minmax([&](auto&& f) {
+  // Parameters are set per entry range: a block of channel groups, or token
+  // rows one at a time (fp16 parameters) or a block at a time (p8, whose
+  // header spans the block). Each group's range first, then the parameters,
+  // then the codes from what a reader will decode.
+  const bool channels = S.axis == ParamAxis::kChannelGroups;
+  const int np = L.ParamsPerEntry(S);
+  const int step = channels ? g : (S.param_bits == 8 ? g : 1);  // Rows per range.
+  const int gc = channels ? 1 : S.group_channels;
+  std::vector<float> lo, hi, scale, zero;
+  for (int r0 = 0; r0 < n; r0 += step) {
+    const int entries = channels ? 1 : step;
+    lo.assign(static_cast<size_t>(entries) * np, 0.0f);
+    hi.assign(lo.size(), 0.0f);
+    scale.assign(lo.size(), 0.0f);
+    zero.assign(lo.size(), 0.0f);
+    // Element i of row r (relative to r0) lies in group k of the range.
+    auto group_of = [&](int r, int c) {
+      return channels ? c : r * np + c / gc;
+    };
+    for (int k = 0; k < entries * np; ++k) {
+      auto [mn, mx] = group_minmax([&](auto&& f) {
+        if (channels) {
+          for (int t = 0; t < g; ++t) f(static_cast<size_t>(r0 + t) * d + k);
+        } else {
+          const int r = r0 + k / np;
+          const int j = k % np;
           for (int c = j * gc; c < (j + 1) * gc; ++c) f(static_cast<size_t>(r) * d + c);
-        });
-        const GroupParams p = MakeGroupParams(mn, mx, bits, nuq);
-        params[j] = FloatToHalf(p.scale);
-        params[ng + j] = FloatToHalf(p.zero);
-        for (int c = j * gc; c < (j + 1) * gc; ++c) {
-          const size_t i = static_cast<size_t>(r) * d + c;
-          codes[i] = code_of(rows[i], p, c);
         }
+      });
+      lo[k] = mn;
+      hi[k] = mx;
+    }
+    StoreGroupParams(L, S, page, channels ? (row0 + r0) / g : row0 + r0, entries, lo.data(),
+                     hi.data(), nuq, scale.data(), zero.data());
+    for (int r = 0; r < step; ++r) {
+      for (int c = 0; c < d; ++c) {
+        const size_t i = static_cast<size_t>(r0 + r) * d + c;
+        const int k = group_of(r, c);
+        codes[i] = code_of(rows[i], GroupParams{scale[k], zero[k]}, c);
       }
     }
   }
@@ -120,21 +128,17 @@ void DequantizeAffineRef(const KvStream& s, Side side, const uint8_t* page, int 
     for (int c = 0; c < d; ++c) levels.push_back(ChannelLevels(s, side, c));
   }
   const int g = L.block_tokens;
+  const bool channels = S.axis == ParamAxis::kChannelGroups;
+  const int np = L.ParamsPerEntry(S);
   std::vector<uint8_t> codes(d);
+  std::vector<float> params(2 * np);  // scale[np] then zero[np] of the row's entry.
   for (int r = 0; r < n; ++r) {
     const int row = row0 + r;
     UnpackCodes(PageLayout::CodeRow(page, S, row), d, bits, codes.data());
+    LoadGroupParams(L, S, page, channels ? row / g : row, 1, params.data());
     for (int c = 0; c < d; ++c) {
-      GroupParams p;
-      if (S.axis == ParamAxis::kChannelGroups) {
-        const uint16_t* params = L.Params(page, S, row / g);
-        p = {HalfToFloat(params[c]), HalfToFloat(params[d + c])};
-      } else {
-        const int ng = d / S.group_channels;
-        const uint16_t* params = L.Params(page, S, row);
-        const int j = c / S.group_channels;
-        p = {HalfToFloat(params[j]), HalfToFloat(params[ng + j])};
-      }
+      const int k = channels ? c : c / S.group_channels;
+      const GroupParams p{params[k], params[np + k]};
       const float level = nuq ? levels[c][codes[c]] : static_cast<float>(codes[c]);
       out[static_cast<size_t>(r) * d + c] = p.zero + p.scale * level;
     }

@@ -66,6 +66,7 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
 constexpr int kTile = 32;             // Tokens per tile.
+constexpr int kMaxValueGroups = 32;   // head_dim 256 / the smallest group, 8.
 constexpr int kSLd = kTile + 16;      // Leading dimension of score rows (padding).
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -668,7 +669,7 @@ HWY_NOINLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block
   const float mid = 0.5f * static_cast<float>((1 << L.bits) - 1);
   float* scale = sc.kparams.data();
   float* zero = scale + D;
-  HalfRowToFloat(L.Params(page, L.key, block), 2 * D, scale);
+  LoadParams(L, L.key, page, block, 1, scale);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int r = 0; r < R; ++r) {
     const float* qr = q + r * D;
@@ -796,7 +797,7 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
     for (int j = 0; j < m; ++j) {
       if ((row + j) / g != cur) {
         cur = (row + j) / g;
-        HalfRowToFloat(L.Params(page, K, cur), 2 * D, p);
+        LoadParams(L, K, page, cur, 1, p);
       }
       const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
       float* x = kb + static_cast<size_t>(j) * D;
@@ -809,7 +810,7 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
     const int gc = K.group_channels;
     const int ng = D / gc;
     for (int j = 0; j < m; ++j) {
-      HalfRowToFloat(L.Params(page, K, row + j), 2 * ng, p);
+      LoadParams(L, K, page, row + j, 1, p);
       const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
       float* x = kb + static_cast<size_t>(j) * D;
       for (int grp = 0; grp < ng; ++grp) {
@@ -928,7 +929,7 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
   // transpose per 8 tokens when 2 * ng == 8, the common case).
   float* flat = sc.vbuf.data();
   const int np = 2 * ng;
-  HalfRowToFloat(L.Params(page, V, row), n * np, flat);
+  LoadParams(L, V, page, row, n, flat);
   const int npad = (n + 7) / 8 * 8;
   for (int i = n * np; i < npad * np; ++i) flat[i] = 0.0f;
   if (np == 8) {
@@ -1091,8 +1092,10 @@ class RowPass {
       for (size_t i = 0; i < bytes; i += 64) hwy::Prefetch(c + i);
     };
     lines(PageLayout::CodeRow(page, L.value, row), L.value.code_row_bytes * m);
-    if (L.value.axis == ParamAxis::kTokenGroups) {
+    if (L.value.axis == ParamAxis::kTokenGroups && L.value.param_bits == 16) {
       lines(L.Params(page, L.value, row), sizeof(uint16_t) * 2 * L.ParamsPerEntry(L.value) * m);
+    } else if (L.value.axis == ParamAxis::kTokenGroups) {
+      lines(L.ParamBlock(page, L.value, row / L.block_tokens), L.ParamBlockBytes(L.value));
     }
     if (n_left > m) {
       lines(PageLayout::CodeRow(page, L.key, row + m), L.key.code_row_bytes * std::min(kTile, n_left - m));
@@ -1300,11 +1303,12 @@ class RowPass {
       const int tt = tab[e] / D - first;
       if (tt < 0 || tt >= m) continue;
       const int c = tab[e] % D;
-      const uint16_t* p = L.Params(page, L.value, row + tt);
+      float p[2 * kMaxValueGroups];  // scale[ng] then zero[ng] of the row.
+      LoadParams(L, L.value, page, row + tt, 1, p);
       const int code = CodeAt<kBits, D>(PageLayout::CodeRow(page, L.value, row + tt), c);
       const float level = nuq ? sc_.vctx.level_table[static_cast<size_t>(c) * sc_.vctx.levels + code]
                               : static_cast<float>(code);
-      const float deq = HalfToFloat(p[ng + c / gc]) + HalfToFloat(p[c / gc]) * level;
+      const float deq = p[ng + c / gc] + p[c / gc] * level;
       const float diff = HalfToFloat(tab[k + e]) - deq;
       for (int r = 0; r < R; ++r) acc[r * D + c] += P[r * kSLd + tt] * diff;
     }

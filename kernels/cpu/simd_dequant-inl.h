@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "hwy/highway.h"
+#include "kernels/group_params.h"
 #include "kernels/kv_stream.h"
 #include "kernels/numeric.h"
 #include "kernels/page_layout.h"
@@ -52,6 +53,18 @@ HWY_INLINE void HalfRowToFloat(const uint16_t* HWY_RESTRICT src, int n,
                df, dst + c);
   }
   for (; c < n; ++c) dst[c] = HalfToFloat(src[c]);
+}
+
+// Group parameters of `entries` entries from `entry` as floats, per entry
+// scale[n] then zero[n]: fp16 ones converted here, p8 ones decoded by the
+// shared scalar code (a few bytes per block; exact either way).
+HWY_INLINE void LoadParams(const PageLayout& L, const SideLayout& S, const uint8_t* page,
+                           int entry, int entries, float* HWY_RESTRICT out) {
+  if (S.param_bits == 16) {
+    HalfRowToFloat(L.Params(page, S, entry), 2 * L.ParamsPerEntry(S) * entries, out);
+  } else {
+    LoadGroupParams(L, S, page, entry, entries, out);
+  }
 }
 
 HWY_INLINE void Bf16RowToFloat(const uint16_t* HWY_RESTRICT src, int n,
@@ -287,7 +300,7 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
     if (S.axis == ParamAxis::kChannelGroups) {
       if (row / g != cur_block) {
         cur_block = row / g;
-        HalfRowToFloat(L.Params(page, S, cur_block), 2 * d, scale);
+        LoadParams(L, S, page, cur_block, 1, scale);
       }
       int c = 0;
       if (lv > 0) {
@@ -304,7 +317,7 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
       const int ng = d / gc;
       // This row's scales then zeros, converted at once.
       float* pr = ctx.params.data();
-      HalfRowToFloat(L.Params(page, S, row), 2 * ng, pr);
+      LoadParams(L, S, page, row, 1, pr);
       for (int j = 0; j < ng; ++j) {
         const float sj = pr[j];
         const float zj = pr[ng + j];

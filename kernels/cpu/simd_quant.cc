@@ -4,8 +4,8 @@
 // Both produce exactly what the reference produces:
 //  * dequantization is simd_dequant-inl.h (same conversions, multiply then
 //    add, -ffp-contract=off);
-//  * quantization computes group parameters with MakeGroupParams (scalar,
-//    once per group) and codes with the same rounded division as UniformCode,
+//  * quantization computes group parameters with StoreGroupParams (scalar,
+//    once per group or p8 block, shared with the reference) and codes with the same rounded division as UniformCode,
 //    vectorized over channels (per-channel keys: one G-row block at a time,
 //    min/max per channel in lanes; per-token groups: one row at a time), then
 //    packs bit planes with shifts (the inverse of the unpack). Sparse
@@ -30,6 +30,7 @@
 #include "kernels/cpu/quant_math.h"
 #include "kernels/cpu/simd_dequant-inl.h"
 #include "kernels/cpu/simd_kernels.h"
+#include "kernels/group_params.h"
 #include "kernels/numeric.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -43,6 +44,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 struct QuantScratch {
   std::vector<uint8_t> codes;  // [rows][d]
   std::vector<float> scale, zero;  // [d] or [groups]
+  std::vector<float> glo, ghi;     // Each group's range, as scale / zero.
   // With sparse outliers: the block with +inf (lo) / -inf (hi) at the
   // outliers, the sources of the group minima / maxima, so the outliers stay
   // out of the range as in the reference.
@@ -149,15 +151,11 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   QuantScratch& qs = ThreadQuantScratch();
   qs.codes.resize(static_cast<size_t>(d) + N);
   uint8_t* codes = qs.codes.data();
-  // A group whose every element is an outlier gets range [0, 0], as in the
-  // reference (min +inf > max -inf).
-  auto params_of = [&](float mn, float mx) {
-    if (mn > mx) mn = mx = 0.0f;
-    return MakeGroupParams(mn, mx, bits, false);
-  };
   if (S.axis == ParamAxis::kChannelGroups) {
     qs.scale.resize(d);
     qs.zero.resize(d);
+    qs.glo.resize(d);
+    qs.ghi.resize(d);
     for (int b = 0; b < n / g; ++b) {
       const float* block = rows + static_cast<size_t>(b) * g * d;
       const float* lo_src = block;
@@ -167,7 +165,6 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
         lo_src = qs.lo.data();
         hi_src = qs.hi.data();
       }
-      uint16_t* params = L.Params(page, S, row0 / g + b);
       for (int c = 0; c < d; c += N) {
         auto mn = hn::LoadU(df, lo_src + c);
         auto mx = hn::LoadU(df, hi_src + c);
@@ -175,17 +172,11 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
           mn = hn::Min(mn, hn::LoadU(df, lo_src + static_cast<size_t>(t) * d + c));
           mx = hn::Max(mx, hn::LoadU(df, hi_src + static_cast<size_t>(t) * d + c));
         }
-        alignas(64) float lo[16], hi[16];
-        hn::StoreU(mn, df, lo);
-        hn::StoreU(mx, df, hi);
-        for (int i = 0; i < N; ++i) {
-          const GroupParams p = params_of(lo[i], hi[i]);
-          params[c + i] = FloatToHalf(p.scale);
-          params[d + c + i] = FloatToHalf(p.zero);
-          qs.scale[c + i] = p.scale;
-          qs.zero[c + i] = p.zero;
-        }
+        hn::StoreU(mn, df, qs.glo.data() + c);
+        hn::StoreU(mx, df, qs.ghi.data() + c);
       }
+      StoreGroupParams(L, S, page, row0 / g + b, 1, qs.glo.data(), qs.ghi.data(), false,
+                       qs.scale.data(), qs.zero.data());
       for (int t = 0; t < g; ++t) {
         const float* x = block + static_cast<size_t>(t) * d;
         for (int c = 0; c < d; c += N) {
@@ -200,33 +191,46 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   }
   const int gc = S.group_channels;
   const int ng = d / gc;
-  for (int r = 0; r < n; ++r) {
-    const float* x = rows + static_cast<size_t>(r) * d;
-    const float* lo_src = x;
-    const float* hi_src = x;
-    if (outliers && r / g < n / g) {  // Outliers live in whole blocks only.
-      if (r % g == 0) PrepareOutliers(L, S, x, page, row0 / g + r / g, qs);
-      lo_src = qs.lo.data() + static_cast<size_t>(r % g) * d;
-      hi_src = qs.hi.data() + static_cast<size_t>(r % g) * d;
-    }
-    uint16_t* params = L.Params(page, S, row0 + r);
-    for (int j = 0; j < ng; ++j) {
-      const float* xg = x + j * gc;
-      auto mn = hn::LoadU(df, lo_src + j * gc);
-      auto mx = hn::LoadU(df, hi_src + j * gc);
-      for (int c = N; c < gc; c += N) {
-        mn = hn::Min(mn, hn::LoadU(df, lo_src + j * gc + c));
-        mx = hn::Max(mx, hn::LoadU(df, hi_src + j * gc + c));
+  // fp16 parameters are set a row at a time; p8 a block at a time (its
+  // header spans the block's rows).
+  const int step = S.param_bits == 8 ? g : 1;
+  qs.glo.resize(static_cast<size_t>(step) * ng);
+  qs.ghi.resize(qs.glo.size());
+  qs.scale.resize(qs.glo.size());
+  qs.zero.resize(qs.glo.size());
+  for (int r0 = 0; r0 < n; r0 += step) {
+    for (int r = r0; r < r0 + step; ++r) {
+      const float* lo_src = rows + static_cast<size_t>(r) * d;
+      const float* hi_src = lo_src;
+      if (outliers && r / g < n / g) {  // Outliers live in whole blocks only.
+        if (r % g == 0) PrepareOutliers(L, S, lo_src, page, row0 / g + r / g, qs);
+        lo_src = qs.lo.data() + static_cast<size_t>(r % g) * d;
+        hi_src = qs.hi.data() + static_cast<size_t>(r % g) * d;
       }
-      const GroupParams p = params_of(hn::GetLane(hn::MinOfLanes(df, mn)),
-                                      hn::GetLane(hn::MaxOfLanes(df, mx)));
-      params[j] = FloatToHalf(p.scale);
-      params[ng + j] = FloatToHalf(p.zero);
-      const auto vs = hn::Set(df, p.scale);
-      const auto vz = hn::Set(df, p.zero);
-      for (int c = 0; c < gc; c += N) StoreCodes(CodeOf(hn::LoadU(df, xg + c), vs, vz, vtop), codes + j * gc + c);
+      for (int j = 0; j < ng; ++j) {
+        auto mn = hn::LoadU(df, lo_src + j * gc);
+        auto mx = hn::LoadU(df, hi_src + j * gc);
+        for (int c = N; c < gc; c += N) {
+          mn = hn::Min(mn, hn::LoadU(df, lo_src + j * gc + c));
+          mx = hn::Max(mx, hn::LoadU(df, hi_src + j * gc + c));
+        }
+        qs.glo[(r - r0) * ng + j] = hn::GetLane(hn::MinOfLanes(df, mn));
+        qs.ghi[(r - r0) * ng + j] = hn::GetLane(hn::MaxOfLanes(df, mx));
+      }
     }
-    PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + r));
+    StoreGroupParams(L, S, page, row0 + r0, step, qs.glo.data(), qs.ghi.data(), false,
+                     qs.scale.data(), qs.zero.data());
+    for (int r = r0; r < r0 + step; ++r) {
+      const float* x = rows + static_cast<size_t>(r) * d;
+      for (int j = 0; j < ng; ++j) {
+        const auto vs = hn::Set(df, qs.scale[(r - r0) * ng + j]);
+        const auto vz = hn::Set(df, qs.zero[(r - r0) * ng + j]);
+        for (int c = 0; c < gc; c += N) {
+          StoreCodes(CodeOf(hn::LoadU(df, x + j * gc + c), vs, vz, vtop), codes + j * gc + c);
+        }
+      }
+      PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + r));
+    }
   }
 }
 

@@ -100,7 +100,7 @@ TEST(PageLayoutTest, PlacementRuleHoldsForEveryBit) {
 
 struct Section {
   const char* what;
-  size_t offset, bytes;
+  size_t offset, bytes, align;
 };
 
 void CheckLayout(const PageLayout& l, const std::string& label) {
@@ -108,9 +108,13 @@ void CheckLayout(const PageLayout& l, const std::string& label) {
   size_t used = 0;
   for (const SideLayout* s : {&l.key, &l.value}) {
     const char* side = s == &l.key ? "key" : "value";
-    sections.push_back({side, s->codes_offset, s->code_row_bytes * l.page_tokens});
-    if (s->params_bytes) sections.push_back({side, s->params_offset, s->params_bytes});
-    if (s->outliers_bytes) sections.push_back({side, s->outliers_offset, s->outliers_bytes});
+    sections.push_back({side, s->codes_offset, s->code_row_bytes * l.page_tokens, kPageAlign});
+    if (s->params_bytes) {
+      sections.push_back({side, s->params_offset, s->params_bytes, kTableAlign});
+    }
+    if (s->outliers_bytes) {
+      sections.push_back({side, s->outliers_offset, s->outliers_bytes, kTableAlign});
+    }
     EXPECT_EQ(s->params_bytes > 0, s->axis != ParamAxis::kNone) << label << " " << side;
     EXPECT_EQ(s->outliers_bytes > 0, l.outliers_per_block > 0) << label << " " << side;
   }
@@ -118,7 +122,9 @@ void CheckLayout(const PageLayout& l, const std::string& label) {
             [](const Section& a, const Section& b) { return a.offset < b.offset; });
   size_t end = 0;
   for (const Section& s : sections) {
-    EXPECT_EQ(s.offset % kPageAlign, 0u) << label << ": " << s.what << " section at " << s.offset;
+    EXPECT_EQ(s.offset % s.align, 0u) << label << ": " << s.what << " section at " << s.offset;
+    // Packed: no more padding in front of a section than its alignment needs.
+    EXPECT_LT(s.offset - end, s.align) << label << ": " << s.what << " section at " << s.offset;
     EXPECT_GE(s.offset, end) << label << ": " << s.what << " section overlaps the previous one";
     end = s.offset + s.bytes;
     used += s.bytes;
@@ -153,10 +159,11 @@ TEST(PageLayoutTest, Kivi2G32HeadDim64Explicit) {
   EXPECT_EQ(l->value.axis, ParamAxis::kTokenGroups);
   EXPECT_EQ(l->value.group_channels, 32);
   EXPECT_EQ(l->key.code_row_bytes, 16u);
+  // [K codes][V codes][K params][V params]
   EXPECT_EQ(l->key.codes_offset, 0u);
-  EXPECT_EQ(l->key.params_offset, 512u);
+  EXPECT_EQ(l->value.codes_offset, 512u);
+  EXPECT_EQ(l->key.params_offset, 1024u);
   EXPECT_EQ(l->key.params_bytes, 256u) << "1 block x (scale+zero) x 64 channels x 2 bytes";
-  EXPECT_EQ(l->value.codes_offset, 768u);
   EXPECT_EQ(l->value.params_offset, 1280u);
   EXPECT_EQ(l->value.params_bytes, 256u) << "32 tokens x 2 x 2 groups x 2 bytes";
   EXPECT_EQ(l->page_bytes, 1536u);
@@ -168,13 +175,16 @@ TEST(PageLayoutTest, Kivi2OutliersExplicit) {
   absl::StatusOr<PageLayout> l = PageLayout::Make(*QuantSpec::Parse("kivi2:outliers=1"), 64);
   ASSERT_TRUE(l.ok()) << l.status();
   EXPECT_EQ(l->outliers_per_block, 21) << "ceil(1% of 32 x 64)";
-  EXPECT_EQ(l->key.outliers_offset, 768u);
+  // [K codes][V codes][K params][K outliers][V params][V outliers], the
+  // tables on 8 bytes, the page on 64.
+  EXPECT_EQ(l->value.codes_offset, 512u);
+  EXPECT_EQ(l->key.params_offset, 1024u);
+  EXPECT_EQ(l->key.outliers_offset, 1280u);
   EXPECT_EQ(l->key.outliers_bytes, 84u) << "21 x (index + value) x 2 bytes";
-  EXPECT_EQ(l->value.codes_offset, 896u);
-  EXPECT_EQ(l->value.params_offset, 1408u);
-  EXPECT_EQ(l->value.outliers_offset, 1664u);
-  EXPECT_EQ(l->page_bytes, 1792u);
-  EXPECT_EQ(l->padding_bytes, 88u);
+  EXPECT_EQ(l->value.params_offset, 1368u) << "1364 rounded up to 8";
+  EXPECT_EQ(l->value.outliers_offset, 1624u);
+  EXPECT_EQ(l->page_bytes, 1728u) << "1708 rounded up to 64";
+  EXPECT_EQ(l->padding_bytes, 24u);
 }
 
 TEST(PageLayoutTest, BaseSchemesExplicit) {

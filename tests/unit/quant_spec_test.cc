@@ -91,6 +91,9 @@ TEST(QuantSpecTest, EachOptionSetsItsField) {
   EXPECT_TRUE(MustParse("kivi2:nuq").nuq);
   EXPECT_TRUE(MustParse("kivi2:rotate").rotate);
   EXPECT_EQ(MustParse("kivi2:ktok").key_axis, KeyAxis::kPerToken);
+  EXPECT_EQ(MustParse("kivi2").param_bits, 16) << "fp16 group parameters by default";
+  EXPECT_EQ(MustParse("kivi2:p8").param_bits, 8);
+  EXPECT_EQ(MustParse("kivi2:p16").param_bits, 16);
   // r0 keeps only an unfinished group: the flush size is G.
   EXPECT_EQ(MustParse("kivi2:g64:r0").flush_tokens(), 64);
   EXPECT_EQ(MustParse("kivi2:g64:r256").flush_tokens(), 256);
@@ -104,6 +107,8 @@ TEST(QuantSpecTest, OptionsPrintInCanonicalOrder) {
       {"kivi2:r0", "kivi2:g32:r0"},
       {"kivi2:sink=0", "kivi2:g32:r128"},
       {"kivi4:g64", "kivi4:g64:r128"},
+      {"kivi4:sink=4:p8:pre_rope:g128", "kivi4:g128:r128:p8:pre_rope:sink=4"},
+      {"kivi2:p16", "kivi2:g32:r128"},
       {"kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok",
        "kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok"},
   };
@@ -131,7 +136,7 @@ TEST(QuantSpecTest, RejectsUnknownBase) {
 }
 
 TEST(QuantSpecTest, RejectsUnknownOption) {
-  const std::string expected_list = "; expected gN, rN, pre_rope, outliers=P, sink=S, nuq, rotate or ktok";
+  const std::string expected_list = "; expected gN, rN, p8, pre_rope, outliers=P, sink=S, nuq, rotate or ktok";
   ExpectParseError("kivi2:fast", "scheme \"kivi2:fast\": unknown option \"fast\"" + expected_list);
   ExpectParseError("kivi2:nuq=1", "scheme \"kivi2:nuq=1\": unknown option \"nuq=1\"" + expected_list);
   ExpectParseError("kivi2:", "scheme \"kivi2:\": unknown option \"\"" + expected_list);
@@ -163,6 +168,10 @@ TEST(QuantSpecTest, RejectsBadNumbers) {
   ExpectParseError("kivi2:g32x", "scheme \"kivi2:g32x\": g needs an integer, e.g. g32");
   ExpectParseError("kivi2:r12.5", "scheme \"kivi2:r12.5\": r needs an integer, e.g. r128");
   ExpectParseError("kivi2:sink=", "scheme \"kivi2:sink=\": sink needs a token count, e.g. sink=4");
+  ExpectParseError("kivi2:p8x", "scheme \"kivi2:p8x\": p needs the parameter bits, p8 or p16");
+  ExpectParseError("kivi2:p4", "scheme \"kivi2:p4\": group parameter bits p must be 8 or 16, got 4");
+  ExpectParseError("kivi2:p8:p16", "scheme \"kivi2:p8:p16\": option \"p\" given twice");
+  ExpectParseError("int8:p8", "scheme \"int8:p8\": option \"p8\" applies only to kivi schemes");
   ExpectParseError("kivi2:outliers=x",
                    "scheme \"kivi2:outliers=x\": outliers needs a percentage in (0, 10], e.g. outliers=1");
 }

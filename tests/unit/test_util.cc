@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/codebook_learner.h"
+#include "kernels/group_params.h"
 #include "kernels/numeric.h"
 
 namespace kvq {
@@ -85,6 +86,14 @@ const std::vector<SchemeCase>& AllSchemeCases() {
       {"kivi2:g64:r64", 128, {}, ""},
       {"kivi2:g32:r128:pre_rope:outliers=1:sink=4", 128, MakeRope(P::kHalfSplit, 0), "half"},
       {"kivi3:g16:r32:outliers=2:sink=4:nuq:rotate:ktok", 64, {}, ""},
+      // 8-bit group parameters: the fast paths (4 and 2 bits, per-channel
+      // keys) and the generic ones (pre_rope, outliers, nuq, per-token keys).
+      {"kivi4:p8", 128, {}, ""},
+      {"kivi2:g128:r128:p8:sink=4", 64, {}, ""},
+      {"kivi3:g16:r32:p8:pre_rope:outliers=1:sink=4", 64, MakeRope(P::kHalfSplit, 0), "half"},
+      {"kivi2:g16:r16:p8:nuq:ktok", 128, {}, ""},
+      // A flush (16 tokens) smaller than a page (32): pages fill in parts.
+      {"kivi4:g16:r16", 128, {}, ""},
   };
   return *cases;
 }
@@ -271,17 +280,13 @@ double ElementBound(const KvStream& s, Side side, int t, int c, float input, boo
     case CodeFormat::kPacked:
       break;
   }
-  double scale, zero;
-  if (S.axis == ParamAxis::kChannelGroups) {
-    const uint16_t* p = L.Params(page, S, row / L.block_tokens);
-    scale = HalfToFloat(p[c]);
-    zero = HalfToFloat(p[d + c]);
-  } else {
-    const int ng = S.groups_per_token(d);
-    const uint16_t* p = L.Params(page, S, row);
-    scale = HalfToFloat(p[c / S.group_channels]);
-    zero = HalfToFloat(p[ng + c / S.group_channels]);
-  }
+  const bool channels = S.axis == ParamAxis::kChannelGroups;
+  const int np = L.ParamsPerEntry(S);
+  std::vector<float> params(2 * np);
+  LoadGroupParams(L, S, page, channels ? row / L.block_tokens : row, 1, params.data());
+  const int k = channels ? c : c / S.group_channels;
+  const double scale = params[k];
+  const double zero = params[np + k];
   double step = scale;
   double top = (1 << L.bits) - 1;
   if (s.spec().nuq) {
