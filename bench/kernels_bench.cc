@@ -366,6 +366,8 @@ const std::vector<std::string>& DefaultKernelSchemes() {
       "kivi2:rotate",
       "kivi2:nuq",
       "kivi2:r0",
+      "kivi4:p8",
+      "kivi2:p8",
       "kivi2:pre_rope:outliers=1:sink=4",
       "kivi3:pre_rope:outliers=1:sink=4",
       "kivi4:pre_rope:outliers=1:sink=4",

@@ -127,8 +127,10 @@ void LoadGroupParams(const PageLayout& L, const SideLayout& S, const uint8_t* pa
   }
   const int per_block = L.EntriesPerBlock(S);
   const int groups = per_block * n;
-  for (int e = 0; e < entries; ++e) {
+  // A run of entries in one block shares its header: decode it once.
+  for (int e = 0; e < entries;) {
     const int entry = first_entry + e;
+    const int run = std::min(entries - e, per_block - entry % per_block);
     const uint8_t* block = L.ParamBlock(page, S, entry / per_block);
     const Header8 h = ReadHeader(block);
     const float sstep = HalfToFloat(h.scale_step);
@@ -136,11 +138,14 @@ void LoadGroupParams(const PageLayout& L, const SideLayout& S, const uint8_t* pa
     const float zstep = HalfToFloat(h.zero_step);
     const uint8_t* scodes = block + kParams8HeaderBytes + (entry % per_block) * n;
     const uint8_t* zcodes = scodes + groups;
-    float* o = out + static_cast<size_t>(e) * 2 * n;
-    for (int i = 0; i < n; ++i) {
-      o[i] = static_cast<float>(scodes[i]) * sstep;
-      o[n + i] = base + static_cast<float>(zcodes[i]) * zstep;
+    for (int r = 0; r < run; ++r, scodes += n, zcodes += n) {
+      float* o = out + static_cast<size_t>(e + r) * 2 * n;
+      for (int i = 0; i < n; ++i) {
+        o[i] = static_cast<float>(scodes[i]) * sstep;
+        o[n + i] = base + static_cast<float>(zcodes[i]) * zstep;
+      }
     }
+    e += run;
   }
 }
 

@@ -49,16 +49,18 @@ REFERENCE_SCHEMES = {"fp16", "f16", "bf16", "fp32"}
 
 
 def load_rows(paths: list[Path]) -> list[dict]:
-    """All rows of all files; rows without an engine count as kvq's."""
-    rows = []
+    """All rows of all files; rows without an engine count as kvq's, and a
+    row measured again (same engine, scheme, corpus, context) keeps the later
+    file's figures."""
+    rows = {}
     for p in paths:
         data = json.loads(p.read_text())
         file_rows = data["rows"] if isinstance(data, dict) else data
         for r in file_rows:
             r = dict(r)
             r.setdefault("engine", "kvq")
-            rows.append(r)
-    return rows
+            rows[(r["engine"], r["scheme"], r.get("corpus"), r.get("context"))] = r
+    return list(rows.values())
 
 
 def average(rows: list[dict], field: str, corpus: str | None):

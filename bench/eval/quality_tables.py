@@ -16,11 +16,15 @@ import sys
 
 
 def load(paths):
-    rows = []
+    """All rows of all files; a row measured again (same engine, scheme,
+    corpus and context, e.g. the fp16 reference of a later run) keeps the
+    later file's figures."""
+    rows = {}
     for path in paths:
         with open(path) as f:
-            rows.extend(json.load(f)["rows"])
-    return rows
+            for r in json.load(f)["rows"]:
+                rows[(r.get("engine", "kvq"), r["scheme"], r["corpus"], r["context"])] = r
+    return list(rows.values())
 
 
 def fmt(value, spec, missing="–"):

@@ -39,6 +39,15 @@ acc4="kivi4:g16:r128:pre_rope:sink=4"
 best3="kivi3:pre_rope:outliers=1:sink=4"
 best2="kivi2:g16:r128:pre_rope:outliers=1:sink=4:nuq"
 lean2="kivi2:g128:r128:pre_rope:outliers=1:sink=4:nuq"
+# 8-bit group parameters (p8) with 64-token groups and window: the
+# configurations under the bit budgets at 8192 tokens (4.41, 3.42 and 2.43
+# bits), and lean4 with p8 for the cost of the 8-bit parameters.
+p8_4="kivi4:g64:r64:p8:pre_rope:sink=4"
+p8_lean4="kivi4:g128:r128:p8:pre_rope:sink=4"
+p8_3="kivi3:g64:r64:p8:pre_rope:sink=4"
+p8_3nuq="kivi3:g64:r64:p8:pre_rope:sink=4:nuq"
+p8_2="kivi2:g64:r64:p8:pre_rope:sink=4"
+p8=("$p8_4" "$p8_lean4" "$p8_3" "$p8_3nuq" "$p8_2")
 # The ablation (KIVI / KVQuant style): per-token vs per-channel keys, with
 # and without the residual window, each KVQuant option alone, rotate, their
 # combinations, then the picked configurations.
@@ -50,9 +59,9 @@ ablation=(
   kivi2:rotate:outliers=1:sink=4
   kivi4:pre_rope kivi4:sink=4 kivi4:pre_rope:outliers=1:sink=4
   kivi4:g16:r128:pre_rope:outliers=1:sink=4
-  "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2"
+  "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}"
 )
-long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2")
+long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
 passkey="$(join fp16 "$best4" "$best3" "$best2")"

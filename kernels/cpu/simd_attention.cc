@@ -929,39 +929,70 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
   // transpose per 8 tokens when 2 * ng == 8, the common case).
   float* flat = sc.vbuf.data();
   const int np = 2 * ng;
-  LoadParams(L, V, page, row, n, flat);
   const int npad = (n + 7) / 8 * 8;
-  for (int i = n * np; i < npad * np; ++i) flat[i] = 0.0f;
-  if (np == 8) {
-    for (int t = 0; t < npad; t += 8) {
-      const float* f = flat + t * 8;
-      const __m256 r0 = _mm256_loadu_ps(f), r1 = _mm256_loadu_ps(f + 8);
-      const __m256 r2 = _mm256_loadu_ps(f + 16), r3 = _mm256_loadu_ps(f + 24);
-      const __m256 r4 = _mm256_loadu_ps(f + 32), r5 = _mm256_loadu_ps(f + 40);
-      const __m256 r6 = _mm256_loadu_ps(f + 48), r7 = _mm256_loadu_ps(f + 56);
-      const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-      const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-      const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-      const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-      // Row k of the transpose: parameter k of tokens t .. t+7 (0-3 scales, 4-7 zeros).
-      _mm256_storeu_ps(vs + 0 * ld + t, _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_storeu_ps(vs + 1 * ld + t, _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_storeu_ps(vs + 2 * ld + t, _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_storeu_ps(vs + 3 * ld + t, _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_storeu_ps(vz + 0 * ld + t, _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_storeu_ps(vz + 1 * ld + t, _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_storeu_ps(vz + 2 * ld + t, _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_storeu_ps(vz + 3 * ld + t, _mm256_permute2f128_ps(u3, u7, 0x31));
+  if (V.param_bits == 8) {
+    // p8: the tile lies in one block (tiles never cross one), so one header;
+    // the codes of its rows are contiguous, [t][group], and decode straight
+    // into the per-group rows (exact products, as LoadGroupParams).
+    const int pb = L.block_tokens;
+    const uint8_t* blk = L.ParamBlock(page, V, row / pb);
+    uint16_t h[3];
+    std::memcpy(h, blk, sizeof(h));
+    const __m256 ss = _mm256_set1_ps(HalfToFloat(h[0]));
+    const __m256 zb = _mm256_set1_ps(HalfToFloat(h[1]));
+    const __m256 zs = _mm256_set1_ps(HalfToFloat(h[2]));
+    const uint8_t* sc8 = blk + kParams8HeaderBytes + static_cast<size_t>(row % pb) * ng;
+    const uint8_t* zc8 = sc8 + static_cast<size_t>(pb) * ng;
+    alignas(32) uint8_t su[kTile + 8], zu[kTile + 8];
+    for (int g = 0; g < ng; ++g) {
+      for (int t = 0; t < npad; ++t) {
+        su[t] = t < n ? sc8[t * ng + g] : 0;
+        zu[t] = t < n ? zc8[t * ng + g] : 0;
+      }
+      for (int t = 0; t < npad; t += 8) {
+        const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(su + t))));
+        const __m256 zv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(zu + t))));
+        _mm256_storeu_ps(vs + g * ld + t, _mm256_mul_ps(sv, ss));
+        _mm256_storeu_ps(vz + g * ld + t, _mm256_add_ps(zb, _mm256_mul_ps(zv, zs)));
+      }
+      for (int t = n; t < npad; ++t) vs[g * ld + t] = vz[g * ld + t] = 0.0f;  // As fp16's.
     }
   } else {
-    for (int t = 0; t < npad; ++t) {
-      for (int g = 0; g < ng; ++g) {
-        vs[g * ld + t] = flat[t * np + g];
-        vz[g * ld + t] = flat[t * np + ng + g];
+    LoadParams(L, V, page, row, n, flat);
+    for (int i = n * np; i < npad * np; ++i) flat[i] = 0.0f;
+    if (np == 8) {
+      for (int t = 0; t < npad; t += 8) {
+        const float* f = flat + t * 8;
+        const __m256 r0 = _mm256_loadu_ps(f), r1 = _mm256_loadu_ps(f + 8);
+        const __m256 r2 = _mm256_loadu_ps(f + 16), r3 = _mm256_loadu_ps(f + 24);
+        const __m256 r4 = _mm256_loadu_ps(f + 32), r5 = _mm256_loadu_ps(f + 40);
+        const __m256 r6 = _mm256_loadu_ps(f + 48), r7 = _mm256_loadu_ps(f + 56);
+        const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+        const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+        const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+        const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        // Row k of the transpose: parameter k of tokens t .. t+7 (0-3 scales, 4-7 zeros).
+        _mm256_storeu_ps(vs + 0 * ld + t, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_storeu_ps(vs + 1 * ld + t, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_storeu_ps(vs + 2 * ld + t, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_storeu_ps(vs + 3 * ld + t, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_storeu_ps(vz + 0 * ld + t, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_storeu_ps(vz + 1 * ld + t, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_storeu_ps(vz + 2 * ld + t, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_storeu_ps(vz + 3 * ld + t, _mm256_permute2f128_ps(u3, u7, 0x31));
+      }
+    } else {
+      for (int t = 0; t < npad; ++t) {
+        for (int g = 0; g < ng; ++g) {
+          vs[g * ld + t] = flat[t * np + g];
+          vz[g * ld + t] = flat[t * np + ng + g];
+        }
       }
     }
   }

@@ -60,10 +60,37 @@ HWY_INLINE void HalfRowToFloat(const uint16_t* HWY_RESTRICT src, int n,
 // shared scalar code (a few bytes per block; exact either way).
 HWY_INLINE void LoadParams(const PageLayout& L, const SideLayout& S, const uint8_t* page,
                            int entry, int entries, float* HWY_RESTRICT out) {
+  const int n = L.ParamsPerEntry(S);
   if (S.param_bits == 16) {
-    HalfRowToFloat(L.Params(page, S, entry), 2 * L.ParamsPerEntry(S) * entries, out);
-  } else {
+    HalfRowToFloat(L.Params(page, S, entry), 2 * n * entries, out);
+    return;
+  }
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  if (n % N != 0) {
     LoadGroupParams(L, S, page, entry, entries, out);
+    return;
+  }
+  // Whole vectors of codes (per-channel keys: n = head_dim): widen in lanes.
+  const hn::Rebind<uint8_t, DF> d8;
+  const hn::Rebind<int32_t, DF> di;
+  const int per_block = L.EntriesPerBlock(S);
+  for (int e = 0; e < entries; ++e) {
+    const uint8_t* block = L.ParamBlock(page, S, (entry + e) / per_block);
+    uint16_t h[3];
+    std::memcpy(h, block, sizeof(h));
+    const auto ss = hn::Set(df, HalfToFloat(h[0]));
+    const auto zb = hn::Set(df, HalfToFloat(h[1]));
+    const auto zs = hn::Set(df, HalfToFloat(h[2]));
+    const uint8_t* sc = block + kParams8HeaderBytes + ((entry + e) % per_block) * n;
+    const uint8_t* zc = sc + static_cast<size_t>(per_block) * n;
+    float* o = out + static_cast<size_t>(e) * 2 * n;
+    for (int c = 0; c < n; c += N) {
+      const auto sv = hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, sc + c)));
+      const auto zv = hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, zc + c)));
+      hn::StoreU(hn::Mul(sv, ss), df, o + c);
+      hn::StoreU(hn::Add(zb, hn::Mul(zv, zs)), df, o + n + c);
+    }
   }
 }
 

@@ -1,0 +1,43 @@
+"""bench/eval/quality_tables.py: a row measured again in a later file (the
+fp16 reference of a second kvq-eval run) replaces the earlier one instead
+of appearing twice, and the targets table picks within the bit budgets."""
+
+import importlib.util
+import json
+import pathlib
+
+SOURCE = pathlib.Path(__file__).parents[2]
+spec = importlib.util.spec_from_file_location("quality_tables",
+                                              SOURCE / "bench" / "eval" / "quality_tables.py")
+tables = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tables)
+
+
+def row(scheme, bits, dppl, ppl=12.0):
+    return {"engine": "kvq", "scheme": scheme, "corpus": "all", "context": 8192,
+            "bits_per_element": bits, "delta_ppl_pct": dppl, "ppl": ppl, "kv_bytes": 1 << 20}
+
+
+def write(path, rows):
+    path.write_text(json.dumps({"rows": rows}))
+    return str(path)
+
+
+def test_later_file_replaces_a_repeated_row(tmp_path):
+    a = write(tmp_path / "a.json", [row("fp16", 16.0, 0.0, ppl=12.5), row("kivi4", 5.25, 1.3)])
+    b = write(tmp_path / "b.json", [row("fp16", 16.0, 0.0, ppl=12.4),
+                                    row("kivi3:g64:r64:p8", 3.42, 4.0)])
+    rows = tables.load([a, b])
+    assert sorted(r["scheme"] for r in rows) == ["fp16", "kivi3:g64:r64:p8", "kivi4"]
+    assert [r["ppl"] for r in rows if r["scheme"] == "fp16"] == [12.4]
+    text = "\n".join(tables.tables(rows, "all"))
+    assert text.count("`fp16`") == 1
+
+
+def test_targets_pick_within_the_budget(tmp_path):
+    rows = [row("fp16", 16.0, 0.0), row("kivi3:pre_rope", 4.69, 3.4),
+            row("kivi3:g64:r64:p8", 3.42, 4.0), row("kivi3:g16", 5.3, 1.5)]
+    lines = tables.targets(rows, "all")
+    three = next(line for line in lines if "≈3-bit" in line)
+    assert "`kivi3:g64:r64:p8`" in three
+    assert "| 3.42 | +4.00 | missed: +2.00 pts over |" in three
