@@ -821,16 +821,7 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
       }
     }
   }
-  const int k = L.outliers_per_block;
-  if (k == 0) return;
-  for (int b = row / g; b <= (row + m - 1) / g; ++b) {
-    const uint16_t* table = L.Outliers(page, K, b);
-    for (int e = 0; e < k; ++e) {
-      const int r = b * g + table[e] / D;
-      if (r < row || r >= row + m) continue;
-      kb[static_cast<size_t>(r - row) * D + table[e] % D] = HalfToFloat(table[k + e]);
-    }
-  }
+  WriteOutliers(L, K, page, row, m, kb);
 }
 
 // nuq: the levels of channels [c0, c0 + 8) for the codes of one row, exact:

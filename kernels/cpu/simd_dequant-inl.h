@@ -94,6 +94,24 @@ HWY_INLINE void LoadParams(const PageLayout& L, const SideLayout& S, const uint8
   }
 }
 
+// Writes the sparse outliers of page rows [row0, row0 + n) over their
+// dequantized values in out ([n][head_dim]).
+HWY_INLINE void WriteOutliers(const PageLayout& L, const SideLayout& S, const uint8_t* page,
+                              int row0, int n, float* HWY_RESTRICT out) {
+  const int k = L.outliers_per_block;
+  if (k == 0 || n == 0) return;
+  const int g = L.block_tokens;
+  const int d = L.head_dim;
+  for (int b = row0 / g; b <= (row0 + n - 1) / g; ++b) {
+    const uint16_t* table = L.Outliers(page, S, b);
+    for (int e = 0; e < k; ++e) {
+      const int row = b * g + table[e] / d;
+      if (row < row0 || row >= row0 + n) continue;
+      out[static_cast<size_t>(row - row0) * d + table[e] % d] = HalfToFloat(table[k + e]);
+    }
+  }
+}
+
 HWY_INLINE void Bf16RowToFloat(const uint16_t* HWY_RESTRICT src, int n,
                                float* HWY_RESTRICT dst) {
   const DF df;
@@ -363,17 +381,7 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
       }
     }
   }
-  if (L.outliers_per_block > 0) {
-    const int k = L.outliers_per_block;
-    for (int b = row0 / g; b <= (row0 + n - 1) / g; ++b) {
-      const uint16_t* table = L.Outliers(page, S, b);
-      for (int e = 0; e < k; ++e) {
-        const int row = b * g + table[e] / d;
-        if (row < row0 || row >= row0 + n) continue;
-        out[static_cast<size_t>(row - row0) * d + table[e] % d] = HalfToFloat(table[k + e]);
-      }
-    }
-  }
+  WriteOutliers(L, S, page, row0, n, out);
 }
 
 // Dequantizes page rows [row0, row0 + n) of any format.
