@@ -190,6 +190,10 @@ int Main(int argc, char** argv) {
   int windows = absl::GetFlag(FLAGS_windows);
   int gen_tokens = absl::GetFlag(FLAGS_gen_tokens);
   int calib_tokens = absl::GetFlag(FLAGS_calib_tokens);
+  if (contexts.empty() && passkey_contexts.empty() && !quick) {
+    std::fprintf(stderr, "kvq-eval: nothing to run: --contexts and --passkey_contexts are empty\n");
+    return 1;
+  }
   if (quick) {
     contexts = {512};
     passkey_contexts.clear();
@@ -266,7 +270,10 @@ int Main(int argc, char** argv) {
     }
   }
   if (quick) corpora.resize(1);
-  const int max_context = *std::max_element(contexts.begin(), contexts.end());
+  // --contexts= (empty) runs the passkey probe alone.
+  if (contexts.empty()) corpora.clear();
+  const int max_context =
+      contexts.empty() ? 0 : *std::max_element(contexts.begin(), contexts.end());
   std::vector<Window> all_windows;
   for (const auto& name : corpora) {
     auto text = ReadFile(corpus_dir + "/" + name + ".txt");

@@ -85,3 +85,11 @@ def test_two_runs_print_identical_numbers(runs):
     a, b = ([{k: v for k, v in r.items() if k not in VOLATILE} for r in run["rows"]]
             for run in runs)
     assert a == b
+
+
+def test_nothing_to_run_is_a_clear_error():
+    proc = subprocess.run([os.environ["KVQ_EVAL_BIN"], "--contexts=", "--passkey_contexts="],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr == ("kvq-eval: nothing to run: --contexts and --passkey_contexts "
+                           "are empty\n")
