@@ -74,7 +74,7 @@ void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, u
   // then the codes from what a reader will decode.
   const bool channels = S.axis == ParamAxis::kChannelGroups;
   const int np = L.ParamsPerEntry(S);
-  const int step = channels ? g : (S.param_bits == 8 ? g : 1);  // Rows per range.
+  const int step = (channels || S.param_bits == 8) ? g : 1;  // Rows per range.
   const int gc = channels ? 1 : S.group_channels;
   std::vector<float> lo, hi, scale, zero;
   for (int r0 = 0; r0 < n; r0 += step) {

@@ -4,10 +4,12 @@
 // Both produce exactly what the reference produces:
 //  * dequantization is simd_dequant-inl.h (same conversions, multiply then
 //    add, -ffp-contract=off);
-//  * quantization computes group parameters with StoreGroupParams (scalar,
-//    once per group or p8 block, shared with the reference) and codes with the same rounded division as UniformCode,
-//    vectorized over channels (per-channel keys: one G-row block at a time,
-//    min/max per channel in lanes; per-token groups: one row at a time), then
+//  * quantization takes each group's min / max in lanes, sets the group
+//    parameters with StoreGroupParams (scalar, shared with the reference)
+//    and computes codes with the same rounded division as UniformCode,
+//    vectorized over channels (per-channel keys: one G-row block at a time;
+//    per-token groups: one row at a time, or one block for p8, whose header
+//    spans the block; kivi appends whole blocks), then
 //    packs bit planes with shifts (the inverse of the unpack). Sparse
 //    outliers are chosen by the same SelectOutliers and kept out of the
 //    group ranges by +-inf in copies of the block that feed min / max. fp16
@@ -44,7 +46,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 struct QuantScratch {
   std::vector<uint8_t> codes;  // [rows][d]
   std::vector<float> scale, zero;  // [d] or [groups]
-  std::vector<float> glo, ghi;     // Each group's range, as scale / zero.
+  std::vector<float> glo, ghi;     // Each group's min / max, laid out as scale / zero.
   // With sparse outliers: the block with +inf (lo) / -inf (hi) at the
   // outliers, the sources of the group minima / maxima, so the outliers stay
   // out of the range as in the reference.
