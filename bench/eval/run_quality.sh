@@ -64,7 +64,7 @@ ablation=(
 long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
-passkey="$(join fp16 "$best4" "$best3" "$best2")"
+passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2")"
 
 "$eval_bin" --schemes="$(join "${ablation[@]}")" --contexts=512,2048 --windows="$windows" \
   --corpora="$corpora" --passkey_contexts=2048 --passkey_schemes="$passkey" \
@@ -72,7 +72,7 @@ passkey="$(join fp16 "$best4" "$best3" "$best2")"
 "$root/scripts/run_llamacpp_peer.sh" "$out/windows_short.json" --out="$out/llamacpp_short.json"
 "$eval_bin" --schemes="$(join "${long[@]}")" --contexts=8192 --windows="$windows" \
   --corpora="$long_corpora" --passkey_contexts=8192 --passkey_depths=0.1,0.5,0.9 \
-  --passkey_schemes="$(join fp16 "$best4")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
+  --passkey_schemes="$(join fp16 "$best4" "$p8_4" "$p8_3")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
 "$root/scripts/run_llamacpp_peer.sh" "$out/windows_long.json" --out="$out/llamacpp_long.json"
 
 python3 "$root/bench/eval/quality_tables.py" "$out"/kvq_*.json "$out"/llamacpp_*.json
