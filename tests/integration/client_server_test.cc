@@ -73,46 +73,57 @@ TEST_F(ClientServerTest, QuantizedAndDenseAppendsStoreTheSameCache) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_FALSE(info->version().empty());
 
-  const std::string scheme = "kivi2:g32:r128:pre_rope:outliers=1:sink=4";
-  const SequenceInfo q = Create("quantized", scheme);
-  const SequenceInfo d = Create("dense", scheme);
-  EXPECT_EQ(q.scheme, scheme);
-  EXPECT_EQ(q.block_tokens, 128);
-  config_.scheme = q.scheme;
+  // Every KVQuant option, and 8-bit group parameters.
+  struct Case {
+    const char* scheme;
+    int block_tokens;
+  };
+  for (const Case& c : {Case{"kivi2:g32:r128:pre_rope:outliers=1:sink=4", 128},
+                        Case{"kivi4:g64:r64:p8:pre_rope:sink=4", 64}}) {
+    SCOPED_TRACE(c.scheme);
+    const std::string scheme = c.scheme;
+    const std::string quantized = "quantized_" + std::to_string(c.block_tokens);
+    const std::string dense = "dense_" + std::to_string(c.block_tokens);
+    const SequenceInfo q = Create(quantized, scheme);
+    const SequenceInfo d = Create(dense, scheme);
+    EXPECT_EQ(q.scheme, scheme);
+    EXPECT_EQ(q.block_tokens, c.block_tokens);
+    config_.scheme = q.scheme;
 
-  const HostTensor k = Random({kLayers, kHeads, 900, kDim}, 1);
-  const HostTensor v = Random({kLayers, kHeads, 900, kDim}, 2);
-  AppendOptions options;
-  options.max_chunk_bytes = 32 << 10;
-  absl::StatusOr<AppendResult> qa = client_->AppendPromptQuantized("quantized", config_, k, v, options);
-  ASSERT_TRUE(qa.ok()) << qa.status();
-  absl::StatusOr<AppendResult> da = client_->AppendPrompt("dense", k, v, options);
-  ASSERT_TRUE(da.ok()) << da.status();
-  EXPECT_EQ(qa->num_tokens, 900);
-  EXPECT_EQ(qa->bytes_stored, da->bytes_stored);
-  EXPECT_LT(qa->wire_bytes * 4, da->wire_bytes);
+    const HostTensor k = Random({kLayers, kHeads, 900, kDim}, 1);
+    const HostTensor v = Random({kLayers, kHeads, 900, kDim}, 2);
+    AppendOptions options;
+    options.max_chunk_bytes = 32 << 10;
+    absl::StatusOr<AppendResult> qa = client_->AppendPromptQuantized(quantized, config_, k, v, options);
+    ASSERT_TRUE(qa.ok()) << qa.status();
+    absl::StatusOr<AppendResult> da = client_->AppendPrompt(dense, k, v, options);
+    ASSERT_TRUE(da.ok()) << da.status();
+    EXPECT_EQ(qa->num_tokens, 900);
+    EXPECT_EQ(qa->bytes_stored, da->bytes_stored);
+    EXPECT_LT(qa->wire_bytes * 4, da->wire_bytes);
 
-  FetchOptions fetch;
-  fetch.dtype = DType::kFloat32;
-  for (bool rope : {false, true}) {
-    fetch.apply_rope = rope;
-    absl::StatusOr<FetchedKv> a = client_->FetchDequant("quantized", fetch);
-    absl::StatusOr<FetchedKv> b = client_->FetchDequant("dense", fetch);
-    absl::StatusOr<FetchedKv> local = client_->FetchDequantLocal("quantized", config_, fetch);
-    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
-    ASSERT_TRUE(local.ok()) << local.status();
-    EXPECT_EQ(a->k.shape, (std::vector<int64_t>{kLayers, kHeads, 900, kDim}));
-    EXPECT_TRUE(a->k == b->k) << "rope " << rope;
-    EXPECT_TRUE(a->v == b->v);
-    EXPECT_TRUE(local->k == a->k) << "rope " << rope;
-    EXPECT_TRUE(local->v == a->v);
+    FetchOptions fetch;
+    fetch.dtype = DType::kFloat32;
+    for (bool rope : {false, true}) {
+      fetch.apply_rope = rope;
+      absl::StatusOr<FetchedKv> a = client_->FetchDequant(quantized, fetch);
+      absl::StatusOr<FetchedKv> b = client_->FetchDequant(dense, fetch);
+      absl::StatusOr<FetchedKv> local = client_->FetchDequantLocal(quantized, config_, fetch);
+      ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+      ASSERT_TRUE(local.ok()) << local.status();
+      EXPECT_EQ(a->k.shape, (std::vector<int64_t>{kLayers, kHeads, 900, kDim}));
+      EXPECT_TRUE(a->k == b->k) << "rope " << rope;
+      EXPECT_TRUE(a->v == b->v);
+      EXPECT_TRUE(local->k == a->k) << "rope " << rope;
+      EXPECT_TRUE(local->v == a->v);
+    }
+
+    absl::StatusOr<v1::StatsResponse> stats = client_->Stats(quantized);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->num_tokens(), 900);
+    EXPECT_EQ(stats->scheme(), scheme);
+    EXPECT_GT(stats->compression_vs_fp16(), 2.0);
   }
-
-  absl::StatusOr<v1::StatsResponse> stats = client_->Stats("quantized");
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  EXPECT_EQ(stats->num_tokens(), 900);
-  EXPECT_EQ(stats->scheme(), scheme);
-  EXPECT_GT(stats->compression_vs_fp16(), 2.0);
 }
 
 // FetchDequantInto writes exactly what FetchDequant returns, for a sub-range
