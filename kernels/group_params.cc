@@ -75,6 +75,11 @@ void Encode8(const float* lo, const float* hi, int groups, float top, uint8_t* b
 
 }  // namespace
 
+Params8Steps ReadParams8Steps(const uint8_t* block) {
+  const Header8 h = ReadHeader(block);
+  return {HalfToFloat(h.scale_step), HalfToFloat(h.zero_base), HalfToFloat(h.zero_step)};
+}
+
 uint16_t FloatToHalfDown(float f) {
   uint16_t h = FloatToHalf(f);
   if (!(HalfToFloat(h) > f)) return h;
@@ -132,10 +137,10 @@ void LoadGroupParams(const PageLayout& L, const SideLayout& S, const uint8_t* pa
     const int entry = first_entry + e;
     const int run = std::min(entries - e, per_block - entry % per_block);
     const uint8_t* block = L.ParamBlock(page, S, entry / per_block);
-    const Header8 h = ReadHeader(block);
-    const float sstep = HalfToFloat(h.scale_step);
-    const float base = HalfToFloat(h.zero_base);
-    const float zstep = HalfToFloat(h.zero_step);
+    const Params8Steps h = ReadParams8Steps(block);
+    const float sstep = h.scale_step;
+    const float base = h.zero_base;
+    const float zstep = h.zero_step;
     const uint8_t* scodes = block + kParams8HeaderBytes + (entry % per_block) * n;
     const uint8_t* zcodes = scodes + groups;
     for (int r = 0; r < run; ++r, scodes += n, zcodes += n) {

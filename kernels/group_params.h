@@ -46,6 +46,14 @@ void StoreGroupParams(const PageLayout& L, const SideLayout& S, uint8_t* page, i
 void LoadGroupParams(const PageLayout& L, const SideLayout& S, const uint8_t* page,
                      int first_entry, int entries, float* out);
 
+// The decoded header of one p8 parameter block.
+struct Params8Steps {
+  float scale_step = 0.0f;
+  float zero_base = 0.0f;
+  float zero_step = 0.0f;
+};
+Params8Steps ReadParams8Steps(const uint8_t* block);
+
 // Checks the stored parameters of the first `rows` rows of a page that
 // arrived from outside: scales finite and >= 0, zero points finite. The
 // message names the entry ("row" or "block") and the parameter.

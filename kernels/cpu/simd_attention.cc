@@ -52,6 +52,7 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/simd_dequant-inl.h"
 #include "kernels/cpu/simd_kernels.h"
+#include "kernels/group_params.h"
 #include "kernels/numeric.h"
 #include "kernels/rope.h"
 
@@ -927,11 +928,10 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
     // into the per-group rows (exact products, as LoadGroupParams).
     const int pb = L.block_tokens;
     const uint8_t* blk = L.ParamBlock(page, V, row / pb);
-    uint16_t h[3];
-    std::memcpy(h, blk, sizeof(h));
-    const __m256 ss = _mm256_set1_ps(HalfToFloat(h[0]));
-    const __m256 zb = _mm256_set1_ps(HalfToFloat(h[1]));
-    const __m256 zs = _mm256_set1_ps(HalfToFloat(h[2]));
+    const Params8Steps h = ReadParams8Steps(blk);
+    const __m256 ss = _mm256_set1_ps(h.scale_step);
+    const __m256 zb = _mm256_set1_ps(h.zero_base);
+    const __m256 zs = _mm256_set1_ps(h.zero_step);
     const uint8_t* sc8 = blk + kParams8HeaderBytes + static_cast<size_t>(row % pb) * ng;
     const uint8_t* zc8 = sc8 + static_cast<size_t>(pb) * ng;
     alignas(32) uint8_t su[kTile + 8], zu[kTile + 8];

@@ -77,11 +77,10 @@ HWY_INLINE void LoadParams(const PageLayout& L, const SideLayout& S, const uint8
   const int per_block = L.EntriesPerBlock(S);
   for (int e = 0; e < entries; ++e) {
     const uint8_t* block = L.ParamBlock(page, S, (entry + e) / per_block);
-    uint16_t h[3];
-    std::memcpy(h, block, sizeof(h));
-    const auto ss = hn::Set(df, HalfToFloat(h[0]));
-    const auto zb = hn::Set(df, HalfToFloat(h[1]));
-    const auto zs = hn::Set(df, HalfToFloat(h[2]));
+    const Params8Steps h = ReadParams8Steps(block);
+    const auto ss = hn::Set(df, h.scale_step);
+    const auto zb = hn::Set(df, h.zero_base);
+    const auto zs = hn::Set(df, h.zero_step);
     const uint8_t* sc = block + kParams8HeaderBytes + ((entry + e) % per_block) * n;
     const uint8_t* zc = sc + static_cast<size_t>(per_block) * n;
     float* o = out + static_cast<size_t>(e) * 2 * n;
