@@ -102,7 +102,7 @@ void StoreGroupParams(const PageLayout& L, const SideLayout& S, uint8_t* page, i
         const size_t k = static_cast<size_t>(e) * n + i;
         float mn = lo[k], mx = hi[k];
         if (mn > mx) mn = mx = 0.0f;
-        const GroupParams g = MakeGroupParams(mn, mx, L.bits, nuq);
+        const GroupParams g = MakeGroupParams(mn, mx, S.bits, nuq);
         p[i] = FloatToHalf(g.scale);
         p[n + i] = FloatToHalf(g.zero);
         scale[k] = g.scale;
@@ -112,7 +112,7 @@ void StoreGroupParams(const PageLayout& L, const SideLayout& S, uint8_t* page, i
     return;
   }
   // The span of the levels: 2^bits - 1 codes, or nuq's normalised [0, 1].
-  const float top = nuq ? 1.0f : static_cast<float>((1 << L.bits) - 1);
+  const float top = nuq ? 1.0f : static_cast<float>((1 << S.bits) - 1);
   const int per_block = L.EntriesPerBlock(S);
   const int groups = per_block * n;
   for (int e = 0; e < entries; e += per_block) {

@@ -82,7 +82,6 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
   }
   PageLayout l;
   l.head_dim = head_dim;
-  l.bits = spec.bits;
   l.block_tokens = spec.is_kivi() ? spec.group : 1;
   if (page_tokens == 0) page_tokens = std::max(32, l.block_tokens);
   if (page_tokens < 1 || page_tokens > 4096 || page_tokens % l.block_tokens != 0) {
@@ -94,6 +93,7 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
   const int t = page_tokens;
   const int d = head_dim;
   auto set_side = [&](SideLayout& s, bool is_key) {
+    s.bits = is_key ? spec.key_bits() : spec.value_bits();
     switch (spec.kind) {
       case SchemeKind::kFp16:
         s.format = CodeFormat::kFp16;
@@ -115,7 +115,7 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
         break;
       case SchemeKind::kKivi:
         s.format = CodeFormat::kPacked;
-        s.code_row_bytes = static_cast<size_t>(d) * spec.bits / 8;
+        s.code_row_bytes = static_cast<size_t>(d) * s.bits / 8;
         s.param_bits = spec.param_bits;
         if (is_key && spec.key_axis == KeyAxis::kPerChannel) {
           s.axis = ParamAxis::kChannelGroups;

@@ -46,6 +46,7 @@ enum class CodeFormat { kFp16, kBf16, kInt8, kFp8E4m3, kPacked };
 
 struct SideLayout {
   CodeFormat format = CodeFormat::kFp16;
+  int bits = 16;           // Bits per code (kivi keys and values may differ: vN).
   ParamAxis axis = ParamAxis::kNone;
   int group_channels = 0;  // kTokenGroups: channels per group.
   int param_bits = 16;     // 16: fp16 scale/zero; 8: p8 blocks (group_params.h).
@@ -64,7 +65,6 @@ struct SideLayout {
 struct PageLayout {
   int head_dim = 0;
   int page_tokens = 0;
-  int bits = 16;
   int block_tokens = 1;        // G for kivi (quantization block), else 1.
   int outliers_per_block = 0;  // Per side, per G-token block.
   SideLayout key;

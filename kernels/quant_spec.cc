@@ -61,7 +61,7 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       return Bad(text, absl::StrCat("option \"", opt, "\" applies only to kivi schemes"));
     }
     std::string key(opt.substr(0, opt.find('=')));
-    if (opt.size() > 1 && (opt[0] == 'g' || opt[0] == 'r' || opt[0] == 'p') &&
+    if (opt.size() > 1 && (opt[0] == 'g' || opt[0] == 'r' || opt[0] == 'p' || opt[0] == 'v') &&
         std::isdigit(static_cast<unsigned char>(opt[1]))) {
       key = std::string(opt.substr(0, 1));
     }
@@ -72,6 +72,11 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       if (!ParseInt(opt.substr(1), &spec.group)) return Bad(text, "g needs an integer, e.g. g32");
     } else if (key == "r") {
       if (!ParseInt(opt.substr(1), &spec.residual)) return Bad(text, "r needs an integer, e.g. r128");
+    } else if (key == "v") {
+      if (!ParseInt(opt.substr(1), &spec.vbits)) {
+        return Bad(text, "v needs the value bits, e.g. v2");
+      }
+      if (spec.vbits == spec.bits) spec.vbits = 0;  // Canonical: same as the base.
     } else if (key == "p") {
       if (!ParseInt(opt.substr(1), &spec.param_bits)) {
         return Bad(text, "p needs the parameter bits, p8 or p16");
@@ -95,7 +100,7 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       }
     } else {
       return Bad(text, absl::StrCat("unknown option \"", opt,
-                                    "\"; expected gN, rN, p8, pre_rope, outliers=P, "
+                                    "\"; expected vN, gN, rN, p8, pre_rope, outliers=P, "
                                     "sink=S, nuq, rotate or ktok"));
     }
   }
@@ -116,6 +121,14 @@ absl::Status QuantSpec::Validate() const {
   }
   if (bits != 2 && bits != 3 && bits != 4) {
     return absl::InvalidArgumentError(absl::StrCat("kivi bits must be 2, 3 or 4, got ", bits));
+  }
+  if (vbits != 0 && vbits != 2 && vbits != 3 && vbits != 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("value bits v must be 2, 3 or 4, got ", vbits));
+  }
+  if (vbits != 0 && vbits != bits && nuq) {
+    return absl::InvalidArgumentError(
+        "nuq needs the same bits for keys and values (one codebook size per stream)");
   }
   if (group < 8 || group > 256 || (group & (group - 1)) != 0) {
     return absl::InvalidArgumentError(
@@ -152,7 +165,9 @@ std::string QuantSpec::ToString() const {
     case SchemeKind::kFp8E4m3: return "fp8_e4m3";
     case SchemeKind::kKivi: break;
   }
-  std::string out = absl::StrCat("kivi", bits, ":g", group, ":r", residual);
+  std::string out = absl::StrCat("kivi", bits);
+  if (value_bits() != bits) absl::StrAppend(&out, ":v", value_bits());
+  absl::StrAppend(&out, ":g", group, ":r", residual);
   if (param_bits == 8) absl::StrAppend(&out, ":p8");
   if (pre_rope) absl::StrAppend(&out, ":pre_rope");
   if (has_outliers()) absl::StrAppend(&out, ":outliers=", outlier_percent);

@@ -6,6 +6,10 @@
 // Grammar: <base>[:<option>]*
 //   base     fp16 | bf16 | int8 | fp8_e4m3 | kivi4 | kivi3 | kivi2
 //   options  (kivi only)
+//     vN          value codes at N bits (2, 3 or 4) while keys keep the
+//                 base's bits, e.g. kivi4:v2 (as llama.cpp's separate
+//                 cache-type-k / cache-type-v; keys are the more sensitive
+//                 side); not with nuq
 //     gN          group size G (tokens per key group, channels per value
 //                 group); power of two in [8, 256]; default 32
 //     rN          fp16 residual window R; multiple of G, <= 4096; default 128;
@@ -22,8 +26,9 @@
 //     nuq         non-uniform levels from a per-channel k-means codebook
 //     rotate      randomized Hadamard transform over head_dim
 //     ktok        keys per-token instead of per-channel (for ablations)
-// ToString() prints the canonical form: base, g and r (for kivi), p8 when
-// set, then the options in the order above.
+// ToString() prints the canonical form: base, vN when it differs from the
+// base's bits, g and r (for kivi), p8 when set, then the options in the
+// order above.
 #ifndef KVQ_KERNELS_QUANT_SPEC_H_
 #define KVQ_KERNELS_QUANT_SPEC_H_
 
@@ -45,7 +50,10 @@ enum class KeyAxis {
 
 struct QuantSpec {
   SchemeKind kind = SchemeKind::kFp16;
-  int bits = 16;        // Bits per code: 16, 8, 4, 3 or 2.
+  int bits = 16;        // Bits per code: 16, 8, 4, 3 or 2 (keys; values too
+                        // unless vbits is set).
+  int vbits = 0;        // kivi only: value code bits when they differ from
+                        // `bits` (vN); 0 = same as `bits`.
   int group = 32;       // G, kivi only.
   int residual = 128;   // R, kivi only.
   int param_bits = 16;  // 16: fp16 scale/zero per group; 8: p8 (kivi only).
@@ -63,6 +71,8 @@ struct QuantSpec {
 
   bool is_kivi() const { return kind == SchemeKind::kKivi; }
   bool has_outliers() const { return outlier_percent > 0.0; }
+  int key_bits() const { return bits; }
+  int value_bits() const { return vbits != 0 ? vbits : bits; }
   // Tokens quantized at once when the fp16 tail fills: max(R, G) for kivi,
   // 1 for the per-token schemes (they quantize on append).
   int flush_tokens() const;

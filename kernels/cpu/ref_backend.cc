@@ -30,7 +30,7 @@ void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, u
   const PageLayout& L = s.layout();
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
-  const int bits = L.bits;
+  const int bits = S.bits;
   const bool nuq = s.spec().nuq;
   std::vector<std::vector<float>> levels;
   if (nuq) {
@@ -121,7 +121,7 @@ void DequantizeAffineRef(const KvStream& s, Side side, const uint8_t* page, int 
   const PageLayout& L = s.layout();
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
-  const int bits = L.bits;
+  const int bits = S.bits;
   const bool nuq = s.spec().nuq;
   std::vector<std::vector<float>> levels;
   if (nuq) {

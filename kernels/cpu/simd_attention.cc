@@ -667,7 +667,7 @@ template <int D>
 HWY_NOINLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block, int R,
                              const float* HWY_RESTRICT q, Scratch& sc, float* a, float* cst) {
   const PageLayout& L = s.layout();
-  const float mid = 0.5f * static_cast<float>((1 << L.bits) - 1);
+  const float mid = 0.5f * static_cast<float>((1 << L.key.bits) - 1);
   float* scale = sc.kparams.data();
   float* zero = scale + D;
   LoadParams(L, L.key, page, block, 1, scale);
@@ -1203,20 +1203,7 @@ class RowPass {
     }
 #if HWY_TARGET == HWY_AVX2
     if (fast_.key || fast_.value) {
-      switch (L.bits * 1000 + d_) {
-        case 8064: return KiviSegment<8, 64>(page, row, n, t0);
-        case 8128: return KiviSegment<8, 128>(page, row, n, t0);
-        case 8256: return KiviSegment<8, 256>(page, row, n, t0);
-        case 4064: return KiviSegment<4, 64>(page, row, n, t0);
-        case 4128: return KiviSegment<4, 128>(page, row, n, t0);
-        case 4256: return KiviSegment<4, 256>(page, row, n, t0);
-        case 3064: return KiviSegment<3, 64>(page, row, n, t0);
-        case 3128: return KiviSegment<3, 128>(page, row, n, t0);
-        case 3256: return KiviSegment<3, 256>(page, row, n, t0);
-        case 2064: return KiviSegment<2, 64>(page, row, n, t0);
-        case 2128: return KiviSegment<2, 128>(page, row, n, t0);
-        case 2256: return KiviSegment<2, 256>(page, row, n, t0);
-      }
+      if (KiviFastSegment(L.key.bits, L.value.bits, page, row, n, t0)) return;
     }
 #endif
     // Generic: dequantize a tile of K and V, rotate the keys, float kernel.
@@ -1240,7 +1227,7 @@ class RowPass {
 #if HWY_TARGET == HWY_AVX2
   // Page rows through the integer kernels on the side(s) that allow them and
   // the generic float tiles on the other. Tiles never cross a G-token block.
-  template <int kBits, int D>
+  template <int kKeyBits, int kValueBits, int D>
   void KiviSegment(const uint8_t* page, int row, int n, int t0) {
     const int g = s_.layout().block_tokens;
     float* S = sc_.S.data();
@@ -1252,7 +1239,7 @@ class RowPass {
       if (!fast_.key) PrefetchTile(page, r, m, n - i);  // Keys dequantize: slower, more traffic.
       PrefetchNextPage(r, m);
       bool key_done = false;
-      if constexpr (kBits != 8) {  // int8 keys are per token: generic.
+      if constexpr (kKeyBits != 8) {  // int8 keys are per token: generic.
         if (fast_.key) {
           key_done = true;
           if (block != key_block_ || page != key_page_) {
@@ -1260,14 +1247,14 @@ class RowPass {
             key_block_ = block;
             key_page_ = page;
           }
-          KiviKeyScores<R, kBits, D>(s_, page, r, m, ka_, kcst_, sc_, S);
-          if (outliers_) KeyOutliers<kBits, D>(page, block, r, m, S);
+          KiviKeyScores<R, kKeyBits, D>(s_, page, r, m, ka_, kcst_, sc_, S);
+          if (outliers_) KeyOutliers<kKeyBits, D>(page, block, r, m, S);
         }
       }
       if (!key_done) {
         float* kb = sc_.kbuf.data();
         if (plain_key_codes_) {
-          KiviKeyTileToFloat<kBits, D>(s_, page, r, m, sc_, kb);
+          KiviKeyTileToFloat<kKeyBits, D>(s_, page, r, m, sc_, kb);
         } else {
           DequantRows(sc_.kctx, page, r, m, kb);
         }
@@ -1280,8 +1267,8 @@ class RowPass {
       }
       if (SoftmaxTile(R, m, t0 + i, vis_, S, st_, sc_.acc.data(), D)) {
         if (fast_.value) {
-          KiviValueAccumulate<R, kBits, D>(s_, page, r, m, S, sc_, sc_.acc.data());
-          if (outliers_) ValueOutliers<kBits, D>(page, block, r, m, S);
+          KiviValueAccumulate<R, kValueBits, D>(s_, page, r, m, S, sc_, sc_.acc.data());
+          if (outliers_) ValueOutliers<kValueBits, D>(page, block, r, m, S);
         } else {
           DequantRows(sc_.vctx, page, r, m, sc_.vbuf.data());
           TileAccumulate<R, F32Rows>(sc_.vbuf.data(), D, m, S, sc_.acc.data(), D);
@@ -1289,6 +1276,35 @@ class RowPass {
       }
       i += m;
     }
+  }
+
+  // Dispatches page rows to KiviSegment<key bits, value bits, head_dim>;
+  // false when no instantiation matches (the caller takes the generic path).
+  bool KiviFastSegment(int key_bits, int value_bits, const uint8_t* page, int row, int n,
+                       int t0) {
+    switch (d_) {
+      case 64: return KiviFastSegmentD<64>(key_bits, value_bits, page, row, n, t0);
+      case 128: return KiviFastSegmentD<128>(key_bits, value_bits, page, row, n, t0);
+      case 256: return KiviFastSegmentD<256>(key_bits, value_bits, page, row, n, t0);
+    }
+    return false;
+  }
+  template <int D>
+  bool KiviFastSegmentD(int key_bits, int value_bits, const uint8_t* page, int row, int n,
+                        int t0) {
+    switch (key_bits * 10 + value_bits) {
+      case 88: KiviSegment<8, 8, D>(page, row, n, t0); return true;
+      case 44: KiviSegment<4, 4, D>(page, row, n, t0); return true;
+      case 43: KiviSegment<4, 3, D>(page, row, n, t0); return true;
+      case 42: KiviSegment<4, 2, D>(page, row, n, t0); return true;
+      case 34: KiviSegment<3, 4, D>(page, row, n, t0); return true;
+      case 33: KiviSegment<3, 3, D>(page, row, n, t0); return true;
+      case 32: KiviSegment<3, 2, D>(page, row, n, t0); return true;
+      case 24: KiviSegment<2, 4, D>(page, row, n, t0); return true;
+      case 23: KiviSegment<2, 3, D>(page, row, n, t0); return true;
+      case 22: KiviSegment<2, 2, D>(page, row, n, t0); return true;
+    }
+    return false;
   }
 
   // Sparse outliers: the integer kernels see the clamped codes; each table

@@ -328,7 +328,7 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
   const PageLayout& L = s.layout();
   const SideLayout& S = L.side(ctx.side);
   const int d = L.head_dim;
-  const int bits = L.bits;
+  const int bits = S.bits;
   const int g = L.block_tokens;
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));

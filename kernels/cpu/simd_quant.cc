@@ -143,7 +143,7 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   const PageLayout& L = s.layout();
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
-  const int bits = L.bits;
+  const int bits = S.bits;
   const int g = L.block_tokens;
   const bool outliers = L.outliers_per_block > 0;
   const float topf = static_cast<float>((1 << bits) - 1);

@@ -343,6 +343,9 @@ INSTANTIATE_TEST_SUITE_P(
                     QuantCase{"kivi4:g64:r64:p8:pre_rope:sink=4", 0, 600, 1 << 20},
                     // p8 with flushes of half a page, from mid-stream.
                     QuantCase{"kivi2:g16:r16:p8:sink=4", 2, 300, 4096},
+                    // Keys and values at different bits.
+                    QuantCase{"kivi4:v2:g64:r64:p8:pre_rope:sink=4", 0, 600, 1 << 20},
+                    QuantCase{"kivi2:v3:g16:r16:outliers=1", 2, 300, 4096},
                     QuantCase{"int8", 5, 150, 3000}, QuantCase{"fp16", 0, 100, 1 << 20},
                     QuantCase{"bf16", 0, 100, 1 << 20}, QuantCase{"fp8_e4m3", 0, 100, 1 << 20}),
     CaseName);

@@ -73,13 +73,15 @@ TEST_F(ClientServerTest, QuantizedAndDenseAppendsStoreTheSameCache) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_FALSE(info->version().empty());
 
-  // Every KVQuant option, and 8-bit group parameters.
+  // Every KVQuant option, 8-bit group parameters, keys and values at
+  // different bits.
   struct Case {
     const char* scheme;
     int block_tokens;
   };
   for (const Case& c : {Case{"kivi2:g32:r128:pre_rope:outliers=1:sink=4", 128},
-                        Case{"kivi4:g64:r64:p8:pre_rope:sink=4", 64}}) {
+                        Case{"kivi4:g64:r64:p8:pre_rope:sink=4", 64},
+                        Case{"kivi4:v3:g32:r32:p8:outliers=1", 32}}) {
     SCOPED_TRACE(c.scheme);
     const std::string scheme = c.scheme;
     const std::string quantized = "quantized_" + std::to_string(c.block_tokens);

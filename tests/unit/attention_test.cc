@@ -69,8 +69,10 @@ Tolerance SchemeTol(const QuantSpec& s) {
     case SchemeKind::kInt8: return kInt8SchemeTol;
     case SchemeKind::kKivi: break;
   }
-  if (s.bits == 4) return kKivi4SchemeTol;
-  if (s.bits == 3) return kKivi3SchemeTol;
+  // Mixed bits (vN): the narrower side bounds the error.
+  const int bits = std::min(s.key_bits(), s.value_bits());
+  if (bits == 4) return kKivi4SchemeTol;
+  if (bits == 3) return kKivi3SchemeTol;
   return s.key_axis == KeyAxis::kPerToken ? kKivi2KtokSchemeTol : kKivi2SchemeTol;
 }
 

@@ -187,6 +187,24 @@ TEST(PageLayoutTest, Kivi2OutliersExplicit) {
   EXPECT_EQ(l->padding_bytes, 24u);
 }
 
+// vN: each side's code rows have that side's bits; everything else is as
+// for equal bits. kivi4:v2, d 64, g32: K rows 32 bytes, V rows 16.
+TEST(PageLayoutTest, MixedKeyValueBitsExplicit) {
+  absl::StatusOr<PageLayout> l = PageLayout::Make(*QuantSpec::Parse("kivi4:v2"), 64);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->key.bits, 4);
+  EXPECT_EQ(l->value.bits, 2);
+  EXPECT_EQ(l->key.code_row_bytes, 32u);
+  EXPECT_EQ(l->value.code_row_bytes, 16u);
+  EXPECT_EQ(l->value.codes_offset, 1024u) << "32 rows x 32 bytes";
+  EXPECT_EQ(l->key.params_offset, 1536u) << "+ 32 rows x 16 bytes";
+  EXPECT_EQ(l->key.params_bytes, 256u) << "fp16 scale and zero per channel";
+  EXPECT_EQ(l->value.params_offset, 1792u);
+  EXPECT_EQ(l->value.params_bytes, 256u) << "fp16 scale and zero per token, 2 groups";
+  EXPECT_EQ(l->page_bytes, 2048u);
+  EXPECT_EQ(l->padding_bytes, 0u);
+}
+
 TEST(PageLayoutTest, BaseSchemesExplicit) {
   struct Case {
     const char* spec;

@@ -94,6 +94,12 @@ TEST(QuantSpecTest, EachOptionSetsItsField) {
   EXPECT_EQ(MustParse("kivi2").param_bits, 16) << "fp16 group parameters by default";
   EXPECT_EQ(MustParse("kivi2:p8").param_bits, 8);
   EXPECT_EQ(MustParse("kivi2:p16").param_bits, 16);
+  EXPECT_EQ(MustParse("kivi4:v2").vbits, 2);
+  EXPECT_EQ(MustParse("kivi4:v2").key_bits(), 4);
+  EXPECT_EQ(MustParse("kivi4:v2").value_bits(), 2);
+  EXPECT_EQ(MustParse("kivi2:v3").value_bits(), 3);
+  EXPECT_EQ(MustParse("kivi3").value_bits(), 3) << "values follow the base without vN";
+  EXPECT_EQ(MustParse("kivi3:v3").vbits, 0) << "vN equal to the base normalises away";
   // r0 keeps only an unfinished group: the flush size is G.
   EXPECT_EQ(MustParse("kivi2:g64:r0").flush_tokens(), 64);
   EXPECT_EQ(MustParse("kivi2:g64:r256").flush_tokens(), 256);
@@ -109,6 +115,8 @@ TEST(QuantSpecTest, OptionsPrintInCanonicalOrder) {
       {"kivi4:g64", "kivi4:g64:r128"},
       {"kivi4:sink=4:p8:pre_rope:g128", "kivi4:g128:r128:p8:pre_rope:sink=4"},
       {"kivi2:p16", "kivi2:g32:r128"},
+      {"kivi4:sink=4:v2:p8:g64:r64", "kivi4:v2:g64:r64:p8:sink=4"},
+      {"kivi3:v3", "kivi3:g32:r128"},
       {"kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok",
        "kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok"},
   };
@@ -136,7 +144,7 @@ TEST(QuantSpecTest, RejectsUnknownBase) {
 }
 
 TEST(QuantSpecTest, RejectsUnknownOption) {
-  const std::string expected_list = "; expected gN, rN, p8, pre_rope, outliers=P, sink=S, nuq, rotate or ktok";
+  const std::string expected_list = "; expected vN, gN, rN, p8, pre_rope, outliers=P, sink=S, nuq, rotate or ktok";
   ExpectParseError("kivi2:fast", "scheme \"kivi2:fast\": unknown option \"fast\"" + expected_list);
   ExpectParseError("kivi2:nuq=1", "scheme \"kivi2:nuq=1\": unknown option \"nuq=1\"" + expected_list);
   ExpectParseError("kivi2:", "scheme \"kivi2:\": unknown option \"\"" + expected_list);
@@ -215,6 +223,17 @@ TEST(QuantSpecTest, RejectsRotateWithPreRope) {
                    "scheme \"kivi2:pre_rope:rotate\": rotate and pre_rope cannot be combined: RoPE "
                    "acts on the unrotated channels, so a pre-RoPE key would have to be un-rotated "
                    "per token");
+}
+
+TEST(QuantSpecTest, RejectsBadValueBits) {
+  ExpectParseError("kivi4:v8", "scheme \"kivi4:v8\": value bits v must be 2, 3 or 4, got 8");
+  ExpectParseError("kivi4:v1", "scheme \"kivi4:v1\": value bits v must be 2, 3 or 4, got 1");
+  ExpectParseError("kivi4:v2:v3", "scheme \"kivi4:v2:v3\": option \"v\" given twice");
+  ExpectParseError("int8:v4", "scheme \"int8:v4\": option \"v4\" applies only to kivi schemes");
+  ExpectParseError("kivi4:v2:nuq",
+                   "scheme \"kivi4:v2:nuq\": nuq needs the same bits for keys and values (one "
+                   "codebook size per stream)");
+  EXPECT_TRUE(MustParse("kivi4:v4:nuq").nuq) << "equal bits are not a mix";
 }
 
 TEST(QuantSpecTest, ValidateRejectsBadKiviBits) {

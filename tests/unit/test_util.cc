@@ -94,6 +94,13 @@ const std::vector<SchemeCase>& AllSchemeCases() {
       {"kivi2:g16:r16:p8:nuq:ktok", 128, {}, ""},
       // A flush (16 tokens) smaller than a page (32): pages fill in parts.
       {"kivi4:g16:r16", 128, {}, ""},
+      // Keys and values at different bits (vN): both fast paths with
+      // different code widths, outlier corrections per side, the generic
+      // pre_rope key path beside fast 3-bit values, per-token keys.
+      {"kivi4:v2", 128, {}, ""},
+      {"kivi2:v4:outliers=1", 64, {}, ""},
+      {"kivi4:v3:g64:r64:p8:pre_rope:sink=4", 64, MakeRope(P::kHalfSplit, 0), "half"},
+      {"kivi3:v2:ktok", 64, {}, ""},
   };
   return *cases;
 }
@@ -288,11 +295,11 @@ double ElementBound(const KvStream& s, Side side, int t, int c, float input, boo
   const double scale = params[k];
   const double zero = params[np + k];
   double step = scale;
-  double top = (1 << L.bits) - 1;
+  double top = (1 << S.bits) - 1;
   if (s.spec().nuq) {
     const uint16_t* lv = s.levels(side, c);
     double gap = 0.0;
-    for (int i = 1; i < (1 << L.bits); ++i) {
+    for (int i = 1; i < (1 << S.bits); ++i) {
       gap = std::max(gap, static_cast<double>(HalfToFloat(lv[i]) - HalfToFloat(lv[i - 1])));
     }
     step = scale * gap;
