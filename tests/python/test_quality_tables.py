@@ -1,6 +1,7 @@
 """bench/eval/quality_tables.py: a row measured again in a later file (the
 fp16 reference of a second kvq-eval run) replaces the earlier one instead
-of appearing twice, and the targets table picks within the bit budgets."""
+of appearing twice, and the targets table picks within the bit budgets and
+by the mean code width of keys and values."""
 
 import importlib.util
 import json
@@ -41,3 +42,23 @@ def test_targets_pick_within_the_budget(tmp_path):
     three = next(line for line in lines if "≈3-bit" in line)
     assert "`kivi3:g64:r64:p8`" in three
     assert "| 3.42 | +4.00 | missed: +2.00 pts over |" in three
+
+
+def test_mixed_bits_compete_by_their_mean_code_width():
+    assert tables.mean_code_bits("kivi4:v2:g64:r64:p8") == 3.0
+    assert tables.mean_code_bits("kivi3:g64") == 3.0
+    assert tables.mean_code_bits("kivi4:v3") == 3.5
+    assert tables.mean_code_bits("int8") is None
+    rows = [row("fp16", 16.0, 0.0), row("kivi4:g16", 6.2, 0.4),
+            row("kivi4:v2:g64:r64:p8", 3.42, 1.8), row("kivi3:g64:r64:p8", 3.42, 6.3),
+            row("kivi2:v3:g64:r64:p8", 2.9, 20.0), row("kivi2:g64:r64:p8", 2.43, 80.0),
+            row("kivi4:v3:g64:r64:p8", 3.92, 0.1)]
+    lines = tables.targets(rows, "all")
+    four = next(line for line in lines if "4-bit kivi" in line)
+    three = next(line for line in lines if "≈3-bit" in line)
+    two = next(line for line in lines if "≈2-bit" in line)
+    assert "`kivi4:g16`" in four, "kivi4:v2 is not a 4-bit configuration"
+    assert "`kivi4:v2:g64:r64:p8` | 3.42 | +1.80 | met |" in three
+    assert "`kivi2:g64:r64:p8` | 2.43 | +80.00 | missed: +74.00 pts over |" in two, \
+        "kivi2:v3 (2.5 bits on average) is not a 2-bit configuration"
+    assert "kivi4:v3" not in four + three, "3.5 bits on average: in no family"
