@@ -48,6 +48,12 @@ p8_3="kivi3:g64:r64:p8:pre_rope:sink=4"
 p8_3nuq="kivi3:g64:r64:p8:pre_rope:sink=4:nuq"
 p8_2="kivi2:g64:r64:p8:pre_rope:sink=4"
 p8=("$p8_4" "$p8_lean4" "$p8_3" "$p8_3nuq" "$p8_2")
+# Keys and values at different bits (vN) in the same p8 layout: which side
+# takes the narrower codes. mix_43 (4.23 bits at 2048) is the configuration
+# under q4_0's 4.5 bits at 2048.
+mix_43="kivi4:v3:g64:r64:p8:pre_rope:sink=4"
+mix=("$mix_43" "kivi4:v2:g64:r64:p8:pre_rope:sink=4"
+     "kivi3:v4:g64:r64:p8:pre_rope:sink=4" "kivi2:v4:g64:r64:p8:pre_rope:sink=4")
 # The ablation (KIVI / KVQuant style): per-token vs per-channel keys, with
 # and without the residual window, each KVQuant option alone, rotate, their
 # combinations, then the picked configurations.
@@ -59,12 +65,12 @@ ablation=(
   kivi2:rotate:outliers=1:sink=4
   kivi4:pre_rope kivi4:sink=4 kivi4:pre_rope:outliers=1:sink=4
   kivi4:g16:r128:pre_rope:outliers=1:sink=4
-  "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}"
+  "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}" "${mix[@]}"
 )
-long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}")
+long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$mix_43")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
-passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2")"
+passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2" "${mix[@]}")"
 
 "$eval_bin" --schemes="$(join "${ablation[@]}")" --contexts=512,2048 --windows="$windows" \
   --corpora="$corpora" --passkey_contexts=2048 --passkey_schemes="$passkey" \
@@ -72,7 +78,7 @@ passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2")"
 "$root/scripts/run_llamacpp_peer.sh" "$out/windows_short.json" --out="$out/llamacpp_short.json"
 "$eval_bin" --schemes="$(join "${long[@]}")" --contexts=8192 --windows="$windows" \
   --corpora="$long_corpora" --passkey_contexts=8192 --passkey_depths=0.1,0.5,0.9 \
-  --passkey_schemes="$(join fp16 "$best4" "$p8_4" "$p8_3")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
+  --passkey_schemes="$(join fp16 "$best4" "$p8_4" "$p8_3" "$mix_43")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
 "$root/scripts/run_llamacpp_peer.sh" "$out/windows_long.json" --out="$out/llamacpp_long.json"
 
 python3 "$root/bench/eval/quality_tables.py" "$out"/kvq_*.json "$out"/llamacpp_*.json
