@@ -797,55 +797,6 @@ HWY_INLINE void CodesToFloat16(const uint8_t* HWY_RESTRICT row, int j, __m256* x
   }
 }
 
-// Keys the integer path does not take (pre_rope, per-token groups) with
-// uniform packed codes, dequantized for the float tile kernel straight from
-// the bit planes: one FMA per 8 channels, no unpacked byte row. (The
-// DequantizeRows API stays bit-exact with the reference, multiply then add;
-// attention only needs float accuracy.) Sparse outliers are written over
-// their codes' values afterwards, before RoPE, as the reference does.
-template <int kBits, int D>
-HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int row, int m,
-                                   Scratch& sc, float* HWY_RESTRICT kb) {
-  const PageLayout& L = s.layout();
-  const SideLayout& K = L.key;
-  const int g = L.block_tokens;
-  float* p = sc.kparams.data();
-  if (K.axis == ParamAxis::kChannelGroups) {
-    int cur = -1;
-    for (int j = 0; j < m; ++j) {
-      if ((row + j) / g != cur) {
-        cur = (row + j) / g;
-        LoadParams(L, K, page, cur, 1, p);
-      }
-      const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
-      float* x = kb + static_cast<size_t>(j) * D;
-      for (int c = 0; c < D; c += 16) {
-        __m256 v[2];
-        CodesToFloat16<kBits, D>(codes, c / 16, v);
-        _mm256_storeu_ps(x + c, _mm256_fmadd_ps(v[0], _mm256_loadu_ps(p + c),
-                                                _mm256_loadu_ps(p + D + c)));
-        _mm256_storeu_ps(x + c + 8, _mm256_fmadd_ps(v[1], _mm256_loadu_ps(p + c + 8),
-                                                    _mm256_loadu_ps(p + D + c + 8)));
-      }
-    }
-  } else {
-    const int gc = K.group_channels;
-    const int ng = D / gc;
-    for (int j = 0; j < m; ++j) {
-      LoadParams(L, K, page, row + j, 1, p);
-      const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
-      float* x = kb + static_cast<size_t>(j) * D;
-      for (int grp = 0; grp < ng; ++grp) {
-        const __m256 vs = _mm256_set1_ps(p[grp]), vz = _mm256_set1_ps(p[ng + grp]);
-        for (int c = grp * gc; c < (grp + 1) * gc; c += 8) {
-          _mm256_storeu_ps(x + c, _mm256_fmadd_ps(CodesToFloat8<kBits, D>(codes, c), vs, vz));
-        }
-      }
-    }
-  }
-  WriteOutliers(L, K, page, row, m, kb);
-}
-
 // nuq: the levels of channels [c0, c0 + 8) for the codes of one row, exact:
 // a tree of blends on the code bits (each bit shifted into the sign, which is
 // all vblendvps reads) over rows[k][c], level k of every channel.
@@ -876,6 +827,67 @@ HWY_INLINE __m256 NuqLevels8(const uint8_t* HWY_RESTRICT row, int c0, const floa
     const __m256 b2 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 29));
     return _mm256_blendv_ps(pick4(r), pick4(r + 4 * D), b2);
   }
+}
+
+// Keys the integer path does not take (pre_rope, per-token groups, nuq)
+// with packed codes, dequantized for the float tile kernel straight from
+// the bit planes: one FMA per 8 channels, no unpacked byte row (nuq levels
+// picked by NuqLevels8 for per-channel groups of up to 8 levels). (The
+// DequantizeRows API stays bit-exact with the reference, multiply then add;
+// attention only needs float accuracy.) Sparse outliers are written over
+// their codes' values afterwards, before RoPE, as the reference does.
+template <int kBits, int D>
+HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int row, int m,
+                                   Scratch& sc, float* HWY_RESTRICT kb) {
+  const PageLayout& L = s.layout();
+  const SideLayout& K = L.key;
+  const int g = L.block_tokens;
+  float* p = sc.kparams.data();
+  if (K.axis == ParamAxis::kChannelGroups) {
+    int cur = -1;
+    for (int j = 0; j < m; ++j) {
+      if ((row + j) / g != cur) {
+        cur = (row + j) / g;
+        LoadParams(L, K, page, cur, 1, p);
+      }
+      const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
+      float* x = kb + static_cast<size_t>(j) * D;
+      if constexpr (kBits == 2 || kBits == 3) {
+        if (s.spec().nuq) {  // Per-channel levels in [0, 1] of the group's range.
+          const float* levels = sc.kctx.level_rows.data();
+          for (int c = 0; c < D; c += 8) {
+            _mm256_storeu_ps(x + c, _mm256_fmadd_ps(NuqLevels8<kBits, D>(codes, c, levels),
+                                                    _mm256_loadu_ps(p + c),
+                                                    _mm256_loadu_ps(p + D + c)));
+          }
+          continue;
+        }
+      }
+      for (int c = 0; c < D; c += 16) {
+        __m256 v[2];
+        CodesToFloat16<kBits, D>(codes, c / 16, v);
+        _mm256_storeu_ps(x + c, _mm256_fmadd_ps(v[0], _mm256_loadu_ps(p + c),
+                                                _mm256_loadu_ps(p + D + c)));
+        _mm256_storeu_ps(x + c + 8, _mm256_fmadd_ps(v[1], _mm256_loadu_ps(p + c + 8),
+                                                    _mm256_loadu_ps(p + D + c + 8)));
+      }
+    }
+  } else {
+    const int gc = K.group_channels;
+    const int ng = D / gc;
+    for (int j = 0; j < m; ++j) {
+      LoadParams(L, K, page, row + j, 1, p);
+      const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
+      float* x = kb + static_cast<size_t>(j) * D;
+      for (int grp = 0; grp < ng; ++grp) {
+        const __m256 vs = _mm256_set1_ps(p[grp]), vz = _mm256_set1_ps(p[ng + grp]);
+        for (int c = grp * gc; c < (grp + 1) * gc; c += 8) {
+          _mm256_storeu_ps(x + c, _mm256_fmadd_ps(CodesToFloat8<kBits, D>(codes, c), vs, vz));
+        }
+      }
+    }
+  }
+  WriteOutliers(L, K, page, row, m, kb);
 }
 
 // Rows [r0, r0 + RG) of the value accumulation: 16-channel chunks outer,
@@ -1067,12 +1079,14 @@ class RowPass {
 #if HWY_TARGET == HWY_AVX2
     fast_ = ChooseFastSides(s);
     outliers_ = s.layout().outliers_per_block > 0;
-    // Uniform packed key codes whose groups are 8-channel aligned (head_dim
-    // 64/128/256 and groups of >= 8 channels): KiviKeyTileToFloat.
+    // Packed key codes whose groups are 8-channel aligned (head_dim
+    // 64/128/256 and groups of >= 8 channels), uniform or, per channel,
+    // nuq with up to 8 levels: KiviKeyTileToFloat.
     {
       const SideLayout& K = s.layout().key;
       const int d = s.head_dim();
-      plain_key_codes_ = K.format == CodeFormat::kPacked && !s.spec().nuq &&
+      const bool nuq_ok = !s.spec().nuq || (K.bits <= 3 && K.axis == ParamAxis::kChannelGroups);
+      plain_key_codes_ = K.format == CodeFormat::kPacked && nuq_ok &&
                          (d == 64 || d == 128 || d == 256) &&
                          (K.axis == ParamAxis::kChannelGroups ||
                           (K.axis == ParamAxis::kTokenGroups && K.group_channels % 8 == 0));

@@ -101,6 +101,8 @@ const std::vector<SchemeCase>& AllSchemeCases() {
       {"kivi2:v4:outliers=1", 64, {}, ""},
       {"kivi4:v3:g64:r64:p8:pre_rope:sink=4", 64, MakeRope(P::kHalfSplit, 0), "half"},
       {"kivi3:v2:ktok", 64, {}, ""},
+      // nuq keys per channel with RoPE in attention: levels picked in lanes.
+      {"kivi3:g16:r32:p8:pre_rope:nuq", 64, MakeRope(P::kAdjacent, 0), "adj"},
   };
   return *cases;
 }
