@@ -52,7 +52,7 @@ p8=("$p8_4" "$p8_lean4" "$p8_3" "$p8_3nuq" "$p8_2")
 # takes the narrower codes. mix_43 (4.23 bits at 2048) is the configuration
 # under q4_0's 4.5 bits at 2048.
 mix_43="kivi4:v3:g64:r64:p8:pre_rope:sink=4"
-mix=("$mix_43" "kivi4:v2:g64:r64:p8:pre_rope:sink=4"
+mix=("$mix_43" "kivi4:v3:g32:r32:p8:pre_rope:sink=4" "kivi4:v2:g64:r64:p8:pre_rope:sink=4"
      "kivi3:v4:g64:r64:p8:pre_rope:sink=4" "kivi2:v4:g64:r64:p8:pre_rope:sink=4")
 # The ablation (KIVI / KVQuant style): per-token vs per-channel keys, with
 # and without the residual window, each KVQuant option alone, rotate, their
