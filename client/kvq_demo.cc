@@ -27,7 +27,8 @@ ABSL_FLAG(std::string, server, "localhost:50051", "kvq-server address");
 ABSL_FLAG(int32_t, tokens, 4096, "Prompt length");
 ABSL_FLAG(int32_t, steps, 16, "Decode steps (each appends and attends all 30 layers)");
 ABSL_FLAG(std::string, schemes,
-          "fp16,int8,kivi4,kivi4:g64:r64:p8:pre_rope:sink=4,kivi2,kivi2:pre_rope:outliers=1:sink=4",
+          "fp16,int8,kivi4,kivi4:g64:r64:p8:pre_rope:sink=4,kivi4:v3:g32:r32:p8:pre_rope:sink=4,kivi2,"
+          "kivi2:pre_rope:outliers=1:sink=4",
           "Comma-separated schemes; the first is the baseline");
 
 namespace kvq {
