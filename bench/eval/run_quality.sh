@@ -48,6 +48,8 @@ p8_3="kivi3:g64:r64:p8:pre_rope:sink=4"
 p8_3nuq="kivi3:g64:r64:p8:pre_rope:sink=4:nuq"
 p8_2="kivi2:g64:r64:p8:pre_rope:sink=4"
 p8=("$p8_4" "$p8_lean4" "$p8_3" "$p8_3nuq" "$p8_2")
+# p8_3 without pre_rope, and with rotate instead (2048 only).
+p8_3ablation=("kivi3:g64:r64:p8:rotate:sink=4" "kivi3:g64:r64:p8:sink=4")
 # Keys and values at different bits (vN) in the same p8 layout: which side
 # takes the narrower codes. mix_43 (4.23 bits at 2048) is the configuration
 # under q4_0's 4.5 bits at 2048.
@@ -65,7 +67,8 @@ ablation=(
   kivi2:rotate:outliers=1:sink=4
   kivi4:pre_rope kivi4:sink=4 kivi4:pre_rope:outliers=1:sink=4
   kivi4:g16:r128:pre_rope:outliers=1:sink=4
-  "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}" "${mix[@]}"
+  "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}" "${p8_3ablation[@]}"
+  "${mix[@]}"
 )
 long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$mix_43")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
