@@ -23,8 +23,11 @@
 //    all rows, float FMAs.
 //  * everything else (fp8, int8 keys, pre_rope or ktok or nuq keys, 4-bit nuq
 //    values, the portable targets): the generic tile path dequantizes one
-//    tile to float (simd_dequant-inl.h, bit-identical to the reference),
-//    applies RoPE to keys, and runs the float tile kernel.
+//    tile to float (packed keys straight from the bit planes in
+//    KiviKeyTileToFloat on AVX2, else simd_dequant-inl.h, bit-identical to
+//    the reference), applies RoPE to keys, and runs the float tile kernel.
+// Keys and values may have different code widths (vN): each side's kernel
+// is instantiated for its own width (KiviSegment<key bits, value bits, D>).
 // Only the integer key path rounds anything beyond float arithmetic: its
 // output is within ~5e-4 of the reference (contract: 5e-3), every other path
 // within float rounding (~3e-6; contract 1e-4).
