@@ -103,6 +103,10 @@ const std::vector<SchemeCase>& AllSchemeCases() {
       {"kivi3:v2:ktok", 64, {}, ""},
       // nuq keys per channel with RoPE in attention: levels picked in lanes.
       {"kivi3:g16:r32:p8:pre_rope:nuq", 64, MakeRope(P::kAdjacent, 0), "adj"},
+      // pre_rope keys with outliers, rotated in the dequantizing pass: both
+      // pairings, channels beyond a partial rotary_dim.
+      {"kivi4:pre_rope:outliers=2", 64, MakeRope(P::kAdjacent, 32), "adj_rot32"},
+      {"kivi2:g16:r32:pre_rope:outliers=2", 128, MakeRope(P::kHalfSplit, 96), "half_rot96"},
   };
   return *cases;
 }
