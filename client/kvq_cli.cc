@@ -52,7 +52,8 @@ ABSL_FLAG(int32_t, kv_heads, 0, "KV heads per layer, [1, 256].");
 ABSL_FLAG(int32_t, q_heads, 0, "Query heads per layer, a multiple of --kv_heads (0: = kv_heads).");
 ABSL_FLAG(int32_t, head_dim, 0, "Channels per head, a multiple of 16 in [16, 256].");
 ABSL_FLAG(std::string, scheme, "kivi4:g32:r128:sink=4",
-          "Storage scheme, e.g. fp16, int8, kivi4, kivi2:g32:r128:pre_rope:outliers=1:sink=4 "
+          "Storage scheme, e.g. fp16, int8, kivi4, kivi2:g32:r128:pre_rope:outliers=1:sink=4, "
+          "kivi4:v3:g32:r32:p8:pre_rope:sink=4 (4-bit keys, 3-bit values) "
           "(the default is the one docs/QUALITY.md picked).");
 ABSL_FLAG(uint32_t, ttl_s, 0, "Idle lease in seconds (0: the server's default).");
 ABSL_FLAG(double, rope_theta, 10000.0, "RoPE base (pre_rope schemes).");
