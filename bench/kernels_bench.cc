@@ -368,6 +368,7 @@ const std::vector<std::string>& DefaultKernelSchemes() {
       "kivi2:r0",
       "kivi4:p8",
       "kivi2:p8",
+      "kivi4:v3",
       "kivi4:v2",
       "kivi2:pre_rope:outliers=1:sink=4",
       "kivi3:pre_rope:outliers=1:sink=4",
