@@ -70,7 +70,8 @@ ablation=(
   "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}" "${p8_3ablation[@]}"
   "${mix[@]}"
 )
-long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$mix_43")
+long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$mix_43"
+      "kivi4:v3:g32:r32:p8:pre_rope:sink=4")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
 passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2" "${mix[@]}")"
