@@ -145,3 +145,21 @@ def test_decode_session_append_attend_and_fork(client):
     assert e.value.code.name == "ALREADY_EXISTS"
     client.release("d2")
     client.release("d1")
+
+
+def test_keys_and_values_at_different_bits(client):
+    """vN: 4-bit keys and 2-bit values in one sequence; each side comes back
+    with its own width's error."""
+    seq = client.create_sequence(layout(), scheme="kivi4:v2:g32:r32", sequence_id="mix1")
+    assert seq.scheme == "kivi4:v2:g32:r32"
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((LAYERS, HEADS, 256, DIM)).astype(np.float32)
+    v = rng.standard_normal((LAYERS, HEADS, 256, DIM)).astype(np.float32)
+    client.append_prompt("mix1", k, v)
+    K, V = client.fetch("mix1", dtype="fp32")
+    # Every token is quantized (256 = 8 flushes of 32): 15 levels against 3.
+    k_err = np.abs(K - k).mean()
+    v_err = np.abs(V - v).mean()
+    assert 0.0 < k_err < 0.1 < v_err < 0.5, (k_err, v_err)  # Measured 0.065, 0.33.
+    assert v_err > 3 * k_err
+    assert client.release("mix1") > 0
