@@ -48,8 +48,11 @@ p8_3="kivi3:g64:r64:p8:pre_rope:sink=4"
 p8_3nuq="kivi3:g64:r64:p8:pre_rope:sink=4:nuq"
 p8_2="kivi2:g64:r64:p8:pre_rope:sink=4"
 p8=("$p8_4" "$p8_lean4" "$p8_3" "$p8_3nuq" "$p8_2")
-# p8_3 without pre_rope, and with rotate instead (2048 only).
-p8_3ablation=("kivi3:g64:r64:p8:rotate:sink=4" "kivi3:g64:r64:p8:sink=4")
+# p8_3 without pre_rope, and with rotate instead; with a longer sink
+# (2048 only); with the sparse outliers that fit 3.5 bits at 8192 (p8_3out).
+p8_3out="kivi3:g64:r64:p8:pre_rope:outliers=0.2:sink=4"
+p8_3ablation=("kivi3:g64:r64:p8:rotate:sink=4" "kivi3:g64:r64:p8:sink=4"
+              "kivi3:g64:r64:p8:pre_rope:sink=16" "$p8_3out")
 # Keys and values at different bits (vN) in the same p8 layout: which side
 # takes the narrower codes. mix_43 (4.23 bits at 2048) is the configuration
 # under q4_0's 4.5 bits at 2048.
@@ -70,7 +73,7 @@ ablation=(
   "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}" "${p8_3ablation[@]}"
   "${mix[@]}"
 )
-long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$mix_43"
+long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$p8_3out" "$mix_43"
       "kivi4:v3:g32:r32:p8:pre_rope:sink=4")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
