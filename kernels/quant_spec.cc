@@ -126,7 +126,12 @@ absl::Status QuantSpec::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("value bits v must be 2, 3 or 4, got ", vbits));
   }
-  if (vbits != 0 && vbits != bits && nuq) {
+  if (vbits == bits) {
+    // One spelling per scheme, so that == and ToString() agree.
+    return absl::InvalidArgumentError(
+        absl::StrCat("value bits v equal to the key bits (", bits, ") are written as vbits = 0"));
+  }
+  if (vbits != 0 && nuq) {
     return absl::InvalidArgumentError(
         "nuq needs the same bits for keys and values (one codebook size per stream)");
   }

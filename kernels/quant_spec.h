@@ -53,7 +53,8 @@ struct QuantSpec {
   int bits = 16;        // Bits per code: 16, 8, 4, 3 or 2 (keys; values too
                         // unless vbits is set).
   int vbits = 0;        // kivi only: value code bits when they differ from
-                        // `bits` (vN); 0 = same as `bits`.
+                        // `bits` (vN); 0 = same as `bits` (the only spelling
+                        // of equal widths: Validate() rejects vbits == bits).
   int group = 32;       // G, kivi only.
   int residual = 128;   // R, kivi only.
   int param_bits = 16;  // 16: fp16 scale/zero per group; 8: p8 (kivi only).

@@ -236,6 +236,17 @@ TEST(QuantSpecTest, RejectsBadValueBits) {
   EXPECT_TRUE(MustParse("kivi4:v4:nuq").nuq) << "equal bits are not a mix";
 }
 
+TEST(QuantSpecTest, ValidateWantsEqualWidthsSpelledAsZero) {
+  QuantSpec s = MustParse("kivi4:v2");
+  s.vbits = 4;
+  const absl::Status st = s.Validate();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "value bits v equal to the key bits (4) are written as vbits = 0");
+  s.vbits = 0;
+  EXPECT_TRUE(s.Validate().ok());
+  EXPECT_EQ(s, MustParse("kivi4:v4")) << "Parse spells v4 on kivi4 as vbits = 0";
+}
+
 TEST(QuantSpecTest, ValidateRejectsBadKiviBits) {
   QuantSpec s = MustParse("kivi2");
   s.bits = 5;
