@@ -236,12 +236,16 @@ TEST(QuantSpecTest, RejectsBadValueBits) {
   EXPECT_TRUE(MustParse("kivi4:v4:nuq").nuq) << "equal bits are not a mix";
 }
 
+void ExpectValidateError(const QuantSpec& s, const std::string& message) {
+  const absl::Status st = s.Validate();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_EQ(st.message(), message) << s.ToString();
+}
+
 TEST(QuantSpecTest, ValidateWantsEqualWidthsSpelledAsZero) {
   QuantSpec s = MustParse("kivi4:v2");
   s.vbits = 4;
-  const absl::Status st = s.Validate();
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(st.message(), "value bits v equal to the key bits (4) are written as vbits = 0");
+  ExpectValidateError(s, "value bits v equal to the key bits (4) are written as vbits = 0");
   s.vbits = 0;
   EXPECT_TRUE(s.Validate().ok());
   EXPECT_EQ(s, MustParse("kivi4:v4")) << "Parse spells v4 on kivi4 as vbits = 0";
@@ -250,9 +254,7 @@ TEST(QuantSpecTest, ValidateWantsEqualWidthsSpelledAsZero) {
 TEST(QuantSpecTest, ValidateRejectsBadKiviBits) {
   QuantSpec s = MustParse("kivi2");
   s.bits = 5;
-  const absl::Status st = s.Validate();
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(st.message(), "kivi bits must be 2, 3 or 4, got 5");
+  ExpectValidateError(s, "kivi bits must be 2, 3 or 4, got 5");
 }
 
 }  // namespace
