@@ -89,12 +89,12 @@ def targets(rows, corpus):
         # Families by the mean code width of keys and values, so a mix such
         # as kivi4:v2 (3 bits on average) competes with kivi3; kivi4:v3
         # (3.5) is in none.
-        def family(bits):
+        def mean_width(bits):
             return lambda r: mean_code_bits(r["scheme"]) == bits
         budgets = [
-            ("4-bit kivi ΔPPL ≤ 0.5%", family(4), None, 0.5),
-            ("≈3-bit (≤ 3.5 bits) ΔPPL ≤ 2%", family(3), 3.5, 2.0),
-            ("≈2-bit (≤ 2.6 bits) ΔPPL ≤ 6%", family(2), 2.6, 6.0),
+            ("4-bit kivi ΔPPL ≤ 0.5%", mean_width(4), None, 0.5),
+            ("≈3-bit (≤ 3.5 bits) ΔPPL ≤ 2%", mean_width(3), 3.5, 2.0),
+            ("≈2-bit (≤ 2.6 bits) ΔPPL ≤ 6%", mean_width(2), 2.6, 6.0),
         ]
         for name, family, max_bits, max_dppl in budgets:
             fam = [r for r in kvq if family(r)]
