@@ -20,6 +20,7 @@
 #include "kernels/accounting.h"
 #include "kernels/backend.h"
 #include "kernels/codebook_learner.h"
+#include "kernels/cpu/simd_dispatch.h"
 #include "kernels/kv_stream.h"
 #include "kernels/quant_spec.h"
 #include "kernels/status_macros.h"
@@ -386,6 +387,7 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
   KVQ_ASSIGN_OR_RETURN(const KernelBackend* backend, BackendByName(options.backend));
   result.backend = options.backend;
   result.backend_impl = std::string(backend->name());
+  result.simd_target = cpu::ActiveSimdTarget();
   if (options.threads > 0) omp_set_num_threads(options.threads);
   result.threads = omp_get_max_threads();
   result.load_start = LoadAverage();
@@ -428,9 +430,9 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
 
   if (progress) {
     *progress << absl::StrFormat(
-        "kvq-bench kernels: backend %s (%s), %d threads, %d schemes x %d layouts x %d "
+        "kvq-bench kernels: backend %s (%s), SIMD %s, %d threads, %d schemes x %d layouts x %d "
         "contexts, %d reps\n",
-        result.backend, result.backend_impl, result.threads, schemes.size(), layouts.size(),
+        result.backend, result.backend_impl, result.simd_target, result.threads, schemes.size(), layouts.size(),
         contexts.size(), result.reps);
     *progress << absl::StrFormat("measuring read bandwidth over %d MiB...\n",
                                  options.bandwidth_bytes >> 20);
@@ -697,10 +699,10 @@ std::string FormatKernelsTable(const KernelsBenchResult& result, const std::stri
   absl::StrAppendFormat(&out, "# %s\n", command);
   absl::StrAppendFormat(
       &out,
-      "# backend %s (%s), %d threads, read bandwidth %.2f GB/s (median of %d passes over "
-      "%d MiB)\n# decode_us = median of %d calls, one call = one layer (a task per KV head), "
-      "%s\n",
-      result.backend, result.backend_impl, result.threads, result.read_bandwidth / 1e9,
+      "# backend %s (%s), SIMD %s, %d threads, read bandwidth %.2f GB/s (median of %d passes "
+      "over %d MiB)\n# decode_us = median of %d calls, one call = one layer (a task per KV "
+      "head), %s\n",
+      result.backend, result.backend_impl, result.simd_target, result.threads, result.read_bandwidth / 1e9,
       result.read_bandwidth_passes.size(), result.bandwidth_bytes >> 20, result.reps,
       result.evict_bytes > 0
           ? absl::StrFormat("cold cache (%d MiB read before each call)", result.evict_bytes >> 20)
@@ -744,6 +746,7 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
   absl::StrAppend(&out, "  \"command\": ", JsonString(command), ",\n");
   absl::StrAppend(&out, "  \"backend\": ", JsonString(result.backend), ",\n");
   absl::StrAppend(&out, "  \"backend_impl\": ", JsonString(result.backend_impl), ",\n");
+  absl::StrAppend(&out, "  \"simd_target\": ", JsonString(result.simd_target), ",\n");
   absl::StrAppend(&out, "  \"threads\": ", result.threads, ",\n");
   absl::StrAppend(&out, "  \"reps\": ", result.reps, ",\n");
   absl::StrAppend(&out, "  \"read_bandwidth_bytes_per_s\": ", JsonNumber(result.read_bandwidth),

@@ -83,6 +83,7 @@ struct KernelsBenchRow {
 struct KernelsBenchResult {
   std::string backend;       // As requested.
   std::string backend_impl;  // KernelBackend::name() of what ran.
+  std::string simd_target;   // The cpu kernels' Highway target (KVQ_SIMD_TARGET pins one).
   int threads = 0;
   int reps = 0;
   double read_bandwidth = 0.0;  // Bytes/s, median.

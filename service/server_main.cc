@@ -19,6 +19,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/server_builder.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/simd_dispatch.h"
 #include "service/server_config.h"
 
 namespace {
@@ -82,8 +83,9 @@ int main(int argc, char** argv) {
     std::ofstream(config->port_file) << port << "\n";
   }
   const std::string host = config->address.substr(0, config->address.rfind(':'));
-  std::printf("kvq-server: listening on %s:%d (backend %s, pool %zu MiB)\n", host.c_str(), port,
-              backend_name.c_str(), config->store.pool.capacity_bytes >> 20);
+  std::printf("kvq-server: listening on %s:%d (backend %s, SIMD %s, pool %zu MiB)\n",
+              host.c_str(), port, backend_name.c_str(), kvq::cpu::ActiveSimdTarget().c_str(),
+              config->store.pool.capacity_bytes >> 20);
   if (m->port() != 0) {
     const std::string mhost = config->metrics_address.substr(0, config->metrics_address.rfind(':'));
     std::printf("kvq-server: metrics at http://%s:%d/metrics\n", mhost.c_str(), m->port());

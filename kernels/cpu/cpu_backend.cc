@@ -19,11 +19,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/cpu/ref_kernels.h"
+#include "kernels/cpu/simd_dispatch.h"
 #include "kernels/cpu/simd_kernels.h"
 
 namespace kvq {
@@ -260,7 +263,12 @@ class CpuBackendImpl final : public KernelBackend {
 }  // namespace
 
 const KernelBackend& CpuBackend() {
-  static const CpuBackendImpl* backend = new CpuBackendImpl();
+  static const CpuBackendImpl* backend = [] {
+    if (absl::Status s = cpu::PinSimdTargetFromEnv(); !s.ok()) {
+      std::fprintf(stderr, "kvq: %s\n", std::string(s.message()).c_str());
+    }
+    return new CpuBackendImpl();
+  }();
   return *backend;
 }
 

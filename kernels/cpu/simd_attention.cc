@@ -26,6 +26,9 @@
 //    tile to float (packed keys straight from the bit planes in
 //    KiviKeyTileToFloat on AVX2, else simd_dequant-inl.h, bit-identical to
 //    the reference), applies RoPE to keys, and runs the float tile kernel.
+// The AVX2 paths also run on AVX3 (AVX-512), where the integer key scores
+// and the value accumulation use 512-bit registers (HWY_TARGET == HWY_AVX3
+// blocks); every other loop keeps 8 float lanes there (simd_targets.h).
 // Keys and values may have different code widths (vN): each side's kernel
 // is instantiated for its own width (KiviSegment<key bits, value bits, D>).
 // Only the integer key path rounds anything beyond float arithmetic: its
@@ -66,7 +69,7 @@ namespace HWY_NAMESPACE {
 namespace {
 
 namespace hn = hwy::HWY_NAMESPACE;
-using DF = hn::ScalableTag<float>;
+using DF = hn::CappedTag<float, 8>;
 using VF = hn::Vec<DF>;
 
 constexpr int kTile = 32;             // Tokens per tile.
@@ -357,7 +360,7 @@ void RotateQueries(const Rope& rope, Scratch& sc, int rows, const float* q, int 
 // ---------------------------------------------------------------------------
 // Float tile kernel.
 
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
 // Sums of 8 vectors of 8 floats (p, p + stride, ...): one vector of 8 sums.
 HWY_INLINE __m256 TransposeSum8(const float* p, size_t stride) {
   const __m256 a0 = _mm256_hadd_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + stride));
@@ -387,7 +390,7 @@ HWY_INLINE void ReduceParts(const float* HWY_RESTRICT part, int n, float* HWY_RE
   const DF df;
   const size_t N = hn::Lanes(df);
   int t = 0;
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
   for (; t + 8 <= n; t += 8) {
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(S + r * kSLd + t, TransposeSum8(part + (static_cast<size_t>(t) * R + r) * 8, R * 8));
@@ -559,7 +562,7 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
 // c0, the plane bytes c0 mod P .. zero-extended, shifted right by (c0 / P) * b
 // and masked; channels stay in natural order.
 
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
 
 // Which sides of a stream's pages the kernels below take; the other side
 // (or both) goes through the generic float tiles.
@@ -719,6 +722,30 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
   const SideLayout& K = s.layout().key;
   int32_t* ipart = sc.ipart.data();
   const int16_t* qi = sc.qi.data();
+#if HWY_TARGET == HWY_AVX3
+  // 32 channels per vpmaddwd: half the multiply-adds and adds of AVX2.
+  constexpr int NW = D / 32;
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
+    __m512i codes[NW];
+#pragma GCC unroll 8
+    for (int j = 0; j < NW; ++j) {
+      codes[j] = _mm512_inserti64x4(_mm512_castsi256_si512(WidenChunk<kBits, D>(rowp, 2 * j)),
+                                    WidenChunk<kBits, D>(rowp, 2 * j + 1), 1);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int16_t* qr = qi + r * D;
+      __m512i s0 = _mm512_madd_epi16(codes[0], _mm512_loadu_si512(qr));
+#pragma GCC unroll 8
+      for (int j = 1; j < NW; ++j) {
+        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(codes[j], _mm512_loadu_si512(qr + 32 * j)));
+      }
+      const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ipart + (t * R + r) * 8), h);
+    }
+  }
+#else
   for (int t = 0; t < n; ++t) {
     const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
     __m256i codes[NV];
@@ -737,6 +764,7 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ipart + (t * R + r) * 8), _mm256_add_epi32(s0, s1));
     }
   }
+#endif
   int t = 0;
   for (; t + 8 <= n; t += 8) {
     for (int r = 0; r < R; ++r) {
@@ -892,6 +920,69 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
   }
   WriteOutliers(L, K, page, row, m, kb);
 }
+
+#if HWY_TARGET == HWY_AVX3
+// Channels [16j, 16j + 16) of a code row as 16 floats (one zmm): the bytes
+// unpacked straight to int32, as CodesToFloat8 does for 8. (Widening
+// WidenChunk's int16 lanes once more, one shuffle more per 16 codes, measured
+// 1-3% slower at llama 32k.)
+template <int kBits, int D>
+HWY_INLINE __m512 CodesToFloat16x(const uint8_t* HWY_RESTRICT row, int j) {
+  const int c0 = 16 * j;
+  auto zx = [](const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  __m512i v;
+  if constexpr (kBits == 8) {
+    v = zx(row + c0);
+  } else if constexpr (kBits == 4) {
+    constexpr int P = D / 2;
+    v = c0 < P ? _mm512_and_si512(zx(row + c0), _mm512_set1_epi32(0x0F))
+               : _mm512_srli_epi32(zx(row + c0 - P), 4);
+  } else if constexpr (kBits == 2) {
+    constexpr int P = D / 4;
+    v = _mm512_and_si512(_mm512_srl_epi32(zx(row + c0 % P), _mm_cvtsi32_si128(2 * (c0 / P))),
+                         _mm512_set1_epi32(0x03));
+  } else {  // 3 bits: two planes, unpacked once in 16-bit lanes.
+    v = _mm512_cvtepi16_epi32(WidenChunk<kBits, D>(row, j));
+  }
+  return _mm512_cvtepi32_ps(v);
+}
+
+// KiviValueRows with 16-float vectors: 64-channel chunks (4 zmm per row,
+// 16 accumulators for 4 rows in the 32 registers), tokens inner; a chunk
+// may span several channel groups, each with its own weights and zero sum.
+template <int RG, int kBits, int D>
+HWY_INLINE void KiviValueRows512(const uint8_t* HWY_RESTRICT codes0, size_t row_bytes, int n,
+                                 int r0, int ng, int gc_shift, int ld,
+                                 const float* HWY_RESTRICT w, const float* zsum,
+                                 float* HWY_RESTRICT acc) {
+  static_assert(D % 64 == 0, "head_dim 64, 128 or 256");
+  for (int c0 = 0; c0 < D; c0 += 64) {
+    __m512 a[RG][4];
+    const float* wr[RG][4];
+    for (int r = 0; r < RG; ++r) {
+      for (int k = 0; k < 4; ++k) {
+        const int g = (c0 + 16 * k) >> gc_shift;
+        a[r][k] = _mm512_add_ps(_mm512_loadu_ps(acc + (r0 + r) * D + c0 + 16 * k),
+                                _mm512_set1_ps(zsum[(r0 + r) * ng + g]));
+        wr[r][k] = w + (static_cast<size_t>(r0 + r) * ng + g) * ld;
+      }
+    }
+    const uint8_t* p = codes0;
+    for (int t = 0; t < n; ++t, p += row_bytes) {
+      __m512 x[4];
+      for (int k = 0; k < 4; ++k) x[k] = CodesToFloat16x<kBits, D>(p, c0 / 16 + k);
+      for (int r = 0; r < RG; ++r) {
+        for (int k = 0; k < 4; ++k) a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(wr[r][k][t]), x[k], a[r][k]);
+      }
+    }
+    for (int r = 0; r < RG; ++r) {
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + (r0 + r) * D + c0 + 16 * k, a[r][k]);
+    }
+  }
+}
+#endif
 
 // Rows [r0, r0 + RG) of the value accumulation: 16-channel chunks outer,
 // tokens inner, 2*RG float accumulators; the converted codes of a token are
@@ -1053,12 +1144,16 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
         continue;
       }
     }
+#if HWY_TARGET == HWY_AVX3
+    KiviValueRows512<RG, kBits, D>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w, zsum, acc);
+#else
     KiviValueRows<RG, kBits, D, false>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w, zsum,
                                        nullptr, acc);
+#endif
   }
 }
 
-#endif  // HWY_TARGET == HWY_AVX2
+#endif  // KVQ_X86_AVX2
 
 // ---------------------------------------------------------------------------
 // One pass over the key range for R rows.
@@ -1079,7 +1174,7 @@ class RowPass {
     }
     sc_.kctx.Init(s, Side::kKey);
     sc_.vctx.Init(s, Side::kValue);
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
     fast_ = ChooseFastSides(s);
     outliers_ = s.layout().outliers_per_block > 0;
     // Packed key codes whose groups are 8-channel aligned (head_dim
@@ -1241,7 +1336,7 @@ class RowPass {
       }
       return;
     }
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
     if (fast_.key || fast_.value) {
       if (KiviFastSegment(L.key.bits, L.value.bits, page, row, n, t0)) return;
     }
@@ -1264,7 +1359,7 @@ class RowPass {
     }
   }
 
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
   // Page rows through the integer kernels on the side(s) that allow them and
   // the generic float tiles on the other. Tiles never cross a G-token block.
   template <int kKeyBits, int kValueBits, int D>

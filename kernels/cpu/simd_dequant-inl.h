@@ -37,21 +37,25 @@ namespace cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-using DF = hn::ScalableTag<float>;
+using DF = hn::CappedTag<float, 8>;  // 256-bit on AVX3 too (simd_targets.h).
 
 // ---------------------------------------------------------------------------
 // Row conversions. `n` is a multiple of 16 (head_dim is).
 
 HWY_INLINE void HalfRowToFloat(const uint16_t* HWY_RESTRICT src, int n,
                                float* HWY_RESTRICT dst) {
+  int c = 0;
+#if HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128
+  // (Highway's portable conversion reads the Inf / NaN exponent as a normal
+  // one, 0x7c00 -> 65536: the portable targets convert element by element.)
   const DF df;
   const hn::Rebind<hwy::float16_t, DF> dh;
   const int N = static_cast<int>(hn::Lanes(df));
-  int c = 0;
   for (; c + N <= n; c += N) {
     hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + c))),
                df, dst + c);
   }
+#endif
   for (; c < n; ++c) dst[c] = HalfToFloat(src[c]);
 }
 
@@ -184,7 +188,7 @@ HWY_INLINE void UnpackPlaneScalar(const uint8_t* HWY_RESTRICT plane, int bytes, 
 
 HWY_INLINE void UnpackPlane(const uint8_t* HWY_RESTRICT plane, int bytes, int b, int shift,
                             bool first, uint8_t* HWY_RESTRICT codes) {
-  const hn::ScalableTag<uint8_t> d8;
+  const hn::CappedTag<uint8_t, 32> d8;
   const hn::CappedTag<uint8_t, 16> d16;
   const hn::CappedTag<uint8_t, 8> d8x8;
   if (bytes % static_cast<int>(hn::Lanes(d8)) == 0) {

@@ -62,14 +62,14 @@ QuantScratch& ThreadQuantScratch() {
 // with per-lane (vector) or broadcast parameters.
 template <class V>
 HWY_INLINE V CodeOf(V x, V scale, V zero, V top) {
-  const hn::ScalableTag<float> df;
+  const hn::CappedTag<float, 8> df;
   const V q = hn::Round(hn::Div(hn::Sub(x, zero), scale));
   const V clamped = hn::Min(hn::Max(q, hn::Zero(df)), top);
   return hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(df)), clamped);
 }
 
-HWY_INLINE void StoreCodes(hn::Vec<hn::ScalableTag<float>> v, uint8_t* dst) {
-  const hn::ScalableTag<float> df;
+HWY_INLINE void StoreCodes(hn::Vec<hn::CappedTag<float, 8>> v, uint8_t* dst) {
+  const hn::CappedTag<float, 8> df;
   const hn::Rebind<int32_t, decltype(df)> di;
   const hn::Rebind<uint8_t, decltype(df)> d8;
   hn::StoreU(hn::DemoteTo(d8, hn::ConvertTo(di, v)), d8, dst);
@@ -147,7 +147,7 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   const int g = L.block_tokens;
   const bool outliers = L.outliers_per_block > 0;
   const float topf = static_cast<float>((1 << bits) - 1);
-  const hn::ScalableTag<float> df;
+  const hn::CappedTag<float, 8> df;
   const int N = static_cast<int>(hn::Lanes(df));
   const auto vtop = hn::Set(df, topf);
   QuantScratch& qs = ThreadQuantScratch();
@@ -242,11 +242,11 @@ bool QuantizeRowsImpl(const KvStream& s, Side side, const float* rows, int n, ui
                       int row0) {
   const SideLayout& S = s.layout().side(side);
   const int d = s.head_dim();
-  const hn::ScalableTag<float> df;
+  const hn::CappedTag<float, 8> df;
   const int N = static_cast<int>(hn::Lanes(df));
   switch (S.format) {
     case CodeFormat::kFp16:
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
       for (int r = 0; r < n; ++r) {
         const float* x = rows + static_cast<size_t>(r) * d;
         auto* h = reinterpret_cast<uint16_t*>(PageLayout::CodeRow(page, S, row0 + r));
@@ -304,7 +304,7 @@ void HalfToFloatImpl(const uint16_t* src, size_t n, float* dst) {
 
 void FloatToHalfImpl(const float* src, size_t n, uint16_t* dst) {
   size_t c = 0;
-#if HWY_TARGET == HWY_AVX2
+#if KVQ_X86_AVX2
   for (; c + 8 <= n; c += 8) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT));
@@ -317,7 +317,7 @@ void FloatToHalfImpl(const float* src, size_t n, uint16_t* dst) {
 // order like the magnitudes for finite values and sort Inf / NaN above them.
 template <typename T>
 T MaxAbsBits(const T* HWY_RESTRICT src, size_t n) {
-  const hn::ScalableTag<T> d;
+  const hn::CappedTag<T, 32 / sizeof(T)> d;
   const size_t N = hn::Lanes(d);
   const auto magnitude = hn::Set(d, static_cast<T>(static_cast<T>(~T{0}) >> 1));
   auto m0 = hn::Zero(d), m1 = hn::Zero(d);
@@ -327,7 +327,7 @@ T MaxAbsBits(const T* HWY_RESTRICT src, size_t n) {
     m1 = hn::Max(m1, hn::And(hn::LoadU(d, src + i + N), magnitude));
   }
   T m = hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1)));
-  for (; i < n; ++i) m = std::max(m, static_cast<T>(src[i] & static_cast<T>(~T{0} >> 1)));
+  for (; i < n; ++i) m = std::max(m, static_cast<T>(src[i] & hn::GetLane(magnitude)));
   return m;
 }
 uint16_t MaxAbsBits16Impl(const uint16_t* src, size_t n) { return MaxAbsBits(src, n); }

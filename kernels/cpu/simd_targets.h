@@ -1,18 +1,32 @@
 // Which Highway targets the cpu backend compiles, included before any Highway
 // header by every kernels/cpu/simd_* file.
 //
-// Dynamic dispatch picks the best compiled target the running CPU supports.
-// We build AVX2 (the machines this project runs on: AVX2 + FMA + F16C) and
-// the portable baseline Highway always adds (SCALAR with this compiler), so
-// the binary still runs, correctly but slowly, on a CPU without AVX2. Every
-// other target is skipped to keep compile time down: AVX-512 CPUs run the
-// AVX2 code, and SSE4-only CPUs are too rare to pay a third copy of the
-// kernels for.
+// Dynamic dispatch picks the best compiled target the running CPU supports
+// (simd_dispatch.h can pin a lower one). We build:
+//  * AVX3 (AVX-512 F/VL/DQ/BW: Skylake-SP and later Xeons, Zen 4): the AVX2
+//    code plus 512-bit versions of the hottest integer-path loops;
+//  * AVX2 (+ FMA + F16C), the floor of the machines this project runs on;
+//  * the portable baseline Highway always adds (SCALAR with this compiler),
+//    so the binary still runs, correctly but slowly, on a CPU without AVX2.
+// SSE4 and AVX3_DL are skipped to keep compile time down (an AVX3_DL CPU
+// runs the AVX3 code).
+//
+// Every generic (Highway) loop of the kernels uses 256-bit tags, also on
+// AVX3: their tile layouts and the hand-written AVX2 blocks assume 8 float
+// lanes, so AVX3 runs exactly the AVX2 arithmetic except where a block is
+// written for 512 bits (marked HWY_TARGET == HWY_AVX3).
 #ifndef KVQ_KERNELS_CPU_SIMD_TARGETS_H_
 #define KVQ_KERNELS_CPU_SIMD_TARGETS_H_
 
 #ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4 | HWY_AVX3 | HWY_AVX3_DL)
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4 | HWY_AVX3_DL)
 #endif
 
 #endif  // KVQ_KERNELS_CPU_SIMD_TARGETS_H_
+
+// True in the translation pass of a target with the AVX2 intrinsics (AVX2
+// and AVX3). Outside the include guard: HWY_TARGET changes between the
+// passes of foreach_target.h, and the macro is read at each use.
+#ifndef KVQ_X86_AVX2
+#define KVQ_X86_AVX2 (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3)
+#endif

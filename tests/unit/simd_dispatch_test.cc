@@ -1,0 +1,136 @@
+// Pinning the SIMD target of the cpu backend (kernels/cpu/simd_dispatch.h):
+// names, errors, and that a pin changes which kernels run. ctest also runs
+// the cpu kernels' suites pinned to AVX2 and to the portable baseline
+// (tests/unit/CMakeLists.txt), so every compiled path is checked on an
+// AVX-512 machine.
+#include "kernels/cpu/simd_dispatch.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/simd_kernels.h"
+#include "kernels/kv_stream.h"
+#include "tests/unit/test_util.h"
+
+namespace kvq {
+namespace {
+
+using cpu::ActiveSimdTarget;
+using cpu::AvailableSimdTargets;
+using cpu::PinSimdTarget;
+
+class SimdDispatchTest : public ::testing::Test {
+ protected:
+  void SetUp() override { best_ = AvailableSimdTargets(); }
+  void TearDown() override { ASSERT_TRUE(PinSimdTarget("").ok()); }
+  std::vector<std::string> best_;
+};
+
+TEST_F(SimdDispatchTest, ListsTheBestFirstAndAlwaysThePortableBaseline) {
+  ASSERT_FALSE(best_.empty());
+  const std::string& last = best_.back();
+  EXPECT_TRUE(last == "SCALAR" || last == "EMU128") << last;
+  EXPECT_EQ(ActiveSimdTarget(), best_.front());
+}
+
+TEST_F(SimdDispatchTest, PinsEachTargetCaseInsensitivelyAndReturnsToTheBest) {
+  for (const std::string& t : best_) {
+    std::string lower = t;
+    for (char& ch : lower) ch = static_cast<char>(std::tolower(ch));
+    ASSERT_TRUE(PinSimdTarget(lower).ok()) << t;
+    EXPECT_EQ(ActiveSimdTarget(), t);
+    EXPECT_EQ(AvailableSimdTargets(), best_) << "a pin must not shrink the list";
+  }
+  ASSERT_TRUE(PinSimdTarget("best").ok());
+  EXPECT_EQ(ActiveSimdTarget(), best_.front());
+}
+
+TEST_F(SimdDispatchTest, UnknownTargetIsNotFoundAndKeepsThePin) {
+  ASSERT_TRUE(PinSimdTarget(best_.back()).ok());
+  const absl::Status s = PinSimdTarget("NEON_SVE");
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.message(), absl::StrCat("SIMD target \"NEON_SVE\" is not available here; available: ",
+                                      absl::StrJoin(best_, ", "), " (or best)"));
+  EXPECT_EQ(ActiveSimdTarget(), best_.back());
+}
+
+// kivi4 keys take the integer path (int16 queries) on AVX2 and AVX3 and the
+// float path on the portable baseline: the outputs differ in the last bits,
+// each within the integer path's contract of the reference.
+TEST_F(SimdDispatchTest, APinChangesWhichKernelsRun) {
+  if (best_.size() < 2 || (best_.front() != "AVX2" && best_.front() != "AVX3")) {
+    GTEST_SKIP() << "no x86 AVX2 target here";
+  }
+  constexpr int kD = 128, kTokens = 600, kGroup = 4;
+  StreamConfig config;
+  config.spec = *QuantSpec::Parse("kivi4");
+  config.head_dim = kD;
+  absl::StatusOr<std::unique_ptr<KvStream>> s = testutil::TryMakeStream(config, &RefBackend());
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::vector<float> k = testutil::MakeKeys(kTokens, kD, 7);
+  const std::vector<float> v = testutil::MakeValues(kTokens, kD, 7);
+  ASSERT_TRUE(testutil::AppendRows(**s, k, v, 0, kTokens).ok());
+  const std::vector<float> q = testutil::MakeGaussian(kGroup * kD, 8);
+
+  auto attend = [&](const KernelBackend& b) {
+    std::vector<float> out(kGroup * kD), lse(kGroup);
+    AttentionTask t;
+    t.stream = s->get();
+    t.key_begin = 0;
+    t.key_end = kTokens;
+    t.num_queries = 1;
+    t.q = q.data();
+    t.q_stride = kGroup * kD;
+    t.out = out.data();
+    t.out_stride = kGroup * kD;
+    t.lse = lse.data();
+    t.lse_stride = kGroup;
+    AttentionOptions o;
+    o.group_size = kGroup;
+    EXPECT_TRUE(b.Attend({t}, o).ok());
+    return out;
+  };
+  const std::vector<float> ref = attend(RefBackend());
+  const std::vector<float> fast = attend(CpuBackend());
+  ASSERT_TRUE(PinSimdTarget(best_.back()).ok());
+  const std::vector<float> portable = attend(CpuBackend());
+
+  EXPECT_NE(fast, portable);
+  double scale = 0.0, err_fast = 0.0, err_portable = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    scale = std::max(scale, std::fabs(static_cast<double>(ref[i])));
+    err_fast = std::max(err_fast, std::fabs(static_cast<double>(fast[i]) - ref[i]));
+    err_portable = std::max(err_portable, std::fabs(static_cast<double>(portable[i]) - ref[i]));
+  }
+  EXPECT_LE(err_fast / scale, 5e-3);       // The integer key path's contract.
+  EXPECT_LE(err_portable / scale, 1e-4);   // Float paths'.
+}
+
+// Every target, every length (whole vectors and tails): the sign bit never
+// counts, so -x and x give the same magnitude bits.
+TEST_F(SimdDispatchTest, MaxAbsBitsIsExactOnEveryTargetAndTail) {
+  for (const std::string& t : best_) {
+    ASSERT_TRUE(PinSimdTarget(t).ok());
+    for (size_t n : {1, 2, 15, 16, 17, 31, 33, 67, 128}) {
+      std::vector<uint16_t> h(n);
+      std::vector<uint32_t> f(n);
+      for (size_t i = 0; i < n; ++i) {
+        h[i] = static_cast<uint16_t>(0x8000 | (0x3c00 + i));  // -(1 + i/1024) as fp16.
+        f[i] = 0x80000000u | (0x3f800000u + static_cast<uint32_t>(i));
+      }
+      EXPECT_EQ(cpu::MaxAbsBits16(h.data(), n), 0x3c00 + n - 1) << t << " n=" << n;
+      EXPECT_EQ(cpu::MaxAbsBits32(f.data(), n), 0x3f800000u + n - 1) << t << " n=" << n;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvq
