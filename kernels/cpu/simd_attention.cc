@@ -26,9 +26,10 @@
 //    tile to float (packed keys straight from the bit planes in
 //    KiviKeyTileToFloat on AVX2, else simd_dequant-inl.h, bit-identical to
 //    the reference), applies RoPE to keys, and runs the float tile kernel.
-// The AVX2 paths also run on AVX3 (AVX-512), where the integer key scores
-// and the value accumulation use 512-bit registers (HWY_TARGET == HWY_AVX3
-// blocks); every other loop keeps 8 float lanes there (simd_targets.h).
+// The AVX2 paths also run on AVX3 (AVX-512), where the integer key scores,
+// the value accumulation and the scores of float key tiles use 512-bit
+// registers (HWY_TARGET == HWY_AVX3 blocks); every other loop keeps 8 float
+// lanes there (simd_targets.h).
 // Keys and values may have different code widths (vN): each side's kernel
 // is instantiated for its own width (KiviSegment<key bits, value bits, D>).
 // Only the integer key path rounds anything beyond float arithmetic: its
@@ -51,6 +52,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "hwy/cache_control.h"
@@ -404,6 +406,47 @@ HWY_INLINE void ReduceParts(const float* HWY_RESTRICT part, int n, float* HWY_RE
   }
 }
 
+#if HWY_TARGET == HWY_AVX3
+// TileScores' loop for float key rows (the generic path's dequantized and
+// rotated tiles) in 16 lanes: half the FMAs. Each 16-lane sum folds into
+// the 8 lanes of `part` that ReduceParts reads.
+template <int R, int TS>
+HWY_INLINE void TileScoresF32x16(const float* HWY_RESTRICT k, size_t kstride, int n,
+                                 const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part) {
+  auto fold = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  };
+  int t = 0;
+  for (; t + TS <= n; t += TS) {
+    __m512 acc[TS][R];
+    for (int u = 0; u < TS; ++u) {
+      for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+    }
+    const float* kt = k + static_cast<size_t>(t) * kstride;
+    for (int c = 0; c < d; c += 16) {
+      __m512 qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_ps(q + r * d + c);
+      for (int u = 0; u < TS; ++u) {
+        const __m512 kv = _mm512_loadu_ps(kt + u * kstride + c);
+        for (int r = 0; r < R; ++r) acc[u][r] = _mm512_fmadd_ps(kv, qv[r], acc[u][r]);
+      }
+    }
+    for (int u = 0; u < TS; ++u) {
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(part + (static_cast<size_t>(t + u) * R + r) * 8, fold(acc[u][r]));
+    }
+  }
+  for (; t < n; ++t) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 16) {
+      const __m512 kv = _mm512_loadu_ps(k + static_cast<size_t>(t) * kstride + c);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(part + (static_cast<size_t>(t) * R + r) * 8, fold(acc[r]));
+  }
+}
+#endif
+
 // S[r][t] = q_r . k_t for t < n. TS tokens per step keep several
 // independent FMA chains in flight, and with R <= 4 the chunk of each query
 // row stays in a register across the TS tokens (loads, not FMAs, are the
@@ -412,9 +455,16 @@ template <int R, class KL>
 HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
                            const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part,
                            float* HWY_RESTRICT S, const Prefetch& pf = Prefetch()) {
+  constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (std::is_same_v<KL, F32Rows>) {  // (fp16 rows are bound by memory.)
+    TileScoresF32x16<R, TS>(k, kstride, n, q, d, part);
+    ReduceParts<R>(part, n, S);
+    return;
+  }
+#endif
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
-  constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
   int t = 0;
   for (; t + TS <= n; t += TS) {
     pf.Rows(t, TS);
