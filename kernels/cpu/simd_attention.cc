@@ -910,6 +910,67 @@ HWY_INLINE __m256 NuqLevels8(const uint8_t* HWY_RESTRICT row, int c0, const floa
   }
 }
 
+#if HWY_TARGET == HWY_AVX3
+// Channels [16j, 16j + 16) of a code row as 16 floats (one zmm): the bytes
+// unpacked straight to int32, as CodesToFloat8 does for 8. (Widening
+// WidenChunk's int16 lanes once more, one shuffle more per 16 codes, measured
+// 1-3% slower at llama 32k.)
+template <int kBits, int D>
+HWY_INLINE __m512 CodesToFloat16x(const uint8_t* HWY_RESTRICT row, int j) {
+  const int c0 = 16 * j;
+  auto zx = [](const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  __m512i v;
+  if constexpr (kBits == 8) {
+    v = zx(row + c0);
+  } else if constexpr (kBits == 4) {
+    constexpr int P = D / 2;
+    v = c0 < P ? _mm512_and_si512(zx(row + c0), _mm512_set1_epi32(0x0F))
+               : _mm512_srli_epi32(zx(row + c0 - P), 4);
+  } else if constexpr (kBits == 2) {
+    constexpr int P = D / 4;
+    v = _mm512_and_si512(_mm512_srl_epi32(zx(row + c0 % P), _mm_cvtsi32_si128(2 * (c0 / P))),
+                         _mm512_set1_epi32(0x03));
+  } else {  // 3 bits: two planes, unpacked once in 16-bit lanes.
+    v = _mm512_cvtepi16_epi32(WidenChunk<kBits, D>(row, j));
+  }
+  return _mm512_cvtepi32_ps(v);
+}
+
+// nuq: the levels of channels [16j, 16j + 16) for the codes of one row, as
+// NuqLevels8 picks them, with mask blends (one uop each, where vblendvps
+// takes several).
+template <int kBits, int D>
+HWY_INLINE __m512 NuqLevels16(const uint8_t* HWY_RESTRICT row, int j, const float* HWY_RESTRICT rows) {
+  static_assert(kBits == 2 || kBits == 3, "blends cover up to 8 levels");
+  const int c0 = 16 * j;
+  __m512i v;
+  if constexpr (kBits == 2) {
+    constexpr int P = D / 4;
+    v = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0 % P))),
+                         _mm_cvtsi32_si128(2 * (c0 / P)));
+  } else {
+    v = _mm512_cvtepi16_epi32(WidenChunk<kBits, D>(row, j));
+  }
+  const __mmask16 b0 = _mm512_test_epi32_mask(v, _mm512_set1_epi32(1));
+  const __mmask16 b1 = _mm512_test_epi32_mask(v, _mm512_set1_epi32(2));
+  const float* r = rows + c0;
+  auto pick4 = [&](const float* q) {
+    const __m512 lo = _mm512_mask_blend_ps(b0, _mm512_loadu_ps(q), _mm512_loadu_ps(q + D));
+    const __m512 hi = _mm512_mask_blend_ps(b0, _mm512_loadu_ps(q + 2 * D), _mm512_loadu_ps(q + 3 * D));
+    return _mm512_mask_blend_ps(b1, lo, hi);
+  };
+  if constexpr (kBits == 2) {
+    return pick4(r);
+  } else {
+    const __mmask16 b2 = _mm512_test_epi32_mask(v, _mm512_set1_epi32(4));
+    return _mm512_mask_blend_ps(b2, pick4(r), pick4(r + 4 * D));
+  }
+}
+
+#endif
+
 // Keys the integer path does not take (pre_rope, per-token groups, nuq)
 // with packed codes, dequantized for the float tile kernel straight from
 // the bit planes: one FMA per 8 channels, no unpacked byte row (nuq levels
@@ -936,6 +997,14 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
       if constexpr (kBits == 2 || kBits == 3) {
         if (s.spec().nuq) {  // Per-channel levels in [0, 1] of the group's range.
           const float* levels = sc.kctx.level_rows.data();
+#if HWY_TARGET == HWY_AVX3
+          for (int c = 0; c < D; c += 16) {
+            _mm512_storeu_ps(x + c, _mm512_fmadd_ps(NuqLevels16<kBits, D>(codes, c / 16, levels),
+                                                    _mm512_loadu_ps(p + c),
+                                                    _mm512_loadu_ps(p + D + c)));
+          }
+          continue;
+#endif
           for (int c = 0; c < D; c += 8) {
             _mm256_storeu_ps(x + c, _mm256_fmadd_ps(NuqLevels8<kBits, D>(codes, c, levels),
                                                     _mm256_loadu_ps(p + c),
@@ -972,41 +1041,14 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
 }
 
 #if HWY_TARGET == HWY_AVX3
-// Channels [16j, 16j + 16) of a code row as 16 floats (one zmm): the bytes
-// unpacked straight to int32, as CodesToFloat8 does for 8. (Widening
-// WidenChunk's int16 lanes once more, one shuffle more per 16 codes, measured
-// 1-3% slower at llama 32k.)
-template <int kBits, int D>
-HWY_INLINE __m512 CodesToFloat16x(const uint8_t* HWY_RESTRICT row, int j) {
-  const int c0 = 16 * j;
-  auto zx = [](const uint8_t* p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
-  __m512i v;
-  if constexpr (kBits == 8) {
-    v = zx(row + c0);
-  } else if constexpr (kBits == 4) {
-    constexpr int P = D / 2;
-    v = c0 < P ? _mm512_and_si512(zx(row + c0), _mm512_set1_epi32(0x0F))
-               : _mm512_srli_epi32(zx(row + c0 - P), 4);
-  } else if constexpr (kBits == 2) {
-    constexpr int P = D / 4;
-    v = _mm512_and_si512(_mm512_srl_epi32(zx(row + c0 % P), _mm_cvtsi32_si128(2 * (c0 / P))),
-                         _mm512_set1_epi32(0x03));
-  } else {  // 3 bits: two planes, unpacked once in 16-bit lanes.
-    v = _mm512_cvtepi16_epi32(WidenChunk<kBits, D>(row, j));
-  }
-  return _mm512_cvtepi32_ps(v);
-}
-
 // KiviValueRows with 16-float vectors: 64-channel chunks (4 zmm per row,
 // 16 accumulators for 4 rows in the 32 registers), tokens inner; a chunk
 // may span several channel groups, each with its own weights and zero sum.
-template <int RG, int kBits, int D>
+template <int RG, int kBits, int D, bool kNuq>
 HWY_INLINE void KiviValueRows512(const uint8_t* HWY_RESTRICT codes0, size_t row_bytes, int n,
                                  int r0, int ng, int gc_shift, int ld,
                                  const float* HWY_RESTRICT w, const float* zsum,
-                                 float* HWY_RESTRICT acc) {
+                                 const float* HWY_RESTRICT levels, float* HWY_RESTRICT acc) {
   static_assert(D % 64 == 0, "head_dim 64, 128 or 256");
   for (int c0 = 0; c0 < D; c0 += 64) {
     __m512 a[RG][4];
@@ -1022,7 +1064,13 @@ HWY_INLINE void KiviValueRows512(const uint8_t* HWY_RESTRICT codes0, size_t row_
     const uint8_t* p = codes0;
     for (int t = 0; t < n; ++t, p += row_bytes) {
       __m512 x[4];
-      for (int k = 0; k < 4; ++k) x[k] = CodesToFloat16x<kBits, D>(p, c0 / 16 + k);
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (kNuq) {
+          x[k] = NuqLevels16<kBits, D>(p, c0 / 16 + k, levels);
+        } else {
+          x[k] = CodesToFloat16x<kBits, D>(p, c0 / 16 + k);
+        }
+      }
       for (int r = 0; r < RG; ++r) {
         for (int k = 0; k < 4; ++k) a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(wr[r][k][t]), x[k], a[r][k]);
       }
@@ -1189,13 +1237,19 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
   for (int r0 = 0; r0 < R; r0 += RG) {
     if constexpr (kBits == 2 || kBits == 3) {
       if (s.spec().nuq) {
+#if HWY_TARGET == HWY_AVX3
+        KiviValueRows512<RG, kBits, D, true>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w,
+                                             zsum, sc.vctx.level_rows.data(), acc);
+#else
         KiviValueRows<RG, kBits, D, true>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w, zsum,
                                           sc.vctx.level_rows.data(), acc);
+#endif
         continue;
       }
     }
 #if HWY_TARGET == HWY_AVX3
-    KiviValueRows512<RG, kBits, D>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w, zsum, acc);
+    KiviValueRows512<RG, kBits, D, false>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w,
+                                          zsum, nullptr, acc);
 #else
     KiviValueRows<RG, kBits, D, false>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w, zsum,
                                        nullptr, acc);
