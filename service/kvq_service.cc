@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/status_macros.h"
+#include "service/fetch_encoder.h"
 #include "service/tensor_codec.h"
 
 namespace kvq {
@@ -390,12 +391,19 @@ grpc::ServerReadReactor<v1::AppendRequest>* KvqService::Append(grpc::CallbackSer
 
 // ------------------------------------------------------------ FetchDequant
 
-class KvqService::FetchReactor : public grpc::ServerWriteReactor<v1::FetchResponse> {
+// Raw method (ByteBuffer in and out): dense pieces are encoded by
+// DenseFetchMessage and dequantized straight into the message buffer; raw
+// pages are built as a proto and serialized.
+class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FetchReactor(KvqService* service, grpc::CallbackServerContext* ctx, const v1::FetchRequest* req)
-      : service_(service), ctx_(ctx), req_(*req),
-        timer_(service->metrics(), RpcMethod::kFetchDequant) {
-    service_->metrics()->AddReceivedBytes(RpcMethod::kFetchDequant, req->ByteSizeLong());
+  FetchReactor(KvqService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req)
+      : service_(service), ctx_(ctx), timer_(service->metrics(), RpcMethod::kFetchDequant) {
+    service_->metrics()->AddReceivedBytes(RpcMethod::kFetchDequant, req->Length());
+    grpc::ByteBuffer in(*req);  // Deserialize consumes its buffer; this shares the slices.
+    if (!grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&in, &req_).ok()) {
+      Done(absl::InvalidArgumentError("request is not a kvq.v1.FetchRequest"));
+      return;
+    }
     absl::Status st = Plan();
     if (!st.ok()) {
       Done(st);
@@ -477,26 +485,18 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<v1::FetchRespon
     return absl::OkStatus();
   }
 
+  // The message of piece `p` in out_.
   absl::Status Fill(const Piece& p) {
-    // Dense pieces reuse the previous message's data strings: same-sized
-    // pieces (all but a layer's last) then skip the resize, which would
-    // zero-fill a whole message before the copy overwrites it.
-    if (req_.raw()) {
-      resp_.Clear();
-    } else {
-      resp_.clear_pages();
-      resp_.mutable_k()->clear_shape();
-      resp_.mutable_v()->clear_shape();
-    }
-    resp_.set_layer(p.layer);
-    resp_.set_token_begin(p.begin);
     absl::ReaderMutexLock lock(&seq_->mu());
     const ModelShape& m = seq_->shape();
     const int n = p.end - p.begin;
     if (req_.raw()) {
+      v1::FetchResponse resp;
+      resp.set_layer(p.layer);
+      resp.set_token_begin(p.begin);
       const KvStream& s0 = seq_->stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
-      v1::QuantizedPages* out = resp_.mutable_pages();
+      v1::QuantizedPages* out = resp.mutable_pages();
       out->set_layers(1);
       out->set_tokens(n);
       out->set_page_bytes(s0.layout().page_bytes);
@@ -508,27 +508,23 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<v1::FetchRespon
         KVQ_RETURN_IF_ERROR(s.CopyPages(p.begin - s.page_base(), p.end - s.page_base(),
                                         reinterpret_cast<uint8_t*>(data->data()) + h * per_stream));
       }
-      return absl::OkStatus();
+      bool own = false;
+      out_.Clear();  // The serializer writes into an empty buffer only.
+      const grpc::Status gs = grpc::SerializationTraits<v1::FetchResponse>::Serialize(resp, &out_, &own);
+      return gs.ok() ? absl::OkStatus() : absl::InternalError(gs.error_message());
     }
     const size_t per_head = static_cast<size_t>(n) * m.head_dim * DTypeBytes(dtype_);
-    std::string* k = resp_.mutable_k()->mutable_data();
-    std::string* v = resp_.mutable_v()->mutable_data();
-    k->resize(per_head * m.num_kv_heads);
-    v->resize(per_head * m.num_kv_heads);
+    DenseFetchMessage msg(p.layer, p.begin, ToWire(dtype_), {m.num_kv_heads, n, m.head_dim},
+                          per_head * m.num_kv_heads);
     ReadOptions ro;
     ro.dtype = dtype_;
     ro.apply_rope = req_.apply_rope();
     for (int h = 0; h < m.num_kv_heads; ++h) {
-      TensorView ko{k->data() + h * per_head, dtype_, n, m.head_dim, 0};
-      TensorView vo{v->data() + h * per_head, dtype_, n, m.head_dim, 0};
+      TensorView ko{msg.k_data() + h * per_head, dtype_, n, m.head_dim, 0};
+      TensorView vo{msg.v_data() + h * per_head, dtype_, n, m.head_dim, 0};
       KVQ_RETURN_IF_ERROR(seq_->stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
     }
-    for (v1::Tensor* t : {resp_.mutable_k(), resp_.mutable_v()}) {
-      t->set_dtype(ToWire(dtype_));
-      t->add_shape(m.num_kv_heads);
-      t->add_shape(n);
-      t->add_shape(m.head_dim);
-    }
+    out_ = msg.Release();
     return absl::OkStatus();
   }
 
@@ -536,8 +532,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<v1::FetchRespon
     if (next_ == pieces_.size()) return Done(absl::OkStatus());
     absl::Status st = Fill(pieces_[next_++]);
     if (!st.ok()) return Done(st);
-    service_->metrics()->AddSentBytes(RpcMethod::kFetchDequant, resp_.ByteSizeLong());
-    StartWrite(&resp_);
+    service_->metrics()->AddSentBytes(RpcMethod::kFetchDequant, out_.Length());
+    StartWrite(&out_);
   }
 
   void Done(const absl::Status& st) {
@@ -553,11 +549,11 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<v1::FetchRespon
   DType dtype_ = DType::kFloat16;
   std::vector<Piece> pieces_;
   size_t next_ = 0;
-  v1::FetchResponse resp_;
+  grpc::ByteBuffer out_;  // The message in flight.
 };
 
-grpc::ServerWriteReactor<v1::FetchResponse>* KvqService::FetchDequant(
-    grpc::CallbackServerContext* ctx, const v1::FetchRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvqService::FetchDequant(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req) {
   return new FetchReactor(this, ctx, req);
 }
 

@@ -28,7 +28,10 @@ struct ServiceOptions {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
-class KvqService final : public v1::KvCache::CallbackService {
+// FetchDequant is a raw method (grpc::ByteBuffer): its messages are encoded
+// by hand around the dequantized tensors (service/fetch_encoder.h).
+class KvqService final
+    : public v1::KvCache::WithRawCallbackMethod_FetchDequant<v1::KvCache::CallbackService> {
  public:
   KvqService(SequenceStore* store, Metrics* metrics, const ServiceOptions& options);
 
@@ -40,8 +43,8 @@ class KvqService final : public v1::KvCache::CallbackService {
                                            v1::CreateSequenceResponse* resp) override;
   grpc::ServerReadReactor<v1::AppendRequest>* Append(grpc::CallbackServerContext* ctx,
                                                      v1::AppendResponse* resp) override;
-  grpc::ServerWriteReactor<v1::FetchResponse>* FetchDequant(grpc::CallbackServerContext* ctx,
-                                                            const v1::FetchRequest* req) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchDequant(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* req) override;
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
                                    v1::AttendResponse* resp) override;
   grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* ctx,

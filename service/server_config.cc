@@ -25,6 +25,9 @@ ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest request message accepte
 ABSL_FLAG(int64_t, fetch_chunk_bytes, 1 << 20, "Default FetchDequant message size");
 ABSL_FLAG(std::string, port_file, "", "Write the bound gRPC port to this file");
 ABSL_FLAG(int32_t, shutdown_grace_seconds, 10, "On SIGTERM, time in-flight RPCs get to finish");
+ABSL_FLAG(bool, retain_message_buffers, true,
+          "Keep freed message buffers in the heap for reuse (glibc: no mmap below 32 MiB, "
+          "trim above 64 MiB) instead of mapping and unmapping every large message");
 
 namespace kvq {
 
@@ -113,6 +116,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   const int32_t grace = absl::GetFlag(FLAGS_shutdown_grace_seconds);
   if (grace < 0) return bad("shutdown_grace_seconds", grace, "must be >= 0");
   c.shutdown_grace = absl::Seconds(grace);
+  c.retain_message_buffers = absl::GetFlag(FLAGS_retain_message_buffers);
   return c;
 }
 

@@ -18,6 +18,7 @@ struct ServerConfig {
   std::string port_file;  // Written with the bound gRPC port (tests use port 0).
   absl::Duration reaper_interval = absl::Seconds(1);
   absl::Duration shutdown_grace = absl::Seconds(10);
+  bool retain_message_buffers = true;  // RetainMessageBuffers() at start.
   StoreOptions store;
   ServiceOptions service;
 };

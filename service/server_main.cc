@@ -20,6 +20,7 @@
 #include "grpcpp/server_builder.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/simd_dispatch.h"
+#include "service/malloc_tuning.h"
 #include "service/server_config.h"
 
 namespace {
@@ -39,6 +40,11 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<kvq::ServerConfig> config = kvq::ConfigFromFlags();
   if (!config.ok()) return Fail(config.status());
+  if (config->retain_message_buffers) {
+    if (absl::Status s = kvq::RetainMessageBuffers(); !s.ok()) {
+      std::fprintf(stderr, "kvq-server: --retain_message_buffers: %s\n", std::string(s.message()).c_str());
+    }
+  }
 
   std::string backend_name = config->backend == "auto" ? "cpu" : config->backend;
   if (backend_name == "cuda") {

@@ -1,0 +1,46 @@
+// The wire image of a dense kvq.v1.FetchResponse, built without protobuf.
+//
+// FetchDequant sends ~1 MiB messages that are almost all tensor bytes. Built
+// as a proto, each message is written twice: pages -> the Tensor.data
+// strings, then the strings -> gRPC's slice buffer when it serializes. Here
+// the bytes protobuf would produce (fields in number order, proto3 defaults
+// omitted, shape packed) go into one grpc::Slice, and the caller dequantizes
+// straight into its two data regions. The client parses it as an ordinary
+// FetchResponse; fetch_encoder_test checks the bytes equal protobuf's.
+#ifndef KVQ_SERVICE_FETCH_ENCODER_H_
+#define KVQ_SERVICE_FETCH_ENCODER_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include "kvq/v1/kvq.pb.h"
+
+namespace kvq {
+
+class DenseFetchMessage {
+ public:
+  // FetchResponse{layer, token_begin, k, v}, k and v of `dtype` and `shape`,
+  // each with `data_bytes` bytes of data (left for the caller to write).
+  DenseFetchMessage(int32_t layer, int32_t token_begin, v1::DType dtype,
+                    const std::array<int64_t, 3>& shape, size_t data_bytes);
+
+  uint8_t* k_data() { return k_data_; }
+  uint8_t* v_data() { return v_data_; }
+  size_t size() const { return slice_.size(); }
+
+  // The finished message (shares the slice; no copy).
+  grpc::ByteBuffer Release();
+
+ private:
+  grpc::Slice slice_;
+  uint8_t* k_data_ = nullptr;
+  uint8_t* v_data_ = nullptr;
+};
+
+}  // namespace kvq
+
+#endif  // KVQ_SERVICE_FETCH_ENCODER_H_

@@ -1,0 +1,25 @@
+// glibc malloc settings for a server that moves ~1 MiB messages.
+//
+// By default glibc serves every allocation above its mmap threshold (128 KiB
+// at start, raised as mapped blocks are freed) with a fresh mmap and returns
+// it with munmap on free, and trims the heap top above 128 KiB. gRPC
+// allocates each received and sent message buffer fresh, so a bulk append or
+// fetch paid a map, first-touch page faults (the kernel zeroing 256 pages)
+// and an unmap per message: measured, a fifth of kvq-server's CPU time in
+// FetchDequant and a third in Append (docs/BENCHMARKS.md, section 4d).
+#ifndef KVQ_SERVICE_MALLOC_TUNING_H_
+#define KVQ_SERVICE_MALLOC_TUNING_H_
+
+#include "absl/status/status.h"
+
+namespace kvq {
+
+// Allocations below 32 MiB (glibc's largest mmap threshold) come from the
+// heap, and up to 64 MiB of freed heap top stays mapped for reuse, so
+// message buffers recycle without page faults. A no-op error where malloc
+// is not glibc's.
+absl::Status RetainMessageBuffers();
+
+}  // namespace kvq
+
+#endif  // KVQ_SERVICE_MALLOC_TUNING_H_

@@ -1,0 +1,75 @@
+// DenseFetchMessage writes exactly the bytes protobuf serializes for the
+// same FetchResponse, so clients parse it as one.
+#include "service/fetch_encoder.h"
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvq {
+namespace {
+
+std::string Bytes(grpc::ByteBuffer buf) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buf.Dump(&slices).ok());
+  std::string out;
+  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+struct Case {
+  int32_t layer, token_begin;
+  v1::DType dtype;
+  std::array<int64_t, 3> shape;
+  size_t bytes_per_element;
+};
+
+class FetchEncoderTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FetchEncoderTest, BytesEqualProtobufSerialization) {
+  const Case& c = GetParam();
+  const size_t n = static_cast<size_t>(c.shape[0] * c.shape[1] * c.shape[2]) * c.bytes_per_element;
+  std::string k(n, '\0'), v(n, '\0');
+  for (size_t i = 0; i < n; ++i) {
+    k[i] = static_cast<char>(i * 7 + 1);
+    v[i] = static_cast<char>(i * 13 + 5);
+  }
+  DenseFetchMessage m(c.layer, c.token_begin, c.dtype, c.shape, n);
+  if (n > 0) {
+    std::memcpy(m.k_data(), k.data(), n);
+    std::memcpy(m.v_data(), v.data(), n);
+  }
+  const size_t size = m.size();
+  const std::string ours = Bytes(m.Release());
+
+  v1::FetchResponse r;
+  r.set_layer(c.layer);
+  r.set_token_begin(c.token_begin);
+  for (auto [t, data] : {std::pair{r.mutable_k(), &k}, std::pair{r.mutable_v(), &v}}) {
+    t->set_dtype(c.dtype);
+    for (int64_t d : c.shape) t->add_shape(d);
+    t->set_data(*data);
+  }
+  EXPECT_EQ(ours, r.SerializeAsString());
+  EXPECT_EQ(size, r.ByteSizeLong());
+  v1::FetchResponse parsed;
+  ASSERT_TRUE(parsed.ParseFromString(ours));
+  EXPECT_EQ(parsed.k().data(), k);
+  EXPECT_EQ(parsed.v().shape(2), c.shape[2]);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FetchEncoderTest,
+    ::testing::Values(
+        Case{0, 0, v1::DTYPE_FP16, {3, 5, 64}, 2},            // Defaults omitted.
+        Case{29, 4090, v1::DTYPE_FP32, {8, 7, 128}, 4},        // Multi-byte varints.
+        Case{1, 200000, v1::DTYPE_BF16, {3, 2730, 64}, 2},    // ~1 MiB, 3-byte lengths.
+        Case{2, 17, v1::DTYPE_FP16, {3, 0, 64}, 2},            // No tokens: no data field.
+        Case{0, 0, v1::DTYPE_UNSPECIFIED, {1, 1, 16}, 2}));       // dtype 0 omitted.
+
+}  // namespace
+}  // namespace kvq
