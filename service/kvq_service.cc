@@ -8,6 +8,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/status_macros.h"
 #include "service/fetch_encoder.h"
 #include "service/tensor_codec.h"
@@ -85,8 +87,9 @@ struct AttendJob {
 
 // Runs the jobs' attention over `layer` as one backend call. Callers must
 // not hold the sequences' locks.
-absl::Status RunAttention(const KernelBackend& backend, int layer, std::vector<AttendJob>& jobs,
-                          float softmax_scale, v1::AttendResponse* resp) {
+absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
+                          int layer, std::vector<AttendJob>& jobs, float softmax_scale,
+                          v1::AttendResponse* resp) {
   std::vector<Sequence*> seqs;
   for (AttendJob& j : jobs) seqs.push_back(&*j.seq);
   ReadLocks locks(seqs);
@@ -135,7 +138,9 @@ absl::Status RunAttention(const KernelBackend& backend, int layer, std::vector<A
   AttentionOptions opts;
   opts.group_size = group;
   opts.softmax_scale = softmax_scale;
+  const absl::Time start = absl::Now();
   KVQ_RETURN_IF_ERROR(backend.Attend(tasks, opts));
+  metrics->RecordAttentionKernel(method, absl::ToDoubleSeconds(absl::Now() - start));
   for (size_t i = 0; i < jobs.size(); ++i) {
     const ModelShape& m = jobs[i].seq->shape();
     v1::AttendResult* r = resp->add_results();
@@ -586,7 +591,9 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     j.key_end = it.key_end();
     jobs.push_back(std::move(j));
   }
-  absl::Status st = RunAttention(*store_->backend(), req.layer(), jobs, req.softmax_scale(), resp);
+  absl::Status st =
+      RunAttention(*store_->backend(), metrics_, RpcMethod::kAttend, req.layer(), jobs,
+                   req.softmax_scale(), resp);
   if (st.code() == absl::StatusCode::kInvalidArgument &&
       absl::StartsWith(st.message(), "attention task ")) {
     return absl::InvalidArgumentError(absl::StrCat("q: ", st.message()));
@@ -601,7 +608,7 @@ grpc::ServerUnaryReactor* KvqService::Attend(grpc::CallbackServerContext* ctx,
 }
 
 absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
-                                        v1::AttendResponse* resp) {
+                                        v1::AttendResponse* resp, RpcMethod method) {
   KVQ_RETURN_IF_ERROR(CheckScale(req.softmax_scale()));
   if (req.items_size() == 0) return absl::InvalidArgumentError("items is empty");
   struct Item {
@@ -655,7 +662,8 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     j.seq = std::move(item.seq);
     jobs.push_back(std::move(j));
   }
-  return RunAttention(*store_->backend(), req.layer(), jobs, req.softmax_scale(), resp);
+  return RunAttention(*store_->backend(), metrics_, method, req.layer(), jobs, req.softmax_scale(),
+                      resp);
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,
@@ -677,7 +685,9 @@ class KvqService::DecodeReactor
     service_->metrics()->AddReceivedBytes(RpcMethod::kDecodeStream, req_.ByteSizeLong());
     resp_.Clear();
     absl::Status st = service_->CheckSize(req_);
-    if (st.ok()) st = service_->DoAppendAttend(req_.step(), resp_.mutable_result());
+    if (st.ok()) {
+      st = service_->DoAppendAttend(req_.step(), resp_.mutable_result(), RpcMethod::kDecodeStream);
+    }
     timer.Finish(static_cast<int>(st.code()));
     if (!st.ok()) return Finish(ToGrpc(st));
     service_->metrics()->AddSentBytes(RpcMethod::kDecodeStream, resp_.ByteSizeLong());

@@ -61,7 +61,9 @@ class KvqService final
                                   v1::StatsResponse* resp) override;
 
   // The handler bodies, callable without gRPC (DecodeStream reuses them).
-  absl::Status DoAppendAttend(const v1::AppendAttendRequest& req, v1::AttendResponse* resp);
+  // `method` labels the kernel time (a DecodeStream step passes its own).
+  absl::Status DoAppendAttend(const v1::AppendAttendRequest& req, v1::AttendResponse* resp,
+                              RpcMethod method = RpcMethod::kAppendAttend);
   absl::Status DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp);
 
   SequenceStore* store() { return store_; }

@@ -141,6 +141,16 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
     m->received_[i] = &received.Add({{"method", method}});
     m->sent_[i] = &sent.Add({{"method", method}});
   }
+  auto& kernel = prometheus::BuildHistogram()
+                     .Name("kvq_attention_kernel_seconds")
+                     .Help("Time in the attention kernels per batched call, by method (Attend, "
+                           "AppendAttend, DecodeStream per step); the rest of "
+                           "kvq_rpc_duration_seconds is RPC work.")
+                     .Register(*m->registry_);
+  for (RpcMethod r : {RpcMethod::kAttend, RpcMethod::kAppendAttend, RpcMethod::kDecodeStream}) {
+    m->kernel_[static_cast<int>(r)] =
+        &kernel.Add({{"method", std::string(RpcMethodName(r))}}, buckets);
+  }
   auto& gone = prometheus::BuildCounter()
                    .Name("kvq_sequences_removed_total")
                    .Help("Sequences removed, by reason (released, expired lease, evicted).")
@@ -185,6 +195,10 @@ void Metrics::RecordRpc(RpcMethod method, int status_code, double seconds) {
   if (status_code < 0 || status_code >= kNumStatusCodes) status_code = 2;  // UNKNOWN
   requests_[i][status_code]->Increment();
   latency_[i]->Observe(seconds);
+}
+
+void Metrics::RecordAttentionKernel(RpcMethod method, double seconds) {
+  if (prometheus::Histogram* h = kernel_[static_cast<int>(method)]) h->Observe(seconds);
 }
 
 void Metrics::AddReceivedBytes(RpcMethod method, size_t bytes) {

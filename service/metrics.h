@@ -50,6 +50,9 @@ class Metrics {
   std::string Scrape() const;
 
   void RecordRpc(RpcMethod method, int status_code, double seconds);
+  // One batched attention call of the backend in an Attend, an AppendAttend
+  // or a DecodeStream step: the compute share of kvq_rpc_duration_seconds.
+  void RecordAttentionKernel(RpcMethod method, double seconds);
   void AddReceivedBytes(RpcMethod method, size_t bytes);
   void AddSentBytes(RpcMethod method, size_t bytes);
   void RecordGone(GoneReason reason);
@@ -68,6 +71,7 @@ class Metrics {
   std::array<prometheus::Counter*, kNumRpcMethods> received_{};
   std::array<prometheus::Counter*, kNumRpcMethods> sent_{};
   std::array<prometheus::Counter*, 3> gone_{};
+  std::array<prometheus::Histogram*, kNumRpcMethods> kernel_{};  // Attention methods only.
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_tokens_ = nullptr;
 };
