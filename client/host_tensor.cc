@@ -1,7 +1,11 @@
 #include "client/host_tensor.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +15,25 @@
 
 namespace kvq {
 namespace {
+
+constexpr uintptr_t kHugePageBytes = uintptr_t{2} << 20;
+
+// Sets `data` to `bytes` zero bytes. Fresh memory is faulted in page by page
+// as it is first written, and a fetched prompt's KV is tens of MiB:
+// thousands of 4 KiB faults (measured: a third of FetchDequant's client CPU,
+// docs/BENCHMARKS.md 4e). Large buffers ask for transparent huge pages before
+// the first write, which matters where the kernel only gives them on request
+// (Debian's "madvise" default); elsewhere madvise is a no-op.
+void AssignZeros(std::string& data, size_t bytes) {
+  if (bytes >= kHugePageBytes) {
+    data.reserve(bytes);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(data.data());
+    const uintptr_t first = (begin + kHugePageBytes - 1) & ~(kHugePageBytes - 1);
+    const uintptr_t last = (begin + bytes) & ~(kHugePageBytes - 1);
+    if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+  data.assign(bytes, '\0');
+}
 
 // RowToFloat / FloatToRow take an int count: convert in blocks.
 constexpr int64_t kBlock = int64_t{1} << 20;
@@ -105,8 +128,8 @@ HostTensor HostTensor::Zeros(DType dtype, std::vector<int64_t> shape) {
   HostTensor t;
   t.dtype = dtype;
   t.shape = std::move(shape);
-  t.data.assign(static_cast<size_t>(std::max<int64_t>(t.num_elements(), 0)) * DTypeBytes(dtype),
-                '\0');
+  AssignZeros(t.data,
+              static_cast<size_t>(std::max<int64_t>(t.num_elements(), 0)) * DTypeBytes(dtype));
   return t;
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -272,18 +273,109 @@ absl::Status KvqClient::FetchStream(
   return local.ok() ? st : local;
 }
 
+namespace {
+
+// Copies dense fetch messages into [layers, kv_heads, tokens, head_dim]
+// tensors, checking that each continues its layer's range.
+class FetchPlacer {
+ public:
+  FetchPlacer(const FetchOptions& options, HostTensor* k, HostTensor* v)
+      : options_(options), k_(k), v_(v), layers_(k->shape[0]), heads_(k->shape[1]),
+        tokens_(k->shape[2]), d_(k->shape[3]), elem_(DTypeBytes(options.dtype)),
+        filled_(static_cast<size_t>(layers_), 0) {}
+
+  absl::Status Place(const v1::FetchResponse& m) {
+    const int64_t l = int64_t{m.layer()} - options_.layer_begin;
+    const int64_t t0 = int64_t{m.token_begin()} - options_.token_begin;
+    const int64_t n = m.k().shape_size() == 3 ? m.k().shape(1) : -1;
+    const size_t piece = static_cast<size_t>(std::max<int64_t>(n, 0)) * d_ * elem_;
+    const bool shape_ok =
+        n >= 0 && m.k().shape(0) == heads_ && m.k().shape(2) == d_ && m.v().shape_size() == 3 &&
+        m.v().shape(0) == heads_ && m.v().shape(1) == n && m.v().shape(2) == d_ &&
+        m.k().dtype() == ToProtoDType(options_.dtype) && m.v().dtype() == m.k().dtype() &&
+        m.k().data().size() == heads_ * piece && m.v().data().size() == heads_ * piece;
+    if (!shape_ok || l < 0 || l >= layers_ || t0 != filled_[l] || t0 + n > tokens_) {
+      return absl::DataLossError(absl::StrCat(
+          "fetch response for layer ", m.layer(), " token ", m.token_begin(), " (", n,
+          " tokens) does not continue the range: layer ", m.layer(), " has ",
+          l >= 0 && l < layers_ ? filled_[l] : -1, " of ", tokens_, " tokens of [", heads_,
+          ", tokens, ", d_, "] ", DTypeName(options_.dtype)));
+    }
+    for (int64_t h = 0; h < heads_; ++h) {
+      const size_t dst = static_cast<size_t>(((l * heads_ + h) * tokens_ + t0) * d_) * elem_;
+      std::memcpy(k_->mutable_bytes() + dst, m.k().data().data() + h * piece, piece);
+      std::memcpy(v_->mutable_bytes() + dst, m.v().data().data() + h * piece, piece);
+    }
+    filled_[l] += n;
+    bytes_ += static_cast<int64_t>(2 * heads_ * piece);
+    if (options_.progress) options_.progress(bytes_, 2 * static_cast<int64_t>(k_->byte_size()));
+    return absl::OkStatus();
+  }
+
+  // After a retried stream restarts.
+  void Reset() {
+    std::fill(filled_.begin(), filled_.end(), 0);
+    bytes_ = 0;
+  }
+
+  absl::Status CheckComplete() const {
+    for (int64_t l = 0; l < layers_; ++l) {
+      if (filled_[l] != tokens_) {
+        return absl::DataLossError(absl::StrCat("fetch stream ended with ", filled_[l], " of ",
+                                                tokens_, " tokens of layer ",
+                                                options_.layer_begin + l));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const FetchOptions& options_;
+  HostTensor* k_;
+  HostTensor* v_;
+  const int64_t layers_, heads_, tokens_, d_;
+  const size_t elem_;
+  std::vector<int64_t> filled_;  // Tokens so far, per layer.
+  int64_t bytes_ = 0;
+};
+
+}  // namespace
+
 absl::StatusOr<FetchedKv> KvqClient::FetchDequant(absl::string_view sequence_id,
                                                   const FetchOptions& options) {
-  FetchAssembler assembler;
+  // The first message states the resolved range: the output is sized once
+  // and every message copied into place (peak memory: the result).
+  FetchedKv out;
+  std::optional<FetchPlacer> placer;
   KVQ_RETURN_IF_ERROR(FetchStream(
       sequence_id, options, /*raw=*/false,
-      [&](v1::FetchResponse&& m) {
-        KVQ_RETURN_IF_ERROR(assembler.Add(std::move(m)));
-        if (options.progress) options.progress(assembler.bytes(), -1);
-        return absl::OkStatus();
+      [&](v1::FetchResponse&& m) -> absl::Status {
+        if (!placer) {
+          const int64_t layers = int64_t{m.range_layer_end()} - options.layer_begin;
+          const int64_t tokens = int64_t{m.range_token_end()} - options.token_begin;
+          if (layers <= 0 || tokens < 0 || m.k().shape_size() != 3) {
+            return absl::DataLossError(absl::StrCat(
+                "the first fetch response states layers [", options.layer_begin, ", ",
+                m.range_layer_end(), ") and tokens [", options.token_begin, ", ",
+                m.range_token_end(), ") with k ", m.k().shape_size(),
+                "-d; expected a range and [kv_heads, tokens, head_dim]"));
+          }
+          const std::vector<int64_t> shape = {layers, m.k().shape(0), tokens, m.k().shape(2)};
+          out.layer_begin = options.layer_begin;
+          out.token_begin = options.token_begin;
+          out.k = HostTensor::Zeros(options.dtype, shape);
+          out.v = HostTensor::Zeros(options.dtype, shape);
+          placer.emplace(options, &out.k, &out.v);
+        }
+        return placer->Place(m);
       },
-      [&] { assembler.Clear(); }));
-  return assembler.Finish();
+      [&] {
+        placer.reset();
+        out = FetchedKv();
+      }));
+  if (!placer) return absl::DataLossError("the fetch stream ended without a message");
+  KVQ_RETURN_IF_ERROR(placer->CheckComplete());
+  return out;
 }
 
 absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
@@ -297,7 +389,7 @@ absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
         "k and v must both be [layers, kv_heads, tokens, head_dim] of ", DTypeName(options.dtype),
         ", got ", k->DebugString(), " and ", v->DebugString()));
   }
-  const int64_t layers = k->shape[0], heads = k->shape[1], tokens = k->shape[2], d = k->shape[3];
+  const int64_t layers = k->shape[0], tokens = k->shape[2];
   FetchOptions o = options;
   o.layer_end = static_cast<int>(options.layer_begin + layers);
   o.token_end = static_cast<int>(options.token_begin + tokens);
@@ -309,52 +401,12 @@ absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
         options.layer_end, " and token_end ", options.token_end));
   }
   if (layers == 0) return absl::OkStatus();
-  const size_t elem = DTypeBytes(options.dtype);
-  std::vector<int64_t> filled(static_cast<size_t>(layers), 0);  // Tokens so far, per layer.
-  int64_t bytes = 0;
+  FetchPlacer placer(options, k, v);
   KVQ_RETURN_IF_ERROR(FetchStream(
       sequence_id, o, /*raw=*/false,
-      [&](v1::FetchResponse&& m) -> absl::Status {
-        // Not moved from: the next Read reuses this message's buffers.
-        const int64_t l = int64_t{m.layer()} - options.layer_begin;
-        const int64_t t0 = int64_t{m.token_begin()} - options.token_begin;
-        const int64_t n = m.k().shape_size() == 3 ? m.k().shape(1) : -1;
-        const size_t piece = static_cast<size_t>(std::max<int64_t>(n, 0)) * d * elem;
-        const bool shape_ok =
-            n >= 0 && m.k().shape_size() == 3 && m.k().shape(0) == heads && m.k().shape(2) == d &&
-            m.v().shape_size() == 3 && m.v().shape(0) == heads && m.v().shape(1) == n &&
-            m.v().shape(2) == d && m.k().dtype() == ToProtoDType(options.dtype) &&
-            m.v().dtype() == m.k().dtype() && m.k().data().size() == heads * piece &&
-            m.v().data().size() == heads * piece;
-        if (!shape_ok || l < 0 || l >= layers || t0 != filled[l] || t0 + n > tokens) {
-          return absl::DataLossError(absl::StrCat(
-              "fetch response for layer ", m.layer(), " token ", m.token_begin(), " (",
-              n, " tokens) does not continue the range: layer ", m.layer(), " has ",
-              l >= 0 && l < layers ? filled[l] : -1, " of ", tokens, " tokens of [",
-              heads, ", tokens, ", d, "] ", DTypeName(options.dtype)));
-        }
-        for (int64_t h = 0; h < heads; ++h) {
-          const size_t dst = static_cast<size_t>(((l * heads + h) * tokens + t0) * d) * elem;
-          std::memcpy(k->mutable_bytes() + dst, m.k().data().data() + h * piece, piece);
-          std::memcpy(v->mutable_bytes() + dst, m.v().data().data() + h * piece, piece);
-        }
-        filled[l] += n;
-        bytes += static_cast<int64_t>(2 * heads * piece);
-        if (options.progress) options.progress(bytes, 2 * static_cast<int64_t>(k->byte_size()));
-        return absl::OkStatus();
-      },
-      [&] {
-        std::fill(filled.begin(), filled.end(), 0);
-        bytes = 0;
-      }));
-  for (int64_t l = 0; l < layers; ++l) {
-    if (filled[l] != tokens) {
-      return absl::DataLossError(absl::StrCat("fetch stream ended with ", filled[l], " of ",
-                                              tokens, " tokens of layer ",
-                                              options.layer_begin + l));
-    }
-  }
-  return absl::OkStatus();
+      // Not moved from: the next Read reuses this message's buffers.
+      [&](v1::FetchResponse&& m) { return placer.Place(m); }, [&] { placer.Reset(); }));
+  return placer.CheckComplete();
 }
 
 absl::StatusOr<RawFetch> KvqClient::FetchRaw(absl::string_view sequence_id,
@@ -570,106 +622,6 @@ absl::Status DecodeSession::Close() {
   }
   final_ = FromGrpcStatus(stream_->Finish());
   return *final_;
-}
-
-// --------------------------------------------------------- fetch assembly
-
-absl::Status FetchAssembler::Add(v1::FetchResponse&& response) {
-  Piece p;
-  p.layer = response.layer();
-  p.token_begin = response.token_begin();
-  KVQ_ASSIGN_OR_RETURN(p.k, FromProto(std::move(*response.mutable_k()), "k"));
-  KVQ_ASSIGN_OR_RETURN(p.v, FromProto(std::move(*response.mutable_v()), "v"));
-  if (p.k.rank() != 3 || p.k.shape != p.v.shape || p.k.dtype != p.v.dtype) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("fetch response for layer ", p.layer, ": k and v must be the same ",
-                     "[kv_heads, tokens, head_dim], got ", p.k.DebugString(), " and ",
-                     p.v.DebugString()));
-  }
-  if (!pieces_.empty()) {
-    const Piece& f = pieces_.front();
-    if (p.k.dtype != f.k.dtype || p.k.shape[0] != f.k.shape[0] || p.k.shape[2] != f.k.shape[2]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "fetch response for layer ", p.layer, " is ", p.k.DebugString(),
-          ", an earlier one was ", f.k.DebugString()));
-    }
-  }
-  bytes_ += static_cast<int64_t>(p.k.byte_size() + p.v.byte_size());
-  pieces_.push_back(std::move(p));
-  return absl::OkStatus();
-}
-
-void FetchAssembler::Clear() {
-  pieces_.clear();
-  bytes_ = 0;
-}
-
-absl::StatusOr<FetchedKv> FetchAssembler::Finish() {
-  FetchedKv out;
-  if (pieces_.empty()) return out;
-  std::stable_sort(pieces_.begin(), pieces_.end(), [](const Piece& a, const Piece& b) {
-    return a.layer != b.layer ? a.layer < b.layer : a.token_begin < b.token_begin;
-  });
-  const int64_t heads = pieces_[0].k.shape[0], d = pieces_[0].k.shape[2];
-  const DType dtype = pieces_[0].k.dtype;
-  // Per layer: [token_begin, token_end) and its pieces.
-  struct Span {
-    int layer;
-    int begin;
-    int end;
-    size_t first;
-    size_t count;
-  };
-  std::vector<Span> layers;
-  for (size_t i = 0; i < pieces_.size(); ++i) {
-    const Piece& p = pieces_[i];
-    const int n = static_cast<int>(p.k.shape[1]);
-    if (layers.empty() || layers.back().layer != p.layer) {
-      if (!layers.empty() && p.layer != layers.back().layer + 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "fetch responses skip from layer ", layers.back().layer, " to ", p.layer));
-      }
-      layers.push_back({p.layer, p.token_begin, p.token_begin + n, i, 1});
-      continue;
-    }
-    Span& s = layers.back();
-    if (p.token_begin != s.end) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "fetch responses of layer ", p.layer, " leave a gap or overlap at token ", s.end,
-          " (next piece starts at ", p.token_begin, ")"));
-    }
-    s.end += n;
-    ++s.count;
-  }
-  for (const Span& s : layers) {
-    if (s.begin != layers[0].begin || s.end != layers[0].end) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", s.layer, " covers tokens [", s.begin, ", ", s.end, "), layer ",
-          layers[0].layer, " covers [", layers[0].begin, ", ", layers[0].end, ")"));
-    }
-  }
-  const int64_t tokens = layers[0].end - layers[0].begin;
-  out.layer_begin = layers[0].layer;
-  out.token_begin = layers[0].begin;
-  const std::vector<int64_t> shape = {static_cast<int64_t>(layers.size()), heads, tokens, d};
-  out.k = HostTensor::Zeros(dtype, shape);
-  out.v = HostTensor::Zeros(dtype, shape);
-  const size_t elem = DTypeBytes(dtype);
-  for (size_t l = 0; l < layers.size(); ++l) {
-    for (size_t i = layers[l].first; i < layers[l].first + layers[l].count; ++i) {
-      const Piece& p = pieces_[i];
-      const int64_t n = p.k.shape[1];
-      const int64_t t0 = p.token_begin - layers[l].begin;
-      for (int64_t h = 0; h < heads; ++h) {
-        const size_t dst = ((l * heads + h) * tokens + t0) * d * elem;
-        const size_t src = static_cast<size_t>(h * n * d) * elem;
-        std::memcpy(out.k.mutable_bytes() + dst, p.k.bytes() + src, n * d * elem);
-        std::memcpy(out.v.mutable_bytes() + dst, p.v.bytes() + src, n * d * elem);
-      }
-    }
-  }
-  pieces_.clear();
-  return out;
 }
 
 }  // namespace kvq

@@ -301,27 +301,6 @@ absl::Duration RetryBackoff(const RetryPolicy& policy, int retry);
 // Whether a failed idempotent call with this code is retried.
 bool IsRetryableCode(absl::StatusCode code);
 
-// Assembles FetchDequant responses ([kv_heads, tokens, head_dim] pieces of
-// single layers) into [layers, kv_heads, tokens, head_dim] tensors.
-// INVALID_ARGUMENT when pieces disagree in shape or dtype, leave gaps or
-// overlap, or the layers do not cover the same tokens.
-class FetchAssembler {
- public:
-  absl::Status Add(v1::FetchResponse&& response);
-  absl::StatusOr<FetchedKv> Finish();
-  int64_t bytes() const { return bytes_; }
-  void Clear();
-
- private:
-  struct Piece {
-    int layer = 0;
-    int token_begin = 0;
-    HostTensor k, v;
-  };
-  std::vector<Piece> pieces_;
-  int64_t bytes_ = 0;
-};
-
 }  // namespace kvq
 
 #endif  // KVQ_CLIENT_KVQ_CLIENT_H_

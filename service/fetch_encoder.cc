@@ -62,13 +62,16 @@ struct TensorHead {
 }  // namespace
 
 DenseFetchMessage::DenseFetchMessage(int32_t layer, int32_t token_begin, v1::DType dtype,
-                                     const std::array<int64_t, 3>& shape, size_t data_bytes) {
+                                     const std::array<int64_t, 3>& shape, size_t data_bytes,
+                                     int32_t range_layer_end, int32_t range_token_end) {
   const TensorHead head(dtype, shape, data_bytes);
   size_t size = 0;
   if (layer != 0) size += 1 + VarintSize(Int32Bits(layer));
   if (token_begin != 0) size += 1 + VarintSize(Int32Bits(token_begin));
   const size_t field = 1 + VarintSize(head.total) + head.total;  // k, then v: the same size.
   size += 2 * field;
+  if (range_layer_end != 0) size += 1 + VarintSize(Int32Bits(range_layer_end));
+  if (range_token_end != 0) size += 1 + VarintSize(Int32Bits(range_token_end));
   slice_ = grpc::Slice(size);  // Uninitialized: every byte is written below or by the caller.
   uint8_t* p = const_cast<uint8_t*>(slice_.begin());
   if (layer != 0) {
@@ -86,6 +89,14 @@ DenseFetchMessage::DenseFetchMessage(int32_t layer, int32_t token_begin, v1::DTy
     p += head.bytes.size();
     (f == 3 ? k_data_ : v_data_) = p;
     p += data_bytes;
+  }
+  if (range_layer_end != 0) {
+    p = PutVarint(Tag(6, kVarint), p);
+    p = PutVarint(Int32Bits(range_layer_end), p);
+  }
+  if (range_token_end != 0) {
+    p = PutVarint(Tag(7, kVarint), p);
+    p = PutVarint(Int32Bits(range_token_end), p);
   }
 }
 

@@ -23,10 +23,12 @@ namespace kvq {
 
 class DenseFetchMessage {
  public:
-  // FetchResponse{layer, token_begin, k, v}, k and v of `dtype` and `shape`,
-  // each with `data_bytes` bytes of data (left for the caller to write).
+  // FetchResponse{layer, token_begin, k, v, range_layer_end,
+  // range_token_end}, k and v of `dtype` and `shape`, each with
+  // `data_bytes` bytes of data (left for the caller to write).
   DenseFetchMessage(int32_t layer, int32_t token_begin, v1::DType dtype,
-                    const std::array<int64_t, 3>& shape, size_t data_bytes);
+                    const std::array<int64_t, 3>& shape, size_t data_bytes,
+                    int32_t range_layer_end = 0, int32_t range_token_end = 0);
 
   uint8_t* k_data() { return k_data_; }
   uint8_t* v_data() { return v_data_; }

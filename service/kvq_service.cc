@@ -449,6 +449,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
                                                 available, " tokens stored in layers [", lb, ", ",
                                                 le, ")"));
     }
+    range_layer_end_ = le;
+    range_token_end_ = te;
     const int64_t chunk = req_.max_chunk_bytes() > 0 ? req_.max_chunk_bytes()
                                                      : service_->options().fetch_chunk_bytes;
     if (req_.raw()) {
@@ -490,8 +492,10 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     return absl::OkStatus();
   }
 
-  // The message of piece `p` in out_.
-  absl::Status Fill(const Piece& p) {
+  // The message of piece `p` in out_; the first also carries the range.
+  absl::Status Fill(const Piece& p, bool first) {
+    const int32_t range_layers = first ? range_layer_end_ : 0;
+    const int32_t range_tokens = first ? range_token_end_ : 0;
     absl::ReaderMutexLock lock(&seq_->mu());
     const ModelShape& m = seq_->shape();
     const int n = p.end - p.begin;
@@ -499,6 +503,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       v1::FetchResponse resp;
       resp.set_layer(p.layer);
       resp.set_token_begin(p.begin);
+      resp.set_range_layer_end(range_layers);
+      resp.set_range_token_end(range_tokens);
       const KvStream& s0 = seq_->stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
       v1::QuantizedPages* out = resp.mutable_pages();
@@ -520,7 +526,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     }
     const size_t per_head = static_cast<size_t>(n) * m.head_dim * DTypeBytes(dtype_);
     DenseFetchMessage msg(p.layer, p.begin, ToWire(dtype_), {m.num_kv_heads, n, m.head_dim},
-                          per_head * m.num_kv_heads);
+                          per_head * m.num_kv_heads, range_layers, range_tokens);
     ReadOptions ro;
     ro.dtype = dtype_;
     ro.apply_rope = req_.apply_rope();
@@ -535,7 +541,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
 
   void Next() {
     if (next_ == pieces_.size()) return Done(absl::OkStatus());
-    absl::Status st = Fill(pieces_[next_++]);
+    const bool first = next_ == 0;
+    absl::Status st = Fill(pieces_[next_++], first);
     if (!st.ok()) return Done(st);
     service_->metrics()->AddSentBytes(RpcMethod::kFetchDequant, out_.Length());
     StartWrite(&out_);
@@ -554,6 +561,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   DType dtype_ = DType::kFloat16;
   std::vector<Piece> pieces_;
   size_t next_ = 0;
+  int32_t range_layer_end_ = 0, range_token_end_ = 0;  // Resolved in Plan().
   grpc::ByteBuffer out_;  // The message in flight.
 };
 

@@ -267,8 +267,10 @@ TEST_F(ClientRpcTest, FetchAsksForTheRangeAndAssemblesIt) {
   fetch.token_end = 250;
   fetch.max_chunk_bytes = 4096;
   int64_t last = 0;
+  // The first message states the range, so the total is known throughout.
+  const int64_t total_bytes = 2 * int64_t{2} * kHeads * 240 * kDim * 2;
   fetch.progress = [&](int64_t done, int64_t total) {
-    EXPECT_EQ(total, -1);
+    EXPECT_EQ(total, total_bytes);
     EXPECT_GT(done, last);
     last = done;
   };
@@ -293,6 +295,20 @@ TEST_F(ClientRpcTest, FetchAsksForTheRangeAndAssemblesIt) {
       }
     }
   }
+}
+
+TEST_F(ClientRpcTest, FetchOfAnEmptyTokenRangeIsAnEmptyTensor) {
+  const std::string id = Create();
+  const HostTensor k = Random({kLayers, kHeads, 50, kDim}, 11, DType::kFloat16);
+  ASSERT_TRUE(client_->AppendPrompt(id, k, k).ok());
+  FetchOptions fetch;
+  fetch.token_begin = 20;
+  fetch.token_end = 20;
+  absl::StatusOr<FetchedKv> kv = client_->FetchDequant(id, fetch);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  EXPECT_EQ(kv->token_begin, 20);
+  EXPECT_EQ(kv->k.shape, (std::vector<int64_t>{kLayers, kHeads, 0, kDim}));
+  EXPECT_EQ(kv->v.shape, kv->k.shape);
 }
 
 TEST_F(ClientRpcTest, FetchIsRetriedAsAWhole) {

@@ -217,6 +217,16 @@ grpc::Status FakeKvCache::FetchDequant(grpc::ServerContext* context,
       token_end > s.num_tokens() || request->token_begin() > token_end) {
     return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "range outside the sequence");
   }
+  // As the service does: the first message states the resolved range.
+  bool first = true;
+  auto write = [&](v1::FetchResponse& m) {
+    if (first) {
+      m.set_range_layer_end(layer_end);
+      m.set_range_token_end(token_end);
+      first = false;
+    }
+    return writer->Write(m);
+  };
   for (int l = request->layer_begin(); l < layer_end; ++l) {
     if (request->raw()) {
       // As the service does: raw pages only for quantized tokens, from a
@@ -247,7 +257,7 @@ grpc::Status FakeKvCache::FetchDequant(grpc::ServerContext* context,
           (void)s.stream(l, h).CopyPages(t - base, e - base,
                                          reinterpret_cast<uint8_t*>(p->mutable_page_data()->data()) + h * run);
         }
-        if (!writer->Write(m)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+        if (!write(m)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
       }
       continue;
     }
@@ -258,10 +268,11 @@ grpc::Status FakeKvCache::FetchDequant(grpc::ServerContext* context,
         2 * int64_t{s.kv_heads()} * s.stream(l, 0).head_dim() * DTypeBytes(*dtype);
     const int64_t max_bytes = request->max_chunk_bytes() > 0 ? request->max_chunk_bytes() : 1 << 20;
     const int step = static_cast<int>(std::max<int64_t>(1, max_bytes / token_bytes));
-    for (int t = request->token_begin(); t < token_end; t += step) {
+    for (int t = request->token_begin(); t < token_end || (t == token_end && t == request->token_begin());
+         t += step) {  // An empty range still sends one (empty) message per layer.
       v1::FetchResponse m;
       ReadLayer(s, l, t, std::min(t + step, token_end), *dtype, request->apply_rope(), &m);
-      if (!writer->Write(m)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      if (!write(m)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
   }
   return grpc::Status::OK;

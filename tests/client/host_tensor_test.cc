@@ -117,6 +117,15 @@ TEST(HostTensorTest, ShapeMustMatchTheValues) {
   EXPECT_EQ(t.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Tensors of 2 MiB and more take the huge-page path: still exactly the
+// requested bytes, all zero, at any size (here 6,000,006 bytes).
+TEST(HostTensorTest, LargeZerosAreExactAndZero) {
+  const HostTensor t = HostTensor::Zeros(DType::kFloat16, {3, 1000001});
+  ASSERT_EQ(t.data.size(), size_t{6000006});
+  EXPECT_TRUE(t.Validate().ok());
+  EXPECT_EQ(t.data.find_first_not_of('\0'), std::string::npos);
+}
+
 TEST(HostTensorTest, ProtoRoundTripKeepsDtypeShapeAndBytes) {
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     absl::StatusOr<HostTensor> t =

@@ -22,7 +22,7 @@ std::string Bytes(grpc::ByteBuffer buf) {
 }
 
 struct Case {
-  int32_t layer, token_begin;
+  int32_t layer, token_begin, range_layer_end, range_token_end;
   v1::DType dtype;
   std::array<int64_t, 3> shape;
   size_t bytes_per_element;
@@ -38,7 +38,8 @@ TEST_P(FetchEncoderTest, BytesEqualProtobufSerialization) {
     k[i] = static_cast<char>(i * 7 + 1);
     v[i] = static_cast<char>(i * 13 + 5);
   }
-  DenseFetchMessage m(c.layer, c.token_begin, c.dtype, c.shape, n);
+  DenseFetchMessage m(c.layer, c.token_begin, c.dtype, c.shape, n, c.range_layer_end,
+                      c.range_token_end);
   if (n > 0) {
     std::memcpy(m.k_data(), k.data(), n);
     std::memcpy(m.v_data(), v.data(), n);
@@ -49,6 +50,8 @@ TEST_P(FetchEncoderTest, BytesEqualProtobufSerialization) {
   v1::FetchResponse r;
   r.set_layer(c.layer);
   r.set_token_begin(c.token_begin);
+  r.set_range_layer_end(c.range_layer_end);
+  r.set_range_token_end(c.range_token_end);
   for (auto [t, data] : {std::pair{r.mutable_k(), &k}, std::pair{r.mutable_v(), &v}}) {
     t->set_dtype(c.dtype);
     for (int64_t d : c.shape) t->add_shape(d);
@@ -65,11 +68,12 @@ TEST_P(FetchEncoderTest, BytesEqualProtobufSerialization) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, FetchEncoderTest,
     ::testing::Values(
-        Case{0, 0, v1::DTYPE_FP16, {3, 5, 64}, 2},            // Defaults omitted.
-        Case{29, 4090, v1::DTYPE_FP32, {8, 7, 128}, 4},        // Multi-byte varints.
-        Case{1, 200000, v1::DTYPE_BF16, {3, 2730, 64}, 2},    // ~1 MiB, 3-byte lengths.
-        Case{2, 17, v1::DTYPE_FP16, {3, 0, 64}, 2},            // No tokens: no data field.
-        Case{0, 0, v1::DTYPE_UNSPECIFIED, {1, 1, 16}, 2}));       // dtype 0 omitted.
+        Case{0, 0, 0, 0, v1::DTYPE_FP16, {3, 5, 64}, 2},           // Defaults omitted.
+        Case{0, 0, 30, 4096, v1::DTYPE_FP16, {3, 5, 64}, 2},       // A first message.
+        Case{29, 4090, 0, 0, v1::DTYPE_FP32, {8, 7, 128}, 4},      // Multi-byte varints.
+        Case{1, 200000, 2, 300000, v1::DTYPE_BF16, {3, 2730, 64}, 2},  // ~1 MiB, 3-byte lengths.
+        Case{2, 17, 0, 0, v1::DTYPE_FP16, {3, 0, 64}, 2},          // No tokens: no data field.
+        Case{0, 0, 0, 0, v1::DTYPE_UNSPECIFIED, {1, 1, 16}, 2}));  // dtype 0 omitted.
 
 }  // namespace
 }  // namespace kvq
