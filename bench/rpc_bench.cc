@@ -470,18 +470,14 @@ absl::Status RpcBench::StartServers() {
     }
     KVQ_RETURN_IF_ERROR(FindExecutable(path).status());
     const std::string port_file = dir_->File("kvq-server.port");
-    std::vector<std::string> argv = {
-        path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
-        absl::StrCat("--capacity_bytes=", options_.capacity_bytes), "--backend=cpu",
-        "--shutdown_grace_seconds=1"};
-    // As deployed (deploy/Dockerfile): attention threads sleep between calls
-    // instead of spinning on the cores the gRPC threads need. The caller's
-    // own OMP_WAIT_POLICY, if set, is inherited instead.
-    if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-      argv.insert(argv.begin(), {"env", "OMP_WAIT_POLICY=passive"});
-    }
     KVQ_ASSIGN_OR_RETURN(
-        kvq_server_, ChildProcess::Start("kvq-server", std::move(argv), dir_->File("kvq-server.log")));
+        kvq_server_,
+        ChildProcess::Start(
+            "kvq-server",
+            {path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
+             absl::StrCat("--capacity_bytes=", options_.capacity_bytes), "--backend=cpu",
+             "--shutdown_grace_seconds=1"},
+            dir_->File("kvq-server.log")));
     KVQ_ASSIGN_OR_RETURN(const int port,
                          WaitForPortFile(port_file, kvq_server_.get(), absl::Seconds(60)));
     result_.kvq_target = absl::StrCat("127.0.0.1:", port);
@@ -1287,11 +1283,7 @@ std::string FormatRpcTable(const RpcBenchResult& r, const std::string& command) 
       &out,
       "# kvq-server %s (backend %s) %s; RawEcho (bench/raw_echo.proto) in a child process; %s\n",
       r.kvq_version, r.kvq_backend,
-      r.kvq_started ? absl::StrCat("started by the bench on a loopback port (OMP_WAIT_POLICY=",
-                                   std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY")
-                                                                  : "passive",
-                                   ")")
-                    : "at " + r.kvq_target,
+      r.kvq_started ? "started by the bench on a loopback port" : "at " + r.kvq_target,
       r.redis_note);
   absl::StrAppendFormat(
       &out,

@@ -14,7 +14,7 @@ kvq_build --target kvq_server kvq_demo
 
 run_dir="$(mktemp -d)"
 trap 'kill -TERM "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; rm -rf "$run_dir"' EXIT
-OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}" "$KVQ_BUILD/service/kvq-server" --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 \
+"$KVQ_BUILD/service/kvq-server" --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 \
   --capacity_bytes=$((2 << 30)) --backend=cpu --port_file="$run_dir/port" \
   >"$run_dir/server.log" 2>&1 &
 server_pid=$!
