@@ -227,7 +227,8 @@ class KvqClient {
                                                      const AppendOptions& options = {});
 
   // Dequantized K/V ([layers, kv_heads, tokens, head_dim] of options.dtype),
-  // assembled from the server stream. Retried as a whole.
+  // sized from the range the first message states and filled as messages
+  // arrive. Retried as a whole.
   absl::StatusOr<FetchedKv> FetchDequant(absl::string_view sequence_id,
                                          const FetchOptions& options = {});
   // FetchDequant into tensors the caller owns and may reuse across calls:

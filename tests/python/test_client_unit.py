@@ -2,6 +2,7 @@
 conversions (bit-exact fp16/bf16), chunk planning, fetch assembly, and the
 client's retry/streaming behaviour against an in-process fake servicer."""
 
+import os
 from concurrent import futures
 
 import grpc
@@ -141,6 +142,7 @@ class FakeKvCache(pb_grpc.KvCacheServicer):
         self.released = set()
         self.chunks = []
         self.first_request = None
+        self.state_range = False  # FetchDequant: range fields on the first message, as kvq-server.
 
     def _enter(self, method, context):
         self.calls[method] = self.calls.get(method, 0) + 1
@@ -170,7 +172,10 @@ class FakeKvCache(pb_grpc.KvCacheServicer):
             for t in range(0, 10, 4):
                 n = min(4, 10 - t)
                 k = np.full((2, n, 8), layer * 100 + t, np.float16)
-                yield pb.FetchResponse(layer=layer, token_begin=t, k=to_tensor(k), v=to_tensor(-k))
+                m = pb.FetchResponse(layer=layer, token_begin=t, k=to_tensor(k), v=to_tensor(-k))
+                if self.state_range and layer == 0 and t == 0:
+                    m.range_layer_end, m.range_token_end = 2, 10
+                yield m
 
     def _echo(self, layer, q):
         qa = from_tensor(q)
@@ -299,6 +304,34 @@ def test_fetch_assembles_the_stream(fake):
     assert K.shape == (2, 2, 10, 8) and K.dtype == np.float16
     assert K[1, 0, 5, 0] == 104 and (V == -K).all()
     assert servicer.calls["FetchDequant"] == 2
+
+
+def test_fetch_with_a_stated_range_fills_arrays_in_place(fake):
+    servicer, client = fake
+    servicer.state_range = True
+    servicer.failures["FetchDequant"] = (1, grpc.StatusCode.UNAVAILABLE)
+    totals = []
+    K, V = client.fetch("s", progress=lambda done, total: totals.append(total))
+    assert K.shape == (2, 2, 10, 8) and K.dtype == np.float16
+    assert K[1, 0, 5, 0] == 104 and K[0, 1, 9, 7] == 8 and (V == -K).all()
+    assert set(totals) == {2 * K.nbytes}  # Known from the first message on.
+    assert servicer.calls["FetchDequant"] == 2
+
+
+def test_generated_modules_follow_the_proto(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVQ_PROTO_DIR", _proto.proto_root())
+    monkeypatch.setattr(_proto, "_PACKAGE_DIR", str(tmp_path))
+    monkeypatch.setattr(_proto, "GEN_DIR", str(tmp_path / "_gen"))
+    proto = os.path.join(_proto.proto_root(), "kvq", "v1", "kvq.proto")
+    assert not _proto._up_to_date(proto)
+    _proto.generate()
+    stamp = tmp_path / "_gen" / _proto._STAMP
+    assert _proto._up_to_date(proto) and stamp.read_text().strip() == _proto._proto_hash(proto)
+    stamp.write_text("made from an older kvq.proto\n")
+    assert not _proto._up_to_date(proto)
+    _proto.generate()  # Regenerates: the stamp matches again.
+    assert _proto._up_to_date(proto)
+    assert (tmp_path / "_gen" / "kvq" / "v1" / "kvq_pb2.py").is_file()
 
 
 def test_decode_session_steps_in_order_and_surfaces_the_stream_error(fake):

@@ -6,11 +6,13 @@ installed. Run as a script (``python3 kvq_client/_proto.py [--force]``) to
 regenerate.
 """
 
+import hashlib
 import importlib
 import os
 import shutil
 import sys
 import tempfile
+import warnings
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 GEN_DIR = os.path.join(_PACKAGE_DIR, "_gen")
@@ -22,17 +24,41 @@ def proto_root():
     return os.path.normpath(root)
 
 
+_STAMP = "PROTO_SHA256"  # In _gen: the hash of the kvq.proto it was generated from.
+
+
+def _proto_hash(proto):
+    with open(proto, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _up_to_date(proto):
+    """Whether _gen exists and, when the .proto is at hand, was made from it."""
+    if not os.path.isdir(GEN_DIR):
+        return False
+    if not os.path.isfile(proto):
+        return True  # An installed package without the .proto: use what it has.
+    try:
+        with open(os.path.join(GEN_DIR, _STAMP)) as f:
+            return f.read().strip() == _proto_hash(proto)
+    except OSError:
+        return False
+
+
 def generate(force=False):
     """Writes kvq_pb2.py and kvq_pb2_grpc.py under _gen/kvq/v1.
 
-    The grpc module's absolute import of kvq_pb2 becomes a relative one, so
-    the modules live inside this package. Generation goes to a temporary
+    Regenerates when kvq.proto changed since (a stamp in _gen holds its
+    hash), so a checkout never runs stale stubs after a proto change. The
+    grpc module's absolute import of kvq_pb2 becomes a relative one, so the
+    modules live inside this package. Generation goes to a temporary
     directory that is renamed into place, so concurrent first imports are
     safe.
     """
-    if os.path.isdir(GEN_DIR) and not force:
-        return GEN_DIR
     proto = os.path.join(proto_root(), "kvq", "v1", "kvq.proto")
+    if not force and _up_to_date(proto):
+        return GEN_DIR
+    force = force or os.path.isdir(GEN_DIR)
     if not os.path.isfile(proto):
         raise ImportError(
             f"kvq_client: the generated modules are missing and {proto} was not found; "
@@ -50,6 +76,8 @@ def generate(force=False):
             raise ImportError(f"kvq_client: protoc failed on {proto} (exit {rc})")
         for sub in ("", "kvq", os.path.join("kvq", "v1")):
             open(os.path.join(tmp, sub, "__init__.py"), "a").close()
+        with open(os.path.join(tmp, _STAMP), "w") as f:
+            f.write(_proto_hash(proto) + "\n")
         grpc_module = os.path.join(tmp, "kvq", "v1", "kvq_pb2_grpc.py")
         with open(grpc_module) as f:
             text = f.read()
@@ -71,14 +99,16 @@ def generate(force=False):
 
 
 def modules():
-    """(kvq_pb2, kvq_pb2_grpc), generating them first when needed."""
+    """(kvq_pb2, kvq_pb2_grpc), generating them first when missing or older
+    than kvq.proto."""
     try:
-        pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2")
-        grpc_pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2_grpc")
-    except ImportError:
         generate()
-        pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2")
-        grpc_pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2_grpc")
+    except ImportError as e:
+        if not os.path.isdir(GEN_DIR):
+            raise
+        warnings.warn(f"kvq_client: using generated modules that may predate kvq.proto ({e})")
+    pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2")
+    grpc_pb2 = importlib.import_module("kvq_client._gen.kvq.v1.kvq_pb2_grpc")
     return pb2, grpc_pb2
 
 

@@ -40,6 +40,7 @@ client (kvq::KvqClient::AppendPromptQuantized) or `kvq append --quantize`.
 """
 
 import dataclasses
+import itertools
 import queue
 import random
 import threading
@@ -216,6 +217,35 @@ class DecodeSession:
             self.cancel()
 
 
+
+def _place_fetch(messages, K, V, layer_begin, token_begin, progress):
+    """Copies dense FetchDequant messages into K, V [layers, kv_heads, tokens,
+    head_dim], checking that each continues its layer's range and that the
+    stream covers it all (DATA_LOSS otherwise)."""
+    layers, heads, tokens, d = K.shape
+    filled, done = [0] * layers, 0
+    for m in messages:
+        k = from_tensor(m.k, "k")
+        v = from_tensor(m.v, "v")
+        l, t0 = m.layer - layer_begin, m.token_begin - token_begin
+        n = k.shape[1] if k.ndim == 3 else -1
+        if (k.shape != v.shape or n < 0 or k.shape[0] != heads or k.shape[2] != d
+                or not 0 <= l < layers or t0 != filled[l] or t0 + n > tokens):
+            raise KvqError(grpc.StatusCode.DATA_LOSS,
+                           f"fetch response for layer {m.layer} token {m.token_begin} "
+                           f"{k.shape} does not continue the range")
+        K[l, :, t0:t0 + n] = k
+        V[l, :, t0:t0 + n] = v
+        filled[l] += n
+        done += len(m.k.data) + len(m.v.data)
+        if progress:
+            progress(done, 2 * K.nbytes)
+    for l, f in enumerate(filled):
+        if f != tokens:
+            raise KvqError(grpc.StatusCode.DATA_LOSS,
+                           f"fetch stream ended with {f} of {tokens} tokens of layer "
+                           f"{layer_begin + l}")
+
 class KvqClient:
     """Client of one kvq server and one namespace. Thread-safe."""
 
@@ -368,9 +398,25 @@ class KvqClient:
                                   max_chunk_bytes=max_chunk_bytes)
         self._ref(sequence_id, request.sequence)
 
+        want = np.float16 if _wire_dtype(dtype) == pb.DTYPE_FP16 else np.float32
+
         def run(timeout, _):
-            pieces, done = [], 0
-            for m in self._stub.FetchDequant(request, timeout=timeout):
+            stream = iter(self._stub.FetchDequant(request, timeout=timeout))
+            first = next(stream, None)
+            if first is None:
+                raise KvqError(grpc.StatusCode.DATA_LOSS, "the fetch stream ended without a message")
+            messages = itertools.chain([first], stream)
+            if first.range_layer_end > 0 and len(first.k.shape) == 3:
+                # The first message states the range: one allocation, each
+                # message copied into place as it arrives.
+                layers = first.range_layer_end - layer_begin
+                tokens = first.range_token_end - token_begin
+                K = np.empty((layers, first.k.shape[0], tokens, first.k.shape[2]), want)
+                V = np.empty_like(K)
+                _place_fetch(messages, K, V, layer_begin, token_begin, progress)
+                return layer_begin, token_begin, K, V
+            pieces, done = [], 0  # A server that does not state the range.
+            for m in messages:
                 k = from_tensor(m.k, "k")
                 v = from_tensor(m.v, "v")
                 pieces.append((m.layer, m.token_begin, k, v))
@@ -411,28 +457,8 @@ class KvqClient:
         self._ref(sequence_id, request.sequence)
 
         def run(timeout, _):
-            filled, done = [0] * layers, 0
-            for m in self._stub.FetchDequant(request, timeout=timeout):
-                k = from_tensor(m.k, "k")
-                v = from_tensor(m.v, "v")
-                l, t0 = m.layer - layer_begin, m.token_begin - token_begin
-                n = k.shape[1] if k.ndim == 3 else -1
-                if (k.shape != v.shape or n < 0 or k.shape[0] != heads or k.shape[2] != d
-                        or not 0 <= l < layers or t0 != filled[l] or t0 + n > tokens):
-                    raise KvqError(grpc.StatusCode.DATA_LOSS,
-                                   f"fetch response for layer {m.layer} token {m.token_begin} "
-                                   f"{k.shape} does not continue the range")
-                K[l, :, t0:t0 + n] = k
-                V[l, :, t0:t0 + n] = v
-                filled[l] += n
-                done += len(m.k.data) + len(m.v.data)
-                if progress:
-                    progress(done, 2 * K.nbytes)
-            for l, f in enumerate(filled):
-                if f != tokens:
-                    raise KvqError(grpc.StatusCode.DATA_LOSS,
-                                   f"fetch stream ended with {f} of {tokens} tokens of layer "
-                                   f"{layer_begin + l}")
+            _place_fetch(self._stub.FetchDequant(request, timeout=timeout), K, V, layer_begin,
+                         token_begin, progress)
 
         self._call(run, idempotent=True, deadline=deadline)
         return K, V
