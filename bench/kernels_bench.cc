@@ -432,8 +432,8 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
     *progress << absl::StrFormat(
         "kvq-bench kernels: backend %s (%s), SIMD %s, %d threads, %d schemes x %d layouts x %d "
         "contexts, %d reps\n",
-        result.backend, result.backend_impl, result.simd_target, result.threads, schemes.size(), layouts.size(),
-        contexts.size(), result.reps);
+        result.backend, result.backend_impl, result.simd_target, result.threads, schemes.size(),
+        layouts.size(), contexts.size(), result.reps);
     *progress << absl::StrFormat("measuring read bandwidth over %d MiB...\n",
                                  options.bandwidth_bytes >> 20);
   }
@@ -702,8 +702,9 @@ std::string FormatKernelsTable(const KernelsBenchResult& result, const std::stri
       "# backend %s (%s), SIMD %s, %d threads, read bandwidth %.2f GB/s (median of %d passes "
       "over %d MiB)\n# decode_us = median of %d calls, one call = one layer (a task per KV "
       "head), %s\n",
-      result.backend, result.backend_impl, result.simd_target, result.threads, result.read_bandwidth / 1e9,
-      result.read_bandwidth_passes.size(), result.bandwidth_bytes >> 20, result.reps,
+      result.backend, result.backend_impl, result.simd_target, result.threads,
+      result.read_bandwidth / 1e9, result.read_bandwidth_passes.size(),
+      result.bandwidth_bytes >> 20, result.reps,
       result.evict_bytes > 0
           ? absl::StrFormat("cold cache (%d MiB read before each call)", result.evict_bytes >> 20)
           : std::string("warm cache"));

@@ -280,8 +280,14 @@ namespace {
 class FetchPlacer {
  public:
   FetchPlacer(const FetchOptions& options, HostTensor* k, HostTensor* v)
-      : options_(options), k_(k), v_(v), layers_(k->shape[0]), heads_(k->shape[1]),
-        tokens_(k->shape[2]), d_(k->shape[3]), elem_(DTypeBytes(options.dtype)),
+      : options_(options),
+        k_(k),
+        v_(v),
+        layers_(k->shape[0]),
+        heads_(k->shape[1]),
+        tokens_(k->shape[2]),
+        d_(k->shape[3]),
+        elem_(DTypeBytes(options.dtype)),
         filled_(static_cast<size_t>(layers_), 0) {}
 
   absl::Status Place(const v1::FetchResponse& m) {
@@ -295,11 +301,11 @@ class FetchPlacer {
         m.k().dtype() == ToProtoDType(options_.dtype) && m.v().dtype() == m.k().dtype() &&
         m.k().data().size() == heads_ * piece && m.v().data().size() == heads_ * piece;
     if (!shape_ok || l < 0 || l >= layers_ || t0 != filled_[l] || t0 + n > tokens_) {
-      return absl::DataLossError(absl::StrCat(
-          "fetch response for layer ", m.layer(), " token ", m.token_begin(), " (", n,
-          " tokens) does not continue the range: layer ", m.layer(), " has ",
-          l >= 0 && l < layers_ ? filled_[l] : -1, " of ", tokens_, " tokens of [", heads_,
-          ", tokens, ", d_, "] ", DTypeName(options_.dtype)));
+      return absl::DataLossError(
+          absl::StrCat("fetch response for layer ", m.layer(), " token ", m.token_begin(), " (", n,
+                       " tokens) does not continue the range: layer ", m.layer(), " has ",
+                       l >= 0 && l < layers_ ? filled_[l] : -1, " of ", tokens_, " tokens of [",
+                       heads_, ", tokens, ", d_, "] ", DTypeName(options_.dtype)));
     }
     for (int64_t h = 0; h < heads_; ++h) {
       const size_t dst = static_cast<size_t>(((l * heads_ + h) * tokens_ + t0) * d_) * elem_;
@@ -354,11 +360,11 @@ absl::StatusOr<FetchedKv> KvqClient::FetchDequant(absl::string_view sequence_id,
           const int64_t layers = int64_t{m.range_layer_end()} - options.layer_begin;
           const int64_t tokens = int64_t{m.range_token_end()} - options.token_begin;
           if (layers <= 0 || tokens < 0 || m.k().shape_size() != 3) {
-            return absl::DataLossError(absl::StrCat(
-                "the first fetch response states layers [", options.layer_begin, ", ",
-                m.range_layer_end(), ") and tokens [", options.token_begin, ", ",
-                m.range_token_end(), ") with k ", m.k().shape_size(),
-                "-d; expected a range and [kv_heads, tokens, head_dim]"));
+            return absl::DataLossError(
+                absl::StrCat("the first fetch response states layers [", options.layer_begin, ", ",
+                             m.range_layer_end(), ") and tokens [", options.token_begin, ", ",
+                             m.range_token_end(), ") with k ", m.k().shape_size(),
+                             "-d; expected a range and [kv_heads, tokens, head_dim]"));
           }
           const std::vector<int64_t> shape = {layers, m.k().shape(0), tokens, m.k().shape(2)};
           out.layer_begin = options.layer_begin;

@@ -521,7 +521,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       }
       bool own = false;
       out_.Clear();  // The serializer writes into an empty buffer only.
-      const grpc::Status gs = grpc::SerializationTraits<v1::FetchResponse>::Serialize(resp, &out_, &own);
+      const grpc::Status gs =
+          grpc::SerializationTraits<v1::FetchResponse>::Serialize(resp, &out_, &own);
       return gs.ok() ? absl::OkStatus() : absl::InternalError(gs.error_message());
     }
     const size_t per_head = static_cast<size_t>(n) * m.head_dim * DTypeBytes(dtype_);
@@ -562,7 +563,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   std::vector<Piece> pieces_;
   size_t next_ = 0;
   int32_t range_layer_end_ = 0, range_token_end_ = 0;  // Resolved in Plan().
-  grpc::ByteBuffer out_;  // The message in flight.
+  grpc::ByteBuffer out_;                               // The message in flight.
 };
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvqService::FetchDequant(
@@ -599,9 +600,8 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     j.key_end = it.key_end();
     jobs.push_back(std::move(j));
   }
-  absl::Status st =
-      RunAttention(*store_->backend(), metrics_, RpcMethod::kAttend, req.layer(), jobs,
-                   req.softmax_scale(), resp);
+  absl::Status st = RunAttention(*store_->backend(), metrics_, RpcMethod::kAttend, req.layer(),
+                                 jobs, req.softmax_scale(), resp);
   if (st.code() == absl::StatusCode::kInvalidArgument &&
       absl::StartsWith(st.message(), "attention task ")) {
     return absl::InvalidArgumentError(absl::StrCat("q: ", st.message()));

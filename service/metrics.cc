@@ -143,9 +143,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
   }
   auto& kernel = prometheus::BuildHistogram()
                      .Name("kvq_attention_kernel_seconds")
-                     .Help("Time in the attention kernels per batched call, by method (Attend, "
-                           "AppendAttend, DecodeStream per step); the rest of "
-                           "kvq_rpc_duration_seconds is RPC work.")
+                     .Help(
+                         "Time in the attention kernels per batched call, by method (Attend, "
+                         "AppendAttend, DecodeStream per step); the rest of "
+                         "kvq_rpc_duration_seconds is RPC work.")
                      .Register(*m->registry_);
   for (RpcMethod r : {RpcMethod::kAttend, RpcMethod::kAppendAttend, RpcMethod::kDecodeStream}) {
     m->kernel_[static_cast<int>(r)] =

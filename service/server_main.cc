@@ -42,7 +42,8 @@ int main(int argc, char** argv) {
   if (!config.ok()) return Fail(config.status());
   if (config->retain_message_buffers) {
     if (absl::Status s = kvq::RetainMessageBuffers(); !s.ok()) {
-      std::fprintf(stderr, "kvq-server: --retain_message_buffers: %s\n", std::string(s.message()).c_str());
+      std::fprintf(stderr, "kvq-server: --retain_message_buffers: %s\n",
+                   std::string(s.message()).c_str());
     }
   }
 
@@ -89,8 +90,8 @@ int main(int argc, char** argv) {
     std::ofstream(config->port_file) << port << "\n";
   }
   const std::string host = config->address.substr(0, config->address.rfind(':'));
-  std::printf("kvq-server: listening on %s:%d (backend %s, SIMD %s, pool %zu MiB)\n",
-              host.c_str(), port, backend_name.c_str(), kvq::cpu::ActiveSimdTarget().c_str(),
+  std::printf("kvq-server: listening on %s:%d (backend %s, SIMD %s, pool %zu MiB)\n", host.c_str(),
+              port, backend_name.c_str(), kvq::cpu::ActiveSimdTarget().c_str(),
               config->store.pool.capacity_bytes >> 20);
   if (m->port() != 0) {
     const std::string mhost = config->metrics_address.substr(0, config->metrics_address.rfind(':'));

@@ -433,7 +433,9 @@ HWY_INLINE void TileScoresF32x16(const float* HWY_RESTRICT k, size_t kstride, in
       }
     }
     for (int u = 0; u < TS; ++u) {
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(part + (static_cast<size_t>(t + u) * R + r) * 8, fold(acc[u][r]));
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(part + (static_cast<size_t>(t + u) * R + r) * 8, fold(acc[u][r]));
+      }
     }
   }
   for (; t < n; ++t) {
@@ -441,9 +443,13 @@ HWY_INLINE void TileScoresF32x16(const float* HWY_RESTRICT k, size_t kstride, in
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 16) {
       const __m512 kv = _mm512_loadu_ps(k + static_cast<size_t>(t) * kstride + c);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), acc[r]);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), acc[r]);
+      }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(part + (static_cast<size_t>(t) * R + r) * 8, fold(acc[r]));
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(part + (static_cast<size_t>(t) * R + r) * 8, fold(acc[r]));
+    }
   }
 }
 #endif
@@ -770,9 +776,9 @@ HWY_NOINLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block
 // the pipeline on the prefetches (measured: kivi4 -16% at llama 32k).
 template <int R, int kBits, int D>
 HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row, int n,
-                              const float* a, const float* cst, Scratch& sc,
-                              float* HWY_RESTRICT S, const uint8_t* pf = nullptr,
-                              size_t pf_lines = 0) {
+                                const float* a, const float* cst, Scratch& sc,
+                                float* HWY_RESTRICT S, const uint8_t* pf = nullptr,
+                                size_t pf_lines = 0) {
   constexpr int NV = D / 16;
   const SideLayout& K = s.layout().key;
   int32_t* ipart = sc.ipart.data();
@@ -799,7 +805,8 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
       for (int j = 1; j < NW; ++j) {
         s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(codes[j], _mm512_loadu_si512(qr + 32 * j)));
       }
-      const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
+      const __m256i h =
+          _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ipart + (t * R + r) * 8), h);
     }
   }
@@ -951,14 +958,16 @@ HWY_INLINE __m512 CodesToFloat16x(const uint8_t* HWY_RESTRICT row, int j) {
 // NuqLevels8 picks them, with mask blends (one uop each, where vblendvps
 // takes several).
 template <int kBits, int D>
-HWY_INLINE __m512 NuqLevels16(const uint8_t* HWY_RESTRICT row, int j, const float* HWY_RESTRICT rows) {
+HWY_INLINE __m512 NuqLevels16(const uint8_t* HWY_RESTRICT row, int j,
+                              const float* HWY_RESTRICT rows) {
   static_assert(kBits == 2 || kBits == 3, "blends cover up to 8 levels");
   const int c0 = 16 * j;
   __m512i v;
   if constexpr (kBits == 2) {
     constexpr int P = D / 4;
-    v = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0 % P))),
-                         _mm_cvtsi32_si128(2 * (c0 / P)));
+    v = _mm512_srl_epi32(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0 % P))),
+        _mm_cvtsi32_si128(2 * (c0 / P)));
   } else {
     v = _mm512_cvtepi16_epi32(WidenChunk<kBits, D>(row, j));
   }
@@ -967,7 +976,8 @@ HWY_INLINE __m512 NuqLevels16(const uint8_t* HWY_RESTRICT row, int j, const floa
   const float* r = rows + c0;
   auto pick4 = [&](const float* q) {
     const __m512 lo = _mm512_mask_blend_ps(b0, _mm512_loadu_ps(q), _mm512_loadu_ps(q + D));
-    const __m512 hi = _mm512_mask_blend_ps(b0, _mm512_loadu_ps(q + 2 * D), _mm512_loadu_ps(q + 3 * D));
+    const __m512 hi =
+        _mm512_mask_blend_ps(b0, _mm512_loadu_ps(q + 2 * D), _mm512_loadu_ps(q + 3 * D));
     return _mm512_mask_blend_ps(b1, lo, hi);
   };
   if constexpr (kBits == 2) {
@@ -989,8 +999,8 @@ HWY_INLINE __m512 NuqLevels16(const uint8_t* HWY_RESTRICT row, int j, const floa
 // their codes' values afterwards, before RoPE, as the reference does.
 template <int kBits, int D>
 HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int row, int m,
-                                   Scratch& sc, float* HWY_RESTRICT kb,
-                                   const uint8_t* pf = nullptr, size_t pf_lines = 0) {
+                                     Scratch& sc, float* HWY_RESTRICT kb,
+                                     const uint8_t* pf = nullptr, size_t pf_lines = 0) {
   const PageLayout& L = s.layout();
   const SideLayout& K = L.key;
   const int g = L.block_tokens;
@@ -1011,9 +1021,9 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
           const float* levels = sc.kctx.level_rows.data();
 #if HWY_TARGET == HWY_AVX3
           for (int c = 0; c < D; c += 16) {
-            _mm512_storeu_ps(x + c, _mm512_fmadd_ps(NuqLevels16<kBits, D>(codes, c / 16, levels),
-                                                    _mm512_loadu_ps(p + c),
-                                                    _mm512_loadu_ps(p + D + c)));
+            _mm512_storeu_ps(x + c,
+                             _mm512_fmadd_ps(NuqLevels16<kBits, D>(codes, c / 16, levels),
+                                             _mm512_loadu_ps(p + c), _mm512_loadu_ps(p + D + c)));
           }
           continue;
 #endif
@@ -1059,9 +1069,9 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
 // may span several channel groups, each with its own weights and zero sum.
 template <int RG, int kBits, int D, bool kNuq>
 HWY_INLINE void KiviValueRows512(const uint8_t* HWY_RESTRICT codes0, size_t row_bytes, int n,
-                                 int r0, int ng, int gc_shift, int ld,
-                                 const float* HWY_RESTRICT w, const float* zsum,
-                                 const float* HWY_RESTRICT levels, float* HWY_RESTRICT acc) {
+                                 int r0, int ng, int gc_shift, int ld, const float* HWY_RESTRICT w,
+                                 const float* zsum, const float* HWY_RESTRICT levels,
+                                 float* HWY_RESTRICT acc) {
   static_assert(D % 64 == 0, "head_dim 64, 128 or 256");
   for (int c0 = 0; c0 < D; c0 += 64) {
     __m512 a[RG][4];
@@ -1085,7 +1095,9 @@ HWY_INLINE void KiviValueRows512(const uint8_t* HWY_RESTRICT codes0, size_t row_
         }
       }
       for (int r = 0; r < RG; ++r) {
-        for (int k = 0; k < 4; ++k) a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(wr[r][k][t]), x[k], a[r][k]);
+        for (int k = 0; k < 4; ++k) {
+          a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(wr[r][k][t]), x[k], a[r][k]);
+        }
       }
     }
     for (int r = 0; r < RG; ++r) {

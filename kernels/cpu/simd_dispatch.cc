@@ -60,9 +60,9 @@ absl::Status PinSimdTarget(absl::string_view name) {
       return absl::OkStatus();
     }
   }
-  return absl::NotFoundError(absl::StrCat("SIMD target \"", name, "\" is not available here; available: ",
-                                          absl::StrJoin(AvailableSimdTargets(), ", "),
-                                          " (or best)"));
+  return absl::NotFoundError(
+      absl::StrCat("SIMD target \"", name, "\" is not available here; available: ",
+                   absl::StrJoin(AvailableSimdTargets(), ", "), " (or best)"));
 }
 
 absl::Status PinSimdTargetFromEnv() {

@@ -268,7 +268,8 @@ grpc::Status FakeKvCache::FetchDequant(grpc::ServerContext* context,
         2 * int64_t{s.kv_heads()} * s.stream(l, 0).head_dim() * DTypeBytes(*dtype);
     const int64_t max_bytes = request->max_chunk_bytes() > 0 ? request->max_chunk_bytes() : 1 << 20;
     const int step = static_cast<int>(std::max<int64_t>(1, max_bytes / token_bytes));
-    for (int t = request->token_begin(); t < token_end || (t == token_end && t == request->token_begin());
+    for (int t = request->token_begin();
+         t < token_end || (t == token_end && t == request->token_begin());
          t += step) {  // An empty range still sends one (empty) message per layer.
       v1::FetchResponse m;
       ReadLayer(s, l, t, std::min(t + step, token_end), *dtype, request->apply_rope(), &m);

@@ -762,9 +762,11 @@ TEST_F(ServerBehaviorTest, MetricsAgreeWithStats) {
   EXPECT_EQ(MetricValue(samples, "kvq_rpc_requests_total", {{"method", "Attend"}, {"code", "OK"}}),
             1.0);
   // Only the accepted Attend reached the kernels, inside its RPC's time.
-  EXPECT_EQ(MetricValue(samples, "kvq_attention_kernel_seconds_count", {{"method", "Attend"}}), 1.0);
-  EXPECT_EQ(MetricValue(samples, "kvq_attention_kernel_seconds_count", {{"method", "DecodeStream"}}),
-            0.0);
+  EXPECT_EQ(MetricValue(samples, "kvq_attention_kernel_seconds_count", {{"method", "Attend"}}),
+            1.0);
+  EXPECT_EQ(
+      MetricValue(samples, "kvq_attention_kernel_seconds_count", {{"method", "DecodeStream"}}),
+      0.0);
   const double kernel =
       MetricValue(samples, "kvq_attention_kernel_seconds_sum", {{"method", "Attend"}});
   EXPECT_GT(kernel, 0.0);

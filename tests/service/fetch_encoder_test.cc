@@ -17,7 +17,9 @@ std::string Bytes(grpc::ByteBuffer buf) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(buf.Dump(&slices).ok());
   std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices) {
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
   return out;
 }
 
@@ -68,12 +70,12 @@ TEST_P(FetchEncoderTest, BytesEqualProtobufSerialization) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, FetchEncoderTest,
     ::testing::Values(
-        Case{0, 0, 0, 0, v1::DTYPE_FP16, {3, 5, 64}, 2},           // Defaults omitted.
-        Case{0, 0, 30, 4096, v1::DTYPE_FP16, {3, 5, 64}, 2},       // A first message.
-        Case{29, 4090, 0, 0, v1::DTYPE_FP32, {8, 7, 128}, 4},      // Multi-byte varints.
+        Case{0, 0, 0, 0, v1::DTYPE_FP16, {3, 5, 64}, 2},               // Defaults omitted.
+        Case{0, 0, 30, 4096, v1::DTYPE_FP16, {3, 5, 64}, 2},           // A first message.
+        Case{29, 4090, 0, 0, v1::DTYPE_FP32, {8, 7, 128}, 4},          // Multi-byte varints.
         Case{1, 200000, 2, 300000, v1::DTYPE_BF16, {3, 2730, 64}, 2},  // ~1 MiB, 3-byte lengths.
-        Case{2, 17, 0, 0, v1::DTYPE_FP16, {3, 0, 64}, 2},          // No tokens: no data field.
-        Case{0, 0, 0, 0, v1::DTYPE_UNSPECIFIED, {1, 1, 16}, 2}));  // dtype 0 omitted.
+        Case{2, 17, 0, 0, v1::DTYPE_FP16, {3, 0, 64}, 2},              // No tokens: no data field.
+        Case{0, 0, 0, 0, v1::DTYPE_UNSPECIFIED, {1, 1, 16}, 2}));      // dtype 0 omitted.
 
 }  // namespace
 }  // namespace kvq

@@ -110,8 +110,8 @@ TEST_F(SimdDispatchTest, APinChangesWhichKernelsRun) {
     err_fast = std::max(err_fast, std::fabs(static_cast<double>(fast[i]) - ref[i]));
     err_portable = std::max(err_portable, std::fabs(static_cast<double>(portable[i]) - ref[i]));
   }
-  EXPECT_LE(err_fast / scale, 5e-3);       // The integer key path's contract.
-  EXPECT_LE(err_portable / scale, 1e-4);   // Float paths'.
+  EXPECT_LE(err_fast / scale, 5e-3);      // The integer key path's contract.
+  EXPECT_LE(err_portable / scale, 1e-4);  // Float paths'.
 }
 
 // Every target, every length (whole vectors and tails): the sign bit never

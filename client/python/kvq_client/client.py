@@ -404,7 +404,8 @@ class KvqClient:
             stream = iter(self._stub.FetchDequant(request, timeout=timeout))
             first = next(stream, None)
             if first is None:
-                raise KvqError(grpc.StatusCode.DATA_LOSS, "the fetch stream ended without a message")
+                raise KvqError(grpc.StatusCode.DATA_LOSS,
+                               "the fetch stream ended without a message")
             messages = itertools.chain([first], stream)
             if first.range_layer_end > 0 and len(first.k.shape) == 3:
                 # The first message states the range: one allocation, each
