@@ -241,6 +241,21 @@ TEST(CpuBackendTest, ArbitraryRangesOverSinkPagesAndTail) {
   }
 }
 
+// head_dim 256 through every specialised path: nuq levels (2 and 3 bits),
+// pre_rope keys with outliers and a sink, mixed widths, p8, int8 values.
+// (ctest also runs this suite pinned to AVX2 and to the portable target.)
+TEST(CpuBackendTest, EveryFastPathAtHeadDim256) {
+  for (const char* spec : {"kivi2:nuq", "kivi3:nuq", "kivi2:pre_rope:outliers=1:sink=4",
+                           "kivi4:v2", "kivi4:p8", "int8"}) {
+    const StreamConfig c = Config(spec, 256);
+    std::unique_ptr<KvStream> s = Filled(c, 1000, 93);
+    ASSERT_NE(s, nullptr);
+    Call call(1, 4, 2, 256, 94);
+    call.Set(0, s.get(), 0, -1);
+    ExpectMatchesRef(call, c, absl::StrCat(spec, " d256"));
+  }
+}
+
 // The integer key path stays far inside its contract.
 TEST(CpuBackendTest, IntegerKeyPathIsTight) {
   for (const char* spec : {"kivi4", "kivi3", "kivi2"}) {
