@@ -59,29 +59,29 @@ struct TensorHead {
   }
 };
 
+// An int32 field's encoded size (tag + varint; 0 when proto3 omits it) and
+// its encoding at p.
+size_t Int32FieldSize(int32_t value) {
+  return value == 0 ? 0 : 1 + VarintSize(Int32Bits(value));
+}
+uint8_t* PutInt32Field(uint32_t field, int32_t value, uint8_t* p) {
+  if (value == 0) return p;
+  return PutVarint(Int32Bits(value), PutVarint(Tag(field, kVarint), p));
+}
+
 }  // namespace
 
 DenseFetchMessage::DenseFetchMessage(int32_t layer, int32_t token_begin, v1::DType dtype,
                                      const std::array<int64_t, 3>& shape, size_t data_bytes,
                                      int32_t range_layer_end, int32_t range_token_end) {
   const TensorHead head(dtype, shape, data_bytes);
-  size_t size = 0;
-  if (layer != 0) size += 1 + VarintSize(Int32Bits(layer));
-  if (token_begin != 0) size += 1 + VarintSize(Int32Bits(token_begin));
   const size_t field = 1 + VarintSize(head.total) + head.total;  // k, then v: the same size.
-  size += 2 * field;
-  if (range_layer_end != 0) size += 1 + VarintSize(Int32Bits(range_layer_end));
-  if (range_token_end != 0) size += 1 + VarintSize(Int32Bits(range_token_end));
+  const size_t size = Int32FieldSize(layer) + Int32FieldSize(token_begin) + 2 * field +
+                      Int32FieldSize(range_layer_end) + Int32FieldSize(range_token_end);
   slice_ = grpc::Slice(size);  // Uninitialized: every byte is written below or by the caller.
   uint8_t* p = const_cast<uint8_t*>(slice_.begin());
-  if (layer != 0) {
-    p = PutVarint(Tag(1, kVarint), p);
-    p = PutVarint(Int32Bits(layer), p);
-  }
-  if (token_begin != 0) {
-    p = PutVarint(Tag(2, kVarint), p);
-    p = PutVarint(Int32Bits(token_begin), p);
-  }
+  p = PutInt32Field(1, layer, p);
+  p = PutInt32Field(2, token_begin, p);
   for (uint32_t f : {3u, 4u}) {
     p = PutVarint(Tag(f, kLengthDelimited), p);
     p = PutVarint(head.total, p);
@@ -90,14 +90,8 @@ DenseFetchMessage::DenseFetchMessage(int32_t layer, int32_t token_begin, v1::DTy
     (f == 3 ? k_data_ : v_data_) = p;
     p += data_bytes;
   }
-  if (range_layer_end != 0) {
-    p = PutVarint(Tag(6, kVarint), p);
-    p = PutVarint(Int32Bits(range_layer_end), p);
-  }
-  if (range_token_end != 0) {
-    p = PutVarint(Tag(7, kVarint), p);
-    p = PutVarint(Int32Bits(range_token_end), p);
-  }
+  p = PutInt32Field(6, range_layer_end, p);
+  PutInt32Field(7, range_token_end, p);
 }
 
 grpc::ByteBuffer DenseFetchMessage::Release() { return grpc::ByteBuffer(&slice_, 1); }
