@@ -15,7 +15,7 @@ namespace kvq {
 namespace cpu {
 namespace {
 
-// Compiled targets the CPU supports, ignoring any pin.
+// Compiled targets the CPU supports now (a pin leaves only itself).
 std::vector<int64_t> SupportedCompiled() {
   std::vector<int64_t> out;
   const int64_t mask = hwy::SupportedTargets() & HWY_TARGETS;
@@ -24,12 +24,10 @@ std::vector<int64_t> SupportedCompiled() {
   return out;
 }
 
-int64_t pinned = 0;  // 0: not pinned.
-
-std::vector<int64_t> Unpinned() {
-  if (pinned != 0) hwy::SetSupportedTargetsForTest(0);
-  std::vector<int64_t> all = SupportedCompiled();
-  if (pinned != 0) hwy::SetSupportedTargetsForTest(pinned);
+// The same before any pin: read once, on the first call, which every pin
+// goes through (this file is the only one that pins).
+const std::vector<int64_t>& Unpinned() {
+  static const std::vector<int64_t> all = SupportedCompiled();
   return all;
 }
 
@@ -49,13 +47,11 @@ std::string ActiveSimdTarget() {
 absl::Status PinSimdTarget(absl::string_view name) {
   const std::string want = absl::AsciiStrToUpper(name);
   if (want.empty() || want == "BEST") {
-    pinned = 0;
     hwy::SetSupportedTargetsForTest(0);
     return absl::OkStatus();
   }
   for (int64_t t : Unpinned()) {
     if (want == hwy::TargetName(t)) {
-      pinned = t;
       hwy::SetSupportedTargetsForTest(t);
       return absl::OkStatus();
     }
