@@ -81,6 +81,8 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       if (!ParseInt(opt.substr(1), &spec.param_bits)) {
         return Bad(text, "p needs the parameter bits, p8 or p16");
       }
+    } else if (opt == "fit") {
+      spec.fit = true;
     } else if (opt == "pre_rope") {
       spec.pre_rope = true;
     } else if (opt == "nuq") {
@@ -100,7 +102,7 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       }
     } else {
       return Bad(text, absl::StrCat("unknown option \"", opt,
-                                    "\"; expected vN, gN, rN, p8, pre_rope, outliers=P, "
+                                    "\"; expected vN, gN, rN, fit, p8, pre_rope, outliers=P, "
                                     "sink=S, nuq, rotate or ktok"));
     }
   }
@@ -134,6 +136,10 @@ absl::Status QuantSpec::Validate() const {
   if (vbits != 0 && nuq) {
     return absl::InvalidArgumentError(
         "nuq needs the same bits for keys and values (one codebook size per stream)");
+  }
+  if (fit && nuq) {
+    return absl::InvalidArgumentError(
+        "fit and nuq cannot be combined: fit searches uniform steps, nuq's levels are learned");
   }
   if (group < 8 || group > 256 || (group & (group - 1)) != 0) {
     return absl::InvalidArgumentError(
@@ -173,6 +179,7 @@ std::string QuantSpec::ToString() const {
   std::string out = absl::StrCat("kivi", bits);
   if (value_bits() != bits) absl::StrAppend(&out, ":v", value_bits());
   absl::StrAppend(&out, ":g", group, ":r", residual);
+  if (fit) absl::StrAppend(&out, ":fit");
   if (param_bits == 8) absl::StrAppend(&out, ":p8");
   if (pre_rope) absl::StrAppend(&out, ":pre_rope");
   if (has_outliers()) absl::StrAppend(&out, ":outliers=", outlier_percent);

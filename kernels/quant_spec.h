@@ -14,6 +14,11 @@
 //                 group); power of two in [8, 256]; default 32
 //     rN          fp16 residual window R; multiple of G, <= 4096; default 128;
 //                 r0 keeps only the unfinished group (< G tokens) in fp16
+//     fit         each key group's range is fitted to its values (least
+//                 squares over a sweep of steps, clipping the rare far
+//                 token) instead of min..max; same layout and bits, lower
+//                 key error at 2 and 3 bits (kernels/cpu/range_fit.h says
+//                 why values are not fitted); not with nuq
 //     p8          group scales and zero points as 8-bit codes under one fp16
 //                 step/base header per block (double quantization, as in
 //                 llama.cpp's k-quants and QLoRA); p16 (default) stores them
@@ -27,8 +32,8 @@
 //     rotate      randomized Hadamard transform over head_dim
 //     ktok        keys per-token instead of per-channel (for ablations)
 // ToString() prints the canonical form: base, vN when it differs from the
-// base's bits, g and r (for kivi), p8 when set, then the options in the
-// order above.
+// base's bits, g and r (for kivi), fit and p8 when set, then the options in
+// the order above.
 #ifndef KVQ_KERNELS_QUANT_SPEC_H_
 #define KVQ_KERNELS_QUANT_SPEC_H_
 
@@ -58,6 +63,7 @@ struct QuantSpec {
   int group = 32;       // G, kivi only.
   int residual = 128;   // R, kivi only.
   int param_bits = 16;  // 16: fp16 scale/zero per group; 8: p8 (kivi only).
+  bool fit = false;     // Least-squares group ranges instead of min/max.
   KeyAxis key_axis = KeyAxis::kPerChannel;
   bool pre_rope = false;
   double outlier_percent = 0.0;

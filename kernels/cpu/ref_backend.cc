@@ -11,6 +11,7 @@
 #include "kernels/cpu/outliers.h"
 #include "kernels/cpu/ref_kernels.h"
 #include "kernels/cpu/quant_math.h"
+#include "kernels/cpu/range_fit.h"
 #include "kernels/group_params.h"
 #include "kernels/numeric.h"
 
@@ -56,15 +57,26 @@ void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, u
   }
 
   std::vector<uint8_t> codes(static_cast<size_t>(n) * d);
-  auto group_minmax = [&](auto&& elements) {
+  // A group's range: min/max of its non-outlier elements, or with `fit` (on
+  // keys) the least-squares range of them (in element order, as the SIMD
+  // path).
+  std::vector<float> members;
+  auto group_range = [&](auto&& elements) {
     float mn = std::numeric_limits<float>::infinity();
     float mx = -mn;
+    members.clear();
     elements([&](size_t i) {
       if (is_outlier[i]) return;
       mn = std::min(mn, rows[i]);
       mx = std::max(mx, rows[i]);
+      members.push_back(rows[i]);
     });
     if (mn > mx) mn = mx = 0.0f;  // Every element was an outlier.
+    if (FitsRanges(s.spec(), side) && !members.empty()) {
+      const FittedRange r =
+          FitUniformRange(members.data(), static_cast<int>(members.size()), bits, mn, mx);
+      return std::make_pair(r.lo, r.hi);
+    }
     return std::make_pair(mn, mx);
   };
 
@@ -88,7 +100,7 @@ void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, u
       return channels ? c : r * np + c / gc;
     };
     for (int k = 0; k < entries * np; ++k) {
-      auto [mn, mx] = group_minmax([&](auto&& f) {
+      auto [mn, mx] = group_range([&](auto&& f) {
         if (channels) {
           for (int t = 0; t < g; ++t) f(static_cast<size_t>(r0 + t) * d + k);
         } else {

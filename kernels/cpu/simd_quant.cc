@@ -30,6 +30,7 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/outliers.h"
 #include "kernels/cpu/quant_math.h"
+#include "kernels/cpu/range_fit.h"
 #include "kernels/cpu/simd_dequant-inl.h"
 #include "kernels/cpu/simd_kernels.h"
 #include "kernels/group_params.h"
@@ -51,6 +52,7 @@ struct QuantScratch {
   // outliers, the sources of the group minima / maxima, so the outliers stay
   // out of the range as in the reference.
   std::vector<float> lo, hi;
+  std::vector<float> members;  // One group's elements, for `fit`.
 };
 
 QuantScratch& ThreadQuantScratch() {
@@ -138,8 +140,26 @@ void PrepareOutliers(const PageLayout& L, const SideLayout& S, const float* bloc
   }
 }
 
+// The `fit` range of one group: its count elements at stride in `lo_src`
+// (+inf marks a sparse outlier, left out as in the reference), in the
+// reference's order; lo / hi hold the group's min / max and receive the fit.
+void FitGroup(const float* lo_src, int count, size_t stride, int bits, float* lo, float* hi,
+              std::vector<float>& members) {
+  members.clear();
+  for (int i = 0; i < count; ++i) {
+    const float x = lo_src[i * stride];
+    if (x != std::numeric_limits<float>::infinity()) members.push_back(x);
+  }
+  if (members.empty()) return;
+  const FittedRange r =
+      FitUniformRange(members.data(), static_cast<int>(members.size()), bits, *lo, *hi);
+  *lo = r.lo;
+  *hi = r.hi;
+}
+
 void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) {
+  const bool fitting = FitsRanges(s.spec(), side);
   const PageLayout& L = s.layout();
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
@@ -176,6 +196,11 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
         }
         hn::StoreU(mn, df, qs.glo.data() + c);
         hn::StoreU(mx, df, qs.ghi.data() + c);
+      }
+      if (fitting) {
+        for (int c = 0; c < d; ++c) {
+          FitGroup(lo_src + c, g, d, bits, &qs.glo[c], &qs.ghi[c], qs.members);
+        }
       }
       StoreGroupParams(L, S, page, row0 / g + b, 1, qs.glo.data(), qs.ghi.data(), false,
                        qs.scale.data(), qs.zero.data());
@@ -216,8 +241,12 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
           mn = hn::Min(mn, hn::LoadU(df, lo_src + j * gc + c));
           mx = hn::Max(mx, hn::LoadU(df, hi_src + j * gc + c));
         }
-        qs.glo[(r - r0) * ng + j] = hn::GetLane(hn::MinOfLanes(df, mn));
-        qs.ghi[(r - r0) * ng + j] = hn::GetLane(hn::MaxOfLanes(df, mx));
+        const size_t k = static_cast<size_t>(r - r0) * ng + j;
+        qs.glo[k] = hn::GetLane(hn::MinOfLanes(df, mn));
+        qs.ghi[k] = hn::GetLane(hn::MaxOfLanes(df, mx));
+        if (fitting) {
+          FitGroup(lo_src + j * gc, gc, 1, bits, &qs.glo[k], &qs.ghi[k], qs.members);
+        }
       }
     }
     StoreGroupParams(L, S, page, row0 + r0, step, qs.glo.data(), qs.ghi.data(), false,

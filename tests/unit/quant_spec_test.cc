@@ -89,6 +89,8 @@ TEST(QuantSpecTest, EachOptionSetsItsField) {
   EXPECT_EQ(MustParse("kivi2:sink=0").sink, 0);
   EXPECT_EQ(MustParse("kivi2:sink=1024").sink, 1024);
   EXPECT_TRUE(MustParse("kivi2:nuq").nuq);
+  EXPECT_TRUE(MustParse("kivi2:fit").fit);
+  EXPECT_FALSE(MustParse("kivi2").fit) << "min/max ranges by default";
   EXPECT_TRUE(MustParse("kivi2:rotate").rotate);
   EXPECT_EQ(MustParse("kivi2:ktok").key_axis, KeyAxis::kPerToken);
   EXPECT_EQ(MustParse("kivi2").param_bits, 16) << "fp16 group parameters by default";
@@ -117,6 +119,8 @@ TEST(QuantSpecTest, OptionsPrintInCanonicalOrder) {
       {"kivi2:p16", "kivi2:g32:r128"},
       {"kivi4:sink=4:v2:p8:g64:r64", "kivi4:v2:g64:r64:p8:sink=4"},
       {"kivi3:v3", "kivi3:g32:r128"},
+      {"kivi2:sink=4:p8:fit:g64:r64", "kivi2:g64:r64:fit:p8:sink=4"},
+      {"kivi4:ktok:fit:v2", "kivi4:v2:g32:r128:fit:ktok"},
       {"kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok",
        "kivi2:g32:r128:pre_rope:outliers=1:sink=4:nuq:ktok"},
   };
@@ -144,7 +148,8 @@ TEST(QuantSpecTest, RejectsUnknownBase) {
 }
 
 TEST(QuantSpecTest, RejectsUnknownOption) {
-  const std::string expected_list = "; expected vN, gN, rN, p8, pre_rope, outliers=P, sink=S, nuq, rotate or ktok";
+  const std::string expected_list =
+      "; expected vN, gN, rN, fit, p8, pre_rope, outliers=P, sink=S, nuq, rotate or ktok";
   ExpectParseError("kivi2:fast", "scheme \"kivi2:fast\": unknown option \"fast\"" + expected_list);
   ExpectParseError("kivi2:nuq=1", "scheme \"kivi2:nuq=1\": unknown option \"nuq=1\"" + expected_list);
   ExpectParseError("kivi2:", "scheme \"kivi2:\": unknown option \"\"" + expected_list);
@@ -223,6 +228,14 @@ TEST(QuantSpecTest, RejectsRotateWithPreRope) {
                    "scheme \"kivi2:pre_rope:rotate\": rotate and pre_rope cannot be combined: RoPE "
                    "acts on the unrotated channels, so a pre-RoPE key would have to be un-rotated "
                    "per token");
+}
+
+TEST(QuantSpecTest, RejectsFitWithNuq) {
+  ExpectParseError("kivi3:fit:nuq",
+                   "scheme \"kivi3:fit:nuq\": fit and nuq cannot be combined: fit searches uniform "
+                   "steps, nuq's levels are learned");
+  ExpectParseError("kivi3:fit:fit", "scheme \"kivi3:fit:fit\": option \"fit\" given twice");
+  ExpectParseError("int8:fit", "scheme \"int8:fit\": option \"fit\" applies only to kivi schemes");
 }
 
 TEST(QuantSpecTest, RejectsBadValueBits) {

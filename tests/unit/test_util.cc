@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/codebook_learner.h"
+#include "kernels/cpu/range_fit.h"
 #include "kernels/group_params.h"
 #include "kernels/numeric.h"
 
@@ -101,6 +102,11 @@ const std::vector<SchemeCase>& AllSchemeCases() {
       {"kivi2:v4:outliers=1", 64, {}, ""},
       {"kivi4:v3:g64:r64:p8:pre_rope:sink=4", 64, MakeRope(P::kHalfSplit, 0), "half"},
       {"kivi3:v2:ktok", 64, {}, ""},
+      // Fitted key ranges (fit): alone, per-token keys, and with the
+      // options whose ranges it narrows (outliers leave the range first).
+      {"kivi2:fit", 64, {}, ""},
+      {"kivi3:v4:fit:ktok", 128, {}, ""},
+      {"kivi2:g16:r32:fit:p8:pre_rope:outliers=1:sink=4", 64, MakeRope(P::kHalfSplit, 0), "half"},
       // nuq keys per channel with RoPE in attention: levels picked in lanes.
       {"kivi3:g16:r32:p8:pre_rope:nuq", 64, MakeRope(P::kAdjacent, 0), "adj"},
       // pre_rope keys with outliers, rotated in the dequantizing pass: both
@@ -314,7 +320,13 @@ double ElementBound(const KvStream& s, Side side, int t, int c, float input, boo
   // Half a step, plus the fp16 rounding of zero and of scale (times the top
   // code), plus float arithmetic.
   const double span = std::fabs(zero) + scale * top;
-  return step / 2.0 + std::ldexp(span, -10) + 1e-6 * (1.0 + span);
+  // A fitted key range may leave the rare far element outside: it clips to
+  // the nearest end, so its error is its distance to the range on top.
+  double clipped = 0.0;
+  if (FitsRanges(s.spec(), side)) {
+    clipped = std::max({0.0, zero - input, input - (zero + scale * top)});
+  }
+  return clipped + step / 2.0 + std::ldexp(span, -10) + 1e-6 * (1.0 + span);
 }
 
 TestAllocator::~TestAllocator() {
