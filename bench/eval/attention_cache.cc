@@ -5,6 +5,7 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 
@@ -18,20 +19,50 @@ StreamConfig MakeStreamConfig(const CacheShape& shape, const QuantSpec& spec) {
   return config;
 }
 
+absl::StatusOr<EvalScheme> ParseEvalScheme(absl::string_view name, int num_layers) {
+  EvalScheme scheme;
+  const size_t at = name.find('@');
+  KVQ_ASSIGN_OR_RETURN(scheme.spec, QuantSpec::Parse(name.substr(0, at)));
+  if (at == absl::string_view::npos) return scheme;
+  const absl::string_view range = name.substr(at + 1);
+  const size_t dash = range.find('-');
+  int first = 0, last = 0;
+  bool ok = false;
+  if (dash == absl::string_view::npos) {
+    ok = absl::SimpleAtoi(range, &first);
+    last = first;
+  } else {
+    ok = absl::SimpleAtoi(range.substr(0, dash), &first) &&
+         absl::SimpleAtoi(range.substr(dash + 1), &last);
+  }
+  if (!ok || first < 0 || first > last || last >= num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scheme \"", name, "\": the layer range after '@' must be A-B or A with 0 <= A <= B <= ",
+        num_layers - 1, ", got \"", range, "\""));
+  }
+  scheme.layers = {first, last};
+  return scheme;
+}
+
 absl::StatusOr<std::unique_ptr<KvqAttentionCache>> KvqAttentionCache::Create(
     const CacheShape& shape, const QuantSpec& spec, const std::vector<Codebook>* codebooks,
-    const KernelBackend* backend) {
+    const KernelBackend* backend, LayerRange layers) {
   const int streams = shape.num_layers * shape.num_kv_heads;
   if (spec.nuq && (codebooks == nullptr || static_cast<int>(codebooks->size()) != streams)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "codebooks: scheme ", spec.ToString(), " needs one per layer and KV head (", streams,
         "), got ", codebooks ? codebooks->size() : 0));
   }
-  std::unique_ptr<KvqAttentionCache> cache(new KvqAttentionCache(shape, spec, backend));
+  std::unique_ptr<KvqAttentionCache> cache(new KvqAttentionCache(shape, spec, backend, layers));
+  if (spec.pre_rope) cache->rope_ = std::make_unique<Rope>(shape.rope, shape.head_dim);
   const StreamConfig config = MakeStreamConfig(shape, spec);
+  StreamConfig fp16 = config;
+  fp16.spec = QuantSpec{};  // fp16: the kind QuantSpec defaults to.
   for (int i = 0; i < streams; ++i) {
-    const Codebook* codebook = spec.nuq ? &(*codebooks)[i] : nullptr;
-    KVQ_ASSIGN_OR_RETURN(auto stream, KvStream::Create(config, backend, nullptr, codebook));
+    const bool quantized = layers.Contains(i / shape.num_kv_heads);
+    const Codebook* codebook = spec.nuq && quantized ? &(*codebooks)[i] : nullptr;
+    KVQ_ASSIGN_OR_RETURN(auto stream,
+                         KvStream::Create(quantized ? config : fp16, backend, nullptr, codebook));
     cache->streams_.push_back(std::move(stream));
   }
   return cache;
@@ -44,6 +75,17 @@ absl::Status KvqAttentionCache::AppendAttend(int layer, int n, const float* k, c
   const int q_heads = shape_.num_q_heads;
   const int group = q_heads / kv_heads;
   const int start = stream(layer, 0).num_tokens();
+  if (rope_ != nullptr && !layers_.Contains(layer)) {
+    // An fp16 layer of a pre_rope cache: store the keys as the fp16 scheme
+    // does, after RoPE.
+    rotated_.assign(k, k + static_cast<size_t>(n) * kv_heads * d);
+    for (int i = 0; i < n; ++i) {
+      for (int h = 0; h < kv_heads; ++h) {
+        rope_->Apply(&rotated_[(static_cast<size_t>(i) * kv_heads + h) * d], start + i);
+      }
+    }
+    k = rotated_.data();
+  }
   for (int h = 0; h < kv_heads; ++h) {
     const ConstTensorView kh{k + h * d, DType::kFloat32, n, d, kv_heads * d};
     const ConstTensorView vh{v + h * d, DType::kFloat32, n, d, kv_heads * d};
@@ -75,7 +117,9 @@ int KvqAttentionCache::num_tokens() const {
 }
 
 absl::StatusOr<std::unique_ptr<AttentionCache>> KvqAttentionCache::Fork() const {
-  std::unique_ptr<KvqAttentionCache> copy(new KvqAttentionCache(shape_, spec_, backend_));
+  std::unique_ptr<KvqAttentionCache> copy(
+      new KvqAttentionCache(shape_, spec_, backend_, layers_));
+  if (rope_ != nullptr) copy->rope_ = std::make_unique<Rope>(shape_.rope, shape_.head_dim);
   for (const auto& s : streams_) {
     KVQ_ASSIGN_OR_RETURN(auto forked, s->Fork(s->num_tokens()));
     copy->streams_.push_back(std::move(forked));

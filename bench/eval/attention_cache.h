@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/accounting.h"
 #include "kernels/backend.h"
 #include "kernels/kv_stream.h"
@@ -56,13 +57,32 @@ class AttentionCache {
 // Stream config for one (layer, head) of `shape` under `spec`.
 StreamConfig MakeStreamConfig(const CacheShape& shape, const QuantSpec& spec);
 
+// The layers [first, last] that hold the scheme under test; the others keep
+// an fp16 cache. Per-layer sensitivity probes use it (docs/QUALITY.md).
+struct LayerRange {
+  int first = 0;
+  int last = -1;  // -1: the last layer.
+
+  bool Contains(int layer) const { return layer >= first && (last < 0 || layer <= last); }
+};
+
+// A kvq-eval scheme name: a QuantSpec string, optionally followed by
+// "@A-B" (or "@A") to quantize only layers A..B of the `num_layers`.
+struct EvalScheme {
+  QuantSpec spec;
+  LayerRange layers;
+};
+absl::StatusOr<EvalScheme> ParseEvalScheme(absl::string_view name, int num_layers);
+
 // In-process kvq streams. `codebooks` (nuq schemes): one per layer and KV
-// head, index layer * num_kv_heads + head.
+// head, index layer * num_kv_heads + head. Layers outside `layers` store
+// fp16 (keys rotated by RoPE before they are stored when the scheme takes
+// them before RoPE, so the model sees one convention for every layer).
 class KvqAttentionCache : public AttentionCache {
  public:
   static absl::StatusOr<std::unique_ptr<KvqAttentionCache>> Create(
       const CacheShape& shape, const QuantSpec& spec, const std::vector<Codebook>* codebooks,
-      const KernelBackend* backend);
+      const KernelBackend* backend, LayerRange layers = {});
 
   bool KeysBeforeRope() const override { return spec_.pre_rope; }
   absl::Status AppendAttend(int layer, int n, const float* k, const float* v, const float* q,
@@ -72,13 +92,17 @@ class KvqAttentionCache : public AttentionCache {
   absl::StatusOr<ByteBreakdown> Bytes() const override;
 
  private:
-  KvqAttentionCache(const CacheShape& shape, const QuantSpec& spec, const KernelBackend* backend)
-      : shape_(shape), spec_(spec), backend_(backend) {}
+  KvqAttentionCache(const CacheShape& shape, const QuantSpec& spec, const KernelBackend* backend,
+                    LayerRange layers)
+      : shape_(shape), spec_(spec), backend_(backend), layers_(layers) {}
   KvStream& stream(int layer, int head) { return *streams_[layer * shape_.num_kv_heads + head]; }
 
   CacheShape shape_;
   QuantSpec spec_;
   const KernelBackend* backend_;
+  LayerRange layers_;
+  std::unique_ptr<Rope> rope_;      // Rotates pre-RoPE keys of the fp16 layers.
+  std::vector<float> rotated_;      // Scratch: those keys after RoPE.
   std::vector<std::unique_ptr<KvStream>> streams_;  // [layer][kv_head]
   std::vector<int32_t> positions_;                  // Scratch: query positions.
   std::vector<float> lse_;                          // Scratch: discarded LSE.

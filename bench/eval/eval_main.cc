@@ -49,7 +49,9 @@ ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({"512", "
 ABSL_FLAG(int, windows, 1, "Windows per corpus and context");
 ABSL_FLAG(std::vector<std::string>, schemes,
           std::vector<std::string>({"fp16", "int8", "fp8_e4m3", "kivi4", "kivi3", "kivi2"}),
-          "kvq schemes (fp16 is always run first: it is the reference)");
+          "kvq schemes (fp16 is always run first: it is the reference); a scheme followed by "
+          "@A-B (or @A) quantizes only layers A..B and keeps fp16 in the others (a per-layer "
+          "sensitivity probe; in-process only)");
 ABSL_FLAG(int, chunk, 512, "Prefill chunk (tokens per forward step)");
 ABSL_FLAG(int, gen_tokens, 256, "Greedy tokens for the top-1 agreement");
 ABSL_FLAG(std::vector<std::string>, passkey_contexts,
@@ -219,15 +221,7 @@ int Main(int argc, char** argv) {
   scheme_names.erase(std::remove(scheme_names.begin(), scheme_names.end(), "fp16"),
                      scheme_names.end());
   scheme_names.insert(scheme_names.begin(), "fp16");
-  std::vector<QuantSpec> specs;
-  for (const auto& name : scheme_names) {
-    auto spec = QuantSpec::Parse(name);
-    if (!spec.ok()) {
-      std::fprintf(stderr, "kvq-eval: --schemes: %s\n", spec.status().ToString().c_str());
-      return 2;
-    }
-    specs.push_back(*spec);
-  }
+
   std::vector<std::string> passkey_schemes = absl::GetFlag(FLAGS_passkey_schemes);
   auto runs_passkey = [&](const std::string& name) {
     return passkey_schemes.empty() ||
@@ -251,6 +245,20 @@ int Main(int argc, char** argv) {
   LlamaModel& model = **model_or;
   const BpeTokenizer& tokenizer = *tokenizer_or;
   const CacheShape shape = model.config().cache_shape();
+  std::vector<EvalScheme> specs;
+  for (const auto& name : scheme_names) {
+    auto scheme = ParseEvalScheme(name, shape.num_layers);
+    if (!scheme.ok()) {
+      std::fprintf(stderr, "kvq-eval: --schemes: %s\n", scheme.status().ToString().c_str());
+      return 2;
+    }
+    if (scheme->layers.last >= 0 && !absl::GetFlag(FLAGS_server).empty()) {
+      std::fprintf(stderr, "kvq-eval: --schemes: %s: a layer range runs in-process only "
+                   "(a kvq-server sequence has one scheme for every layer)\n", name.c_str());
+      return 2;
+    }
+    specs.push_back(*scheme);
+  }
 
   // Corpora and windows.
   const std::string corpus_dir = data_dir + "/corpora";
@@ -322,7 +330,9 @@ int Main(int argc, char** argv) {
     client = std::move(*c);
   }
   std::map<std::string, std::vector<Codebook>> codebooks;
-  auto make_cache = [&](const QuantSpec& spec) -> absl::StatusOr<std::unique_ptr<AttentionCache>> {
+  auto make_cache = [&](const EvalScheme& scheme)
+      -> absl::StatusOr<std::unique_ptr<AttentionCache>> {
+    const QuantSpec& spec = scheme.spec;
     const std::vector<Codebook>* cb = nullptr;
     if (spec.nuq) {
       const std::string key = spec.ToString();
@@ -340,7 +350,8 @@ int Main(int argc, char** argv) {
       KVQ_ASSIGN_OR_RETURN(auto cache, RemoteAttentionCache::Create(client.get(), shape, spec, cb));
       return std::unique_ptr<AttentionCache>(std::move(cache));
     }
-    KVQ_ASSIGN_OR_RETURN(auto cache, KvqAttentionCache::Create(shape, spec, cb, &CpuBackend()));
+    KVQ_ASSIGN_OR_RETURN(auto cache,
+                         KvqAttentionCache::Create(shape, spec, cb, &CpuBackend(), scheme.layers));
     return std::unique_ptr<AttentionCache>(std::move(cache));
   };
 

@@ -59,6 +59,11 @@ p8_3ablation=("kivi3:g64:r64:p8:rotate:sink=4" "kivi3:g64:r64:p8:sink=4"
 mix_43="kivi4:v3:g64:r64:p8:pre_rope:sink=4"
 mix=("$mix_43" "kivi4:v3:g32:r32:p8:pre_rope:sink=4" "kivi4:v2:g64:r64:p8:pre_rope:sink=4"
      "kivi3:v4:g64:r64:p8:pre_rope:sink=4" "kivi2:v4:g64:r64:p8:pre_rope:sink=4")
+# Least-squares key ranges (fit) on the p8 configurations under the 3- and
+# 2-bit budgets, and on the most accurate 2- and 3-bit ones (fit excludes
+# nuq, so best2 without it).
+fit=("kivi3:g64:r64:fit:p8:pre_rope:sink=4" "kivi2:g64:r64:fit:p8:pre_rope:sink=4"
+     "kivi3:fit:pre_rope:outliers=1:sink=4" "kivi2:g16:r128:fit:pre_rope:outliers=1:sink=4")
 # The ablation (KIVI / KVQuant style): per-token vs per-channel keys, with
 # and without the residual window, each KVQuant option alone, rotate, their
 # combinations, then the picked configurations.
@@ -71,13 +76,13 @@ ablation=(
   kivi4:pre_rope kivi4:sink=4 kivi4:pre_rope:outliers=1:sink=4
   kivi4:g16:r128:pre_rope:outliers=1:sink=4
   "$best4" "$lean4" "$acc4" "$best3" "$best2" "$lean2" "${p8[@]}" "${p8_3ablation[@]}"
-  "${mix[@]}"
+  "${mix[@]}" "${fit[@]}"
 )
 long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$p8_3out" "$mix_43"
-      "kivi4:v3:g32:r32:p8:pre_rope:sink=4")
+      "kivi4:v3:g32:r32:p8:pre_rope:sink=4" "kivi2:g64:r64:fit:p8:pre_rope:sink=4")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
-passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2" "${mix[@]}")"
+passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2" "${mix[@]}" "${fit[@]:0:2}")"
 
 "$eval_bin" --schemes="$(join "${ablation[@]}")" --contexts=512,2048 --windows="$windows" \
   --corpora="$corpora" --passkey_contexts=2048 --passkey_schemes="$passkey" \

@@ -126,6 +126,78 @@ TEST_F(EvalRunnerTest, PasskeyPromptHidesTheKeyAtTheDepth) {
             MakePasskeyPrompt(*tokenizer_, 256, 0.5, 8).key);
 }
 
+TEST_F(EvalRunnerTest, LayerRangeQuantizesOnlyThoseLayers) {
+  const CacheShape shape = model_->config().cache_shape();
+  const std::vector<int32_t> window = Text();
+  const int n = static_cast<int>(window.size());
+  WindowOptions options;
+  options.chunk = 16;
+  options.gen_tokens = 8;
+  Reference reference;
+  auto fp16 = Kvq("fp16");
+  auto ref = RunWindow(*model_, window, fp16.get(), options, nullptr, &reference);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+
+  auto run = [&](const std::string& name) {
+    auto scheme = ParseEvalScheme(name, shape.num_layers);
+    EXPECT_TRUE(scheme.ok()) << scheme.status();
+    auto cache = KvqAttentionCache::Create(shape, scheme->spec, nullptr, &CpuBackend(),
+                                           scheme->layers);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    auto r = RunWindow(*model_, window, cache->get(), options, &reference, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *r;
+  };
+  // A pre_rope scheme whose window holds every token in fp16, quantizing
+  // layer 0 only: every layer is fp16, the others after RoPE as the fp16
+  // scheme stores them, so the model's output barely moves (a missing
+  // rotation of the fp16 layers' keys would wreck it).
+  const WindowResult exact = run("kivi2:g32:r1024:pre_rope@0");
+  EXPECT_LT(exact.kl_sum / exact.scored, 1e-4);
+  EXPECT_EQ(exact.agree, 8);
+
+  // Bytes: one layer at the scheme, 29 at fp16.
+  const WindowResult all = run("kivi2:g32:r32:pre_rope:sink=4");
+  const WindowResult one = run("kivi2:g32:r32:pre_rope:sink=4@7");
+  const WindowResult same = run("kivi2:g32:r32:pre_rope:sink=4@0-29");
+  EXPECT_EQ(same.nll_sum, all.nll_sum) << "the whole range is the plain scheme";
+  EXPECT_EQ(same.bytes.total(), all.bytes.total());
+  EXPECT_EQ(one.bytes.total(), ref->bytes.total() / 30 * 29 + all.bytes.total() / 30);
+  EXPECT_EQ(one.bytes.codes, static_cast<size_t>(n) * 2 * 3 * 64 * 2 * 29 + all.bytes.codes / 30)
+      << "fp16 codes of every token in 29 layers, the scheme's in one";
+  EXPECT_GT(one.kl_sum, 0.0);
+  EXPECT_LT(one.kl_sum, all.kl_sum);
+}
+
+TEST(EvalSchemeTest, ParsesLayerRanges) {
+  auto plain = ParseEvalScheme("kivi3:pre_rope", 30);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->spec.pre_rope);
+  EXPECT_EQ(plain->layers.first, 0);
+  EXPECT_EQ(plain->layers.last, -1);
+  EXPECT_TRUE(plain->layers.Contains(29));
+  auto range = ParseEvalScheme("kivi3@5-9", 30);
+  ASSERT_TRUE(range.ok()) << range.status();
+  EXPECT_EQ(range->layers.first, 5);
+  EXPECT_EQ(range->layers.last, 9);
+  EXPECT_FALSE(range->layers.Contains(4));
+  EXPECT_TRUE(range->layers.Contains(9));
+  EXPECT_FALSE(range->layers.Contains(10));
+  auto one = ParseEvalScheme("kivi3@29", 30);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->layers.first, 29);
+  EXPECT_EQ(one->layers.last, 29);
+  for (const char* bad : {"kivi3@30", "kivi3@5-4", "kivi3@", "kivi3@-1", "kivi3@a-b"}) {
+    auto r = ParseEvalScheme(bad, 30);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(r.status().message()),
+                ::testing::HasSubstr("the layer range after '@' must be A-B or A with 0 <= A <= "
+                                     "B <= 29"))
+        << bad;
+  }
+  EXPECT_EQ(ParseEvalScheme("kivi9@0", 30).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(EvalRunnerTest, CodebooksPerLayerAndHead) {
   auto spec = QuantSpec::Parse("kivi2:g32:r32:nuq");
   ASSERT_TRUE(spec.ok());
