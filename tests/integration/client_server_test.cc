@@ -4,6 +4,7 @@
 // stream / stats / fork / release.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -74,14 +75,18 @@ TEST_F(ClientServerTest, QuantizedAndDenseAppendsStoreTheSameCache) {
   EXPECT_FALSE(info->version().empty());
 
   // Every KVQuant option, 8-bit group parameters, keys and values at
-  // different bits.
+  // different bits, fitted key ranges.
   struct Case {
     const char* scheme;
     int block_tokens;
   };
+  EXPECT_NE(std::find(info->scheme_options().begin(), info->scheme_options().end(), "fit"),
+            info->scheme_options().end())
+      << "GetServerInfo lists the fit option";
   for (const Case& c : {Case{"kivi2:g32:r128:pre_rope:outliers=1:sink=4", 128},
                         Case{"kivi4:g64:r64:p8:pre_rope:sink=4", 64},
-                        Case{"kivi4:v3:g32:r32:p8:outliers=1", 32}}) {
+                        Case{"kivi4:v3:g32:r32:p8:outliers=1", 32},
+                        Case{"kivi2:g16:r16:fit:p8:pre_rope:sink=4", 16}}) {
     SCOPED_TRACE(c.scheme);
     const std::string scheme = c.scheme;
     const std::string quantized = "quantized_" + std::to_string(c.block_tokens);
