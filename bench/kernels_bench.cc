@@ -473,9 +473,9 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
         if (progress) {
           const KernelsBenchRow& r = (*s)->row;
           *progress << absl::StrFormat(
-              "[%6.1fs] %s ctx=%d %2d/%d %-38s bits %6.3f  err %.4f  (append %.1fs)\n",
+              "[%6.1fs] %s ctx=%d %2d/%d %-38s bits %6.3f  err %.4f  (append %.0f ms)\n",
               SecondsSince(run_start), layout.name, context, i + 1, schemes.size(), schemes[i].text,
-              r.bits_per_element, r.attn_rel_error, r.append_seconds);
+              r.bits_per_element, r.attn_rel_error, 1e3 * r.append_seconds);
         }
         stored.push_back(*std::move(s));
       }
@@ -784,7 +784,8 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
                     ", \"decode_us\": ", JsonNumber(r.decode_us),
                     ", \"decode_us_min\": ", JsonNumber(r.decode_us_min),
                     ", \"speedup_vs_fp16\": ", JsonNumber(r.speedup_vs_fp16),
-                    ", \"bw_fraction\": ", JsonNumber(r.bw_fraction), "}",
+                    ", \"bw_fraction\": ", JsonNumber(r.bw_fraction),
+                    ", \"append_ms\": ", JsonNumber(1e3 * r.append_seconds), "}",
                     i + 1 < result.rows.size() ? ",\n" : "\n");
   }
   absl::StrAppend(&out, "  ]");

@@ -77,7 +77,7 @@ struct KernelsBenchRow {
   double decode_us_min = 0.0;
   double speedup_vs_fp16 = 0.0;
   double bw_fraction = 0.0;
-  double append_seconds = 0.0;
+  double append_seconds = 0.0;     // Storing the context, every KV head, one thread.
 };
 
 struct KernelsBenchResult {

@@ -4,25 +4,18 @@
 #include <cmath>
 
 namespace kvq {
-namespace {
 
-// Candidate steps: top / (max - min) times (1 + kSpread * i / kSteps) for
-// i in [-kSteps, kSteps], i.e. codes stretched up to a step beyond either
-// end (clipping) or shrunk (the least squares then widens the range).
-constexpr int kSteps = 10;
-constexpr double kSpread = 0.125;
-
-}  // namespace
-
-double UniformSquaredError(const float* x, int n, int bits, double lo, double hi) {
-  const double top = (1 << bits) - 1;
-  const double scale = (hi - lo) / top;
-  double sse = 0.0;
+float UniformSquaredError(const float* x, int n, int bits, float lo, float hi) {
+  const float top = static_cast<float>((1 << bits) - 1);
+  const float scale = (hi - lo) / top;
+  // The codes by a multiply (the search's estimate; the stored codes divide).
+  const float inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
+  float sse = 0.0f;
   for (int i = 0; i < n; ++i) {
-    double q = scale > 0.0 ? std::nearbyint((x[i] - lo) / scale) : 0.0;
-    q = std::clamp(q, 0.0, top);
-    const double e = lo + scale * q - x[i];
-    sse += e * e;
+    float q = std::nearbyint((x[i] - lo) * inv_scale);
+    q = std::min(std::max(q, 0.0f), top);
+    const float e = (lo + scale * q) - x[i];
+    sse = sse + e * e;
   }
   return sse;
 }
@@ -30,31 +23,33 @@ double UniformSquaredError(const float* x, int n, int bits, double lo, double hi
 FittedRange FitUniformRange(const float* x, int n, int bits, float min, float max) {
   FittedRange best{min, max};
   if (!(max > min) || n < 2) return best;
-  const double top = (1 << bits) - 1;
-  double best_sse = UniformSquaredError(x, n, bits, min, max);
-  const double range = static_cast<double>(max) - min;
-  for (int i = -kSteps; i <= kSteps; ++i) {
-    const double inv_step = top * (1.0 + kSpread * i / kSteps) / range;
-    // Codes for this step, then the least-squares line through them.
-    double sl = 0.0, sl2 = 0.0, sx = 0.0, slx = 0.0;
+  const float top = static_cast<float>((1 << bits) - 1);
+  const float count = static_cast<float>(n);
+  const float range = max - min;
+  float best_sse = UniformSquaredError(x, n, bits, min, max);
+  float sx = 0.0f;
+  for (int j = 0; j < n; ++j) sx = sx + x[j];
+  for (int i = -kFitSteps; i <= kFitSteps; ++i) {
+    const float inv_step = (top * FitStepFactor(i)) / range;
+    // Codes for this step, then the least-squares line through them. The
+    // code sums are integers below 2^24, so sl, sl2 and det are exact.
+    float sl = 0.0f, sl2 = 0.0f, slx = 0.0f;
     for (int j = 0; j < n; ++j) {
-      const double l = std::clamp(std::nearbyint((x[j] - min) * inv_step), 0.0, top);
-      sl += l;
-      sl2 += l * l;
-      sx += x[j];
-      slx += l * x[j];
+      const float l = std::min(std::max(std::nearbyint((x[j] - min) * inv_step), 0.0f), top);
+      sl = sl + l;
+      sl2 = sl2 + l * l;
+      slx = slx + l * x[j];
     }
-    const double det = n * sl2 - sl * sl;
-    if (!(det > 0.0)) continue;
-    const double scale = (n * slx - sl * sx) / det;
-    const double zero = (sl2 * sx - sl * slx) / det;
-    if (!(scale > 0.0)) continue;
-    const double lo = zero;
-    const double hi = zero + scale * top;
-    const double sse = UniformSquaredError(x, n, bits, lo, hi);
+    const float det = count * sl2 - sl * sl;
+    if (!(det > 0.0f)) continue;
+    const float scale = (count * slx - sl * sx) / det;
+    const float zero = (sl2 * sx - sl * slx) / det;
+    if (!(scale > 0.0f)) continue;
+    const float hi = zero + scale * top;
+    const float sse = UniformSquaredError(x, n, bits, zero, hi);
     if (sse < best_sse) {
       best_sse = sse;
-      best = {static_cast<float>(lo), static_cast<float>(hi)};
+      best = {zero, hi};
     }
   }
   return best;

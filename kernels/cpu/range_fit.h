@@ -14,11 +14,13 @@
 // where the far element is a rare token; values per token over channels,
 // where it is an outlier channel that every token shares, and clipping it
 // biases every output: on SmolLM2-135M fitting the values raised perplexity
-// at 3 bits (docs/QUALITY.md), fitting the keys cut the 2-bit loss by a
-// third.
+// at 3 bits (docs/QUALITY.md), fitting the keys cut the 2-bit loss by
+// about 40%.
 //
-// Scalar and deterministic (fixed order, fp64 sums), so the reference and
-// the SIMD append write identical bytes.
+// Float arithmetic in a fixed order (elements in group order, no fused
+// multiply-add), so the SIMD append's version, which fits a vector of
+// channels of a key block at once (one per lane, op for op), writes the
+// reference's bytes.
 #ifndef KVQ_KERNELS_CPU_RANGE_FIT_H_
 #define KVQ_KERNELS_CPU_RANGE_FIT_H_
 
@@ -37,6 +39,15 @@ struct FittedRange {
   float hi = 0.0f;
 };
 
+// The candidate steps: top / (max - min) times FitStepFactor(i) for i in
+// [-kFitSteps, kFitSteps], from codes stretched an eighth beyond either end
+// (clipping) to codes shrunk by as much (the least squares then widens the
+// range).
+inline constexpr int kFitSteps = 10;
+inline float FitStepFactor(int i) {
+  return static_cast<float>(1.0 + 0.125 * i / kFitSteps);
+}
+
 // x: the group's n elements (sparse outliers already left out), n >= 1;
 // min / max: their extremes; bits: 2, 3 or 4. Returns the range whose
 // uniform codes (2^bits - 1 steps from lo to hi) give the lowest sum of
@@ -44,8 +55,8 @@ struct FittedRange {
 FittedRange FitUniformRange(const float* x, int n, int bits, float min, float max);
 
 // Sum of squared errors of quantizing x[0..n) to 2^bits levels over
-// [lo, hi] with round-to-nearest and clipping (as UniformCode, in fp64).
-double UniformSquaredError(const float* x, int n, int bits, double lo, double hi);
+// [lo, hi] with round-to-nearest and clipping (as UniformCode).
+float UniformSquaredError(const float* x, int n, int bits, float lo, float hi);
 
 }  // namespace kvq
 

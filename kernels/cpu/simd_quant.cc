@@ -157,6 +157,83 @@ void FitGroup(const float* lo_src, int count, size_t stride, int bits, float* lo
   *hi = r.hi;
 }
 
+// FitUniformRange (range_fit.h) for one vector of channels [c, c + lanes)
+// of a G-token key block at once, lane j for channel c + j, op for op in
+// the same order, so the bytes are the reference's. lo_src is the block
+// with +inf at sparse outliers, which count as absent (they add +0 where the
+// reference skips them); glo / ghi hold each channel's min / max and
+// receive the range. (Throughput-bound: four vectors in flight at once
+// measured no faster.)
+template <class D>
+void FitChannelRanges(D df, const float* lo_src, int g, int d, int c, int bits, float* glo,
+                      float* ghi) {
+  using V = hn::Vec<D>;
+  const V zero = hn::Zero(df);
+  const V one = hn::Set(df, 1.0f);
+  const V top = hn::Set(df, static_cast<float>((1 << bits) - 1));
+  const V inf = hn::Set(df, std::numeric_limits<float>::infinity());
+  const V mn = hn::LoadU(df, glo + c);
+  const V mx = hn::LoadU(df, ghi + c);
+  auto element = [&](int t) { return hn::LoadU(df, lo_src + static_cast<size_t>(t) * d + c); };
+  auto squared_error = [&](V lo, V hi) {
+    const V scale = hn::Div(hn::Sub(hi, lo), top);
+    const V inv_scale = hn::IfThenElseZero(hn::Gt(scale, zero), hn::Div(one, scale));
+    V sse = zero;
+    for (int t = 0; t < g; ++t) {
+      const V x = element(t);
+      V q = hn::Round(hn::Mul(hn::Sub(x, lo), inv_scale));
+      q = hn::Min(hn::Max(q, zero), top);
+      const V e = hn::Sub(hn::Add(lo, hn::Mul(scale, q)), x);
+      sse = hn::Add(sse, hn::IfThenElseZero(hn::Ne(x, inf), hn::Mul(e, e)));
+    }
+    return sse;
+  };
+  V count = zero, sx = zero;
+  for (int t = 0; t < g; ++t) {
+    const V x = element(t);
+    const auto present = hn::Ne(x, inf);
+    count = hn::Add(count, hn::IfThenElseZero(present, one));
+    sx = hn::Add(sx, hn::IfThenElseZero(present, x));
+  }
+  const auto valid = hn::And(hn::Gt(mx, mn), hn::Ge(count, hn::Set(df, 2.0f)));
+  if (hn::AllFalse(df, valid)) return;
+  const V range = hn::Sub(mx, mn);
+  V best_sse = squared_error(mn, mx);
+  V best_lo = mn, best_hi = mx;
+  for (int i = -kFitSteps; i <= kFitSteps; ++i) {
+    const V inv_step = hn::Div(hn::Mul(top, hn::Set(df, FitStepFactor(i))), range);
+    V sl = zero, sl2 = zero, slx = zero;
+    for (int t = 0; t < g; ++t) {
+      const V x = element(t);
+      const auto present = hn::Ne(x, inf);
+      V l = hn::Min(hn::Max(hn::Round(hn::Mul(hn::Sub(x, mn), inv_step)), zero), top);
+      l = hn::IfThenElseZero(present, l);
+      sl = hn::Add(sl, l);
+      sl2 = hn::Add(sl2, hn::Mul(l, l));
+      slx = hn::Add(slx, hn::IfThenElseZero(present, hn::Mul(l, x)));
+    }
+    const V det = hn::Sub(hn::Mul(count, sl2), hn::Mul(sl, sl));
+    const V scale = hn::Div(hn::Sub(hn::Mul(count, slx), hn::Mul(sl, sx)), det);
+    const V lo = hn::Div(hn::Sub(hn::Mul(sl2, sx), hn::Mul(sl, slx)), det);
+    const V hi = hn::Add(lo, hn::Mul(scale, top));
+    const V sse = squared_error(lo, hi);
+    const auto better = hn::And(hn::And(valid, hn::Gt(det, zero)),
+                                hn::And(hn::Gt(scale, zero), hn::Lt(sse, best_sse)));
+    best_sse = hn::IfThenElse(better, sse, best_sse);
+    best_lo = hn::IfThenElse(better, lo, best_lo);
+    best_hi = hn::IfThenElse(better, hi, best_hi);
+  }
+  hn::StoreU(best_lo, df, glo + c);
+  hn::StoreU(best_hi, df, ghi + c);
+}
+
+// The fitted ranges of every channel of a key block.
+template <class D>
+void FitBlockRanges(D df, const float* lo_src, int g, int d, int bits, float* glo, float* ghi) {
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  for (int c = 0; c < d; c += lanes) FitChannelRanges(df, lo_src, g, d, c, bits, glo, ghi);
+}
+
 void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) {
   const bool fitting = FitsRanges(s.spec(), side);
@@ -198,8 +275,13 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
         hn::StoreU(mx, df, qs.ghi.data() + c);
       }
       if (fitting) {
-        for (int c = 0; c < d; ++c) {
-          FitGroup(lo_src + c, g, d, bits, &qs.glo[c], &qs.ghi[c], qs.members);
+        // Lanes are independent channels here, so the widest vector serves
+        // (16 on AVX-512) where it divides head_dim.
+        const hn::ScalableTag<float> dfull;
+        if (d % hn::Lanes(dfull) == 0) {
+          FitBlockRanges(dfull, lo_src, g, d, bits, qs.glo.data(), qs.ghi.data());
+        } else {
+          FitBlockRanges(df, lo_src, g, d, bits, qs.glo.data(), qs.ghi.data());
         }
       }
       StoreGroupParams(L, S, page, row0 / g + b, 1, qs.glo.data(), qs.ghi.data(), false,
