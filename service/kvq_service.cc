@@ -202,8 +202,8 @@ grpc::ServerUnaryReactor* KvqService::GetServerInfo(grpc::CallbackServerContext*
     resp->set_version(options_.version);
     resp->set_backend(options_.backend_name);
     for (const std::string& s : SchemeNames()) resp->add_schemes(s);
-    for (const char* o :
-         {"vN", "gN", "rN", "fit", "p8", "pre_rope", "outliers=P", "sink=S", "nuq", "rotate", "ktok"}) {
+    for (const char* o : {"vN", "gN", "rN", "fit", "p8", "pre_rope", "outliers=P", "sink=S", "nuq",
+                          "rotate", "ktok"}) {
       resp->add_scheme_options(o);
     }
     for (v1::DType d : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
