@@ -10,7 +10,8 @@
 #     q8_0 and q4_0 caches;
 #  3. kvq-eval and the peer again at 8192 tokens for the picked
 #     configurations, passkey at 8192;
-#  4. the markdown tables (quality_tables.py) and the plots
+#  4. the per-layer probe (a sixth of the layers at 3 bits at a time);
+#  5. the markdown tables (quality_tables.py) and the plots
 #     (plot_quality.py, into docs/img).
 #
 # Hours on a 2-core machine (a kvq-eval 8192-token window takes about two
@@ -92,6 +93,15 @@ passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2" "${mix[@
   --corpora="$long_corpora" --passkey_contexts=8192 --passkey_depths=0.1,0.5,0.9 \
   --passkey_schemes="$(join fp16 "$best4" "$p8_4" "$p8_3" "$mix_43")" --dump_windows="$out/windows_long.json" --out="$out/kvq_long.json"
 "$root/scripts/run_llamacpp_peer.sh" "$out/windows_long.json" --out="$out/llamacpp_long.json"
+
+# Per-layer sensitivity of the 3-bit p8 configuration: one sixth of the
+# layers quantized at a time (scheme@A-B), the rest fp16. Its file is not
+# a kvq_*.json: its fp16 rows cover two corpora only and must not replace
+# the tables' references.
+layer_probe=()
+for r in 0-4 5-9 10-14 15-19 20-24 25-29; do layer_probe+=("$p8_3@$r"); done
+"$eval_bin" --schemes="$(join "$p8_3" "${layer_probe[@]}")" --contexts=2048 --corpora=austen,code \
+  --passkey_contexts= --gen_tokens=32 --out="$out/probe_layers_kivi3.json"
 
 python3 "$root/bench/eval/quality_tables.py" "$out"/kvq_*.json "$out"/llamacpp_*.json
 python3 "$root/bench/eval/plot_quality.py" "$out"/kvq_*.json "$out"/llamacpp_*.json \
