@@ -80,7 +80,8 @@ ablation=(
   "${mix[@]}" "${fit[@]}"
 )
 long=(fp16 kivi4 "$best4" "$lean4" "$acc4" "$best3" "$best2" "${p8[@]}" "$p8_3out" "$mix_43"
-      "kivi4:v3:g32:r32:p8:pre_rope:sink=4" "kivi2:g64:r64:fit:p8:pre_rope:sink=4")
+      "kivi4:v3:g32:r32:p8:pre_rope:sink=4" "kivi2:g64:r64:fit:p8:pre_rope:sink=4"
+      "kivi3:g64:r64:fit:p8:pre_rope:outliers=0.2:sink=4")
 long_corpora="${KVQ_QUALITY_LONG_CORPORA:-austen,code}"
 join() { local IFS=,; echo "$*"; }
 passkey="$(join fp16 "$best4" "$best3" "$best2" "$p8_4" "$p8_3" "$p8_2" "${mix[@]}" "${fit[@]:0:2}")"
