@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/numeric.h"
+
 namespace kvq {
 
 float UniformSquaredError(const float* x, int n, int bits, float lo, float hi) {
@@ -46,6 +48,8 @@ FittedRange FitUniformRange(const float* x, int n, int bits, float min, float ma
     const float zero = (sl2 * sx - sl * slx) / det;
     if (!(scale > 0.0f)) continue;
     const float hi = zero + scale * top;
+    // The least squares may widen the range; it must stay storable in fp16.
+    if (!(zero >= -kFp16Max && hi <= kFp16Max)) continue;
     const float sse = UniformSquaredError(x, n, bits, zero, hi);
     if (sse < best_sse) {
       best_sse = sse;

@@ -51,7 +51,8 @@ inline float FitStepFactor(int i) {
 // x: the group's n elements (sparse outliers already left out), n >= 1;
 // min / max: their extremes; bits: 2, 3 or 4. Returns the range whose
 // uniform codes (2^bits - 1 steps from lo to hi) give the lowest sum of
-// squared errors among the candidates, min/max first.
+// squared errors among the candidates, min/max first; a candidate reaching
+// beyond the fp16 range (where the parameters are stored) is skipped.
 FittedRange FitUniformRange(const float* x, int n, int bits, float min, float max);
 
 // Sum of squared errors of quantizing x[0..n) to 2^bits levels over

@@ -217,7 +217,9 @@ void FitChannelRanges(D df, const float* lo_src, int g, int d, int c, int bits, 
     const V lo = hn::Div(hn::Sub(hn::Mul(sl2, sx), hn::Mul(sl, slx)), det);
     const V hi = hn::Add(lo, hn::Mul(scale, top));
     const V sse = squared_error(lo, hi);
-    const auto better = hn::And(hn::And(valid, hn::Gt(det, zero)),
+    const auto storable =
+        hn::And(hn::Ge(lo, hn::Set(df, -kFp16Max)), hn::Le(hi, hn::Set(df, kFp16Max)));
+    const auto better = hn::And(hn::And(hn::And(valid, storable), hn::Gt(det, zero)),
                                 hn::And(hn::Gt(scale, zero), hn::Lt(sse, best_sse)));
     best_sse = hn::IfThenElse(better, sse, best_sse);
     best_lo = hn::IfThenElse(better, lo, best_lo);

@@ -4,9 +4,16 @@
 #include "kernels/cpu/range_fit.h"
 
 #include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/numeric.h"
+#include "kernels/quant_spec.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
@@ -67,6 +74,60 @@ TEST(RangeFitTest, DegenerateGroupsKeepTheirRange) {
   const std::vector<float> two = {0.0f, 1.0f, 0.0f, 1.0f};
   r = FitUniformRange(two.data(), 4, 2, 0.0f, 1.0f);
   EXPECT_EQ(UniformSquaredError(two.data(), 4, 2, r.lo, r.hi), 0.0);
+}
+
+TEST(RangeFitTest, StaysInsideTheFp16Range) {
+  // Values at both ends of fp16 with most of the group near the top: the
+  // least squares would put the zero point below -65504.
+  std::vector<float> x(kGroup, 65504.0f);
+  for (int i = 0; i < kGroup; i += 2) x[i] = 60000.0f - 97.0f * i;
+  x[1] = -65504.0f;
+  x[3] = -60000.0f;
+  for (int bits : {2, 3, 4}) {
+    const FittedRange r = FitUniformRange(x.data(), kGroup, bits, -65504.0f, 65504.0f);
+    EXPECT_GE(r.lo, -kFp16Max) << bits;
+    EXPECT_LE(r.hi, kFp16Max) << bits;
+    EXPECT_LE(FitError(x, bits), MinMaxError(x, bits)) << bits;
+  }
+}
+
+TEST(RangeFitTest, StreamsKeepExtremeKeysFiniteOnEveryBackend) {
+  // The same extreme group in every channel of a key block, through the
+  // append of each backend: the append succeeds and the stored keys decode
+  // finite and within bounds (an unguarded fit made the p8 append fail).
+  constexpr int kDim = 64;
+  std::vector<float> column(kGroup, 65504.0f);
+  for (int i = 0; i < kGroup; i += 2) column[i] = 60000.0f - 97.0f * i;
+  column[1] = -65504.0f;
+  column[3] = -60000.0f;
+  std::vector<float> k(static_cast<size_t>(kGroup) * kDim), v(k.size(), 0.5f);
+  for (int t = 0; t < kGroup; ++t) {
+    for (int c = 0; c < kDim; ++c) k[static_cast<size_t>(t) * kDim + c] = column[t];
+  }
+  StreamConfig config;
+  config.head_dim = kDim;
+  for (const char* spec : {"kivi2:g64:r0:fit", "kivi3:g64:r0:fit", "kivi4:g64:r0:fit:p8"}) {
+    config.spec = *QuantSpec::Parse(spec);
+    for (const std::string& name : testutil::BackendNames()) {
+      SCOPED_TRACE(absl::StrCat(spec, " on ", name));
+      const KernelBackend* backend = *BackendByName(name);
+      absl::StatusOr<std::unique_ptr<KvStream>> s = testutil::TryMakeStream(config, backend);
+      ASSERT_TRUE(s.ok()) << s.status();
+      const absl::Status appended = testutil::AppendRows(**s, k, v, 0, kGroup);
+      ASSERT_TRUE(appended.ok()) << appended;
+      ASSERT_EQ((*s)->quantized_tokens(), kGroup);
+      const std::vector<float> stored = testutil::ReadSide(**s, Side::kKey, 0, kGroup);
+      for (int t = 0; t < kGroup; ++t) {
+        for (int c = 0; c < kDim; ++c) {
+          const size_t i = static_cast<size_t>(t) * kDim + c;
+          bool outlier = false;
+          const double bound = testutil::ElementBound(**s, Side::kKey, t, c, k[i], &outlier);
+          ASSERT_TRUE(std::isfinite(stored[i])) << "key " << t << "," << c;
+          ASSERT_LE(std::fabs(stored[i] - k[i]), bound) << "key " << t << "," << c;
+        }
+      }
+    }
+  }
 }
 
 TEST(RangeFitTest, SquaredErrorMatchesHandComputedCodes) {
