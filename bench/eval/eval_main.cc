@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -221,7 +222,15 @@ int Main(int argc, char** argv) {
   scheme_names.erase(std::remove(scheme_names.begin(), scheme_names.end(), "fp16"),
                      scheme_names.end());
   scheme_names.insert(scheme_names.begin(), "fp16");
-
+  for (const auto& name : scheme_names) {
+    // The scheme strings fail here, before the model loads; layer ranges are
+    // checked against the model below.
+    auto scheme = ParseEvalScheme(name, std::numeric_limits<int>::max());
+    if (!scheme.ok()) {
+      std::fprintf(stderr, "kvq-eval: --schemes: %s\n", scheme.status().ToString().c_str());
+      return 2;
+    }
+  }
   std::vector<std::string> passkey_schemes = absl::GetFlag(FLAGS_passkey_schemes);
   auto runs_passkey = [&](const std::string& name) {
     return passkey_schemes.empty() ||
