@@ -39,7 +39,8 @@ TEST(EvalEndToEndTest, ServerAndInProcessGiveIdenticalNumbers) {
   wopt.chunk = 24;
   wopt.gen_tokens = 6;
   Reference local_ref, remote_ref;
-  for (const char* scheme : {"fp16", "kivi4:g32:r32", "kivi2:g32:r32:pre_rope:sink=4"}) {
+  for (const char* scheme :
+       {"fp16", "kivi4:g32:r32", "kivi2:g32:r32:pre_rope:sink=4", "kivi2:g32:r32:fit:p8"}) {
     SCOPED_TRACE(scheme);
     const QuantSpec spec = *QuantSpec::Parse(scheme);
     const bool first = std::string(scheme) == "fp16";
