@@ -57,6 +57,14 @@ class EvalRunnerTest : public ::testing::Test {
         "one or other of their daughters.");
   }
 
+  // Prefill in 16-token chunks, then 8 generated tokens.
+  static WindowOptions ShortWindow() {
+    WindowOptions options;
+    options.chunk = 16;
+    options.gen_tokens = 8;
+    return options;
+  }
+
   static inline LlamaModel* model_ = nullptr;
   static inline BpeTokenizer* tokenizer_ = nullptr;
 };
@@ -64,9 +72,7 @@ class EvalRunnerTest : public ::testing::Test {
 TEST_F(EvalRunnerTest, ReferenceAgainstItselfIsExact) {
   const std::vector<int32_t> window = Text();
   const int n = static_cast<int>(window.size());
-  WindowOptions options;
-  options.chunk = 16;
-  options.gen_tokens = 8;
+  const WindowOptions options = ShortWindow();
   Reference reference;
   auto cache = Kvq("fp16");
   auto ref = RunWindow(*model_, window, cache.get(), options, nullptr, &reference);
@@ -130,9 +136,7 @@ TEST_F(EvalRunnerTest, LayerRangeQuantizesOnlyThoseLayers) {
   const CacheShape shape = model_->config().cache_shape();
   const std::vector<int32_t> window = Text();
   const int n = static_cast<int>(window.size());
-  WindowOptions options;
-  options.chunk = 16;
-  options.gen_tokens = 8;
+  const WindowOptions options = ShortWindow();
   Reference reference;
   auto fp16 = Kvq("fp16");
   auto ref = RunWindow(*model_, window, fp16.get(), options, nullptr, &reference);
