@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -202,7 +203,7 @@ ChunkBuilder::ChunkBuilder(const HostTensor& k, const HostTensor& v, const Appen
                            const KernelBackend* backend)
     : k_(k), v_(v), plan_(plan), options_(options), sequence_(sequence), backend_(backend) {}
 
-absl::StatusOr<std::unique_ptr<KvStream>> ChunkBuilder::QuantizeStream(int layer, int head) const {
+absl::StatusOr<std::unique_ptr<KvStream>> ChunkBuilder::QuantizeStream(int layer, int head) {
   const int heads = static_cast<int>(k_.shape[1]);
   const int tokens = static_cast<int>(k_.shape[2]);
   const int d = static_cast<int>(k_.shape[3]);
@@ -210,7 +211,7 @@ absl::StatusOr<std::unique_ptr<KvStream>> ChunkBuilder::QuantizeStream(int layer
   const int model_layer = options_.layer_begin + layer;
   const Codebook* codebook = config_.spec.nuq ? sequence_->codebook(model_layer, head) : nullptr;
   KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
-                       KvStream::Create(config_, backend_, HeapPageAllocator(), codebook));
+                       KvStream::Create(config_, backend_, &pages_, codebook));
   // The sink only has to be complete: its contents do not reach pages.
   if (config_.spec.sink > 0) {
     const std::vector<uint16_t> zeros(static_cast<size_t>(config_.spec.sink) * d, 0);
@@ -232,6 +233,18 @@ absl::StatusOr<std::unique_ptr<KvStream>> ChunkBuilder::QuantizeStream(int layer
                                             " of ", q.paged, " tokens"));
   }
   return s;
+}
+
+int ChunkBuilder::WindowLayers(int layer_begin, int layers) const {
+  const int threads = options_.threads > 0
+                          ? options_.threads
+                          : static_cast<int>(std::thread::hardware_concurrency());
+  const int heads = static_cast<int>(k_.shape[1]);
+  // Four streams per thread: the last round leaves a thread idle for at
+  // most a quarter of the window.
+  const int wanted = (4 * std::max(threads, 1) + heads - 1) / heads;
+  const int left = static_cast<int>(k_.shape[0]) - layer_begin;
+  return std::max(layers, std::min(wanted, left));
 }
 
 absl::Status ChunkBuilder::QuantizeLayers(int layer_begin, int layers) {
@@ -274,11 +287,13 @@ absl::StatusOr<v1::KvChunk> ChunkBuilder::Build(const PlannedChunk& chunk) {
     ToProto(SliceKv(v_, r, plan_.dense_dtype), out.mutable_v());
     return out;
   }
-  if (r.layer_begin != quantized_begin_ || r.layers != quantized_layers_) {
-    KVQ_RETURN_IF_ERROR(QuantizeLayers(r.layer_begin, r.layers));
+  if (quantized_begin_ < 0 || r.layer_begin < quantized_begin_ ||
+      r.layer_begin + r.layers > quantized_begin_ + quantized_layers_) {
+    KVQ_RETURN_IF_ERROR(QuantizeLayers(r.layer_begin, WindowLayers(r.layer_begin, r.layers)));
   }
   const QuantizedSplit& q = plan_.split;
   const int heads = static_cast<int>(k_.shape[1]);
+  const size_t first = static_cast<size_t>(r.layer_begin - quantized_begin_) * heads;
   const int begin = r.token_begin - q.dense_head;  // Within the quantized part.
   const int pages = (r.tokens + q.page_tokens - 1) / q.page_tokens;
   const size_t run = static_cast<size_t>(pages) * q.page_bytes;
@@ -290,8 +305,8 @@ absl::StatusOr<v1::KvChunk> ChunkBuilder::Build(const PlannedChunk& chunk) {
   std::string* data = p->mutable_page_data();
   data->resize(run * r.layers * heads);
   uint8_t* dst = reinterpret_cast<uint8_t*>(data->data());
-  for (const std::unique_ptr<KvStream>& s : streams_) {
-    KVQ_RETURN_IF_ERROR(s->CopyPages(begin, begin + r.tokens, dst));
+  for (size_t i = first; i < first + static_cast<size_t>(r.layers) * heads; ++i) {
+    KVQ_RETURN_IF_ERROR(streams_[i]->CopyPages(begin, begin + r.tokens, dst));
     dst += run;
   }
   return out;

@@ -25,6 +25,7 @@
 #include "client/sequence_config.h"
 #include "kernels/backend.h"
 #include "kernels/kv_stream.h"
+#include "kernels/page_allocator.h"
 #include "kvq/v1/kvq.pb.h"
 
 namespace kvq {
@@ -101,8 +102,12 @@ absl::StatusOr<AppendPlan> PlanQuantizedAppend(const HostTensor& k, const HostTe
                                                int block_tokens, const PlanOptions& options);
 
 // Builds the KvChunk of each planned chunk. Quantizes a layer's pages once
-// (local heap streams with the sequence's config) and keeps them while the
+// (local streams with the sequence's config) and keeps them while the
 // layer's chunks are built, so chunks must be requested in plan order.
+// Layers are quantized a window at a time, enough streams to keep every
+// thread busy (one layer's few KV heads would leave threads idle), and the
+// pages of a window are reused by the next (fresh memory costs a page
+// fault per 4 KiB).
 class ChunkBuilder {
  public:
   // k, v, sequence and backend must outlive the builder. `sequence` (needed
@@ -115,7 +120,9 @@ class ChunkBuilder {
 
  private:
   absl::Status QuantizeLayers(int layer_begin, int layers);
-  absl::StatusOr<std::unique_ptr<KvStream>> QuantizeStream(int layer, int head) const;
+  // Layers to quantize at once from layer_begin on, at least `layers`.
+  int WindowLayers(int layer_begin, int layers) const;
+  absl::StatusOr<std::unique_ptr<KvStream>> QuantizeStream(int layer, int head);
 
   const HostTensor& k_;
   const HostTensor& v_;
@@ -125,6 +132,8 @@ class ChunkBuilder {
   const KernelBackend* backend_;
   StreamConfig config_;
   bool config_ready_ = false;
+  // Declared before streams_, which return their pages to it.
+  RecyclingPageAllocator pages_;
   // Streams of the layers last quantized, [layer - quantized_begin_][head].
   int quantized_begin_ = -1;
   int quantized_layers_ = 0;

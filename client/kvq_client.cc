@@ -104,7 +104,10 @@ absl::StatusOr<std::unique_ptr<KvqClient>> KvqClient::Connect(const ClientOption
 }
 
 KvqClient::KvqClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : options_(options), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
+    : options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::KvCache::NewStub(channel_)),
+      local_pages_(std::make_unique<RecyclingPageAllocator>(options.local_page_cache_bytes)) {}
 
 void KvqClient::SetDeadline(grpc::ClientContext* context, const CallOptions& call) const {
   const absl::Duration d =
@@ -384,9 +387,13 @@ absl::StatusOr<FetchedKv> KvqClient::FetchDequant(absl::string_view sequence_id,
   return out;
 }
 
-absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
-                                         const FetchOptions& options, HostTensor* k,
-                                         HostTensor* v) {
+namespace {
+
+// The fetch range that output tensors k and v ([layers, kv_heads, tokens,
+// head_dim] of options.dtype) set: options with layer_end and token_end
+// filled in, which must be 0 or agree.
+absl::StatusOr<FetchOptions> RangeOfOutputs(const FetchOptions& options, const HostTensor* k,
+                                            const HostTensor* v) {
   if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("k and v must not be null");
   KVQ_RETURN_IF_ERROR(CheckTensor(*k, "k", 4));
   KVQ_RETURN_IF_ERROR(CheckTensor(*v, "v", 4));
@@ -395,10 +402,9 @@ absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
         "k and v must both be [layers, kv_heads, tokens, head_dim] of ", DTypeName(options.dtype),
         ", got ", k->DebugString(), " and ", v->DebugString()));
   }
-  const int64_t layers = k->shape[0], tokens = k->shape[2];
   FetchOptions o = options;
-  o.layer_end = static_cast<int>(options.layer_begin + layers);
-  o.token_end = static_cast<int>(options.token_begin + tokens);
+  o.layer_end = static_cast<int>(options.layer_begin + k->shape[0]);
+  o.token_end = static_cast<int>(options.token_begin + k->shape[2]);
   if ((options.layer_end != 0 && options.layer_end != o.layer_end) ||
       (options.token_end != 0 && options.token_end != o.token_end)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -406,7 +412,16 @@ absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
         ") and tokens [", options.token_begin, ", ", o.token_end, "), but options ask for layer_end ",
         options.layer_end, " and token_end ", options.token_end));
   }
-  if (layers == 0) return absl::OkStatus();
+  return o;
+}
+
+}  // namespace
+
+absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
+                                         const FetchOptions& options, HostTensor* k,
+                                         HostTensor* v) {
+  KVQ_ASSIGN_OR_RETURN(const FetchOptions o, RangeOfOutputs(options, k, v));
+  if (o.layer_end == o.layer_begin) return absl::OkStatus();
   FetchPlacer placer(options, k, v);
   KVQ_RETURN_IF_ERROR(FetchStream(
       sequence_id, o, /*raw=*/false,
@@ -431,23 +446,26 @@ absl::StatusOr<RawFetch> KvqClient::FetchRaw(absl::string_view sequence_id,
   return raw;
 }
 
-absl::StatusOr<FetchedKv> KvqClient::FetchDequantLocal(absl::string_view sequence_id,
-                                                       const SequenceConfig& config,
-                                                       const FetchOptions& options) {
+absl::StatusOr<std::unique_ptr<LocalSequence>> KvqClient::FetchToLocal(
+    absl::string_view sequence_id, const SequenceConfig& config, const FetchOptions& options) {
   KVQ_ASSIGN_OR_RETURN(const StreamConfig stream_config, config.ToStreamConfig());
-  // fp8_e4m3 keeps its scale per stream: no raw pages, the server dequantizes.
-  if (stream_config.spec.kind == SchemeKind::kFp8E4m3) return FetchDequant(sequence_id, options);
   KVQ_ASSIGN_OR_RETURN(const v1::StatsResponse stats, Stats(sequence_id, options.call));
   const int num_tokens = stats.num_tokens();
   const TokenPlacement place = PlaceTokens(stream_config, num_tokens);
   const int layer_end = options.layer_end > 0 ? options.layer_end : config.layout.num_layers;
-  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<LocalSequence> local,
-                       LocalSequence::Create(config, options.layer_begin,
-                                             layer_end - options.layer_begin));
+  auto create = [&] {
+    return LocalSequence::Create(config, options.layer_begin, layer_end - options.layer_begin,
+                                 &CpuBackend(), local_pages_.get());
+  };
+  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<LocalSequence> local, create());
   // Every token of the layer range, in order: the sink and the tail as the
   // fp16 rows they are stored as (keys pre-RoPE), the quantized part as raw
-  // pages. Each part is kept until its stream completes, so a retried
-  // stream never applies a message twice.
+  // pages. The server sends each part's layers in order. Messages are
+  // applied as they arrive (while the server prepares the next) and kept:
+  // a retried stream would otherwise apply its first messages twice, so
+  // after a restart the sequence is rebuilt from the kept ones at the end.
+  std::vector<v1::FetchResponse> kept;
+  bool restarted = false;
   int64_t done = 0;
   auto fetch_part = [&](int begin, int end, bool raw) -> absl::Status {
     if (begin >= end) return absl::OkStatus();
@@ -456,33 +474,66 @@ absl::StatusOr<FetchedKv> KvqClient::FetchDequantLocal(absl::string_view sequenc
     part.token_end = end;
     part.dtype = DType::kFloat16;
     part.apply_rope = false;
-    std::vector<v1::FetchResponse> messages;
+    const size_t part_begin = kept.size();
     int64_t bytes = 0;
     KVQ_RETURN_IF_ERROR(FetchStream(
         sequence_id, part, raw,
-        [&](v1::FetchResponse&& m) {
+        [&](v1::FetchResponse&& m) -> absl::Status {
           bytes += static_cast<int64_t>(m.k().data().size() + m.v().data().size() +
                                         m.pages().page_data().size());
-          messages.push_back(std::move(m));
+          if (!restarted) KVQ_RETURN_IF_ERROR(local->ApplyFetched(m));
+          kept.push_back(std::move(m));
           if (options.progress) options.progress(done + bytes, -1);
           return absl::OkStatus();
         },
         [&] {
-          messages.clear();
+          kept.resize(part_begin);
           bytes = 0;
+          restarted = true;
         }));
     done += bytes;
-    // The server sends the layers in order; apply them as they came.
-    for (const v1::FetchResponse& m : messages) KVQ_RETURN_IF_ERROR(local->ApplyFetched(m));
     return absl::OkStatus();
   };
   KVQ_RETURN_IF_ERROR(fetch_part(0, place.sink, false));
   KVQ_RETURN_IF_ERROR(fetch_part(place.sink, place.sink + place.quantized, true));
   KVQ_RETURN_IF_ERROR(fetch_part(place.sink + place.quantized, num_tokens, false));
+  if (restarted) {
+    KVQ_ASSIGN_OR_RETURN(local, create());
+    for (const v1::FetchResponse& m : kept) KVQ_RETURN_IF_ERROR(local->ApplyFetched(m));
+  }
+  return local;
+}
+
+absl::StatusOr<FetchedKv> KvqClient::FetchDequantLocal(absl::string_view sequence_id,
+                                                       const SequenceConfig& config,
+                                                       const FetchOptions& options) {
+  KVQ_ASSIGN_OR_RETURN(const StreamConfig stream_config, config.ToStreamConfig());
+  // fp8_e4m3 keeps its scale per stream: no raw pages, the server dequantizes.
+  if (stream_config.spec.kind == SchemeKind::kFp8E4m3) return FetchDequant(sequence_id, options);
+  KVQ_ASSIGN_OR_RETURN(const std::unique_ptr<LocalSequence> local,
+                       FetchToLocal(sequence_id, config, options));
   ReadOptions read;
   read.dtype = options.dtype;
   read.apply_rope = options.apply_rope;
   return local->Read(options.token_begin, options.token_end > 0 ? options.token_end : -1, read);
+}
+
+absl::Status KvqClient::FetchDequantLocalInto(absl::string_view sequence_id,
+                                              const SequenceConfig& config,
+                                              const FetchOptions& options, HostTensor* k,
+                                              HostTensor* v) {
+  KVQ_ASSIGN_OR_RETURN(const StreamConfig stream_config, config.ToStreamConfig());
+  if (stream_config.spec.kind == SchemeKind::kFp8E4m3) {
+    return FetchDequantInto(sequence_id, options, k, v);
+  }
+  KVQ_ASSIGN_OR_RETURN(const FetchOptions o, RangeOfOutputs(options, k, v));
+  if (o.layer_end == o.layer_begin) return absl::OkStatus();
+  KVQ_ASSIGN_OR_RETURN(const std::unique_ptr<LocalSequence> local,
+                       FetchToLocal(sequence_id, config, o));
+  ReadOptions read;
+  read.dtype = o.dtype;
+  read.apply_rope = o.apply_rope;
+  return local->ReadInto(o.token_begin, o.token_end, read, k, v);
 }
 
 absl::StatusOr<std::vector<AttendOutput>> KvqClient::Attend(int layer,

@@ -42,6 +42,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
+#include "kernels/page_allocator.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 
 namespace kvq {
@@ -67,6 +68,9 @@ struct ClientOptions {
   int max_message_bytes = 64 << 20;
   // Insecure when null.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // Freed page memory of FetchDequantLocal's local streams kept for the
+  // next call (fresh memory costs a page fault per 4 KiB); 0 keeps none.
+  size_t local_page_cache_bytes = size_t{64} << 20;
 };
 
 // Per-call overrides.
@@ -257,6 +261,11 @@ class KvqClient {
   absl::StatusOr<FetchedKv> FetchDequantLocal(absl::string_view sequence_id,
                                               const SequenceConfig& config,
                                               const FetchOptions& options = {});
+  // FetchDequantLocal into tensors the caller owns, shaped as for
+  // FetchDequantInto (their shape sets the range): no fresh result to
+  // zero-fill and fault in.
+  absl::Status FetchDequantLocalInto(absl::string_view sequence_id, const SequenceConfig& config,
+                                     const FetchOptions& options, HostTensor* k, HostTensor* v);
 
   // One result per query, in order.
   absl::StatusOr<std::vector<AttendOutput>> Attend(int layer, absl::Span<const AttendQuery> items,
@@ -291,10 +300,18 @@ class KvqClient {
   absl::Status FetchStream(absl::string_view sequence_id, const FetchOptions& options, bool raw,
                            const std::function<absl::Status(v1::FetchResponse&&)>& on_message,
                            const std::function<void()>& on_restart);
+  // The layer range of options as a LocalSequence: the sink and tail as
+  // fp16 rows, the quantized part as raw pages, each message applied as it
+  // arrives.
+  absl::StatusOr<std::unique_ptr<LocalSequence>> FetchToLocal(absl::string_view sequence_id,
+                                                              const SequenceConfig& config,
+                                                              const FetchOptions& options);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvCache::Stub> stub_;
+  // Pages of FetchToLocal's sequences (which never outlive the client).
+  std::unique_ptr<RecyclingPageAllocator> local_pages_;
 };
 
 // Backoff before retry number `retry` (1-based), without jitter.

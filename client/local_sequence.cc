@@ -21,7 +21,8 @@ TokenPlacement PlaceTokens(const StreamConfig& config, int num_tokens) {
 }
 
 absl::StatusOr<std::unique_ptr<LocalSequence>> LocalSequence::Create(
-    const SequenceConfig& config, int layer_begin, int layers, const KernelBackend* backend) {
+    const SequenceConfig& config, int layer_begin, int layers, const KernelBackend* backend,
+    PageAllocator* pages) {
   KVQ_ASSIGN_OR_RETURN(StreamConfig stream_config, config.ToStreamConfig());
   const ModelLayout& m = config.layout;
   if (m.num_kv_heads <= 0 || m.num_layers <= 0) {
@@ -43,7 +44,8 @@ absl::StatusOr<std::unique_ptr<LocalSequence>> LocalSequence::Create(
   for (int l = layer_begin; l < layer_begin + layers; ++l) {
     for (int h = 0; h < m.num_kv_heads; ++h) {
       KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> stream,
-                           KvStream::Create(stream_config, backend, HeapPageAllocator(),
+                           KvStream::Create(stream_config, backend,
+                                            pages != nullptr ? pages : HeapPageAllocator(),
                                             stream_config.spec.nuq ? config.codebook(l, h) : nullptr));
       s->streams_.push_back(std::move(stream));
     }
@@ -168,6 +170,7 @@ absl::Status LocalSequence::HoldPages(int layer, const v1::QuantizedPages& pages
                                                    " must hold >= 1 token of 1 layer"));
   }
   HeldPages& held = held_[layer - layer_begin_];
+  const uint8_t* data = reinterpret_cast<const uint8_t*>(pages.page_data().data());
   if (held.tokens % L.page_tokens != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "fetched pages of layer ", layer, " continue after a partly filled page"));
@@ -179,20 +182,33 @@ absl::Status LocalSequence::HoldPages(int layer, const v1::QuantizedPages& pages
                                                    pages.tokens(), " tokens need ",
                                                    run * kv_heads_));
   }
+  // Whole flush blocks with nothing held back go straight from the message
+  // into the streams; the rest waits in `held` for its block to complete.
+  if (held.tokens == 0 && pages.tokens() % config_.spec.flush_tokens() == 0) {
+    for (int h = 0; h < kv_heads_; ++h) {
+      KVQ_RETURN_IF_ERROR(AppendHeadPages(layer, h, data + h * run, pages.tokens()));
+    }
+    return absl::OkStatus();
+  }
   held.heads.resize(kv_heads_);
   for (int h = 0; h < kv_heads_; ++h) held.heads[h].append(pages.page_data(), h * run, run);
   held.tokens += pages.tokens();
   if (held.tokens % config_.spec.flush_tokens() != 0) return absl::OkStatus();
   for (int h = 0; h < kv_heads_; ++h) {
-    KvStream& s = *streams_[static_cast<size_t>(layer - layer_begin_) * kv_heads_ + h];
-    absl::Status st =
-        s.AppendPages(reinterpret_cast<const uint8_t*>(held.heads[h].data()), held.tokens);
-    if (!st.ok()) {
-      return absl::Status(st.code(), absl::StrCat("layer ", layer, " kv head ", h, ": ",
-                                                  st.message()));
-    }
+    KVQ_RETURN_IF_ERROR(AppendHeadPages(
+        layer, h, reinterpret_cast<const uint8_t*>(held.heads[h].data()), held.tokens));
   }
   held = HeldPages();
+  return absl::OkStatus();
+}
+
+absl::Status LocalSequence::AppendHeadPages(int layer, int head, const uint8_t* data,
+                                            int tokens) {
+  KvStream& s = *streams_[static_cast<size_t>(layer - layer_begin_) * kv_heads_ + head];
+  if (absl::Status st = s.AppendPages(data, tokens); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("layer ", layer, " kv head ", head, ": ",
+                                                st.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -220,9 +236,7 @@ absl::Status LocalSequence::ApplyFetched(const v1::FetchResponse& response) {
   return AppendDense(layer, 1, response.k(), response.v(), /*per_layer_shape=*/true);
 }
 
-absl::StatusOr<FetchedKv> LocalSequence::Read(int token_begin, int token_end,
-                                              const ReadOptions& options, int threads) const {
-  if (token_end < 0) token_end = num_tokens();
+absl::Status LocalSequence::CheckReadRange(int token_begin, int token_end) const {
   for (const HeldPages& held : held_) {
     if (held.tokens > 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -233,13 +247,36 @@ absl::StatusOr<FetchedKv> LocalSequence::Read(int token_begin, int token_end,
     return absl::OutOfRangeError(absl::StrCat("token range [", token_begin, ", ", token_end,
                                               ") is not inside [0, ", num_tokens(), "]"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<FetchedKv> LocalSequence::Read(int token_begin, int token_end,
+                                              const ReadOptions& options, int threads) const {
+  if (token_end < 0) token_end = num_tokens();
+  KVQ_RETURN_IF_ERROR(CheckReadRange(token_begin, token_end));
   const int n = token_end - token_begin;
-  const int d = config_.head_dim;
   FetchedKv out;
   out.layer_begin = layer_begin_;
   out.token_begin = token_begin;
-  out.k = HostTensor::Zeros(options.dtype, {layers_, kv_heads_, n, d});
-  out.v = HostTensor::Zeros(options.dtype, {layers_, kv_heads_, n, d});
+  out.k = HostTensor::Zeros(options.dtype, {layers_, kv_heads_, n, config_.head_dim});
+  out.v = HostTensor::Zeros(options.dtype, {layers_, kv_heads_, n, config_.head_dim});
+  KVQ_RETURN_IF_ERROR(ReadInto(token_begin, token_end, options, &out.k, &out.v, threads));
+  return out;
+}
+
+absl::Status LocalSequence::ReadInto(int token_begin, int token_end, const ReadOptions& options,
+                                     HostTensor* k, HostTensor* v, int threads) const {
+  KVQ_RETURN_IF_ERROR(CheckReadRange(token_begin, token_end));
+  const int n = token_end - token_begin;
+  const int d = config_.head_dim;
+  const std::vector<int64_t> shape = {layers_, kv_heads_, n, d};
+  for (const auto& [t, name] : {std::pair<HostTensor*, const char*>{k, "k"}, {v, "v"}}) {
+    if (t == nullptr || t->dtype != options.dtype || t->shape != shape || !t->Validate().ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " is ", t == nullptr ? "null" : t->DebugString(), "; the read needs [",
+          absl::StrJoin(shape, ", "), "] ", DTypeName(options.dtype)));
+    }
+  }
   const size_t run = static_cast<size_t>(n) * d * DTypeBytes(options.dtype);
   // Starting threads costs tens of microseconds: small reads stay on one.
   if (static_cast<int64_t>(n) * d * static_cast<int64_t>(streams_.size()) < (int64_t{1} << 18)) {
@@ -247,12 +284,12 @@ absl::StatusOr<FetchedKv> LocalSequence::Read(int token_begin, int token_end,
   }
   std::vector<absl::Status> status(streams_.size());
   ParallelFor(static_cast<int>(streams_.size()), threads, [&](int i) {
-    const TensorView kv{out.k.mutable_bytes() + i * run, options.dtype, n, d, 0};
-    const TensorView vv{out.v.mutable_bytes() + i * run, options.dtype, n, d, 0};
+    const TensorView kv{k->mutable_bytes() + i * run, options.dtype, n, d, 0};
+    const TensorView vv{v->mutable_bytes() + i * run, options.dtype, n, d, 0};
     status[i] = streams_[i]->Read(token_begin, token_end, options, kv, vv);
   });
   for (const absl::Status& st : status) KVQ_RETURN_IF_ERROR(st);
-  return out;
+  return absl::OkStatus();
 }
 
 }  // namespace kvq

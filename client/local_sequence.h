@@ -49,9 +49,12 @@ class LocalSequence {
   // Streams for layers [layer_begin, layer_begin + layers) of a sequence of
   // `config` (layers < 0: to the last layer). INVALID_ARGUMENT for a bad
   // config or layer range.
+  // Pages come from `pages` (the heap when null), which must outlive the
+  // sequence: a RecyclingPageAllocator saves the page faults of fresh
+  // memory when sequences are built and dropped in a loop.
   static absl::StatusOr<std::unique_ptr<LocalSequence>> Create(
       const SequenceConfig& config, int layer_begin = 0, int layers = -1,
-      const KernelBackend* backend = &CpuBackend());
+      const KernelBackend* backend = &CpuBackend(), PageAllocator* pages = nullptr);
 
   // Appends one Append chunk as the server would: dense rows at the end of
   // each layer it covers, or raw pages (which need KvStream::AcceptsPages()).
@@ -80,6 +83,12 @@ class LocalSequence {
   // hardware thread); the bytes do not depend on the count.
   absl::StatusOr<FetchedKv> Read(int token_begin, int token_end, const ReadOptions& options,
                                  int threads = 0) const;
+  // Read into tensors the caller owns (and may reuse): k and v must be
+  // [layers(), kv_heads(), token_end - token_begin, head_dim] of
+  // options.dtype (INVALID_ARGUMENT naming the tensor otherwise). Saves
+  // the zero-fill and page faults of a fresh result.
+  absl::Status ReadInto(int token_begin, int token_end, const ReadOptions& options,
+                        HostTensor* k, HostTensor* v, int threads = 0) const;
 
  private:
   LocalSequence() = default;
@@ -88,6 +97,8 @@ class LocalSequence {
   absl::Status AppendPages(int layer, const v1::QuantizedPages& pages);
   absl::Status CheckLayers(int layer, int layers) const;
   absl::Status HoldPages(int layer, const v1::QuantizedPages& pages);
+  absl::Status AppendHeadPages(int layer, int head, const uint8_t* data, int tokens);
+  absl::Status CheckReadRange(int token_begin, int token_end) const;
 
   // Raw pages of one layer received but not yet appended, per head.
   struct HeldPages {

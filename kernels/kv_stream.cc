@@ -300,9 +300,21 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
   }
 
   // Block schemes: fill the fp16 tail; quantize it whenever it is full.
-  for (int r = to_sink; r < n; ++r) {
-    put_fp16(r, config_.spec.sink + tail_tokens());
-    ++num_tokens_;
+  // Dense fp16 input fills it a run of rows at a time (one copy per side:
+  // tail rows are contiguous).
+  const bool dense_rows16 = copy_rows16 && k.stride() == d && v.stride() == d;
+  for (int r = to_sink; r < n;) {
+    const int slot = config_.spec.sink + tail_tokens();
+    const int count = std::min(n - r, tail_capacity_ - tail_tokens());
+    if (dense_rows16) {
+      const size_t bytes = 2 * static_cast<size_t>(count) * d;
+      std::memcpy(fp16_row(Side::kKey, slot), k.row(r), bytes);
+      std::memcpy(fp16_row(Side::kValue, slot), v.row(r), bytes);
+    } else {
+      for (int i = 0; i < count; ++i) put_fp16(r + i, slot + i);
+    }
+    num_tokens_ += count;
+    r += count;
     if (tail_tokens() == tail_capacity_) FlushTail();
   }
   return absl::OkStatus();
@@ -329,9 +341,8 @@ void KvStream::FlushTail() {
     const int page = quantized_tokens_ / pt;
     const int row = quantized_tokens_ % pt;
     for (Side side : {Side::kKey, Side::kValue}) {
-      for (int i = 0; i < g; ++i) {
-        RowToFloat(tail_row(side, b + i), DType::kFloat16, d, &block[static_cast<size_t>(i) * d]);
-      }
+      // The block's tail rows are contiguous: one conversion.
+      RowToFloat(tail_row(side, b), DType::kFloat16, g * d, block.data());
       backend_->QuantizeRows(*this, side, block.data(), g, pages_[page], row);
     }
     quantized_tokens_ += g;

@@ -46,13 +46,14 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 struct QuantScratch {
   std::vector<uint8_t> codes;  // [rows][d]
-  std::vector<float> scale, zero;  // [d] or [groups]
+  std::vector<float> scale, zero, inv;  // [d] or [groups]; inv = 1 / scale.
   std::vector<float> glo, ghi;     // Each group's min / max, laid out as scale / zero.
   // With sparse outliers: the block with +inf (lo) / -inf (hi) at the
   // outliers, the sources of the group minima / maxima, so the outliers stay
   // out of the range as in the reference.
   std::vector<float> lo, hi;
   std::vector<float> members;  // One group's elements, for `fit`.
+  std::vector<uint16_t> half;  // fp16 scales, then zero points (StoreParams).
 };
 
 QuantScratch& ThreadQuantScratch() {
@@ -60,21 +61,88 @@ QuantScratch& ThreadQuantScratch() {
   return s;
 }
 
-// codes[c] = UniformCode(x[c], {scale[c], zero[c]}, bits) for c in [c0, c1),
-// with per-lane (vector) or broadcast parameters.
-template <class V>
-HWY_INLINE V CodeOf(V x, V scale, V zero, V top) {
-  const hn::CappedTag<float, 8> df;
-  const V q = hn::Round(hn::Div(hn::Sub(x, zero), scale));
-  const V clamped = hn::Min(hn::Max(q, hn::Zero(df)), top);
-  return hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(df)), clamped);
+// UniformCode without a division per element. The quotient q = (x - zero)
+// / scale is formed as (x - zero) * (1 / scale): two roundings instead of
+// one, so it is within 3 * 2^-24 relative of the division's. Rounding to the
+// nearest integer can only tell the two apart when a half-integer lies
+// between them, and only half-integers inside [0, top] matter (clamping
+// maps both sides of -1/2 and top + 1/2 to the same code): there |q| <= 256
+// and the two differ by < 2^-14. So a vector whose every lane lies more
+// than kTieMargin from a half-integer gets the division's codes; any other
+// (about one element in 2^11) is divided as the reference divides.
+// (vdivps is a 5-10 cycle throughput instruction: it bounded the append.)
+constexpr float kTieMargin = 1.0f / 4096;
+
+template <class D>
+HWY_INLINE hn::Vec<D> ExactQuotient(D d, hn::Vec<D> a, hn::Vec<D> scale, hn::Vec<D> inv) {
+  const hn::Vec<D> q = hn::Mul(a, inv);
+  const hn::Vec<D> frac = hn::Sub(q, hn::Floor(q));
+  const auto near = hn::Lt(hn::Abs(hn::Sub(frac, hn::Set(d, 0.5f))), hn::Set(d, kTieMargin));
+  if (HWY_UNLIKELY(!hn::AllFalse(d, near))) return hn::Div(a, scale);
+  return q;
 }
 
-HWY_INLINE void StoreCodes(hn::Vec<hn::CappedTag<float, 8>> v, uint8_t* dst) {
-  const hn::CappedTag<float, 8> df;
-  const hn::Rebind<int32_t, decltype(df)> di;
-  const hn::Rebind<uint8_t, decltype(df)> d8;
+// UniformCode(x, {scale, zero}, bits) per lane, as a float; inv = 1 / scale
+// (anything where scale is 0, whose code is 0).
+template <class D>
+HWY_INLINE hn::Vec<D> CodeOf(D d, hn::Vec<D> x, hn::Vec<D> scale, hn::Vec<D> inv,
+                             hn::Vec<D> zero, hn::Vec<D> top) {
+  const hn::Vec<D> q = hn::Round(ExactQuotient(d, hn::Sub(x, zero), scale, inv));
+  const hn::Vec<D> clamped = hn::Min(hn::Max(q, hn::Zero(d)), top);
+  return hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(d)), clamped);
+}
+
+// Stores integral floats in [0, 255] as bytes.
+template <class D>
+HWY_INLINE void StoreCodes(D d, hn::Vec<D> v, uint8_t* dst) {
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (hn::MaxLanes(D()) == 16) {
+    // In range by construction: a plain conversion and the truncating
+    // narrow (vpmovdb) instead of the saturating sequences.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v.raw)));
+    return;
+  }
+#endif
+  const hn::Rebind<int32_t, D> di;
+  const hn::Rebind<uint8_t, D> d8;
+  (void)d;
   hn::StoreU(hn::DemoteTo(d8, hn::ConvertTo(di, v)), d8, dst);
+}
+
+// codes[i] = UniformCode(x[i], ...) for i < n, n a multiple of D's lanes;
+// per-lane parameters at scale / inv / zero + i, or, with kBroadcast, one
+// set at scale[0] / inv[0] / zero[0] for all.
+template <bool kBroadcast, class D>
+HWY_INLINE void CodesOf(D d, const float* HWY_RESTRICT x, const float* scale, const float* inv,
+                        const float* zero, int n, float top, uint8_t* HWY_RESTRICT codes) {
+  const size_t N = hn::Lanes(d);
+  const hn::Vec<D> vtop = hn::Set(d, top);
+  for (int i = 0; i < n; i += static_cast<int>(N)) {
+    const size_t p = kBroadcast ? 0 : static_cast<size_t>(i);
+    const hn::Vec<D> vs = kBroadcast ? hn::Set(d, scale[0]) : hn::LoadU(d, scale + p);
+    const hn::Vec<D> vi = kBroadcast ? hn::Set(d, inv[0]) : hn::LoadU(d, inv + p);
+    const hn::Vec<D> vz = kBroadcast ? hn::Set(d, zero[0]) : hn::LoadU(d, zero + p);
+    StoreCodes(d, CodeOf(d, hn::LoadU(d, x + i), vs, vi, vz, vtop), codes + i);
+  }
+}
+
+// CodesOf with the widest vector that divides n (16 lanes on AVX-512).
+template <bool kBroadcast>
+void CodesOfRow(const float* x, const float* scale, const float* inv, const float* zero, int n,
+                float top, uint8_t* codes) {
+  const hn::ScalableTag<float> dw;
+  const hn::CappedTag<float, 8> d8;
+  if (n % static_cast<int>(hn::Lanes(dw)) == 0) {
+    CodesOf<kBroadcast>(dw, x, scale, inv, zero, n, top, codes);
+  } else {
+    CodesOf<kBroadcast>(d8, x, scale, inv, zero, n, top, codes);
+  }
+}
+
+// inv[i] = 1 / scale[i], 0 where scale[i] is 0.
+void Reciprocals(const float* scale, int n, float* inv) {
+  for (int i = 0; i < n; ++i) inv[i] = scale[i] != 0.0f ? 1.0f / scale[i] : 0.0f;
 }
 
 // Packs one row of n byte codes into bit planes (inverse of UnpackRow).
@@ -236,6 +304,59 @@ void FitBlockRanges(D df, const float* lo_src, int g, int d, int bits, float* gl
   for (int c = 0; c < d; c += lanes) FitChannelRanges(df, lo_src, g, d, c, bits, glo, ghi);
 }
 
+// StoreGroupParams (uniform levels) with the parameter arithmetic in
+// vectors: fp16 parameters through F16C, which rounds to nearest even as
+// FloatToHalf does, so the bytes and the returned scale / zero are the
+// reference's. A scalar call per row cost ~30 cycles per parameter, as much
+// as quantizing the row. p8 parameters (a per-block search) stay scalar.
+void StoreParams(const PageLayout& L, const SideLayout& S, uint8_t* page, int first_entry,
+                 int entries, const float* lo, const float* hi, float* scale, float* zero,
+                 QuantScratch& qs) {
+#if KVQ_X86_AVX2
+  if (S.param_bits == 16) {
+    const int n = L.ParamsPerEntry(S);
+    const int total = entries * n;
+    qs.half.resize(2 * static_cast<size_t>(total) + 16);
+    uint16_t* hs = qs.half.data();
+    uint16_t* hz = hs + total + 8;
+    const __m256 top = _mm256_set1_ps(static_cast<float>((1 << S.bits) - 1));
+    int k = 0;
+    for (; k + 8 <= total; k += 8) {
+      __m256 mn = _mm256_loadu_ps(lo + k);
+      __m256 mx = _mm256_loadu_ps(hi + k);
+      const __m256 empty = _mm256_cmp_ps(mn, mx, _CMP_GT_OQ);  // As the reference: 0, 0.
+      mn = _mm256_andnot_ps(empty, mn);
+      mx = _mm256_andnot_ps(empty, mx);
+      const __m128i sh =
+          _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(mx, mn), top), _MM_FROUND_TO_NEAREST_INT);
+      const __m128i zh = _mm256_cvtps_ph(mn, _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hs + k), sh);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hz + k), zh);
+      _mm256_storeu_ps(scale + k, _mm256_cvtph_ps(sh));
+      _mm256_storeu_ps(zero + k, _mm256_cvtph_ps(zh));
+    }
+    for (; k < total; ++k) {
+      float mn = lo[k], mx = hi[k];
+      if (mn > mx) mn = mx = 0.0f;
+      const GroupParams g = MakeGroupParams(mn, mx, S.bits, false);
+      hs[k] = FloatToHalf(g.scale);
+      hz[k] = FloatToHalf(g.zero);
+      scale[k] = g.scale;
+      zero[k] = g.zero;
+    }
+    // An entry's parameters are its n scales, then its n zero points.
+    for (int e = 0; e < entries; ++e) {
+      uint16_t* p = L.Params(page, S, first_entry + e);
+      std::memcpy(p, hs + static_cast<size_t>(e) * n, sizeof(uint16_t) * n);
+      std::memcpy(p + n, hz + static_cast<size_t>(e) * n, sizeof(uint16_t) * n);
+    }
+    return;
+  }
+#endif
+  (void)qs;
+  StoreGroupParams(L, S, page, first_entry, entries, lo, hi, false, scale, zero);
+}
+
 void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) {
   const bool fitting = FitsRanges(s.spec(), side);
@@ -248,13 +369,13 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   const float topf = static_cast<float>((1 << bits) - 1);
   const hn::CappedTag<float, 8> df;
   const int N = static_cast<int>(hn::Lanes(df));
-  const auto vtop = hn::Set(df, topf);
   QuantScratch& qs = ThreadQuantScratch();
   qs.codes.resize(static_cast<size_t>(d) + N);
   uint8_t* codes = qs.codes.data();
   if (S.axis == ParamAxis::kChannelGroups) {
     qs.scale.resize(d);
     qs.zero.resize(d);
+    qs.inv.resize(d);
     qs.glo.resize(d);
     qs.ghi.resize(d);
     for (int b = 0; b < n / g; ++b) {
@@ -286,15 +407,12 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
           FitBlockRanges(df, lo_src, g, d, bits, qs.glo.data(), qs.ghi.data());
         }
       }
-      StoreGroupParams(L, S, page, row0 / g + b, 1, qs.glo.data(), qs.ghi.data(), false,
-                       qs.scale.data(), qs.zero.data());
+      StoreParams(L, S, page, row0 / g + b, 1, qs.glo.data(), qs.ghi.data(), qs.scale.data(),
+                  qs.zero.data(), qs);
+      Reciprocals(qs.scale.data(), d, qs.inv.data());
       for (int t = 0; t < g; ++t) {
         const float* x = block + static_cast<size_t>(t) * d;
-        for (int c = 0; c < d; c += N) {
-          StoreCodes(CodeOf(hn::LoadU(df, x + c), hn::LoadU(df, qs.scale.data() + c),
-                            hn::LoadU(df, qs.zero.data() + c), vtop),
-                     codes + c);
-        }
+        CodesOfRow<false>(x, qs.scale.data(), qs.inv.data(), qs.zero.data(), d, topf, codes);
         PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + b * g + t));
       }
     }
@@ -302,13 +420,15 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   }
   const int gc = S.group_channels;
   const int ng = d / gc;
-  // fp16 parameters are set a row at a time; p8 a block at a time (its
-  // header spans the block's rows).
-  const int step = S.param_bits == 8 ? g : 1;
+  // Parameters are set a block at a time (p8's header spans the block's
+  // rows; fp16 ones vectorize across them), or a row at a time when n is
+  // not whole blocks.
+  const int step = S.param_bits == 8 || n % g == 0 ? g : 1;
   qs.glo.resize(static_cast<size_t>(step) * ng);
   qs.ghi.resize(qs.glo.size());
   qs.scale.resize(qs.glo.size());
   qs.zero.resize(qs.glo.size());
+  qs.inv.resize(qs.glo.size());
   for (int r0 = 0; r0 < n; r0 += step) {
     for (int r = r0; r < r0 + step; ++r) {
       const float* lo_src = rows + static_cast<size_t>(r) * d;
@@ -333,16 +453,15 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
         }
       }
     }
-    StoreGroupParams(L, S, page, row0 + r0, step, qs.glo.data(), qs.ghi.data(), false,
-                     qs.scale.data(), qs.zero.data());
+    StoreParams(L, S, page, row0 + r0, step, qs.glo.data(), qs.ghi.data(), qs.scale.data(),
+                qs.zero.data(), qs);
+    Reciprocals(qs.scale.data(), step * ng, qs.inv.data());
     for (int r = r0; r < r0 + step; ++r) {
       const float* x = rows + static_cast<size_t>(r) * d;
       for (int j = 0; j < ng; ++j) {
-        const auto vs = hn::Set(df, qs.scale[(r - r0) * ng + j]);
-        const auto vz = hn::Set(df, qs.zero[(r - r0) * ng + j]);
-        for (int c = 0; c < gc; c += N) {
-          StoreCodes(CodeOf(hn::LoadU(df, x + j * gc + c), vs, vz, vtop), codes + j * gc + c);
-        }
+        const size_t k = static_cast<size_t>(r - r0) * ng + j;
+        CodesOfRow<true>(x + j * gc, &qs.scale[k], &qs.inv[k], &qs.zero[k], gc, topf,
+                         codes + j * gc);
       }
       PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + r));
     }

@@ -395,6 +395,43 @@ TEST(LocalSequenceTest, ReadDoesNotDependOnTheThreadCount) {
   EXPECT_EQ((*local)->Read(0, 1001, read, 4).status().code(), absl::StatusCode::kOutOfRange);
 }
 
+// ReadInto writes what Read returns into the caller's tensors, reused, and
+// from a sequence whose pages come from a recycling allocator; a tensor of
+// the wrong shape or dtype is named.
+TEST(LocalSequenceTest, ReadIntoMatchesReadAndNamesABadTensor) {
+  const Prompt p = MakePrompt(2, 3, 500, 64, 8);
+  SequenceConfig seq;
+  seq.scheme = "kivi2:g32:r128:sink=4";
+  seq.layout = {2, 3, 3, 64, {}};
+  RecyclingPageAllocator pages;
+  for (int round = 0; round < 2; ++round) {  // The second reuses the first's pages.
+    absl::StatusOr<std::unique_ptr<LocalSequence>> local =
+        LocalSequence::Create(seq, 0, -1, &CpuBackend(), &pages);
+    ASSERT_TRUE(local.ok()) << local.status();
+    ASSERT_TRUE((*local)->ApplyChunk(DenseChunk(p, 0, 500)).ok());
+    ReadOptions read;
+    read.dtype = DType::kFloat16;
+    absl::StatusOr<FetchedKv> want = (*local)->Read(10, 490, read);
+    ASSERT_TRUE(want.ok()) << want.status();
+    HostTensor k = HostTensor::Zeros(DType::kFloat16, {2, 3, 480, 64});
+    HostTensor v = HostTensor::Zeros(DType::kFloat16, k.shape);
+    for (int rep = 0; rep < 2; ++rep) {
+      const absl::Status st = (*local)->ReadInto(10, 490, read, &k, &v);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(k == want->k && v == want->v) << "round " << round << " rep " << rep;
+    }
+    HostTensor bad = HostTensor::Zeros(DType::kFloat32, k.shape);
+    absl::Status st = (*local)->ReadInto(10, 490, read, &k, &bad);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(st.message(), "v is [2, 3, 480, 64] fp32; the read needs [2, 3, 480, 64] fp16");
+    st = (*local)->ReadInto(10, 491, read, &k, &v);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(st.message(), "k is [2, 3, 480, 64] fp16; the read needs [2, 3, 481, 64] fp16");
+    EXPECT_EQ((*local)->ReadInto(10, 501, read, &k, &v).code(), absl::StatusCode::kOutOfRange);
+  }
+  EXPECT_GT(pages.cached_bytes(), 0u);
+}
+
 TEST(QuantizedAppendTest, KiviPagesCarryTwoToFiveBitsPerElement) {
   const Prompt p = MakePrompt(2, 2, 2048, 128, 3);
   for (const char* scheme : {"kivi2:g32:r128", "kivi4:g32:r128"}) {

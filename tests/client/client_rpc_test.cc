@@ -348,6 +348,32 @@ TEST_F(ClientRpcTest, RawFetchDequantizedLocallyMatchesTheServersDequantization)
     EXPECT_EQ(local->k.shape, server->k.shape);
     EXPECT_TRUE(local->k == server->k) << "rope " << rope;
     EXPECT_TRUE(local->v == server->v) << "rope " << rope;
+    // Into tensors reused across calls; the second call's first stream
+    // fails once, so its messages are applied after a rebuild, not as they
+    // arrive.
+    HostTensor ko = HostTensor::Zeros(DType::kFloat32, server->k.shape);
+    HostTensor vo = HostTensor::Zeros(DType::kFloat32, server->v.shape);
+    for (int rep = 0; rep < 2; ++rep) {
+      if (rep == 1) {
+        fake_.FailNext("FetchDequant", 1, grpc::Status(grpc::StatusCode::UNAVAILABLE, "blip"));
+      }
+      const absl::Status st = client_->FetchDequantLocalInto(id, config_, fetch, &ko, &vo);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(ko == server->k) << "rope " << rope << " rep " << rep;
+      EXPECT_TRUE(vo == server->v) << "rope " << rope << " rep " << rep;
+    }
+  }
+  {
+    // Output tensors are checked before anything is fetched.
+    const int calls = fake_.calls("FetchDequant");
+    HostTensor ko = HostTensor::Zeros(DType::kFloat16, {1, kHeads, 10, kDim});
+    HostTensor vo = HostTensor::Zeros(DType::kFloat32, ko.shape);
+    const absl::Status st = client_->FetchDequantLocalInto(id, config_, {}, &ko, &vo);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(st.message(),
+              absl::StrCat("k and v must both be [layers, kv_heads, tokens, head_dim] of fp16, got ",
+                           ko.DebugString(), " and ", vo.DebugString()));
+    EXPECT_EQ(fake_.calls("FetchDequant"), calls);
   }
   FetchOptions pages;
   pages.token_begin = 4;

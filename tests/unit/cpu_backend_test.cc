@@ -301,6 +301,54 @@ TEST(CpuBackendTest, QuantizeAndDequantizeRowsMatchReferenceExactly) {
   }
 }
 
+// Quotients (x - zero) / scale that are exactly half-integers, and (int8,
+// whose float input reaches the quantizer unrounded) one float ulp either
+// side: the SIMD append forms the quotient without a division, and must
+// still round each one as the reference's division does. Every group spans
+// [0, top * 3/32], so scale = 3/32 and zero = 0 exactly, and 1 / scale is
+// inexact.
+TEST(CpuBackendTest, QuantizeRowsRoundsTiesAsTheDivision) {
+  constexpr int kD = 64, kTokens = 128;
+  constexpr float kScale = 3.0f / 32.0f;
+  for (const char* spec : {"kivi4:r0", "kivi4:g64", "kivi2", "kivi3", "int8"}) {
+    StreamConfig c;
+    c.spec = *QuantSpec::Parse(spec);
+    c.head_dim = kD;
+    const bool float_input = c.spec.kind == SchemeKind::kInt8;
+    const float top = static_cast<float>((1 << (float_input ? 8 : c.spec.key_bits())) - 1);
+    std::vector<float> x(static_cast<size_t>(kTokens) * kD);
+    for (int t = 0; t < kTokens; ++t) {
+      for (int ch = 0; ch < kD; ++ch) {
+        // Rows 0 and 1 of each 32-token block and channels 0 and 1 of each
+        // 32-channel group hold the range; the rest are ties.
+        float e;
+        if (t % 32 == 0 || (t % 32 > 1 && ch % 32 == 0)) {
+          e = 0.0f;
+        } else if (t % 32 == 1 || ch % 32 == 1) {
+          e = top * kScale;
+        } else {
+          const int k = (t + 3 * ch) % static_cast<int>(top);
+          e = (static_cast<float>(k) + 0.5f) * kScale;
+          if (float_input && ch % 3 == 1) e = std::nextafter(e, 0.0f);
+          if (float_input && ch % 3 == 2) e = std::nextafter(e, 1e9f);
+        }
+        x[static_cast<size_t>(t) * kD + ch] = e;
+      }
+    }
+    absl::StatusOr<std::unique_ptr<KvStream>> ref = testutil::TryMakeStream(c, &RefBackend());
+    absl::StatusOr<std::unique_ptr<KvStream>> cpu = testutil::TryMakeStream(c, &CpuBackend());
+    ASSERT_TRUE(ref.ok() && cpu.ok()) << spec;
+    ASSERT_TRUE(testutil::AppendRows(**ref, x, x, 0, kTokens).ok()) << spec;
+    ASSERT_TRUE(testutil::AppendRows(**cpu, x, x, 0, kTokens).ok()) << spec;
+    ASSERT_GT((*ref)->num_pages(), 0) << spec;
+    ASSERT_EQ((*ref)->num_pages(), (*cpu)->num_pages()) << spec;
+    for (int p = 0; p < (*ref)->num_pages(); ++p) {
+      EXPECT_EQ(std::memcmp((*ref)->page(p), (*cpu)->page(p), (*ref)->layout().page_bytes), 0)
+          << spec << ": page " << p << " differs";
+    }
+  }
+}
+
 TEST(CpuBackendTest, RejectsBadTasksLikeTheReference) {
   const StreamConfig c = Config("kivi2", 64);
   std::unique_ptr<KvStream> s = Filled(c, 100, 7);
