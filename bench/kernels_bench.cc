@@ -199,7 +199,8 @@ struct StoredScheme {
 // the attention error of one fused decode call.
 absl::StatusOr<std::unique_ptr<StoredScheme>> BuildScheme(
     const KvLayout& layout, int context, const SchemeEntry& scheme, const LayerData& data,
-    const KernelBackend* backend, const AttentionOptions& options, CodebookCache& codebooks) {
+    const KernelBackend* backend, const AttentionOptions& options, CodebookCache& codebooks,
+    int page_tokens) {
   auto stored = std::make_unique<StoredScheme>();
   KernelsBenchRow& row = stored->row;
   row.layout = layout.name;
@@ -214,6 +215,7 @@ absl::StatusOr<std::unique_ptr<StoredScheme>> BuildScheme(
   config.spec = scheme.spec;
   config.head_dim = d;
   config.rope = layout.rope;
+  config.page_tokens = page_tokens;
   const std::vector<Codebook>* books = nullptr;
   if (scheme.spec.nuq) {
     KVQ_ASSIGN_OR_RETURN(books, codebooks.Get(layout, config));
@@ -464,7 +466,8 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
       std::vector<std::unique_ptr<StoredScheme>> stored;
       for (size_t i = 0; i < schemes.size(); ++i) {
         absl::StatusOr<std::unique_ptr<StoredScheme>> s =
-            BuildScheme(layout, context, schemes[i], data, backend, attention, codebooks);
+            BuildScheme(layout, context, schemes[i], data, backend, attention, codebooks,
+                        options.page_tokens);
         if (!s.ok()) {
           return absl::Status(s.status().code(),
                               absl::StrCat(layout.name, " ctx=", context, " ", schemes[i].text,

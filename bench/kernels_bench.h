@@ -48,6 +48,7 @@ struct KernelsBenchOptions {
   size_t evict_bytes = size_t{128} << 20;
   int bandwidth_passes = 7;
   int threads = 0;  // 0: omp_get_max_threads().
+  int page_tokens = 0;  // Tokens per page (StreamConfig); 0: the layout's default.
 };
 
 // Statistics of the fp32 reference attention of one (layout, context):

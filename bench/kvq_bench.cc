@@ -47,6 +47,8 @@ ABSL_FLAG(int, bandwidth_passes, 7, "Passes of the read-bandwidth measurement (m
 ABSL_FLAG(int, evict_mib, 128,
           "Buffer read before every timed call so it starts with a cold cache, MiB (0: warm).");
 ABSL_FLAG(int, threads, 0, "OpenMP threads (0: omp_get_max_threads()).");
+ABSL_FLAG(int, page_tokens, 0,
+          "kernels: tokens per page, a multiple of the scheme's block (0: max(32, G)).");
 
 namespace kvq {
 namespace {
@@ -68,6 +70,7 @@ int KernelsMain(const std::string& command) {
   options.reps = absl::GetFlag(FLAGS_reps);
   options.warmup = absl::GetFlag(FLAGS_warmup);
   options.threads = absl::GetFlag(FLAGS_threads);
+  options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   options.bandwidth_passes = absl::GetFlag(FLAGS_bandwidth_passes);
   const int mib = absl::GetFlag(FLAGS_bandwidth_mib);
   if (mib < 1 || mib > 65536 || options.reps < 0 || options.threads < 0 ||

@@ -28,13 +28,16 @@
 //    the reference), applies RoPE to keys, and runs the float tile kernel.
 // The AVX2 paths also run on AVX3 (AVX-512), where the integer key scores,
 // the value accumulation and the scores of float key tiles use 512-bit
-// registers (HWY_TARGET == HWY_AVX3 blocks); every other loop keeps 8 float
-// lanes there (simd_targets.h).
+// registers (KVQ_X86_AVX3 blocks); every other loop keeps 8 float lanes
+// there (simd_targets.h). AVX3_DL adds VNNI: the key scores multiply-add in
+// one instruction (vpdpwssd) and the values of uniform kivi run as integer
+// dot products too (KiviValueDot, vpdpbusd).
 // Keys and values may have different code widths (vN): each side's kernel
 // is instantiated for its own width (KiviSegment<key bits, value bits, D>).
-// Only the integer key path rounds anything beyond float arithmetic: its
-// output is within ~5e-4 of the reference (contract: 5e-3), every other path
-// within float rounding (~3e-6; contract 1e-4).
+// Only the integer paths round anything beyond float arithmetic (the key
+// path's int16 queries, AVX3_DL's 16-bit value weights): their output is
+// within ~5e-4 of the reference (contract: 5e-3), every other path within
+// float rounding (~3e-6; contract 1e-4).
 //
 // RoPE (pre_rope keys) without a sin/cos per element: angles are linear in
 // the position, so R(t0 + j) = R(t0) R(j). Key j of a tile starting at t0 is
@@ -66,6 +69,11 @@
 #include "kernels/rope.h"
 
 HWY_BEFORE_NAMESPACE();
+#if HWY_TARGET == HWY_AVX3_DL
+// Highway's AVX3_DL target string names only the VEX form of VNNI; the
+// 512-bit dot products need avx512vnni (which its CPU check requires).
+#pragma GCC target("avx512vnni")
+#endif
 namespace kvq {
 namespace cpu {
 namespace HWY_NAMESPACE {
@@ -159,6 +167,10 @@ struct Scratch {
   std::vector<float> vparams;   // [2][ng][kTile + 2]: scale then zero, token-major per group.
   std::vector<float> wf;        // [kMaxRows][ng][kTile + 2]
   std::vector<float> zsum;      // [kMaxRows][ng]
+  // KiviValueDot (AVX3_DL).
+  std::vector<uint8_t> vcodes;  // [kTile / 4][16-byte plane block][64]: codes of 4 tokens.
+  std::vector<uint8_t> wq;      // [kMaxRows][ng][64]: weight low bytes [32], high bytes [32].
+  std::vector<float> wstep;     // [kMaxRows][ng]
   // Row padding (see AttendRangeImpl).
   std::vector<float> qpad, outpad;  // [kMaxRows][d]
   int32_t vispad[kMaxRows];
@@ -184,6 +196,9 @@ struct Scratch {
     vparams.assign(2 * D * (kTile + 2), 0.0f);
     wf.assign(kMaxRows * D * (kTile + 2), 0.0f);
     zsum.assign(kMaxRows * D, 0.0f);
+    vcodes.assign(static_cast<size_t>(kTile / 4) * D * 4, 0);
+    wq.assign(kMaxRows * D * 64, 0);
+    wstep.assign(kMaxRows * D, 0.0f);
     qpad.assign(kMaxRows * D, 0.0f);
     outpad.assign(kMaxRows * D, 0.0f);
   }
@@ -407,7 +422,7 @@ HWY_INLINE void ReduceParts(const float* HWY_RESTRICT part, int n, float* HWY_RE
   }
 }
 
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
 // TileScores' loop for float key rows (the generic path's dequantized and
 // rotated tiles) in 16 lanes: half the FMAs. Each 16-lane sum folds into
 // the 8 lanes of `part` that ReduceParts reads.
@@ -463,7 +478,7 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
                            const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part,
                            float* HWY_RESTRICT S, const Prefetch& pf = Prefetch()) {
   constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
   if constexpr (std::is_same_v<KL, F32Rows>) {  // (fp16 rows are bound by memory.)
     TileScoresF32x16<R, TS>(k, kstride, n, q, d, part);
     ReduceParts<R>(part, n, S);
@@ -554,7 +569,14 @@ struct RowState {
 // new running max. Returns false when no row sees any key of the tile.
 HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT visible_end,
                             float* HWY_RESTRICT S, RowState& st, float* HWY_RESTRICT acc, int d) {
+#if KVQ_X86_AVX3
+  // 16 lanes (half the exp polynomials): rows are padded to kSLd >= 2 * 16
+  // and head_dim is a multiple of 16; lanes past n hold p = 0.
+  const hn::CappedTag<float, 16> df;
+  using VF = hn::Vec<decltype(df)>;
+#else
   const DF df;
+#endif
   const int N = static_cast<int>(hn::Lanes(df));
   const int npad = (n + N - 1) / N * N;
   bool any = false;
@@ -613,7 +635,9 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
 // token's codes convert to float once (shift and mask of the bit plane, no
 // dequantization) for all rows of the group. Float FMAs keep this path
 // exact to float rounding: integer weights (int16 per tile) cost ~6e-5 and
-// were no faster, because every int16 multiply-add needs a separate add.
+// were no faster on AVX2, because every int16 multiply-add needs a separate
+// add. AVX3_DL has that add fused (vpdpbusd: 4 byte products and the add):
+// there the uniform 2- and 4-bit values take KiviValueDot instead.
 //
 // Codes come straight from the bit planes: for a run of channels starting at
 // c0, the plane bytes c0 mod P .. zero-extended, shifted right by (c0 / P) * b
@@ -721,6 +745,34 @@ HWY_INLINE int CodeAt(const uint8_t* HWY_RESTRICT row, int c) {
   }
 }
 
+#if KVQ_X86_AVX3
+// Channels [32j, 32j + 32) of one code row widened to int16 (one zmm): where
+// the 32 channels share one shift of one plane (8 bits; 4 bits; 2 bits at
+// head_dim >= 128), one widening load, a shift and a mask instead of two
+// WidenChunk halves and an insert.
+template <int kBits, int D>
+HWY_INLINE __m512i Widen32(const uint8_t* HWY_RESTRICT row, int j) {
+  const int c0 = 32 * j;
+  auto zx = [](const uint8_t* p) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  if constexpr (kBits == 8) {
+    return zx(row + c0);
+  } else if constexpr (kBits == 4) {
+    constexpr int P = D / 2;
+    return c0 < P ? _mm512_and_si512(zx(row + c0), _mm512_set1_epi16(0x0F))
+                  : _mm512_srli_epi16(zx(row + c0 - P), 4);
+  } else if constexpr (kBits == 2 && D >= 128) {
+    constexpr int P = D / 4;
+    return _mm512_and_si512(_mm512_srl_epi16(zx(row + c0 % P), _mm_cvtsi32_si128(2 * (c0 / P))),
+                            _mm512_set1_epi16(0x03));
+  } else {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(WidenChunk<kBits, D>(row, 2 * j)),
+                              WidenChunk<kBits, D>(row, 2 * j + 1), 1);
+  }
+}
+#endif
+
 // Per-block key setup: int16 q~ per row, its scale and the constant term.
 // The constant also carries the rounding residual of q~ against the middle
 // code m = (2^bits - 1) / 2: sum_c q~_c code_c = a sum_c qi_c code_c +
@@ -734,6 +786,43 @@ HWY_NOINLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block
   float* scale = sc.kparams.data();
   float* zero = scale + D;
   LoadParams(L, L.key, page, block, 1, scale);
+#if KVQ_X86_AVX3
+  // 16 channels per step, the same arithmetic per element (the residual's
+  // sum and the constant's dot product add in another order).
+  if constexpr (D % 16 == 0) {
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      __m512 vmax = _mm512_setzero_ps();
+      __m512 vc = _mm512_setzero_ps();
+      for (int c = 0; c < D; c += 16) {
+        const __m512 qv = _mm512_loadu_ps(qr + c);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(scale + c))));
+        vc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(zero + c), vc);
+      }
+      const float amax = _mm512_reduce_max_ps(vmax);
+      cst[r] = _mm512_reduce_add_ps(vc);
+      int16_t* qi = sc.qi.data() + r * D;
+      if (!(amax > 0.0f)) {
+        a[r] = 0.0f;
+        std::memset(qi, 0, sizeof(int16_t) * D);
+        continue;
+      }
+      a[r] = amax / 32767.0f;
+      const __m512 inv = _mm512_set1_ps(32767.0f / amax);
+      __m512 resid = _mm512_setzero_ps();
+      for (int c = 0; c < D; c += 16) {
+        const __m512 x =
+            _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(scale + c)), inv);
+        const __m512 rx = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        resid = _mm512_add_ps(resid, _mm512_sub_ps(x, rx));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + c),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(rx)));
+      }
+      cst[r] += mid * a[r] * _mm512_reduce_add_ps(resid);
+    }
+    return;
+  }
+#endif
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int r = 0; r < R; ++r) {
     const float* qr = q + r * D;
@@ -783,8 +872,9 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
   const SideLayout& K = s.layout().key;
   int32_t* ipart = sc.ipart.data();
   const int16_t* qi = sc.qi.data();
-#if HWY_TARGET == HWY_AVX3
-  // 32 channels per vpmaddwd: half the multiply-adds and adds of AVX2.
+#if KVQ_X86_AVX3
+  // 32 channels per vpmaddwd (AVX3_DL: vpdpwssd, the add included): half
+  // the multiply-adds and adds of AVX2.
   constexpr int NW = D / 32;
   for (int t = 0; t < n; ++t) {
     // A share of the next lines to fetch per token, not all at once: a
@@ -793,18 +883,21 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
     const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
     __m512i codes[NW];
 #pragma GCC unroll 8
-    for (int j = 0; j < NW; ++j) {
-      codes[j] = _mm512_inserti64x4(_mm512_castsi256_si512(WidenChunk<kBits, D>(rowp, 2 * j)),
-                                    WidenChunk<kBits, D>(rowp, 2 * j + 1), 1);
-    }
+    for (int j = 0; j < NW; ++j) codes[j] = Widen32<kBits, D>(rowp, j);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int16_t* qr = qi + r * D;
+#if KVQ_X86_VNNI
+      __m512i s0 = _mm512_madd_epi16(codes[0], _mm512_loadu_si512(qr));
+#pragma GCC unroll 8
+      for (int j = 1; j < NW; ++j) s0 = _mm512_dpwssd_epi32(s0, codes[j], _mm512_loadu_si512(qr + 32 * j));
+#else
       __m512i s0 = _mm512_madd_epi16(codes[0], _mm512_loadu_si512(qr));
 #pragma GCC unroll 8
       for (int j = 1; j < NW; ++j) {
         s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(codes[j], _mm512_loadu_si512(qr + 32 * j)));
       }
+#endif
       const __m256i h =
           _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ipart + (t * R + r) * 8), h);
@@ -926,7 +1019,7 @@ HWY_INLINE __m256 NuqLevels8(const uint8_t* HWY_RESTRICT row, int c0, const floa
   }
 }
 
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
 // Channels [16j, 16j + 16) of a code row as 16 floats (one zmm): the bytes
 // unpacked straight to int32, as CodesToFloat8 does for 8. (Widening
 // WidenChunk's int16 lanes once more, one shuffle more per 16 codes, measured
@@ -1019,7 +1112,7 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
       if constexpr (kBits == 2 || kBits == 3) {
         if (s.spec().nuq) {  // Per-channel levels in [0, 1] of the group's range.
           const float* levels = sc.kctx.level_rows.data();
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
           for (int c = 0; c < D; c += 16) {
             _mm512_storeu_ps(x + c,
                              _mm512_fmadd_ps(NuqLevels16<kBits, D>(codes, c / 16, levels),
@@ -1063,7 +1156,7 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
   WriteOutliers(L, K, page, row, m, kb);
 }
 
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
 // KiviValueRows with 16-float vectors: 64-channel chunks (4 zmm per row,
 // 16 accumulators for 4 rows in the 32 registers), tokens inner; a chunk
 // may span several channel groups, each with its own weights and zero sum.
@@ -1152,6 +1245,203 @@ HWY_INLINE void KiviValueRows(const uint8_t* HWY_RESTRICT codes0, size_t row_byt
     }
   }
 }
+
+#if KVQ_X86_VNNI
+// Values as integer dot products (AVX3_DL; uniform 2- and 4-bit codes, rows
+// of 16, 32 or 64 bytes). With the scales folded into the weights,
+// o_c = sum_t w_tg code[t][c]: the weights of a tile are quantized to 16
+// bits per (row, group), w ~ step * (256 hi + lo), and vpdpbusd multiplies
+// the unsigned weight bytes of 4 tokens with the codes of those 4 tokens
+// (signed bytes, 0..15) and adds, 64 multiply-adds per instruction where the
+// float path does 16 per FMA after converting every code to float. The
+// codes of 4 tokens are interleaved once per tile (byte 4j + k = plane byte
+// j of token k, one or two byte permutes per 64 bytes); each plane shift of
+// a 16-byte block of that is 16 consecutive channels, one group.
+// step = max_t p s / 65535 per (row, group), so a weight is within step / 2
+// of its value: ~8e-6 of the largest weight of its row and group in the
+// tile. (A bound from max_t p * max_t s instead saved a reduction per row
+// and group, but where the largest weight and the largest scale sit on
+// different tokens, as in real models, it left far fewer levels: +0.9%
+// perplexity for kivi4:pre_rope:sink=4 in kvq-eval --quick.) int32 sums of one tile cannot overflow:
+// 8 groups of 4 tokens * 4 * 255 * 15 * 256 < 2^31.
+template <int kBits, int D>
+struct ValueDotShape {
+  static constexpr int kRowBytes = D * kBits / 8;  // One plane: 2 or 4 bits.
+  static constexpr int kBlocks = kRowBytes / 16;   // 16-byte blocks of a row.
+  static constexpr bool kOk = (kBits == 2 || kBits == 4) &&
+                              (kRowBytes == 16 || kRowBytes == 32 || kRowBytes == 64);
+};
+
+// Byte-permute indices: Interleave4 of 16-byte rows (vpermb over 64 bytes),
+// of 32-byte rows (block h of a vpermt2b over rows 0-1 | rows 2-3), of
+// 64-byte rows (vpermt2b pairing two rows' bytes [32i, 32i + 32), then
+// vpermt2w pairing the pairs); and the weight bytes' order (WeightBytes).
+struct DotIndices {
+  alignas(64) uint8_t r16[64];
+  alignas(64) uint8_t r32[2][64];
+  alignas(64) uint8_t pair[2][64];
+  alignas(64) uint16_t quad[2][32];
+  alignas(64) uint8_t wbytes[64];
+  DotIndices() {
+    for (int j = 0; j < 16; ++j) {
+      for (int k = 0; k < 4; ++k) {
+        r16[4 * j + k] = static_cast<uint8_t>(16 * k + j);
+        for (int h = 0; h < 2; ++h) {
+          r32[h][4 * j + k] = static_cast<uint8_t>((k >= 2 ? 64 : 0) + 32 * (k % 2) + 16 * h + j);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        for (int k = 0; k < 2; ++k) quad[h][2 * j + k] = static_cast<uint16_t>(32 * k + 16 * h + j);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      for (int j = 0; j < 32; ++j) {
+        for (int k = 0; k < 2; ++k) pair[i][2 * j + k] = static_cast<uint8_t>(64 * k + 32 * i + j);
+      }
+    }
+    // vpackusdw(q[0..15], q[16..31]) puts token t at word 8 (t % 16 / 4) +
+    // 4 (t / 16) + t % 4; low bytes of tokens 0..31, then high bytes.
+    for (int t = 0; t < 32; ++t) {
+      const int w = 8 * (t % 16 / 4) + 4 * (t / 16) + t % 4;
+      wbytes[t] = static_cast<uint8_t>(2 * w);
+      wbytes[32 + t] = static_cast<uint8_t>(2 * w + 1);
+    }
+  }
+};
+const DotIndices& Indices() {
+  static const DotIndices idx;
+  return idx;
+}
+
+// Codes of tokens [4i, 4i + 4) (m of them valid, the rest zero) of rows
+// `rb` bytes apart, interleaved: out[h] holds plane bytes [16h, 16h + 16).
+template <int kRowBytes>
+HWY_INLINE void Interleave4(const uint8_t* HWY_RESTRICT rows, int m, __m512i* out) {
+  const DotIndices& ix = Indices();
+  auto ld = [&](int k) {  // Row k, zero when past the tile.
+    return k < m ? _mm512_maskz_loadu_epi8(kRowBytes == 64 ? ~0ULL : (1ULL << kRowBytes) - 1,
+                                           rows + k * kRowBytes)
+                 : _mm512_setzero_si512();
+  };
+  if constexpr (kRowBytes == 16) {
+    const __mmask64 valid = m >= 4 ? ~0ULL : (1ULL << (16 * m)) - 1;
+    out[0] = _mm512_permutexvar_epi8(_mm512_load_si512(ix.r16), _mm512_maskz_loadu_epi8(valid, rows));
+  } else if constexpr (kRowBytes == 32) {
+    const int b01 = std::min(m, 2) * 32, b23 = std::clamp(m - 2, 0, 2) * 32;
+    const __m512i x = _mm512_maskz_loadu_epi8(b01 == 64 ? ~0ULL : (1ULL << b01) - 1, rows);
+    const __m512i y = _mm512_maskz_loadu_epi8(b23 == 64 ? ~0ULL : (1ULL << b23) - 1, rows + 64);
+    for (int h = 0; h < 2; ++h) {
+      out[h] = _mm512_permutex2var_epi8(x, _mm512_load_si512(ix.r32[h]), y);
+    }
+  } else {
+    static_assert(kRowBytes == 64, "16, 32 or 64 bytes");
+    const __m512i r0 = ld(0), r1 = ld(1), r2 = ld(2), r3 = ld(3);
+    for (int i = 0; i < 2; ++i) {
+      const __m512i pi = _mm512_load_si512(ix.pair[i]);
+      const __m512i p01 = _mm512_permutex2var_epi8(r0, pi, r1);
+      const __m512i p23 = _mm512_permutex2var_epi8(r2, pi, r3);
+      for (int h = 0; h < 2; ++h) {
+        out[2 * i + h] = _mm512_permutex2var_epi16(p01, _mm512_load_si512(ix.quad[h]), p23);
+      }
+    }
+  }
+}
+
+// acc[r] += sum_t P[r][t] v_t for tokens [0, n) of the tile whose code rows
+// start at codes0 (n <= kTile); vs: scales [ng][ld], zsum: sum_t p z per
+// (row, group), already computed.
+template <int R, int kBits, int D>
+HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, int gc_shift,
+                             int ld, const float* HWY_RESTRICT vs, const float* HWY_RESTRICT P,
+                             const float* HWY_RESTRICT zsum, Scratch& sc,
+                             float* HWY_RESTRICT acc) {
+  using Shape = ValueDotShape<kBits, D>;
+  constexpr int RB = Shape::kRowBytes;
+  constexpr int H = Shape::kBlocks;
+  const int groups4 = (n + 3) / 4;
+  uint8_t* ibuf = sc.vcodes.data();
+  for (int i = 0; i < groups4; ++i) {
+    __m512i blk[H];
+    Interleave4<RB>(codes0 + static_cast<size_t>(4 * i) * RB, n - 4 * i, blk);
+    for (int h = 0; h < H; ++h) _mm512_storeu_si512(ibuf + (i * H + h) * 64, blk[h]);
+  }
+  // Weights: 16 bits per (row, group) against that row and group's largest.
+  const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
+  const __m512i wperm = _mm512_load_si512(Indices().wbytes);
+  uint8_t* wq = sc.wq.data();
+  float* wstep = sc.wstep.data();
+  for (int r = 0; r < R; ++r) {
+    const float* pr = P + r * kSLd;
+    const __m512 p0 = _mm512_maskz_loadu_ps(m0, pr), p1 = _mm512_maskz_loadu_ps(m1, pr + 16);
+    for (int g = 0; g < ng; ++g) {
+      const float* sg = vs + g * ld;
+      const __m512 w0 = _mm512_mul_ps(p0, _mm512_maskz_loadu_ps(m0, sg));
+      const __m512 w1 = _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, sg + 16));
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
+      uint8_t* dst = wq + (r * ng + g) * 64;
+      if (!(top > 0.0f)) {
+        wstep[r * ng + g] = 0.0f;
+        _mm512_storeu_si512(dst, _mm512_setzero_si512());
+        continue;
+      }
+      wstep[r * ng + g] = top / 65535.0f;
+      const __m512 f = _mm512_set1_ps(65535.0f / top);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(w0, f));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(w1, f));
+      // Saturating pack: a product that rounds to 65536 stays 65535.
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi8(wperm, _mm512_packus_epi32(q0, q1)));
+    }
+  }
+  // Two 16-channel chunks per pass, RG rows at a time.
+  constexpr int RG = R < 4 ? R : 4;
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << kBits) - 1));
+  for (int j0 = 0; j0 < D / 16; j0 += 2) {
+    int hh[2], sh[2], gg[2];
+    for (int k = 0; k < 2; ++k) {
+      const int c0 = 16 * (j0 + k);
+      hh[k] = (c0 % RB) / 16;
+      sh[k] = kBits * (c0 / RB);
+      gg[k] = c0 >> gc_shift;
+    }
+    for (int r0 = 0; r0 < R; r0 += RG) {
+      __m512i lo[RG][2], hi[RG][2];
+      for (int r = 0; r < RG; ++r) {
+        for (int k = 0; k < 2; ++k) lo[r][k] = hi[r][k] = _mm512_setzero_si512();
+      }
+      const uint8_t* w0 = wq + ((r0)*ng + gg[0]) * 64;
+      const uint8_t* w1 = wq + ((r0)*ng + gg[1]) * 64;
+      for (int i = 0; i < groups4; ++i) {
+        __m512i x[2];
+        for (int k = 0; k < 2; ++k) {
+          const __m512i b = _mm512_loadu_si512(ibuf + (i * H + hh[k]) * 64);
+          x[k] = _mm512_and_si512(sh[k] == 0 ? b : _mm512_srl_epi16(b, _mm_cvtsi32_si128(sh[k])), mask);
+        }
+        for (int r = 0; r < RG; ++r) {
+          const uint8_t* wr[2] = {w0 + r * ng * 64, w1 + r * ng * 64};
+          for (int k = 0; k < 2; ++k) {
+            int32_t l4, h4;
+            std::memcpy(&l4, wr[k] + 4 * i, 4);
+            std::memcpy(&h4, wr[k] + 32 + 4 * i, 4);
+            lo[r][k] = _mm512_dpbusd_epi32(lo[r][k], _mm512_set1_epi32(l4), x[k]);
+            hi[r][k] = _mm512_dpbusd_epi32(hi[r][k], _mm512_set1_epi32(h4), x[k]);
+          }
+        }
+      }
+      for (int r = 0; r < RG; ++r) {
+        const int row = r0 + r;
+        for (int k = 0; k < 2; ++k) {
+          float* a = acc + row * D + 16 * (j0 + k);
+          const __m512 v = _mm512_cvtepi32_ps(
+              _mm512_add_epi32(_mm512_slli_epi32(hi[r][k], 8), lo[r][k]));
+          const __m512 base = _mm512_add_ps(_mm512_loadu_ps(a), _mm512_set1_ps(zsum[row * ng + gg[k]]));
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(v, _mm512_set1_ps(wstep[row * ng + gg[k]]), base));
+        }
+      }
+    }
+  }
+}
+#endif
 
 // acc[r] += sum_t P[r][t] v_t over tokens [row, row + n) of a page with
 // per-token groups: the scales fold into the weights (w = p * s per group)
@@ -1242,6 +1532,27 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
   // w[r][g][t] = p * s; the zero term per (row, group) is sum_t p z.
   float* w = sc.wf.data();
   float* zsum = sc.zsum.data();
+  const uint8_t* codes0 = PageLayout::CodeRow(page, V, row);
+  int gc_shift = 0;
+  while ((1 << gc_shift) < gc) ++gc_shift;  // group_channels is a power of two.
+#if KVQ_X86_VNNI
+  if constexpr (ValueDotShape<kBits, D>::kOk) {
+    if (!s.spec().nuq) {
+      for (int r = 0; r < R; ++r) {
+        const float* pr = P + r * kSLd;
+        for (int g = 0; g < ng; ++g) {
+          __m256 vzs = _mm256_setzero_ps();
+          for (int t = 0; t < npad; t += 8) {
+            vzs = _mm256_fmadd_ps(_mm256_loadu_ps(pr + t), _mm256_loadu_ps(vz + g * ld + t), vzs);
+          }
+          zsum[r * ng + g] = HSum(vzs);
+        }
+      }
+      KiviValueDot<R, kBits, D>(codes0, n, ng, gc_shift, ld, vs, P, zsum, sc, acc);
+      return;
+    }
+  }
+#endif
   for (int r = 0; r < R; ++r) {
     const float* pr = P + r * kSLd;
     for (int g = 0; g < ng; ++g) {
@@ -1255,14 +1566,11 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
       zsum[r * ng + g] = HSum(vzs);
     }
   }
-  const uint8_t* codes0 = PageLayout::CodeRow(page, V, row);
-  int gc_shift = 0;
-  while ((1 << gc_shift) < gc) ++gc_shift;  // group_channels is a power of two.
   constexpr int RG = R < 4 ? R : 4;  // 8 accumulators + 2 codes + 1 weight.
   for (int r0 = 0; r0 < R; r0 += RG) {
     if constexpr (kBits == 2 || kBits == 3) {
       if (s.spec().nuq) {
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
         KiviValueRows512<RG, kBits, D, true>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w,
                                              zsum, sc.vctx.level_rows.data(), acc);
 #else
@@ -1272,7 +1580,7 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
         continue;
       }
     }
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
     KiviValueRows512<RG, kBits, D, false>(codes0, V.code_row_bytes, n, r0, ng, gc_shift, ld, w,
                                           zsum, nullptr, acc);
 #else

@@ -18,7 +18,7 @@ namespace kvq {
 namespace cpu {
 
 // Targets compiled into this binary that this CPU runs, best first, by
-// Highway's names ("AVX3", "AVX2", "EMU128" or "SCALAR").
+// Highway's names ("AVX3_DL", "AVX3", "AVX2", "EMU128" or "SCALAR").
 std::vector<std::string> AvailableSimdTargets();
 
 // The target the kernels dispatch to now.

@@ -95,7 +95,7 @@ HWY_INLINE hn::Vec<D> CodeOf(D d, hn::Vec<D> x, hn::Vec<D> scale, hn::Vec<D> inv
 // Stores integral floats in [0, 255] as bytes.
 template <class D>
 HWY_INLINE void StoreCodes(D d, hn::Vec<D> v, uint8_t* dst) {
-#if HWY_TARGET == HWY_AVX3
+#if KVQ_X86_AVX3
   if constexpr (hn::MaxLanes(D()) == 16) {
     // In range by construction: a plain conversion and the truncating
     // narrow (vpmovdb) instead of the saturating sequences.

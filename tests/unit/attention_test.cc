@@ -43,8 +43,11 @@ double RmsOfRows(const std::vector<float>& rows, int begin, int end, int d) {
 constexpr Tolerance kFloatPathTol = {1e-4, 1e-3};
 // Backends that quantize queries to int8 on integer (int8/kivi) fast paths.
 constexpr Tolerance kIntegerPathTol = {5e-3, 1e-2};
-// Splitting a key range and merging the halves.
+// Splitting a key range and merging the halves: float paths, and integer
+// paths, whose value weights (AVX3_DL: 16 bits per tile, against the tile's
+// largest) round differently when a split moves the tiles (measured <= 3.2e-5).
 constexpr double kMergeTol = 1e-5;
+constexpr double kIntegerMergeTol = 1e-4;
 
 // Against the original float K/V: what the scheme itself loses. Measured with
 // the reference backend on this file's data (keys with outlier channels,
@@ -148,6 +151,7 @@ class AttentionTest : public ::testing::TestWithParam<StreamParam> {
            (config_.spec.is_kivi() || config_.spec.kind == SchemeKind::kInt8);
   }
   Tolerance PathTol() const { return IntegerPath() ? kIntegerPathTol : kFloatPathTol; }
+  double MergeTol() const { return IntegerPath() ? kIntegerMergeTol : kMergeTol; }
 
   absl::Status Attend(AttendCall& run, int begin, int end, float softmax_scale = 0.0f) {
     const AttentionTask task = run.Task(stream_.get(), begin, end);
@@ -254,7 +258,7 @@ TEST_P(AttentionTest, MergeOfSplitRangesEqualsWholeRange) {
         float lse = 0.0f;
         MergeAttention(a.Out(i, g), a.Lse(i, g), b.Out(i, g), b.Lse(i, g), d_, merged.data(), &lse);
         std::vector<double> want(whole.Out(i, g), whole.Out(i, g) + d_);
-        EXPECT_LE(RelativeError(merged.data(), want, value_rms), kMergeTol)
+        EXPECT_LE(RelativeError(merged.data(), want, value_rms), MergeTol())
             << "split at " << m << ", query " << i << " head " << g;
         EXPECT_NEAR(lse, whole.Lse(i, g), kMergeTol * std::max(1.0f, std::fabs(lse)))
             << "split at " << m << ", query " << i << " head " << g;
