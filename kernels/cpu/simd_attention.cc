@@ -110,6 +110,23 @@ struct Prefetch {
   }
 };
 
+// Lines [0, lines) from p, requested a few per step of a loop of `steps`
+// (a burst fills the line-fill buffers and stalls the pipeline): one
+// division per loop, none per step.
+class SpreadPrefetch {
+ public:
+  SpreadPrefetch(const uint8_t* p, size_t lines, size_t steps)
+      : p_(p), lines_(lines), per_(steps > 0 ? (lines + steps - 1) / steps : lines) {}
+  HWY_INLINE void Step() {
+    const size_t end = std::min(lines_, next_ + per_);
+    for (; next_ < end; ++next_) hwy::Prefetch(p_ + 64 * next_);
+  }
+
+ private:
+  const uint8_t* p_;
+  size_t lines_, per_, next_ = 0;
+};
+
 // ---------------------------------------------------------------------------
 // Row loaders of the float tile kernel.
 
@@ -872,14 +889,13 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
   const SideLayout& K = s.layout().key;
   int32_t* ipart = sc.ipart.data();
   const int16_t* qi = sc.qi.data();
+  SpreadPrefetch next_lines(pf, pf_lines, n);
 #if KVQ_X86_AVX3
   // 32 channels per vpmaddwd (AVX3_DL: vpdpwssd, the add included): half
   // the multiply-adds and adds of AVX2.
   constexpr int NW = D / 32;
   for (int t = 0; t < n; ++t) {
-    // A share of the next lines to fetch per token, not all at once: a
-    // burst fills the line-fill buffers and stalls the pipeline.
-    for (size_t i = pf_lines * t / n; i < pf_lines * (t + 1) / n; ++i) hwy::Prefetch(pf + 64 * i);
+    next_lines.Step();
     const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
     __m512i codes[NW];
 #pragma GCC unroll 8
@@ -905,7 +921,7 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
   }
 #else
   for (int t = 0; t < n; ++t) {
-    for (size_t i = pf_lines * t / n; i < pf_lines * (t + 1) / n; ++i) hwy::Prefetch(pf + 64 * i);
+    next_lines.Step();
     const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
     __m256i codes[NV];
 #pragma GCC unroll 16
@@ -1098,11 +1114,11 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
   const SideLayout& K = L.key;
   const int g = L.block_tokens;
   float* p = sc.kparams.data();
+  SpreadPrefetch next_lines(pf, pf_lines, m);
   if (K.axis == ParamAxis::kChannelGroups) {
     int cur = -1;
     for (int j = 0; j < m; ++j) {
-      // The next page's share, a few lines per token (see KiviKeyScores).
-      for (size_t i = pf_lines * j / m; i < pf_lines * (j + 1) / m; ++i) hwy::Prefetch(pf + 64 * i);
+      next_lines.Step();  // The next page's share (see KiviKeyScores).
       if ((row + j) / g != cur) {
         cur = (row + j) / g;
         LoadParams(L, K, page, cur, 1, p);
@@ -1141,7 +1157,7 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
     const int gc = K.group_channels;
     const int ng = D / gc;
     for (int j = 0; j < m; ++j) {
-      for (size_t i = pf_lines * j / m; i < pf_lines * (j + 1) / m; ++i) hwy::Prefetch(pf + 64 * i);
+      next_lines.Step();
       LoadParams(L, K, page, row + j, 1, p);
       const uint8_t* codes = PageLayout::CodeRow(page, K, row + j);
       float* x = kb + static_cast<size_t>(j) * D;
@@ -1264,12 +1280,14 @@ HWY_INLINE void KiviValueRows(const uint8_t* HWY_RESTRICT codes0, size_t row_byt
 // different tokens, as in real models, it left far fewer levels: +0.9%
 // perplexity for kivi4:pre_rope:sink=4 in kvq-eval --quick.) int32 sums of one tile cannot overflow:
 // 8 groups of 4 tokens * 4 * 255 * 15 * 256 < 2^31.
+constexpr bool ValueDotTakes(int bits, int row_bytes) {
+  return (bits == 2 || bits == 4) && (row_bytes == 16 || row_bytes == 32 || row_bytes == 64);
+}
 template <int kBits, int D>
 struct ValueDotShape {
   static constexpr int kRowBytes = D * kBits / 8;  // One plane: 2 or 4 bits.
   static constexpr int kBlocks = kRowBytes / 16;   // 16-byte blocks of a row.
-  static constexpr bool kOk = (kBits == 2 || kBits == 4) &&
-                              (kRowBytes == 16 || kRowBytes == 32 || kRowBytes == 64);
+  static constexpr bool kOk = ValueDotTakes(kBits, kRowBytes);
 };
 
 // Byte-permute indices: Interleave4 of 16-byte rows (vpermb over 64 bytes),
@@ -1354,7 +1372,7 @@ template <int R, int kBits, int D>
 HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, int gc_shift,
                              int ld, const float* HWY_RESTRICT vs, const float* HWY_RESTRICT P,
                              const float* HWY_RESTRICT zsum, Scratch& sc,
-                             float* HWY_RESTRICT acc) {
+                             float* HWY_RESTRICT acc, const uint8_t* pf, size_t pf_lines) {
   using Shape = ValueDotShape<kBits, D>;
   constexpr int RB = Shape::kRowBytes;
   constexpr int H = Shape::kBlocks;
@@ -1393,8 +1411,10 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
       _mm512_storeu_si512(dst, _mm512_permutexvar_epi8(wperm, _mm512_packus_epi32(q0, q1)));
     }
   }
-  // Two 16-channel chunks per pass, RG rows at a time.
+  // Two 16-channel chunks per pass, RG rows at a time; the next page's
+  // lines left to this loop go out a few per step, as in the key loop.
   constexpr int RG = R < 4 ? R : 4;
+  SpreadPrefetch next_lines(pf, pf_lines, static_cast<size_t>(D / 32 * groups4));
   const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << kBits) - 1));
   for (int j0 = 0; j0 < D / 16; j0 += 2) {
     int hh[2], sh[2], gg[2];
@@ -1412,6 +1432,7 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
       const uint8_t* w0 = wq + ((r0)*ng + gg[0]) * 64;
       const uint8_t* w1 = wq + ((r0)*ng + gg[1]) * 64;
       for (int i = 0; i < groups4; ++i) {
+        if (r0 == 0) next_lines.Step();
         __m512i x[2];
         for (int k = 0; k < 2; ++k) {
           const __m512i b = _mm512_loadu_si512(ibuf + (i * H + hh[k]) * 64);
@@ -1450,7 +1471,8 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
 template <int R, int kBits, int D>
 HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, int row, int n,
                                     const float* HWY_RESTRICT P, Scratch& sc,
-                                    float* HWY_RESTRICT acc) {
+                                    float* HWY_RESTRICT acc, const uint8_t* pf = nullptr,
+                                    size_t pf_lines = 0) {
   const PageLayout& L = s.layout();
   const SideLayout& V = L.value;
   const int gc = V.group_channels;
@@ -1548,7 +1570,7 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
           zsum[r * ng + g] = HSum(vzs);
         }
       }
-      KiviValueDot<R, kBits, D>(codes0, n, ng, gc_shift, ld, vs, P, zsum, sc, acc);
+      KiviValueDot<R, kBits, D>(codes0, n, ng, gc_shift, ld, vs, P, zsum, sc, acc, pf, pf_lines);
       return;
     }
   }
@@ -1613,6 +1635,10 @@ class RowPass {
     sc_.vctx.Init(s, Side::kValue);
 #if KVQ_X86_AVX2
     fast_ = ChooseFastSides(s);
+#if KVQ_X86_VNNI
+    value_dot_ = fast_.value && !s.spec().nuq &&
+                 ValueDotTakes(s.layout().value.bits, static_cast<int>(s.layout().value.code_row_bytes));
+#endif
     outliers_ = s.layout().outliers_per_block > 0;
     // Packed key codes whose groups are 8-channel aligned (head_dim
     // 64/128/256 and groups of >= 8 channels), uniform or, per channel,
@@ -1829,7 +1855,12 @@ class RowPass {
             key_page_ = page;
           }
           const auto [pf, pf_lines] = NextPageShare(r, m);
-          KiviKeyScores<R, kKeyBits, D>(s_, page, r, m, ka_, kcst_, sc_, S, pf, pf_lines);
+          // With the integer values (AVX3_DL) half of the next page's
+          // lines go out in the value loop: requested during the key loop
+          // alone they kept its line-fill buffers full (kivi4 -6..-10%).
+          vpf_lines_ = value_dot_ ? pf_lines / 2 : 0;
+          vpf_ = pf + 64 * (pf_lines - vpf_lines_);
+          KiviKeyScores<R, kKeyBits, D>(s_, page, r, m, ka_, kcst_, sc_, S, pf, pf_lines - vpf_lines_);
           if (outliers_) KeyOutliers<kKeyBits, D>(page, block, r, m, S);
         }
       }
@@ -1850,7 +1881,8 @@ class RowPass {
       }
       if (SoftmaxTile(R, m, t0 + i, vis_, S, st_, sc_.acc.data(), D)) {
         if (fast_.value) {
-          KiviValueAccumulate<R, kValueBits, D>(s_, page, r, m, S, sc_, sc_.acc.data());
+          KiviValueAccumulate<R, kValueBits, D>(s_, page, r, m, S, sc_, sc_.acc.data(), vpf_, vpf_lines_);
+          vpf_lines_ = 0;
           if (outliers_) ValueOutliers<kValueBits, D>(page, block, r, m, S);
         } else {
           DequantRows(sc_.vctx, page, r, m, sc_.vbuf.data());
@@ -1935,6 +1967,9 @@ class RowPass {
     }
   }
   FastSides fast_;
+  bool value_dot_ = false;  // KiviValueDot takes the values (AVX3_DL).
+  const uint8_t* vpf_ = nullptr;  // The next page's lines left to the value loop.
+  size_t vpf_lines_ = 0;
   bool plain_key_codes_ = false;  // Generic-path keys KiviKeyTileToFloat can take.
   bool outliers_ = false;
   const uint8_t* key_page_ = nullptr;
