@@ -610,7 +610,10 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     for (int t = 0; t < npad; t += N) vmax = hn::Max(vmax, hn::LoadU(df, s + t));
     const float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
     const float m_new = std::max(st.m[r], tile_max);
-    const float corr = st.m[r] == kNegInf ? 0.0f : std::exp(st.m[r] - m_new);
+    // Once the running max settles (early, where sink tokens draw the
+    // attention) most tiles leave it unchanged: no libm exp for them.
+    const float corr =
+        st.m[r] == kNegInf ? 0.0f : (m_new == st.m[r] ? 1.0f : std::exp(st.m[r] - m_new));
     const VF vm = hn::Set(df, m_new);
     VF vsum = hn::Zero(df);
     for (int t = 0; t < npad; t += N) {
