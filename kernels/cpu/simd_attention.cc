@@ -1369,13 +1369,12 @@ HWY_INLINE void Interleave4(const uint8_t* HWY_RESTRICT rows, int m, __m512i* ou
 }
 
 // acc[r] += sum_t P[r][t] v_t for tokens [0, n) of the tile whose code rows
-// start at codes0 (n <= kTile); vs: scales [ng][ld], zsum: sum_t p z per
-// (row, group), already computed.
+// start at codes0 (n <= kTile); vs, vz: scales and zeros [ng][ld].
 template <int R, int kBits, int D>
 HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, int gc_shift,
-                             int ld, const float* HWY_RESTRICT vs, const float* HWY_RESTRICT P,
-                             const float* HWY_RESTRICT zsum, Scratch& sc,
-                             float* HWY_RESTRICT acc, const uint8_t* pf, size_t pf_lines) {
+                             int ld, const float* HWY_RESTRICT vs, const float* HWY_RESTRICT vz,
+                             const float* HWY_RESTRICT P, Scratch& sc, float* HWY_RESTRICT acc,
+                             const uint8_t* pf, size_t pf_lines) {
   using Shape = ValueDotShape<kBits, D>;
   constexpr int RB = Shape::kRowBytes;
   constexpr int H = Shape::kBlocks;
@@ -1386,16 +1385,22 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
     Interleave4<RB>(codes0 + static_cast<size_t>(4 * i) * RB, n - 4 * i, blk);
     for (int h = 0; h < H; ++h) _mm512_storeu_si512(ibuf + (i * H + h) * 64, blk[h]);
   }
-  // Weights: 16 bits per (row, group) against that row and group's largest.
+  // Weights: 16 bits per (row, group) against that row and group's largest;
+  // the zero term sum_t p z of each (row, group) in the same pass.
   const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
   const __m512i wperm = _mm512_load_si512(Indices().wbytes);
   uint8_t* wq = sc.wq.data();
   float* wstep = sc.wstep.data();
+  float* zsum = sc.zsum.data();
   for (int r = 0; r < R; ++r) {
     const float* pr = P + r * kSLd;
     const __m512 p0 = _mm512_maskz_loadu_ps(m0, pr), p1 = _mm512_maskz_loadu_ps(m1, pr + 16);
     for (int g = 0; g < ng; ++g) {
+      const float* zg = vz + g * ld;
+      zsum[r * ng + g] = _mm512_reduce_add_ps(
+          _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m0, zg),
+                          _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, zg + 16))));
       const float* sg = vs + g * ld;
       const __m512 w0 = _mm512_mul_ps(p0, _mm512_maskz_loadu_ps(m0, sg));
       const __m512 w1 = _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, sg + 16));
@@ -1563,17 +1568,7 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
 #if KVQ_X86_VNNI
   if constexpr (ValueDotShape<kBits, D>::kOk) {
     if (!s.spec().nuq) {
-      for (int r = 0; r < R; ++r) {
-        const float* pr = P + r * kSLd;
-        for (int g = 0; g < ng; ++g) {
-          __m256 vzs = _mm256_setzero_ps();
-          for (int t = 0; t < npad; t += 8) {
-            vzs = _mm256_fmadd_ps(_mm256_loadu_ps(pr + t), _mm256_loadu_ps(vz + g * ld + t), vzs);
-          }
-          zsum[r * ng + g] = HSum(vzs);
-        }
-      }
-      KiviValueDot<R, kBits, D>(codes0, n, ng, gc_shift, ld, vs, P, zsum, sc, acc, pf, pf_lines);
+      KiviValueDot<R, kBits, D>(codes0, n, ng, gc_shift, ld, vs, vz, P, sc, acc, pf, pf_lines);
       return;
     }
   }
