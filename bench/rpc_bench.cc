@@ -50,6 +50,7 @@ constexpr char kNamespace[] = "kvq-bench-rpc";
 // The schemes of the round trip and of the latency sections.
 constexpr const char* kRoundTripSchemes[] = {"kivi4", "kivi2"};
 constexpr const char* kAttendSchemes[] = {"fp16", "kivi2"};
+constexpr int kShortContext = 32;  // Keys of the RPC-path Attend rows.
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -883,95 +884,104 @@ absl::Status RpcBench::RunLatency() {
   }
 
   for (AttendSet& set : sets) {
-    for (int batch : options_.attend_batches) {
-      AttendFigures f;
-      f.scheme = set.scheme;
-      f.batch = batch;
-      f.context = T;
-      std::vector<AttendQuery> items;
-      v1::AttendRequest request;  // What KvqClient::Attend sends, for its size.
-      v1::AttendResponse response;
-      for (int i = 0; i < batch; ++i) {
-        items.push_back({set.ids[i], set.q[i], {}, 0, 0});
-        v1::AttendItem* item = request.add_items();
-        item->mutable_sequence()->set_namespace_(kNamespace);
-        item->mutable_sequence()->set_sequence_id(set.ids[i]);
-        ToProto(set.q[i], item->mutable_q());
-        v1::AttendResult* r = response.add_results();
-        ToProto(HostTensor::Zeros(DType::kFloat32, {1, kQHeads, kHeadDim}), r->mutable_out());
-        ToProto(HostTensor::Zeros(DType::kFloat32, {1, kQHeads}), r->mutable_lse());
-      }
-      f.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
-      f.response_bytes = static_cast<int64_t>(response.ByteSizeLong());
+    // Each batch over the whole context, then over its first kShortContext
+    // keys: the same messages with a kernel of a few microseconds, so the
+    // RPC path's own cost shows without a long kernel in between.
+    for (const int context : {T, std::min(T, kShortContext)}) {
+      for (int batch : options_.attend_batches) {
+        AttendFigures f;
+        f.scheme = set.scheme;
+        f.batch = batch;
+        f.context = context;
+        const int key_end = context == T ? 0 : context;  // 0: every stored token.
+        std::vector<AttendQuery> items;
+        v1::AttendRequest request;  // What KvqClient::Attend sends, for its size.
+        v1::AttendResponse response;
+        for (int i = 0; i < batch; ++i) {
+          items.push_back({set.ids[i], set.q[i], {}, 0, key_end});
+          v1::AttendItem* item = request.add_items();
+          item->mutable_sequence()->set_namespace_(kNamespace);
+          item->mutable_sequence()->set_sequence_id(set.ids[i]);
+          ToProto(set.q[i], item->mutable_q());
+          item->set_key_end(key_end);
+          v1::AttendResult* r = response.add_results();
+          ToProto(HostTensor::Zeros(DType::kFloat32, {1, kQHeads, kHeadDim}), r->mutable_out());
+          ToProto(HostTensor::Zeros(DType::kFloat32, {1, kQHeads}), r->mutable_lse());
+        }
+        f.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+        f.response_bytes = static_cast<int64_t>(response.ByteSizeLong());
 
-      // The kernel alone: the tasks the server builds for this request.
-      std::vector<float> out(static_cast<size_t>(batch) * kQHeads * kHeadDim);
-      std::vector<float> lse(static_cast<size_t>(batch) * kQHeads);
-      std::vector<AttentionTask> tasks;
-      const int group = kQHeads / kKvHeads;
-      for (int i = 0; i < batch; ++i) {
-        for (int h = 0; h < kKvHeads; ++h) {
-          AttentionTask t;
-          t.stream = set.streams[i][h].get();
-          t.num_queries = 1;
-          t.q = set.q_floats[i].data() + h * group * kHeadDim;
-          t.q_stride = kQHeads * kHeadDim;
-          t.out = out.data() + (static_cast<size_t>(i) * kQHeads + h * group) * kHeadDim;
-          t.out_stride = kQHeads * kHeadDim;
-          t.lse = lse.data() + static_cast<size_t>(i) * kQHeads + h * group;
-          t.lse_stride = kQHeads;
-          tasks.push_back(t);
-        }
-      }
-      AttentionOptions attention;
-      attention.group_size = group;
-      const std::string payload(static_cast<size_t>(f.request_bytes), 'x');
-      std::vector<double> kernel_us, rpc_us, echo_us;
-      // The kernel alone, then the RPC and the raw round trip of the same
-      // sizes call by call; in rounds, so that all three see the same
-      // background load, and in blocks, so that the server's threads
-      // winding down after an RPC do not land on a kernel call.
-      auto kernel_block = [&](int calls, bool timed) -> absl::Status {
-        for (int i = 0; i < calls; ++i) {
-          const auto t0 = Clock::now();
-          KVQ_RETURN_IF_ERROR(CpuBackend().Attend(tasks, attention));
-          if (timed) kernel_us.push_back(1e6 * SecondsSince(t0));
-        }
-        return absl::OkStatus();
-      };
-      auto rpc_block = [&](int calls, bool timed) -> absl::Status {
-        for (int i = 0; i < calls; ++i) {
-          auto t0 = Clock::now();
-          absl::StatusOr<std::vector<AttendOutput>> got = client_->Attend(0, items);
-          const double t_rpc = 1e6 * SecondsSince(t0);
-          KVQ_RETURN_IF_ERROR(Annotate(got.status(), "Attend"));
-          if (got->size() != static_cast<size_t>(batch)) {
-            return absl::InternalError("Attend returned a result count other than the batch");
-          }
-          t0 = Clock::now();
-          KVQ_RETURN_IF_ERROR(raw_->Echo(payload, static_cast<int>(f.response_bytes)));
-          const double t_echo = 1e6 * SecondsSince(t0);
-          if (timed) {
-            rpc_us.push_back(t_rpc);
-            echo_us.push_back(t_echo);
+        // The kernel alone: the tasks the server builds for this request.
+        std::vector<float> out(static_cast<size_t>(batch) * kQHeads * kHeadDim);
+        std::vector<float> lse(static_cast<size_t>(batch) * kQHeads);
+        std::vector<AttentionTask> tasks;
+        const int group = kQHeads / kKvHeads;
+        for (int i = 0; i < batch; ++i) {
+          for (int h = 0; h < kKvHeads; ++h) {
+            AttentionTask t;
+            t.stream = set.streams[i][h].get();
+            t.num_queries = 1;
+            t.key_end = context;
+            t.q = set.q_floats[i].data() + h * group * kHeadDim;
+            t.q_stride = kQHeads * kHeadDim;
+            t.out = out.data() + (static_cast<size_t>(i) * kQHeads + h * group) * kHeadDim;
+            t.out_stride = kQHeads * kHeadDim;
+            t.lse = lse.data() + static_cast<size_t>(i) * kQHeads + h * group;
+            t.lse_stride = kQHeads;
+            tasks.push_back(t);
           }
         }
-        return absl::OkStatus();
-      };
-      KVQ_RETURN_IF_ERROR(kernel_block(lat_warmup, false));
-      KVQ_RETURN_IF_ERROR(rpc_block(lat_warmup, false));
-      const int rounds = std::min(reps, kLatencyRounds);
-      for (int round = 0; round < rounds; ++round) {
-        const int calls = reps / rounds + (round < reps % rounds ? 1 : 0);
-        KVQ_RETURN_IF_ERROR(kernel_block(calls, true));
-        KVQ_RETURN_IF_ERROR(rpc_block(calls, true));
+        AttentionOptions attention;
+        attention.group_size = group;
+        const std::string payload(static_cast<size_t>(f.request_bytes), 'x');
+        std::vector<double> kernel_us, rpc_us, echo_us;
+        // The kernel alone, then the RPC and the raw round trip of the same
+        // sizes call by call; in rounds, so that all three see the same
+        // background load, and in blocks, so that the server's threads
+        // winding down after an RPC do not land on a kernel call.
+        auto kernel_block = [&](int calls, bool timed) -> absl::Status {
+          for (int i = 0; i < calls; ++i) {
+            const auto t0 = Clock::now();
+            KVQ_RETURN_IF_ERROR(CpuBackend().Attend(tasks, attention));
+            if (timed) kernel_us.push_back(1e6 * SecondsSince(t0));
+          }
+          return absl::OkStatus();
+        };
+        auto rpc_block = [&](int calls, bool timed) -> absl::Status {
+          for (int i = 0; i < calls; ++i) {
+            auto t0 = Clock::now();
+            absl::StatusOr<std::vector<AttendOutput>> got = client_->Attend(0, items);
+            const double t_rpc = 1e6 * SecondsSince(t0);
+            KVQ_RETURN_IF_ERROR(Annotate(got.status(), "Attend"));
+            if (got->size() != static_cast<size_t>(batch)) {
+              return absl::InternalError("Attend returned a result count other than the batch");
+            }
+            t0 = Clock::now();
+            KVQ_RETURN_IF_ERROR(raw_->Echo(payload, static_cast<int>(f.response_bytes)));
+            const double t_echo = 1e6 * SecondsSince(t0);
+            if (timed) {
+              rpc_us.push_back(t_rpc);
+              echo_us.push_back(t_echo);
+            }
+          }
+          return absl::OkStatus();
+        };
+        KVQ_RETURN_IF_ERROR(kernel_block(lat_warmup, false));
+        KVQ_RETURN_IF_ERROR(rpc_block(lat_warmup, false));
+        const int rounds = std::min(reps, kLatencyRounds);
+        for (int round = 0; round < rounds; ++round) {
+          const int calls = reps / rounds + (round < reps % rounds ? 1 : 0);
+          KVQ_RETURN_IF_ERROR(kernel_block(calls, true));
+          KVQ_RETURN_IF_ERROR(rpc_block(calls, true));
+        }
+        f.kernel = Summarize(std::move(kernel_us));
+        f.rpc = Summarize(std::move(rpc_us));
+        f.echo = Summarize(std::move(echo_us));
+        Log("attend %s batch %d context %d: p50 %.0f us (p99 %.0f), kernel %.0f us, raw echo "
+            "%.0f us",
+            f.scheme, batch, context, f.rpc.p50_us, f.rpc.p99_us, f.kernel.p50_us, f.echo.p50_us);
+        result_.attend.push_back(std::move(f));
       }
-      f.kernel = Summarize(std::move(kernel_us));
-      f.rpc = Summarize(std::move(rpc_us));
-      f.echo = Summarize(std::move(echo_us));
-      Log("attend %s batch %d: p50 %.0f us (p99 %.0f), kernel %.0f us, raw echo %.0f us", f.scheme,
-          batch, f.rpc.p50_us, f.rpc.p99_us, f.kernel.p50_us, f.echo.p50_us);
-      result_.attend.push_back(std::move(f));
     }
 
     // What attending locally would need first: this layer of the
@@ -1084,9 +1094,12 @@ absl::StatusOr<RpcBenchResult> RpcBench::Run() {
   v_ = MakeKv(kLayers, tokens_, 2, /*keys=*/false);
   result_.prompt_fp16_bytes = static_cast<int64_t>(k_.byte_size() + v_.byte_size());
   Log("prompt: %d tokens, %.1f MiB of fp16 K+V", tokens_, result_.prompt_fp16_bytes / 1048576.0);
-  KVQ_RETURN_IF_ERROR(RunBulk());
-  KVQ_RETURN_IF_ERROR(RunRoundTrip());
-  KVQ_RETURN_IF_ERROR(RunLatency());
+  if (options_.run_bulk) KVQ_RETURN_IF_ERROR(RunBulk());
+  if (options_.run_roundtrip) KVQ_RETURN_IF_ERROR(RunRoundTrip());
+  if (options_.run_latency) {
+    KVQ_RETURN_IF_ERROR(RunLatency());
+    result_.latency_ran = true;
+  }
 
   // Orderly shutdown; the destructors cover the error paths.
   client_.reset();
@@ -1117,7 +1130,7 @@ std::string Margin(double value, double target) {
 
 const AttendFigures* FindAttend(const RpcBenchResult& r, absl::string_view scheme, int batch) {
   for (const AttendFigures& f : r.attend) {
-    if (f.scheme == scheme && f.batch == batch) return &f;
+    if (f.scheme == scheme && f.batch == batch && f.context == r.tokens) return &f;
   }
   return nullptr;
 }
@@ -1227,6 +1240,12 @@ std::vector<CheckResult> CheckRpcBench(const RpcBenchResult& result) {
     checks.push_back(c);
   }
 
+  if (!result.latency_ran) {
+    CheckResult c;
+    c.name = "Attend checks";
+    c.detail = "section latency not run (--sections)";
+    checks.push_back(c);
+  }
   std::vector<int> batches;
   for (const AttendFigures& f : result.attend) {
     if (std::find(batches.begin(), batches.end(), f.batch) == batches.end()) {
@@ -1241,7 +1260,7 @@ std::vector<CheckResult> CheckRpcBench(const RpcBenchResult& result) {
     std::vector<std::string> parts;
     bool ok = true;
     for (const AttendFigures& f : result.attend) {
-      if (f.batch != batch) continue;
+      if (f.batch != batch || f.context != result.tokens) continue;  // The target's context.
       const double x = f.echo.p50_us > 0 ? f.overhead_us() / f.echo.p50_us : 0.0;
       if (f.overhead_us() < 0) {
         // The kernel alone took longer than the whole RPC: other work on the
@@ -1299,58 +1318,67 @@ std::string FormatRpcTable(const RpcBenchResult& r, const std::string& command) 
       r.cpus, r.load_start, r.load_end, r.bulk_reps, r.bulk_warmup, r.latency_reps,
       r.latency_warmup);
 
-  absl::StrAppendFormat(&out, "\n## Bulk fp16 KV of the prompt (%.1f MiB each way)\n",
-                        r.prompt_fp16_bytes / 1048576.0);
-  absl::StrAppendFormat(&out, "%-52s %9s %7s %10s %8s %10s %10s\n", "path", "median ms", "GB/s",
-                        "tokens/s", "kvq/raw", "client CPU", "server CPU");
-  for (const ThroughputRow& row : r.bulk) {
-    std::string ratio;
-    const ThroughputRow* raw = row.id == "kvq_append_fp16"  ? r.FindBulk("raw_sink_stream")
-                               : row.id == "kvq_fetch_fp16" || row.id == "kvq_fetch_into_fp16"
-                                   ? r.FindBulk("raw_source_stream")
-                                                            : nullptr;
-    if (raw != nullptr && raw->fp16_gbps() > 0) {
-      ratio = absl::StrFormat("%.2f", row.fp16_gbps() / raw->fp16_gbps());
+  if (!r.bulk.empty()) {
+    absl::StrAppendFormat(&out, "\n## Bulk fp16 KV of the prompt (%.1f MiB each way)\n",
+                          r.prompt_fp16_bytes / 1048576.0);
+    absl::StrAppendFormat(&out, "%-52s %9s %7s %10s %8s %10s %10s\n", "path", "median ms", "GB/s",
+                          "tokens/s", "kvq/raw", "client CPU", "server CPU");
+    for (const ThroughputRow& row : r.bulk) {
+      std::string ratio;
+      const ThroughputRow* raw = row.id == "kvq_append_fp16"  ? r.FindBulk("raw_sink_stream")
+                                 : row.id == "kvq_fetch_fp16" || row.id == "kvq_fetch_into_fp16"
+                                     ? r.FindBulk("raw_source_stream")
+                                                              : nullptr;
+      if (raw != nullptr && raw->fp16_gbps() > 0) {
+        ratio = absl::StrFormat("%.2f", row.fp16_gbps() / raw->fp16_gbps());
+      }
+      absl::StrAppendFormat(&out, "%-52s %9.1f %7.2f %10.0f %8s %10s %10s\n", row.label,
+                            1e3 * row.median_s, row.fp16_gbps(), row.tokens_per_s(), ratio,
+                            CpuMs(row.client_cpu_s), CpuMs(row.server_cpu_s));
     }
-    absl::StrAppendFormat(&out, "%-52s %9.1f %7.2f %10.0f %8s %10s %10s\n", row.label,
-                          1e3 * row.median_s, row.fp16_gbps(), row.tokens_per_s(), ratio,
-                          CpuMs(row.client_cpu_s), CpuMs(row.server_cpu_s));
   }
 
-  absl::StrAppendFormat(
-      &out, "\n## Prompt KV round trip: append, then fetch back to fp16 in the client\n");
-  absl::StrAppendFormat(&out, "%-60s %9s %9s %9s %10s %8s %10s %10s\n", "path", "wire MiB",
-                        "median ms", "store ms", "tokens/s", "x Redis", "client CPU", "server CPU");
-  const ThroughputRow* best = r.redis_best_id.empty() ? nullptr : r.FindRoundTrip(r.redis_best_id);
-  for (const ThroughputRow& row : r.roundtrip) {
-    const std::string x =
-        best ? absl::StrFormat("%.2f", row.tokens_per_s() / best->tokens_per_s()) : "";
-    absl::StrAppendFormat(&out, "%-60s %9.1f %9.1f %9s %10.0f %8s %10s %10s%s\n", row.label,
-                          (row.wire_bytes > 0 ? row.wire_bytes : row.fp16_bytes) / 1048576.0,
-                          1e3 * row.median_s,
-                          row.store_s >= 0 ? absl::StrFormat("%.1f", 1e3 * row.store_s) : "-",
-                          row.tokens_per_s(), x, CpuMs(row.client_cpu_s), CpuMs(row.server_cpu_s),
-                          &row == best ? "  <- Redis baseline (fastest)" : "");
+  if (!r.roundtrip.empty()) {
+    absl::StrAppendFormat(
+        &out, "\n## Prompt KV round trip: append, then fetch back to fp16 in the client\n");
+    absl::StrAppendFormat(&out, "%-60s %9s %9s %9s %10s %8s %10s %10s\n", "path", "wire MiB",
+                          "median ms", "store ms", "tokens/s", "x Redis", "client CPU",
+                          "server CPU");
+    const ThroughputRow* best =
+        r.redis_best_id.empty() ? nullptr : r.FindRoundTrip(r.redis_best_id);
+    for (const ThroughputRow& row : r.roundtrip) {
+      const std::string x =
+          best ? absl::StrFormat("%.2f", row.tokens_per_s() / best->tokens_per_s()) : "";
+      absl::StrAppendFormat(&out, "%-60s %9.1f %9.1f %9s %10.0f %8s %10s %10s%s\n", row.label,
+                            (row.wire_bytes > 0 ? row.wire_bytes : row.fp16_bytes) / 1048576.0,
+                            1e3 * row.median_s,
+                            row.store_s >= 0 ? absl::StrFormat("%.1f", 1e3 * row.store_s) : "-",
+                            row.tokens_per_s(), x, CpuMs(row.client_cpu_s),
+                            CpuMs(row.server_cpu_s),
+                            &row == best ? "  <- Redis baseline (fastest)" : "");
+    }
+    if (!r.redis_ran) absl::StrAppendFormat(&out, "(%s)\n", r.redis_note);
   }
-  if (!r.redis_ran) absl::StrAppendFormat(&out, "(%s)\n", r.redis_note);
 
   if (!r.attend.empty()) {
     absl::StrAppendFormat(&out, "\n## Attend: one layer, one query per sequence, context %d\n",
                           r.attend.front().context);
-    absl::StrAppendFormat(&out, "%-15s %5s %7s %7s %8s %8s %10s %9s %11s %7s %12s\n", "scheme",
-                          "batch", "req B", "resp B", "p50 us", "p99 us", "kernel us", "overhead",
-                          "raw RTT us", "ovh/RTT", "layer-tok/s");
+    absl::StrAppendFormat(&out, "%-15s %5s %5s %7s %7s %8s %8s %10s %9s %11s %7s %12s\n", "scheme",
+                          "batch", "keys", "req B", "resp B", "p50 us", "p99 us", "kernel us",
+                          "overhead", "raw RTT us", "ovh/RTT", "layer-tok/s");
     for (const AttendFigures& f : r.attend) {
       absl::StrAppendFormat(
-          &out, "%-15s %5d %7d %7d %8.0f %8.0f %10.0f %9.0f %11.0f %7.2f %12.3g\n", f.scheme,
-          f.batch, f.request_bytes, f.response_bytes, f.rpc.p50_us, f.rpc.p99_us, f.kernel.p50_us,
+          &out, "%-15s %5d %5d %7d %7d %8.0f %8.0f %10.0f %9.0f %11.0f %7.2f %12.3g\n", f.scheme,
+          f.batch, f.context, f.request_bytes, f.response_bytes, f.rpc.p50_us, f.rpc.p99_us, f.kernel.p50_us,
           f.overhead_us(), f.echo.p50_us, f.echo.p50_us > 0 ? f.overhead_us() / f.echo.p50_us : 0.0,
           f.layer_tokens_per_s());
     }
     absl::StrAppendFormat(&out,
                           "kernel = CpuBackend().Attend on local streams in this process; raw RTT "
-                          "= RawEcho.Echo with the same request and reply sizes; raw Echo 64 B: "
-                          "p50 %.0f us, p99 %.0f us\n",
+                          "= RawEcho.Echo with the same request and reply sizes; keys %d: the "
+                          "same calls over the first %d keys (the RPC path without a long "
+                          "kernel; not a target); raw Echo 64 B: p50 %.0f us, p99 %.0f us\n",
+                          std::min(r.tokens, kShortContext), std::min(r.tokens, kShortContext),
                           r.echo_small.p50_us, r.echo_small.p99_us);
     for (const LayerFetchFigures& fetch : r.layer_fetch) {
       const AttendFigures* a = FindAttend(r, fetch.scheme, fetch.sequences);

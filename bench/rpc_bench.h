@@ -37,6 +37,10 @@ struct RpcBenchOptions {
   std::vector<int> attend_batches = {1, 8, 32};
   std::vector<int> decode_batches = {1, 8};
   int redis_connections = 4;  // Of the multi-connection Redis variants.
+  // Which parts run (a profile of one part needs only that part).
+  bool run_bulk = true;       // Bulk fp16 append / fetch and the raw streams.
+  bool run_roundtrip = true;  // Quantized round trips and Redis.
+  bool run_latency = true;    // Attend, the layer fetch, decode steps.
 };
 
 // One path moving a prompt's worth of KV, timed over repetitions.
@@ -130,6 +134,7 @@ struct RpcBenchResult {
   std::vector<AttendFigures> attend;
   std::vector<LayerFetchFigures> layer_fetch;
   std::vector<DecodeFigures> decode;
+  bool latency_ran = false;
   double total_seconds = 0.0;
 
   const ThroughputRow* FindBulk(const std::string& id) const;

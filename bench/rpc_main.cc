@@ -35,6 +35,10 @@ ABSL_FLAG(std::vector<std::string>, attend_batches, (std::vector<std::string>{"1
           "rpc: Attend batch sizes (sequences per call); the largest is also fetched.");
 ABSL_FLAG(std::vector<std::string>, decode_batches, (std::vector<std::string>{"1", "8"}),
           "rpc: decode-step batch sizes (AppendAttend vs DecodeStream).");
+ABSL_FLAG(std::vector<std::string>, sections,
+          (std::vector<std::string>{"bulk", "roundtrip", "latency"}),
+          "rpc: parts to run: bulk (fp16 append/fetch, raw streams), roundtrip (quantized round "
+          "trips, Redis), latency (Attend, layer fetch, decode steps).");
 ABSL_FLAG(int, redis_connections, 4, "rpc: connections of the multi-connection Redis variants.");
 ABSL_FLAG(std::string, echo_port_file, "",
           "rpc-echo-server (internal): where to write the port it listens on.");
@@ -73,6 +77,19 @@ int RpcMain(const std::string& command) {
   if (!ParseInts(absl::GetFlag(FLAGS_attend_batches), "attend_batches", &options.attend_batches) ||
       !ParseInts(absl::GetFlag(FLAGS_decode_batches), "decode_batches", &options.decode_batches)) {
     return 2;
+  }
+  options.run_bulk = options.run_roundtrip = options.run_latency = false;
+  for (const std::string& section : absl::GetFlag(FLAGS_sections)) {
+    if (section == "bulk") {
+      options.run_bulk = true;
+    } else if (section == "roundtrip") {
+      options.run_roundtrip = true;
+    } else if (section == "latency") {
+      options.run_latency = true;
+    } else {
+      std::cerr << "--sections: \"" << section << "\" is not bulk, roundtrip or latency\n";
+      return 2;
+    }
   }
   if (options.tokens < 0 || options.bulk_reps < 0 || options.latency_reps < 0 ||
       options.redis_connections < 1 || options.redis_connections > 64) {
