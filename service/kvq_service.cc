@@ -85,16 +85,15 @@ struct AttendJob {
   std::string field;  // "items[i]" for messages.
 };
 
-// Runs the jobs' attention over `layer` as one backend call. Callers must
-// not hold the sequences' locks.
-absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
-                          int layer, std::vector<AttendJob>& jobs, float softmax_scale,
-                          v1::AttendResponse* resp) {
+// Runs the jobs' attention over `layer` as one backend call, adding one
+// result per job to `resp`. Callers must not hold the sequences' locks.
+absl::Status AttendInto(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
+                        int layer, std::vector<AttendJob>& jobs, float softmax_scale,
+                        v1::AttendResponse* resp) {
   std::vector<Sequence*> seqs;
   for (AttendJob& j : jobs) seqs.push_back(&*j.seq);
   ReadLocks locks(seqs);
   std::vector<AttentionTask> tasks;
-  std::vector<std::vector<float>> outs(jobs.size()), lses(jobs.size());
   int group = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
     AttendJob& j = jobs[i];
@@ -117,8 +116,10 @@ absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMet
                                                 ") is not inside the ", committed,
                                                 " stored tokens of layer ", layer));
     }
-    outs[i].assign(static_cast<size_t>(j.num_queries) * m.num_q_heads * m.head_dim, 0.0f);
-    lses[i].assign(static_cast<size_t>(j.num_queries) * m.num_q_heads, 0.0f);
+    // The kernel writes straight into the response's tensors.
+    v1::AttendResult* r = resp->add_results();
+    float* out = ResizeFloat32Tensor(r->mutable_out(), {j.num_queries, m.num_q_heads, m.head_dim});
+    float* lse = ResizeFloat32Tensor(r->mutable_lse(), {j.num_queries, m.num_q_heads});
     for (int h = 0; h < m.num_kv_heads; ++h) {
       AttentionTask t;
       t.stream = &s.stream(layer, h);
@@ -128,9 +129,9 @@ absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMet
       t.q = j.q.data() + static_cast<size_t>(h) * group * m.head_dim;
       t.q_stride = m.num_q_heads * m.head_dim;
       t.q_positions = j.positions.empty() ? nullptr : j.positions.data();
-      t.out = outs[i].data() + static_cast<size_t>(h) * group * m.head_dim;
+      t.out = out + static_cast<size_t>(h) * group * m.head_dim;
       t.out_stride = m.num_q_heads * m.head_dim;
-      t.lse = lses[i].data() + static_cast<size_t>(h) * group;
+      t.lse = lse + static_cast<size_t>(h) * group;
       t.lse_stride = m.num_q_heads;
       tasks.push_back(t);
     }
@@ -139,18 +140,18 @@ absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMet
   opts.group_size = group;
   opts.softmax_scale = softmax_scale;
   const absl::Time start = absl::Now();
-  KVQ_RETURN_IF_ERROR(backend.Attend(tasks, opts));
+  const absl::Status st = backend.Attend(tasks, opts);
   metrics->RecordAttentionKernel(method, absl::ToDoubleSeconds(absl::Now() - start));
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const ModelShape& m = jobs[i].seq->shape();
-    v1::AttendResult* r = resp->add_results();
-    SetTensor(r->mutable_out(), DType::kFloat32,
-              {jobs[i].num_queries, m.num_q_heads, m.head_dim}, outs[i].data(),
-              outs[i].size() * sizeof(float));
-    SetTensor(r->mutable_lse(), DType::kFloat32, {jobs[i].num_queries, m.num_q_heads},
-              lses[i].data(), lses[i].size() * sizeof(float));
-  }
-  return absl::OkStatus();
+  return st;
+}
+
+// AttendInto that leaves no partial results behind on an error.
+absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
+                          int layer, std::vector<AttendJob>& jobs, float softmax_scale,
+                          v1::AttendResponse* resp) {
+  absl::Status st = AttendInto(backend, metrics, method, layer, jobs, softmax_scale, resp);
+  if (!st.ok()) resp->clear_results();
+  return st;
 }
 
 absl::Status CheckScale(float scale) {

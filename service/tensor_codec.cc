@@ -28,8 +28,10 @@ v1::DType ToWire(DType d) {
 absl::StatusOr<WireTensor> CheckTensor(const v1::Tensor& t, absl::string_view field,
                                        const std::vector<int64_t>& expected) {
   WireTensor out;
-  auto dtype = FromWire(t.dtype(), absl::StrCat(field, ".dtype"));
-  if (!dtype.ok()) return dtype.status();
+  auto dtype = FromWire(t.dtype(), "dtype");
+  if (!dtype.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".", dtype.status().message()));
+  }
   out.dtype = *dtype;
   out.shape.assign(t.shape().begin(), t.shape().end());
   bool ok = out.shape.size() == expected.size();
@@ -67,11 +69,14 @@ std::vector<float> ToFloats(const WireTensor& t) {
   return out;
 }
 
-void SetTensor(v1::Tensor* out, DType dtype, const std::vector<int64_t>& shape, const void* data,
-               size_t bytes) {
-  out->set_dtype(ToWire(dtype));
+float* ResizeFloat32Tensor(v1::Tensor* out, std::initializer_list<int64_t> shape) {
+  out->set_dtype(v1::DTYPE_FP32);
   out->mutable_shape()->Assign(shape.begin(), shape.end());
-  out->set_data(data, bytes);
+  size_t n = 1;
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  std::string* data = out->mutable_data();
+  data->resize(n * sizeof(float));
+  return reinterpret_cast<float*>(data->data());
 }
 
 }  // namespace kvq

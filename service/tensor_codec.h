@@ -3,6 +3,7 @@
 #define KVQ_SERVICE_TENSOR_CODEC_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -30,9 +31,9 @@ absl::StatusOr<WireTensor> CheckTensor(const v1::Tensor& t, absl::string_view fi
 // The tensor's elements as floats (any accepted dtype).
 std::vector<float> ToFloats(const WireTensor& t);
 
-// Fills a wire tensor.
-void SetTensor(v1::Tensor* out, DType dtype, const std::vector<int64_t>& shape, const void* data,
-               size_t bytes);
+// Makes `out` an fp32 tensor of `shape` (zeros) and returns its data, for a
+// kernel to write into: a std::string's buffer is aligned for floats.
+float* ResizeFloat32Tensor(v1::Tensor* out, std::initializer_list<int64_t> shape);
 
 }  // namespace kvq
 
