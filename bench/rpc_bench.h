@@ -78,9 +78,10 @@ struct AttendFigures {
   std::string scheme;
   int batch = 0;
   int context = 0;
+  bool packed = false;         // KvqClient::AttendBatch (one q tensor) instead of Attend.
   int64_t request_bytes = 0;   // Serialized AttendRequest.
   int64_t response_bytes = 0;  // Serialized AttendResponse.
-  LatencyStats rpc;            // KvqClient::Attend.
+  LatencyStats rpc;            // KvqClient::Attend or AttendBatch.
   LatencyStats kernel;         // CpuBackend().Attend on local KvStreams, same tasks.
   LatencyStats echo;           // RawEcho.Echo with the same request and reply sizes.
   double overhead_us() const { return rpc.p50_us - kernel.p50_us; }

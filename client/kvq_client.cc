@@ -561,6 +561,40 @@ absl::StatusOr<std::vector<AttendOutput>> KvqClient::Attend(int layer,
   return ToOutputs(std::move(response));
 }
 
+absl::StatusOr<AttendOutput> KvqClient::AttendBatch(int layer,
+                                                    absl::Span<const std::string> sequence_ids,
+                                                    const HostTensor& q,
+                                                    const AttendBatchOptions& options) {
+  KVQ_RETURN_IF_ERROR(CheckTensor(q, "q", 3));
+  if (sequence_ids.empty() || q.shape[0] != static_cast<int64_t>(sequence_ids.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("q.shape[0] = ", q.shape[0], " must equal the ",
+                                                   sequence_ids.size(),
+                                                   " sequences (one query row each, at least one)"));
+  }
+  v1::AttendRequest request;
+  request.set_layer(layer);
+  request.set_softmax_scale(options.softmax_scale);
+  for (const std::string& id : sequence_ids) {
+    v1::AttendItem* item = request.add_items();
+    Ref(id, item->mutable_sequence());
+    item->set_key_end(options.key_end);
+  }
+  ToProto(q, request.mutable_q());
+  v1::AttendResponse response;
+  KVQ_RETURN_IF_ERROR(Call(true, options.call, [&](grpc::ClientContext* ctx, int) {
+    response.Clear();
+    return stub_->Attend(ctx, request, &response);
+  }));
+  if (!response.has_out() || !response.has_lse()) {
+    return absl::UnimplementedError("the server answered without a packed out/lse: it predates "
+                                    "the packed Attend form");
+  }
+  AttendOutput o;
+  KVQ_ASSIGN_OR_RETURN(o.out, FromProto(std::move(*response.mutable_out()), "out"));
+  KVQ_ASSIGN_OR_RETURN(o.lse, FromProto(std::move(*response.mutable_lse()), "lse"));
+  return o;
+}
+
 absl::StatusOr<std::vector<AttendOutput>> KvqClient::AppendAttend(
     int layer, absl::Span<const AppendAttendItem> items, float softmax_scale,
     const CallOptions& call) {

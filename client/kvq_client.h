@@ -150,6 +150,12 @@ struct AppendAttendItem {
   HostTensor q;  // [tokens, num_q_heads, head_dim]
 };
 
+struct AttendBatchOptions {
+  float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim).
+  int key_end = 0;             // Keys [0, key_end) of every sequence; 0: all stored.
+  CallOptions call;
+};
+
 struct AttendOutput {
   HostTensor out;  // fp32 [num_queries, num_q_heads, head_dim]
   HostTensor lse;  // fp32 [num_queries, num_q_heads]
@@ -271,6 +277,15 @@ class KvqClient {
   absl::StatusOr<std::vector<AttendOutput>> Attend(int layer, absl::Span<const AttendQuery> items,
                                                    float softmax_scale = 0.0f,
                                                    const CallOptions& call = {});
+  // Attend's packed form for one query per sequence, as a batched decode
+  // step holds them: q [sequences, num_q_heads, head_dim] (row i for
+  // sequence_ids[i]) in one tensor, out [sequences, num_q_heads, head_dim]
+  // and lse [sequences, num_q_heads] (fp32) back in one each. The same
+  // kernel call as Attend with one query per item, without a tensor per
+  // item each way.
+  absl::StatusOr<AttendOutput> AttendBatch(int layer, absl::Span<const std::string> sequence_ids,
+                                           const HostTensor& q,
+                                           const AttendBatchOptions& options = {});
   absl::StatusOr<std::vector<AttendOutput>> AppendAttend(
       int layer, absl::Span<const AppendAttendItem> items, float softmax_scale = 0.0f,
       const CallOptions& call = {});

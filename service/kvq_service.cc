@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -77,7 +78,8 @@ void FillBytes(const ByteBreakdown& b, v1::ByteBreakdown* out) {
 // One item of a batched attention call.
 struct AttendJob {
   SequenceStore::Handle seq;
-  std::vector<float> q;  // [num_queries, num_q_heads, head_dim]
+  const float* q = nullptr;      // [num_queries, num_q_heads, head_dim]
+  std::vector<float> q_storage;  // What `q` points into, unless the request's packed q.
   int num_queries = 0;
   std::vector<int32_t> positions;  // Empty: every key visible.
   int key_begin = 0;
@@ -86,10 +88,20 @@ struct AttendJob {
 };
 
 // Runs the jobs' attention over `layer` as one backend call, adding one
-// result per job to `resp`. Callers must not hold the sequences' locks.
+// result per job to `resp`, or with `packed` (jobs of one query and one
+// num_q_heads and head_dim) row i of resp.out and resp.lse for job i.
+// Callers must not hold the sequences' locks.
 absl::Status AttendInto(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
-                        int layer, std::vector<AttendJob>& jobs, float softmax_scale,
+                        int layer, std::vector<AttendJob>& jobs, float softmax_scale, bool packed,
                         v1::AttendResponse* resp) {
+  float* packed_out = nullptr;
+  float* packed_lse = nullptr;
+  if (packed) {
+    const ModelShape& m = jobs.front().seq->shape();
+    const int64_t n = static_cast<int64_t>(jobs.size());
+    packed_out = ResizeFloat32Tensor(resp->mutable_out(), {n, m.num_q_heads, m.head_dim});
+    packed_lse = ResizeFloat32Tensor(resp->mutable_lse(), {n, m.num_q_heads});
+  }
   std::vector<Sequence*> seqs;
   for (AttendJob& j : jobs) seqs.push_back(&*j.seq);
   ReadLocks locks(seqs);
@@ -117,16 +129,23 @@ absl::Status AttendInto(const KernelBackend& backend, Metrics* metrics, RpcMetho
                                                 " stored tokens of layer ", layer));
     }
     // The kernel writes straight into the response's tensors.
-    v1::AttendResult* r = resp->add_results();
-    float* out = ResizeFloat32Tensor(r->mutable_out(), {j.num_queries, m.num_q_heads, m.head_dim});
-    float* lse = ResizeFloat32Tensor(r->mutable_lse(), {j.num_queries, m.num_q_heads});
+    float* out;
+    float* lse;
+    if (packed) {
+      out = packed_out + i * static_cast<size_t>(m.num_q_heads) * m.head_dim;
+      lse = packed_lse + i * static_cast<size_t>(m.num_q_heads);
+    } else {
+      v1::AttendResult* r = resp->add_results();
+      out = ResizeFloat32Tensor(r->mutable_out(), {j.num_queries, m.num_q_heads, m.head_dim});
+      lse = ResizeFloat32Tensor(r->mutable_lse(), {j.num_queries, m.num_q_heads});
+    }
     for (int h = 0; h < m.num_kv_heads; ++h) {
       AttentionTask t;
       t.stream = &s.stream(layer, h);
       t.key_begin = j.key_begin;
       t.key_end = end;
       t.num_queries = j.num_queries;
-      t.q = j.q.data() + static_cast<size_t>(h) * group * m.head_dim;
+      t.q = j.q + static_cast<size_t>(h) * group * m.head_dim;
       t.q_stride = m.num_q_heads * m.head_dim;
       t.q_positions = j.positions.empty() ? nullptr : j.positions.data();
       t.out = out + static_cast<size_t>(h) * group * m.head_dim;
@@ -148,9 +167,13 @@ absl::Status AttendInto(const KernelBackend& backend, Metrics* metrics, RpcMetho
 // AttendInto that leaves no partial results behind on an error.
 absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
                           int layer, std::vector<AttendJob>& jobs, float softmax_scale,
-                          v1::AttendResponse* resp) {
-  absl::Status st = AttendInto(backend, metrics, method, layer, jobs, softmax_scale, resp);
-  if (!st.ok()) resp->clear_results();
+                          v1::AttendResponse* resp, bool packed = false) {
+  absl::Status st = AttendInto(backend, metrics, method, layer, jobs, softmax_scale, packed, resp);
+  if (!st.ok()) {
+    resp->clear_results();
+    resp->clear_out();
+    resp->clear_lse();
+  }
   return st;
 }
 
@@ -577,7 +600,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvqService::FetchDequant(
 absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp) {
   KVQ_RETURN_IF_ERROR(CheckScale(req.softmax_scale()));
   if (req.items_size() == 0) return absl::InvalidArgumentError("items is empty");
+  const bool packed = req.has_q();
+  WireTensor packed_q;
+  std::vector<float> packed_floats;
+  if (packed) {
+    KVQ_ASSIGN_OR_RETURN(packed_q, CheckTensor(req.q(), "q", {req.items_size(), -1, -1}));
+    packed_floats = ToFloats(packed_q);
+  }
   std::vector<AttendJob> jobs;
+  jobs.reserve(req.items_size());
   for (int i = 0; i < req.items_size(); ++i) {
     const v1::AttendItem& it = req.items(i);
     AttendJob j;
@@ -587,10 +618,24 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     if (!h.ok()) return Prefixed(h.status(), j.field + ".sequence: ");
     j.seq = std::move(*h);
     const ModelShape& m = j.seq->shape();
-    KVQ_ASSIGN_OR_RETURN(WireTensor q,
-                         CheckTensor(it.q(), j.field + ".q", {-1, m.num_q_heads, m.head_dim}));
-    j.num_queries = static_cast<int>(q.shape[0]);
-    j.q = ToFloats(q);
+    if (packed) {
+      if (it.has_q()) {
+        return absl::InvalidArgumentError(j.field + ".q must be empty when q (packed) is set");
+      }
+      if (m.num_q_heads != packed_q.shape[1] || m.head_dim != packed_q.shape[2]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "q.shape = [", absl::StrJoin(packed_q.shape, ", "), "] does not fit ", j.field,
+            ".sequence: num_q_heads = ", m.num_q_heads, ", head_dim = ", m.head_dim));
+      }
+      j.num_queries = 1;
+      j.q = packed_floats.data() + static_cast<size_t>(i) * m.num_q_heads * m.head_dim;
+    } else {
+      KVQ_ASSIGN_OR_RETURN(WireTensor q,
+                           CheckTensor(it.q(), j.field + ".q", {-1, m.num_q_heads, m.head_dim}));
+      j.num_queries = static_cast<int>(q.shape[0]);
+      j.q_storage = ToFloats(q);
+      j.q = j.q_storage.data();
+    }
     if (it.q_positions_size() != 0 && it.q_positions_size() != j.num_queries) {
       return absl::InvalidArgumentError(absl::StrCat(j.field, ".q_positions has ",
                                                      it.q_positions_size(), " entries for ",
@@ -602,7 +647,7 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     jobs.push_back(std::move(j));
   }
   absl::Status st = RunAttention(*store_->backend(), metrics_, RpcMethod::kAttend, req.layer(),
-                                 jobs, req.softmax_scale(), resp);
+                                 jobs, req.softmax_scale(), resp, packed);
   if (st.code() == absl::StatusCode::kInvalidArgument &&
       absl::StartsWith(st.message(), "attention task ")) {
     return absl::InvalidArgumentError(absl::StrCat("q: ", st.message()));
@@ -666,7 +711,8 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
       for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before + t);
       j.key_end = before + item.kv.tokens;
     }
-    j.q = ToFloats(item.q);
+    j.q_storage = ToFloats(item.q);
+    j.q = j.q_storage.data();
     j.num_queries = item.kv.tokens;
     j.seq = std::move(item.seq);
     jobs.push_back(std::move(j));

@@ -231,6 +231,45 @@ TEST_F(ClientServerTest, AttentionMatchesALocalCopyOfTheCache) {
   for (size_t i = 0; i < want_lse.size(); ++i) ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4f) << i;
 }
 
+TEST_F(ClientServerTest, AttendBatchEqualsAttendItemByItem) {
+  // Three sequences of different lengths and schemes, one layout.
+  const std::vector<std::string> ids = {"b0", "b1", "b2"};
+  const char* schemes[] = {"kivi2:g32:r128", "fp16", "kivi4:g32:r64:sink=4"};
+  for (int i = 0; i < 3; ++i) {
+    Create(ids[i], schemes[i]);
+    const int tokens = 100 + 150 * i;
+    ASSERT_TRUE(client_
+                    ->AppendPrompt(ids[i], Random({kLayers, kHeads, tokens, kDim}, 40 + i),
+                                   Random({kLayers, kHeads, tokens, kDim}, 50 + i))
+                    .ok());
+  }
+  const HostTensor q = Random({3, kQHeads, kDim}, 60);
+  absl::StatusOr<AttendOutput> packed = client_->AttendBatch(1, ids, q);
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  EXPECT_EQ(packed->out.shape, (std::vector<int64_t>{3, kQHeads, kDim}));
+  EXPECT_EQ(packed->lse.shape, (std::vector<int64_t>{3, kQHeads}));
+  EXPECT_EQ(packed->out.dtype, DType::kFloat32);
+
+  std::vector<AttendQuery> items;
+  const size_t row = static_cast<size_t>(kQHeads) * kDim * DTypeBytes(q.dtype);
+  for (int i = 0; i < 3; ++i) {
+    HostTensor qi = HostTensor::Zeros(q.dtype, {1, kQHeads, kDim});
+    qi.data = q.data.substr(i * row, row);
+    items.push_back({ids[i], qi, {}, 0, 0});
+  }
+  absl::StatusOr<std::vector<AttendOutput>> each = client_->Attend(1, items);
+  ASSERT_TRUE(each.ok()) << each.status();
+  ASSERT_EQ(each->size(), 3u);
+  // The same kernel call on the same queries: the same bytes.
+  std::string out, lse;
+  for (const AttendOutput& o : *each) {
+    out += o.out.data;
+    lse += o.lse.data;
+  }
+  EXPECT_TRUE(out == packed->out.data) << "packed out differs from the per-item outputs";
+  EXPECT_TRUE(lse == packed->lse.data) << "packed lse differs from the per-item lse";
+}
+
 TEST_F(ClientServerTest, DecodeStepsAppendAndAttendEveryLayer) {
   Create("decode", "kivi2:g32:r128");
   const HostTensor k = Random({kLayers, kHeads, 200, kDim}, 6);

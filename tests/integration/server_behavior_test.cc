@@ -455,6 +455,50 @@ TEST_F(ErrorPathTest, ReadsOutsideTheStoredRangeAreOutOfRange) {
   ExpectUnchanged("s", before_);
 }
 
+TEST_F(ErrorPathTest, PackedAttendChecksItsQueries) {
+  auto attend = [&](const v1::AttendRequest& req) {
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    const grpc::Status st = stub_->Attend(&ctx, req, &resp);
+    EXPECT_FALSE(resp.has_out()) << "a failed call returned a packed output";
+    EXPECT_EQ(resp.results_size(), 0);
+    return st;
+  };
+  v1::AttendRequest req;
+  for (int i = 0; i < 2; ++i) {
+    v1::SequenceRef* ref = req.add_items()->mutable_sequence();
+    ref->set_namespace_(ns_);
+    ref->set_sequence_id("s");
+  }
+  ToProto(Random({3, kQHeads, kDim}, 30), req.mutable_q());
+  ExpectStatus(attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "q.shape = [3, 4, 64], expected [2, n, n]");
+  ToProto(Random({2, kQHeads + 1, kDim}, 31), req.mutable_q());
+  ExpectStatus(attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "q.shape = [2, 5, 64] does not fit items[0].sequence: num_q_heads = 4, "
+               "head_dim = 64");
+  ToProto(Random({2, kQHeads, kDim}, 32), req.mutable_q());
+  ToProto(Random({1, kQHeads, kDim}, 33), req.mutable_items(1)->mutable_q());
+  ExpectStatus(attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "items[1].q must be empty when q (packed) is set");
+  req.mutable_items(1)->clear_q();
+  req.mutable_items(1)->add_q_positions(10);
+  req.mutable_items(1)->add_q_positions(11);
+  ExpectStatus(attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "items[1].q_positions has 2 entries for 1 queries");
+  req.mutable_items(1)->clear_q_positions();
+  std::vector<float> nan(2 * kQHeads * kDim, 0.5f);
+  nan[kQHeads * kDim + 7] = std::nanf("");
+  ToProto(HostTensor::FromFloats(nan, {2, kQHeads, kDim}).value(), req.mutable_q());
+  ExpectStatus(attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "q: attention task 2: q[0][7] is not finite");
+  // The client library checks the row count before sending.
+  ExpectStatus(client_->AttendBatch(0, {"s", "s"}, Random({3, kQHeads, kDim}, 34)).status(),
+               absl::StatusCode::kInvalidArgument,
+               "q.shape[0] = 3 must equal the 2 sequences (one query row each, at least one)");
+  ExpectUnchanged("s", before_);
+}
+
 TEST_F(ErrorPathTest, OversizedMessagesNameTheLimit) {
   absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();

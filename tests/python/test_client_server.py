@@ -111,6 +111,24 @@ def test_prefill_fetch_attend_stats_release(client):
             np.testing.assert_allclose(out[i, h], w @ vals / w.sum(), rtol=2e-3, atol=2e-3)
             np.testing.assert_allclose(lse[i, h], m + np.log(w.sum()), rtol=1e-4, atol=1e-3)
 
+    # The packed form: one query per sequence, the same bytes as per item.
+    client.create_sequence(layout(), scheme="fp16", sequence_id="p2")
+    client.append_prompt("p2", k[:, :, :200], v[:, :, :200])
+    qb = rng.standard_normal((2, QHEADS, DIM)).astype(np.float16)
+    out_b, lse_b = client.attend_batch(1, ["p1", "p2"], qb)
+    assert out_b.shape == (2, QHEADS, DIM) and lse_b.shape == (2, QHEADS)
+    each = client.attend(1, [("p1", qb[:1]), ("p2", qb[1:])])
+    assert (out_b == np.concatenate([o for o, _ in each])).all()
+    assert (lse_b == np.concatenate([l for _, l in each])).all()
+    out_k, lse_k = client.attend_batch(1, ["p1", "p2"], qb, key_end=100)
+    each = client.attend(1, [AttendQuery("p1", qb[:1], key_end=100),
+                             AttendQuery("p2", qb[1:], key_end=100)])
+    assert (out_k == np.concatenate([o for o, _ in each])).all()
+    assert not (out_k == out_b).all()
+    with pytest.raises(ValueError, match=r"q must be \[2 sequences"):
+        client.attend_batch(1, ["p1", "p2"], qb[:1])
+    assert client.release("p2") > 0
+
     stats = client.stats("p1")
     assert stats.num_tokens == 600 and stats.scheme == seq.scheme
     assert client.stats().sequences >= 1

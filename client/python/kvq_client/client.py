@@ -482,6 +482,29 @@ class KvqClient:
                        idempotent=True, deadline=deadline)
         return _results(r)
 
+    def attend_batch(self, layer, sequence_ids, q, softmax_scale=0.0, key_end=0, deadline=None):
+        """Attend's packed form, one query per sequence as a batched decode
+        step holds them: q [len(sequence_ids), num_q_heads, head_dim] (row i
+        for sequence_ids[i]) in one tensor; (out [n, num_q_heads, head_dim],
+        lse [n, num_q_heads]) float32 back. Every sequence sees keys [0,
+        key_end) (0: all stored); the same results as attend() with one query
+        per item."""
+        ids = list(sequence_ids)
+        if np.ndim(q) != 3 or not ids or np.shape(q)[0] != len(ids):
+            raise ValueError(f"q must be [{len(ids)} sequences (at least one), num_q_heads, "
+                             f"head_dim], got {np.shape(q)}")
+        request = pb.AttendRequest(layer=layer, softmax_scale=softmax_scale)
+        for sequence_id in ids:
+            self._ref(sequence_id, request.items.add(key_end=key_end).sequence)
+        to_tensor(q, out=request.q)
+        r = self._call(lambda t, _: self._stub.Attend(request, timeout=t),
+                       idempotent=True, deadline=deadline)
+        if not r.HasField("out"):
+            raise KvqError(grpc.StatusCode.UNIMPLEMENTED,
+                           "the server answered without a packed out/lse: it predates the "
+                           "packed Attend form")
+        return from_tensor(r.out, "out"), from_tensor(r.lse, "lse")
+
     def append_attend(self, layer, items, softmax_scale=0.0, deadline=None):
         """Appends each DecodeItem's k/v to its sequence's layer, then attends;
         [(out, lse)] per item. Never retried."""
