@@ -63,6 +63,14 @@ class KernelBackend {
   // task (names the task index and field).
   virtual absl::Status Attend(absl::Span<const AttentionTask> tasks,
                               const AttentionOptions& options) const = 0;
+
+  // Whether Attend would run these (valid) tasks on threads besides the
+  // caller's. A server runs such calls on one thread of its own, so that one
+  // worker team serves them all (service/kernel_thread.h).
+  virtual bool AttendUsesThreads(absl::Span<const AttentionTask> tasks,
+                                 const AttentionOptions& options) const {
+    return false;
+  }
 };
 
 const KernelBackend& RefBackend();

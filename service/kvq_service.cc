@@ -91,8 +91,9 @@ struct AttendJob {
 // result per job to `resp`, or with `packed` (jobs of one query and one
 // num_q_heads and head_dim) row i of resp.out and resp.lse for job i.
 // Callers must not hold the sequences' locks.
-absl::Status AttendInto(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
-                        int layer, std::vector<AttendJob>& jobs, float softmax_scale, bool packed,
+absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_thread,
+                        Metrics* metrics, RpcMethod method, int layer,
+                        std::vector<AttendJob>& jobs, float softmax_scale, bool packed,
                         v1::AttendResponse* resp) {
   float* packed_out = nullptr;
   float* packed_lse = nullptr;
@@ -159,16 +160,21 @@ absl::Status AttendInto(const KernelBackend& backend, Metrics* metrics, RpcMetho
   opts.group_size = group;
   opts.softmax_scale = softmax_scale;
   const absl::Time start = absl::Now();
-  const absl::Status st = backend.Attend(tasks, opts);
+  const absl::Status st =
+      backend.AttendUsesThreads(tasks, opts)
+          ? kernel_thread->Run([&]() -> absl::Status { return backend.Attend(tasks, opts); })
+          : backend.Attend(tasks, opts);
   metrics->RecordAttentionKernel(method, absl::ToDoubleSeconds(absl::Now() - start));
   return st;
 }
 
 // AttendInto that leaves no partial results behind on an error.
-absl::Status RunAttention(const KernelBackend& backend, Metrics* metrics, RpcMethod method,
-                          int layer, std::vector<AttendJob>& jobs, float softmax_scale,
+absl::Status RunAttention(const KernelBackend& backend, KernelThread* kernel_thread,
+                          Metrics* metrics, RpcMethod method, int layer,
+                          std::vector<AttendJob>& jobs, float softmax_scale,
                           v1::AttendResponse* resp, bool packed = false) {
-  absl::Status st = AttendInto(backend, metrics, method, layer, jobs, softmax_scale, packed, resp);
+  absl::Status st = AttendInto(backend, kernel_thread, metrics, method, layer, jobs,
+                               softmax_scale, packed, resp);
   if (!st.ok()) {
     resp->clear_results();
     resp->clear_out();
@@ -646,8 +652,8 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     j.key_end = it.key_end();
     jobs.push_back(std::move(j));
   }
-  absl::Status st = RunAttention(*store_->backend(), metrics_, RpcMethod::kAttend, req.layer(),
-                                 jobs, req.softmax_scale(), resp, packed);
+  absl::Status st = RunAttention(*store_->backend(), &kernel_thread_, metrics_, RpcMethod::kAttend,
+                                 req.layer(), jobs, req.softmax_scale(), resp, packed);
   if (st.code() == absl::StatusCode::kInvalidArgument &&
       absl::StartsWith(st.message(), "attention task ")) {
     return absl::InvalidArgumentError(absl::StrCat("q: ", st.message()));
@@ -717,8 +723,8 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     j.seq = std::move(item.seq);
     jobs.push_back(std::move(j));
   }
-  return RunAttention(*store_->backend(), metrics_, method, req.layer(), jobs, req.softmax_scale(),
-                      resp);
+  return RunAttention(*store_->backend(), &kernel_thread_, metrics_, method, req.layer(), jobs,
+                      req.softmax_scale(), resp);
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,

@@ -3,7 +3,8 @@
 // Handlers are thin: they check the wire input (naming the field and the
 // bound), call the store and the kernels, and map absl::Status to
 // grpc::Status. Attention over the sequences of one request runs as one
-// batched backend call on the backend's threads.
+// batched backend call on the backend's threads, started from one kernel
+// thread when it uses more than one (service/kernel_thread.h).
 #ifndef KVQ_SERVICE_KVQ_SERVICE_H_
 #define KVQ_SERVICE_KVQ_SERVICE_H_
 
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "kvq/v1/kvq.grpc.pb.h"
+#include "service/kernel_thread.h"
 #include "service/metrics.h"
 #include "service/sequence_store.h"
 
@@ -79,6 +81,7 @@ class KvqService final
   SequenceStore* store_;
   Metrics* metrics_;
   ServiceOptions options_;
+  KernelThread kernel_thread_;  // Runs the backend's multi-threaded calls.
 };
 
 }  // namespace kvq

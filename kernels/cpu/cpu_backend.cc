@@ -34,6 +34,7 @@ namespace {
 
 // Below this many (row x key) pairs per call everything runs on one thread.
 constexpr int64_t kParallelMinWork = int64_t{1} << 17;
+bool Parallel(int64_t work) { return omp_get_max_threads() > 1 && work >= kParallelMinWork; }
 // Chunks per thread when splitting key ranges (load balance vs merge cost).
 constexpr int kChunksPerThread = 4;
 // Smallest key chunk worth a unit of its own.
@@ -105,6 +106,16 @@ class CpuBackendImpl final : public KernelBackend {
     cpu::DequantizeRowsSimd(s, side, page, row0, n, out);
   }
 
+  bool AttendUsesThreads(absl::Span<const AttentionTask> tasks,
+                         const AttentionOptions& options) const override {
+    int64_t work = 0;  // (row x key) pairs, as the plan below counts them.
+    for (const AttentionTask& t : tasks) {
+      if (t.stream == nullptr) return false;
+      work += static_cast<int64_t>(TaskEnd(t) - t.key_begin) * t.num_queries * options.group_size;
+    }
+    return Parallel(work);
+  }
+
   absl::Status Attend(absl::Span<const AttentionTask> tasks,
                       const AttentionOptions& options) const override {
     if (absl::Status st = ValidateAttention(tasks, options); !st.ok()) return st;
@@ -167,7 +178,7 @@ class CpuBackendImpl final : public KernelBackend {
       }
     }
     const int max_threads = std::max(1, omp_get_max_threads());
-    const bool parallel = max_threads > 1 && work >= kParallelMinWork;
+    const bool parallel = Parallel(work);
     int64_t total_tokens = 0;
     for (const Block& b : cs.blocks) {
       total_tokens += TaskEnd(tasks[b.task]) - tasks[b.task].key_begin;

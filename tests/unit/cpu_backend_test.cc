@@ -173,6 +173,28 @@ TEST(CpuBackendTest, SplitRangesMergeLikeOneRange) {
   }
 }
 
+TEST(CpuBackendTest, AttendUsesThreadsOnlyForCallsItSplits) {
+  // 4 rows x 40000 keys is above the parallel threshold (2^17 row-key
+  // pairs), 4 rows x 600 keys below it; one thread never splits.
+  const StreamConfig c = Config("kivi2", 128);
+  std::unique_ptr<KvStream> s = Filled(c, 40000, 12);
+  ASSERT_NE(s, nullptr);
+  AttentionOptions options;
+  options.group_size = 4;
+  AttentionTask t;
+  t.stream = s.get();
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(2);
+  EXPECT_TRUE(CpuBackend().AttendUsesThreads({&t, 1}, options));
+  t.key_begin = 39400;
+  EXPECT_FALSE(CpuBackend().AttendUsesThreads({&t, 1}, options));
+  t.key_begin = 0;
+  EXPECT_FALSE(RefBackend().AttendUsesThreads({&t, 1}, options));
+  omp_set_num_threads(1);
+  EXPECT_FALSE(CpuBackend().AttendUsesThreads({&t, 1}, options));
+  omp_set_num_threads(saved);
+}
+
 TEST(CpuBackendTest, ManyTasksOverSharedAndSeparateStreams) {
   TwoThreads threads;
   const StreamConfig c = Config("kivi4:sink=2", 128);
