@@ -14,6 +14,7 @@
 #include "client/grpc_status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "kernels/malloc_tuning.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -95,6 +96,8 @@ absl::StatusOr<std::unique_ptr<KvqClient>> KvqClient::Connect(const ClientOption
   if (options.retry.max_attempts < 1) {
     return absl::InvalidArgumentError("retry.max_attempts must be >= 1");
   }
+  // Best effort: a malloc other than glibc's keeps its own settings.
+  if (options.retain_message_buffers) RetainMessageBuffers().IgnoreError();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);

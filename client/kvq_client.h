@@ -71,6 +71,12 @@ struct ClientOptions {
   // Freed page memory of FetchDequantLocal's local streams kept for the
   // next call (fresh memory costs a page fault per 4 KiB); 0 keeps none.
   size_t local_page_cache_bytes = size_t{64} << 20;
+  // Connect() calls RetainMessageBuffers() (kernels/malloc_tuning.h): glibc
+  // then serves message-sized buffers from the heap and keeps up to 64 MiB
+  // of freed heap mapped, instead of an mmap, page faults and an munmap per
+  // ~1 MiB message. Process-wide; turn it off in a process that tunes
+  // malloc itself.
+  bool retain_message_buffers = true;
 };
 
 // Per-call overrides.

@@ -21,7 +21,7 @@
 #include "grpcpp/server_builder.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/simd_dispatch.h"
-#include "service/malloc_tuning.h"
+#include "kernels/malloc_tuning.h"
 #include "service/server_config.h"
 
 namespace {

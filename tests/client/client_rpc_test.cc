@@ -2,6 +2,9 @@
 // status mapping, chunked appends (dense and quantized), fetch assembly,
 // raw fetch with local dequantization, attention marshalling, decode
 // sessions.
+#include <malloc.h>
+
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -35,6 +38,29 @@ HostTensor Random(std::vector<int64_t> shape, uint32_t seed, DType dtype = DType
   std::vector<float> v(n);
   for (float& x : v) x = dist(rng);
   return *HostTensor::FromFloats(v, std::move(shape), dtype);
+}
+
+// Whether a fresh 1 MiB block comes from mmap (glibc's default above its
+// 128 KiB threshold) or from the heap. These two tests come first: malloc
+// settings are process-wide (ctest runs every test in a process of its own).
+bool MessageSizedBlockIsMmapped() {
+  const size_t before = mallinfo2().hblks;
+  void* volatile p = std::malloc(size_t{1} << 20);
+  const bool mapped = mallinfo2().hblks > before;
+  std::free(p);
+  return mapped;
+}
+
+TEST(ClientMallocTest, ConnectWithoutRetainLeavesMallocAlone) {
+  ClientOptions options;
+  options.retain_message_buffers = false;
+  ASSERT_TRUE(KvqClient::Connect(options).ok());
+  EXPECT_TRUE(MessageSizedBlockIsMmapped());
+}
+
+TEST(ClientMallocTest, ConnectRetainsMessageBuffersByDefault) {
+  ASSERT_TRUE(KvqClient::Connect(ClientOptions()).ok());
+  EXPECT_FALSE(MessageSizedBlockIsMmapped());
 }
 
 class ClientRpcTest : public ::testing::Test {

@@ -1,4 +1,4 @@
-#include "service/malloc_tuning.h"
+#include "kernels/malloc_tuning.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>

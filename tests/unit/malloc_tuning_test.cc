@@ -1,6 +1,6 @@
 // After RetainMessageBuffers() a message-sized allocation comes from the
 // heap (no mmap per message) and its memory stays mapped after free.
-#include "service/malloc_tuning.h"
+#include "kernels/malloc_tuning.h"
 
 #include <malloc.h>
 

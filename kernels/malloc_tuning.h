@@ -1,4 +1,5 @@
-// glibc malloc settings for a server that moves ~1 MiB messages.
+// glibc malloc settings for a process that moves ~1 MiB messages: the
+// server, and clients that append or fetch whole prompts.
 //
 // By default glibc serves every allocation above its mmap threshold (128 KiB
 // at start, raised as mapped blocks are freed) with a fresh mmap and returns
@@ -6,9 +7,10 @@
 // allocates each received and sent message buffer fresh, so a bulk append or
 // fetch paid a map, first-touch page faults (the kernel zeroing 256 pages)
 // and an unmap per message: measured, a fifth of kvq-server's CPU time in
-// FetchDequant and a third in Append (docs/BENCHMARKS.md, section 4d).
-#ifndef KVQ_SERVICE_MALLOC_TUNING_H_
-#define KVQ_SERVICE_MALLOC_TUNING_H_
+// FetchDequant and a third in Append (docs/BENCHMARKS.md, section 4d), and
+// an eighth of a kivi4 round trip in the client (section 4j).
+#ifndef KVQ_KERNELS_MALLOC_TUNING_H_
+#define KVQ_KERNELS_MALLOC_TUNING_H_
 
 #include "absl/status/status.h"
 
@@ -22,4 +24,4 @@ absl::Status RetainMessageBuffers();
 
 }  // namespace kvq
 
-#endif  // KVQ_SERVICE_MALLOC_TUNING_H_
+#endif  // KVQ_KERNELS_MALLOC_TUNING_H_
