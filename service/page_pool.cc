@@ -31,6 +31,9 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(const PagePoolOptions
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot reserve a page pool of ", slabs * options.slab_bytes, " bytes"));
   }
+  // A hint: a kernel without transparent huge pages refuses it, and the
+  // pool works the same on 4 KiB pages.
+  if (options.huge_pages) madvise(arena, slabs * options.slab_bytes, MADV_HUGEPAGE);
   return std::unique_ptr<PagePool>(
       new PagePool(static_cast<uint8_t*>(arena), slabs, options.slab_bytes));
 }

@@ -29,6 +29,12 @@ namespace kvq {
 struct PagePoolOptions {
   size_t capacity_bytes = size_t{1} << 30;
   size_t slab_bytes = size_t{1} << 20;
+  // Ask the kernel for transparent huge pages on the arena (madvise; Linux
+  // grants them only on request under its default "madvise" policy). An
+  // Attend streams every page of its sequences' KV, 96 MiB per call at 32
+  // fp16 sequences of 4k tokens: with 4 KiB pages that is 24k page walks a
+  // call (docs/BENCHMARKS.md, section 4l).
+  bool huge_pages = true;
 };
 
 struct PagePoolStats {

@@ -1,6 +1,10 @@
 #include "service/page_pool.h"
 
+#include <cstdint>
+#include <fstream>
 #include <set>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -12,6 +16,46 @@ std::unique_ptr<PagePool> MakePool(size_t capacity, size_t slab) {
   absl::StatusOr<std::unique_ptr<PagePool>> p = PagePool::Create({capacity, slab});
   EXPECT_TRUE(p.ok()) << p.status();
   return std::move(*p);
+}
+
+// The VmFlags line of the /proc/self/smaps mapping that holds `p`.
+std::string VmFlagsOf(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t begin = 0, end = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> begin >> dash >> end && dash == '-') {
+      inside = begin <= a && a < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+TEST(PagePoolTest, AsksForHugePagesUnlessTurnedOff) {
+  // madvise(MADV_HUGEPAGE) marks the mapping "hg" whether or not the kernel
+  // then finds huge pages to back it.
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  }
+  for (const bool huge : {true, false}) {
+    PagePoolOptions options;
+    options.capacity_bytes = size_t{8} << 20;
+    options.huge_pages = huge;
+    absl::StatusOr<std::unique_ptr<PagePool>> pool = PagePool::Create(options);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    absl::StatusOr<uint8_t*> block = (*pool)->Allocate(4096);
+    ASSERT_TRUE(block.ok());
+    const std::string flags = VmFlagsOf(*block);
+    ASSERT_FALSE(flags.empty()) << "no smaps entry for the arena";
+    EXPECT_EQ(flags.find(" hg") != std::string::npos, huge) << flags;
+    (*pool)->Free(*block, 4096);
+  }
 }
 
 TEST(PagePoolTest, RejectsBadOptions) {
