@@ -897,7 +897,64 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
   // 32 channels per vpmaddwd (AVX3_DL: vpdpwssd, the add included): half
   // the multiply-adds and adds of AVX2.
   constexpr int NW = D / 32;
-  for (int t = 0; t < n; ++t) {
+  int t0 = 0;
+  if constexpr (R == 4) {
+    // 4 tokens x 4 rows at a time: their 16 sums reduce in one tree of
+    // unpacks and block shuffles to one vector, lanes [token][row], instead
+    // of a half-vector store per (token, row) and a transpose later.
+    const __m512 va = _mm512_castps128_ps512(_mm_loadu_ps(a));
+    const __m512 vas = _mm512_shuffle_f32x4(va, va, 0);
+    const __m512 vcs = _mm512_shuffle_f32x4(_mm512_castps128_ps512(_mm_loadu_ps(cst)),
+                                            _mm512_castps128_ps512(_mm_loadu_ps(cst)), 0);
+    // Lanes [token][row] -> [row][token].
+    const __m512i to_rows =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; t0 + 4 <= n; t0 += 4) {
+      __m512i v[4];
+      for (int k = 0; k < 4; ++k) {
+        next_lines.Step();
+        const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t0 + k);
+        __m512i codes[NW];
+#pragma GCC unroll 8
+        for (int j = 0; j < NW; ++j) codes[j] = Widen32<kBits, D>(rowp, j);
+        __m512i acc[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const int16_t* qr = qi + r * D;
+          __m512i s0 = _mm512_madd_epi16(codes[0], _mm512_loadu_si512(qr));
+#pragma GCC unroll 8
+          for (int j = 1; j < NW; ++j) {
+#if KVQ_X86_VNNI
+            s0 = _mm512_dpwssd_epi32(s0, codes[j], _mm512_loadu_si512(qr + 32 * j));
+#else
+            s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(codes[j], _mm512_loadu_si512(qr + 32 * j)));
+#endif
+          }
+          acc[r] = s0;
+        }
+        // Per 128-bit block: [r0 r1 r2 r3] partial sums.
+        const __m512i p01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]),
+                                             _mm512_unpackhi_epi32(acc[0], acc[1]));
+        const __m512i p23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]),
+                                             _mm512_unpackhi_epi32(acc[2], acc[3]));
+        v[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(p01, p23), _mm512_unpackhi_epi64(p01, p23));
+      }
+      // Sum the 4 blocks of each token: block k of w is token k's rows.
+      const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x44),
+                                           _mm512_shuffle_i32x4(v[0], v[1], 0xEE));
+      const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], 0x44),
+                                           _mm512_shuffle_i32x4(v[2], v[3], 0xEE));
+      const __m512i w = _mm512_add_epi32(_mm512_shuffle_i32x4(u01, u23, 0x88),
+                                         _mm512_shuffle_i32x4(u01, u23, 0xDD));
+      const __m512 sc4 =
+          _mm512_permutexvar_ps(to_rows, _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), vas, vcs));
+      _mm_storeu_ps(S + 0 * kSLd + t0, _mm512_castps512_ps128(sc4));
+      _mm_storeu_ps(S + 1 * kSLd + t0, _mm512_extractf32x4_ps(sc4, 1));
+      _mm_storeu_ps(S + 2 * kSLd + t0, _mm512_extractf32x4_ps(sc4, 2));
+      _mm_storeu_ps(S + 3 * kSLd + t0, _mm512_extractf32x4_ps(sc4, 3));
+    }
+  }
+  for (int t = t0; t < n; ++t) {
     next_lines.Step();
     const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
     __m512i codes[NW];
@@ -923,6 +980,7 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
     }
   }
 #else
+  const int t0 = 0;
   for (int t = 0; t < n; ++t) {
     next_lines.Step();
     const uint8_t* rowp = PageLayout::CodeRow(page, K, row + t);
@@ -943,7 +1001,7 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
     }
   }
 #endif
-  int t = 0;
+  int t = t0;
   for (; t + 8 <= n; t += 8) {
     for (int r = 0; r < R; ++r) {
       const __m256 v = _mm256_cvtepi32_ps(TransposeSum8(ipart + (t * R + r) * 8, R * 8));
