@@ -1051,13 +1051,26 @@ absl::Status RpcBench::RunLatency() {
       f.batch = batch;
       f.context = T + set.appended[0];
       std::vector<AppendAttendItem> items;
+      // The same step packed: row i of k, v and q is item i's.
+      DecodeBatch packed{{set.ids.begin(), set.ids.begin() + batch},
+                         HostTensor::Zeros(DType::kFloat16, {0}),
+                         HostTensor::Zeros(DType::kFloat16, {0}),
+                         HostTensor::Zeros(DType::kFloat16, {0})};
+      for (HostTensor* t : {&packed.k, &packed.v, &packed.q}) t->data.clear();
       for (int i = 0; i < batch; ++i) {
         items.push_back({set.ids[i], RandomTensor({kKvHeads, 1, kHeadDim}, 2000 + i, 1.0f),
                          RandomTensor({kKvHeads, 1, kHeadDim}, 3000 + i, 0.5f),
                          RandomTensor({1, kQHeads, kHeadDim}, 4000 + i, 1.0f)});
+        packed.k.data += items.back().k.data;
+        packed.v.data += items.back().v.data;
+        packed.q.data += items.back().q.data;
       }
+      packed.k.dtype = packed.v.dtype = items.front().k.dtype;
+      packed.q.dtype = items.front().q.dtype;
+      packed.k.shape = packed.v.shape = {batch, kKvHeads, kHeadDim};
+      packed.q.shape = {batch, kQHeads, kHeadDim};
       KVQ_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session, client_->OpenDecodeSession());
-      std::vector<double> unary_us, stream_us;
+      std::vector<double> unary_us, stream_us, packed_us;
       for (int i = 0; i < lat_warmup + reps; ++i) {
         auto t0 = Clock::now();
         absl::StatusOr<std::vector<AttendOutput>> a = client_->AppendAttend(0, items);
@@ -1067,15 +1080,21 @@ absl::Status RpcBench::RunLatency() {
         absl::StatusOr<std::vector<AttendOutput>> b = session->Step(0, items);
         const double t_stream = 1e6 * SecondsSince(t0);
         KVQ_RETURN_IF_ERROR(Annotate(b.status(), "DecodeStream"));
+        t0 = Clock::now();
+        absl::StatusOr<AttendOutput> c = session->StepBatch(0, packed);
+        const double t_packed = 1e6 * SecondsSince(t0);
+        KVQ_RETURN_IF_ERROR(Annotate(c.status(), "DecodeStream packed"));
         if (i >= lat_warmup) {
           unary_us.push_back(t_unary);
           stream_us.push_back(t_stream);
+          packed_us.push_back(t_packed);
         }
       }
       KVQ_RETURN_IF_ERROR(Annotate(session->Close(), "DecodeStream close"));
-      for (int i = 0; i < batch; ++i) set.appended[i] += 2 * (lat_warmup + reps);
+      for (int i = 0; i < batch; ++i) set.appended[i] += 3 * (lat_warmup + reps);
       f.append_attend = Summarize(std::move(unary_us));
       f.decode_stream = Summarize(std::move(stream_us));
+      f.decode_stream_packed = Summarize(std::move(packed_us));
       Log("decode %s batch %d: AppendAttend p50 %.0f us, DecodeStream p50 %.0f us", f.scheme, batch,
           f.append_attend.p50_us, f.decode_stream.p50_us);
       result_.decode.push_back(std::move(f));
@@ -1449,17 +1468,21 @@ std::string FormatRpcTable(const RpcBenchResult& r, const std::string& command) 
     absl::StrAppendFormat(&out,
                           "\n## Decode step: append one token + attend, one layer (context %d+)\n",
                           r.decode.front().context);
-    absl::StrAppendFormat(&out, "%-15s %5s %16s %16s %16s %16s %13s\n", "scheme", "batch",
-                          "AppendAttend p50", "AppendAttend p99", "DecodeStream p50",
-                          "DecodeStream p99", "winner");
+    absl::StrAppendFormat(&out, "%-15s %5s %16s %16s %16s %16s %13s %11s %11s\n", "scheme",
+                          "batch", "AppendAttend p50", "AppendAttend p99", "DecodeStream p50",
+                          "DecodeStream p99", "winner", "packed p50", "packed p99");
     for (const DecodeFigures& f : r.decode) {
       absl::StrAppendFormat(
-          &out, "%-15s %5d %16.0f %16.0f %16.0f %16.0f %13s\n", f.scheme, f.batch,
+          &out, "%-15s %5d %16.0f %16.0f %16.0f %16.0f %13s %11.0f %11.0f\n", f.scheme, f.batch,
           f.append_attend.p50_us, f.append_attend.p99_us, f.decode_stream.p50_us,
           f.decode_stream.p99_us,
-          f.decode_stream.p50_us < f.append_attend.p50_us ? "DecodeStream" : "AppendAttend");
+          f.decode_stream.p50_us < f.append_attend.p50_us ? "DecodeStream" : "AppendAttend",
+          f.decode_stream_packed.p50_us, f.decode_stream_packed.p99_us);
     }
-    absl::StrAppendFormat(&out, "(microseconds; winner by p50: %s)\n", DecodeVerdict(r));
+    absl::StrAppendFormat(&out,
+                          "(microseconds; winner by p50: %s; packed = a DecodeStream step with "
+                          "the batch's k, v and q as one tensor each, DecodeSession::StepBatch)\n",
+                          DecodeVerdict(r));
   }
   absl::StrAppendFormat(&out, "\n# total %.1f s\n", r.total_seconds);
   return out;
@@ -1529,7 +1552,9 @@ std::string FormatRpcJson(const RpcBenchResult& r, const std::string& command,
     absl::StrAppend(&out, "    {\"scheme\": ", JsonString(f.scheme), ", \"batch\": ", f.batch,
                     ", \"context\": ", f.context,
                     ", \"append_attend\": ", LatencyJson(f.append_attend),
-                    ", \"decode_stream\": ", LatencyJson(f.decode_stream), ", \"winner\": ",
+                    ", \"decode_stream\": ", LatencyJson(f.decode_stream),
+                    ", \"decode_stream_packed\": ", LatencyJson(f.decode_stream_packed),
+                    ", \"winner\": ",
                     JsonString(f.decode_stream.p50_us < f.append_attend.p50_us ? "DecodeStream"
                                                                                : "AppendAttend"),
                     "}", i + 1 < r.decode.size() ? ",\n" : "\n");

@@ -109,6 +109,7 @@ struct DecodeFigures {
   int context = 0;  // At the first step.
   LatencyStats append_attend;
   LatencyStats decode_stream;
+  LatencyStats decode_stream_packed;  // DecodeSession::StepBatch, one tensor each for k, v, q.
 };
 
 struct RpcBenchResult {

@@ -74,6 +74,45 @@ absl::Status FillAppendAttend(int layer, absl::Span<const AppendAttendItem> item
   return absl::OkStatus();
 }
 
+absl::Status FillAppendAttendBatch(int layer, const DecodeBatch& batch, float softmax_scale,
+                                   absl::string_view ns, v1::AppendAttendRequest* request) {
+  KVQ_RETURN_IF_ERROR(CheckTensor(batch.k, "k", 3));
+  KVQ_RETURN_IF_ERROR(CheckTensor(batch.v, "v", 3));
+  KVQ_RETURN_IF_ERROR(CheckTensor(batch.q, "q", 3));
+  const int64_t n = static_cast<int64_t>(batch.sequence_ids.size());
+  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"k", &batch.k},
+                                {"v", &batch.v}, {"q", &batch.q}}) {
+    if (n == 0 || t->shape[0] != n) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".shape[0] = ", t->shape[0],
+                                                     " must equal the ", n,
+                                                     " sequences (one row each, at least one)"));
+    }
+  }
+  request->set_layer(layer);
+  request->set_softmax_scale(softmax_scale);
+  for (const std::string& id : batch.sequence_ids) {
+    v1::SequenceRef* ref = request->add_items()->mutable_sequence();
+    ref->set_namespace_(std::string(ns));
+    ref->set_sequence_id(id);
+  }
+  ToProto(batch.k, request->mutable_k());
+  ToProto(batch.v, request->mutable_v());
+  ToProto(batch.q, request->mutable_q());
+  return absl::OkStatus();
+}
+
+// The packed reply of AttendBatch and AppendAttendBatch.
+absl::StatusOr<AttendOutput> ToPackedOutput(v1::AttendResponse&& response) {
+  if (!response.has_out() || !response.has_lse()) {
+    return absl::UnimplementedError("the server answered without a packed out/lse: it predates "
+                                    "the packed form");
+  }
+  AttendOutput o;
+  KVQ_ASSIGN_OR_RETURN(o.out, FromProto(std::move(*response.mutable_out()), "out"));
+  KVQ_ASSIGN_OR_RETURN(o.lse, FromProto(std::move(*response.mutable_lse()), "lse"));
+  return o;
+}
+
 }  // namespace
 
 bool IsRetryableCode(absl::StatusCode code) {
@@ -588,14 +627,7 @@ absl::StatusOr<AttendOutput> KvqClient::AttendBatch(int layer,
     response.Clear();
     return stub_->Attend(ctx, request, &response);
   }));
-  if (!response.has_out() || !response.has_lse()) {
-    return absl::UnimplementedError("the server answered without a packed out/lse: it predates "
-                                    "the packed Attend form");
-  }
-  AttendOutput o;
-  KVQ_ASSIGN_OR_RETURN(o.out, FromProto(std::move(*response.mutable_out()), "out"));
-  KVQ_ASSIGN_OR_RETURN(o.lse, FromProto(std::move(*response.mutable_lse()), "lse"));
-  return o;
+  return ToPackedOutput(std::move(response));
 }
 
 absl::StatusOr<std::vector<AttendOutput>> KvqClient::AppendAttend(
@@ -608,6 +640,18 @@ absl::StatusOr<std::vector<AttendOutput>> KvqClient::AppendAttend(
     return stub_->AppendAttend(ctx, request, &response);
   }));
   return ToOutputs(std::move(response));
+}
+
+absl::StatusOr<AttendOutput> KvqClient::AppendAttendBatch(int layer, const DecodeBatch& batch,
+                                                          float softmax_scale,
+                                                          const CallOptions& call) {
+  v1::AppendAttendRequest request;
+  KVQ_RETURN_IF_ERROR(FillAppendAttendBatch(layer, batch, softmax_scale, options_.ns, &request));
+  v1::AttendResponse response;
+  KVQ_RETURN_IF_ERROR(Call(false, call, [&](grpc::ClientContext* ctx, int) {
+    return stub_->AppendAttend(ctx, request, &response);
+  }));
+  return ToPackedOutput(std::move(response));
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> KvqClient::OpenDecodeSession(
@@ -696,6 +740,34 @@ absl::StatusOr<std::vector<AttendOutput>> DecodeSession::Read() {
   v1::DecodeResponse response;
   if (!stream_->Read(&response)) return Broken();
   return ToOutputs(std::move(*response.mutable_result()));
+}
+
+absl::Status DecodeSession::WriteBatch(int layer, const DecodeBatch& batch,
+                                       float softmax_scale) {
+  if (final_.has_value()) {
+    return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
+  }
+  if (writes_done_) return absl::FailedPreconditionError("session closed");
+  v1::DecodeRequest request;
+  KVQ_RETURN_IF_ERROR(
+      FillAppendAttendBatch(layer, batch, softmax_scale, ns_, request.mutable_step()));
+  if (!stream_->Write(request)) return Broken();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AttendOutput> DecodeSession::ReadBatch() {
+  if (final_.has_value()) {
+    return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
+  }
+  v1::DecodeResponse response;
+  if (!stream_->Read(&response)) return Broken();
+  return ToPackedOutput(std::move(*response.mutable_result()));
+}
+
+absl::StatusOr<AttendOutput> DecodeSession::StepBatch(int layer, const DecodeBatch& batch,
+                                                      float softmax_scale) {
+  KVQ_RETURN_IF_ERROR(WriteBatch(layer, batch, softmax_scale));
+  return ReadBatch();
 }
 
 absl::StatusOr<std::vector<AttendOutput>> DecodeSession::Step(

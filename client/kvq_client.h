@@ -156,6 +156,15 @@ struct AppendAttendItem {
   HostTensor q;  // [tokens, num_q_heads, head_dim]
 };
 
+// One decode step of a batch, packed (AppendAttendRequest.k/.v/.q): row i
+// of each tensor for sequence_ids[i], one new token per sequence.
+struct DecodeBatch {
+  std::vector<std::string> sequence_ids;
+  HostTensor k;  // [sequences, kv_heads, head_dim]: this step's key of each sequence.
+  HostTensor v;  // Same shape and dtype as k.
+  HostTensor q;  // Post-RoPE [sequences, num_q_heads, head_dim].
+};
+
 struct AttendBatchOptions {
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim).
   int key_end = 0;             // Keys [0, key_end) of every sequence; 0: all stored.
@@ -196,6 +205,13 @@ class DecodeSession {
   absl::StatusOr<std::vector<AttendOutput>> Step(int layer,
                                                  absl::Span<const AppendAttendItem> items,
                                                  float softmax_scale = 0.0f);
+  // The packed form: one tensor each for the batch's k, v and q, one out
+  // and one lse back (KvqClient::AppendAttendBatch). Read a batch step's
+  // reply with ReadBatch.
+  absl::Status WriteBatch(int layer, const DecodeBatch& batch, float softmax_scale = 0.0f);
+  absl::StatusOr<AttendOutput> ReadBatch();
+  absl::StatusOr<AttendOutput> StepBatch(int layer, const DecodeBatch& batch,
+                                         float softmax_scale = 0.0f);
   // Half-closes and returns the stream's final status.
   absl::Status Close();
 
@@ -295,6 +311,12 @@ class KvqClient {
   absl::StatusOr<std::vector<AttendOutput>> AppendAttend(
       int layer, absl::Span<const AppendAttendItem> items, float softmax_scale = 0.0f,
       const CallOptions& call = {});
+  // AppendAttend's packed form for one new token per sequence: the batch's
+  // k, v and q travel as one tensor each, the reply as one out and one lse
+  // tensor. The same appends and attention as AppendAttend. Never retried.
+  absl::StatusOr<AttendOutput> AppendAttendBatch(int layer, const DecodeBatch& batch,
+                                                 float softmax_scale = 0.0f,
+                                                 const CallOptions& call = {});
   // A decode stream; its deadline covers the whole session (infinite by
   // default: a session lives as long as the decode loop).
   absl::StatusOr<std::unique_ptr<DecodeSession>> OpenDecodeSession(

@@ -676,9 +676,21 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     DenseKv kv;
     WireTensor q;
   };
+  const int n = req.items_size();
+  const bool packed = req.has_k() || req.has_v() || req.has_q();
+  WireTensor pk, pv, pq;  // Packed form: [items, kv_heads | num_q_heads, head_dim].
+  if (packed) {
+    if (!req.has_k() || !req.has_v() || !req.has_q()) {
+      return absl::InvalidArgumentError("k, v and q (packed) must be set together");
+    }
+    KVQ_ASSIGN_OR_RETURN(pk, CheckTensor(req.k(), "k", {n, -1, -1}));
+    KVQ_ASSIGN_OR_RETURN(pv, CheckTensor(req.v(), "v", pk.shape));
+    if (pv.dtype != pk.dtype) return absl::InvalidArgumentError("v.dtype differs from k");
+    KVQ_ASSIGN_OR_RETURN(pq, CheckTensor(req.q(), "q", {n, -1, pk.shape[2]}));
+  }
   std::vector<Item> items;
   // Check every item before appending any.
-  for (int i = 0; i < req.items_size(); ++i) {
+  for (int i = 0; i < n; ++i) {
     const v1::AppendAttendItem& it = req.items(i);
     const std::string field = absl::StrCat("items[", i, "]");
     absl::StatusOr<SequenceStore::Handle> h =
@@ -686,13 +698,33 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     if (!h.ok()) return Prefixed(h.status(), field + ".sequence: ");
     Item item{std::move(*h), {}, {}};
     const ModelShape& m = item.seq->shape();
-    KVQ_ASSIGN_OR_RETURN(WireTensor k,
-                         CheckTensor(it.k(), field + ".k", {m.num_kv_heads, -1, m.head_dim}));
-    KVQ_ASSIGN_OR_RETURN(WireTensor v, CheckTensor(it.v(), field + ".v", k.shape));
-    if (v.dtype != k.dtype) return absl::InvalidArgumentError(field + ".v.dtype differs from k");
-    KVQ_ASSIGN_OR_RETURN(item.q, CheckTensor(it.q(), field + ".q",
-                                             {k.shape[1], m.num_q_heads, m.head_dim}));
-    item.kv = DenseKv{req.layer(), 1, static_cast<int>(k.shape[1]), k.dtype, k.data, v.data};
+    if (packed) {
+      if (it.has_k() || it.has_v() || it.has_q()) {
+        return absl::InvalidArgumentError(
+            field + ".k, .v and .q must be empty when k, v and q (packed) are set");
+      }
+      if (pk.shape[1] != m.num_kv_heads || pk.shape[2] != m.head_dim ||
+          pq.shape[1] != m.num_q_heads) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "k.shape = [", absl::StrJoin(pk.shape, ", "), "] and q.shape = [",
+            absl::StrJoin(pq.shape, ", "), "] do not fit ", field, ".sequence: kv_heads = ",
+            m.num_kv_heads, ", num_q_heads = ", m.num_q_heads, ", head_dim = ", m.head_dim));
+      }
+      // Row i of k and v is [kv_heads, head_dim]: one layer's [kv_heads, 1,
+      // head_dim] as DenseKv reads it.
+      const size_t kv_row = static_cast<size_t>(m.num_kv_heads) * m.head_dim * DTypeBytes(pk.dtype);
+      const size_t q_row = static_cast<size_t>(m.num_q_heads) * m.head_dim * DTypeBytes(pq.dtype);
+      item.kv = DenseKv{req.layer(), 1, 1, pk.dtype, pk.data + i * kv_row, pv.data + i * kv_row};
+      item.q = WireTensor{pq.dtype, {1, m.num_q_heads, m.head_dim}, pq.data + i * q_row};
+    } else {
+      KVQ_ASSIGN_OR_RETURN(WireTensor k,
+                           CheckTensor(it.k(), field + ".k", {m.num_kv_heads, -1, m.head_dim}));
+      KVQ_ASSIGN_OR_RETURN(WireTensor v, CheckTensor(it.v(), field + ".v", k.shape));
+      if (v.dtype != k.dtype) return absl::InvalidArgumentError(field + ".v.dtype differs from k");
+      KVQ_ASSIGN_OR_RETURN(item.q, CheckTensor(it.q(), field + ".q",
+                                               {k.shape[1], m.num_q_heads, m.head_dim}));
+      item.kv = DenseKv{req.layer(), 1, static_cast<int>(k.shape[1]), k.dtype, k.data, v.data};
+    }
     {
       absl::ReaderMutexLock lock(&item.seq->mu());
       KVQ_RETURN_IF_ERROR(Prefixed(item.seq->ValidateDense(item.kv), field + ": "));
@@ -724,7 +756,7 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     jobs.push_back(std::move(j));
   }
   return RunAttention(*store_->backend(), &kernel_thread_, metrics_, method, req.layer(), jobs,
-                      req.softmax_scale(), resp);
+                      req.softmax_scale(), resp, packed);
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,

@@ -270,6 +270,70 @@ TEST_F(ClientServerTest, AttendBatchEqualsAttendItemByItem) {
   EXPECT_TRUE(lse == packed->lse.data) << "packed lse differs from the per-item lse";
 }
 
+// Rows [i, i + 1) of a packed [n, heads, dim] tensor as [heads, 1, dim]
+// (a decode item's k or v) or [1, heads, dim] (its q).
+HostTensor Row(const HostTensor& t, int i, bool as_kv) {
+  const int64_t heads = t.shape[1], dim = t.shape[2];
+  HostTensor r = HostTensor::Zeros(t.dtype, as_kv ? std::vector<int64_t>{heads, 1, dim}
+                                                  : std::vector<int64_t>{1, heads, dim});
+  const size_t row = static_cast<size_t>(heads * dim) * DTypeBytes(t.dtype);
+  r.data = t.data.substr(i * row, row);
+  return r;
+}
+
+TEST_F(ClientServerTest, PackedDecodeStepsEqualItemByItem) {
+  // Two copies of three sequences; one copy steps item by item, the other
+  // packed (unary, then on a DecodeStream): the same outputs, the same KV.
+  const char* schemes[] = {"kivi2:g32:r128", "fp16", "kivi4:g32:r64:sink=4"};
+  std::vector<std::string> each_ids, packed_ids;
+  for (int i = 0; i < 3; ++i) {
+    const HostTensor k = Random({kLayers, kHeads, 90 + 40 * i, kDim}, 70 + i);
+    const HostTensor v = Random({kLayers, kHeads, 90 + 40 * i, kDim}, 80 + i);
+    for (std::vector<std::string>* ids : {&each_ids, &packed_ids}) {
+      const std::string id = absl::StrCat(ids == &each_ids ? "e" : "p", i);
+      Create(id, schemes[i]);
+      ASSERT_TRUE(client_->AppendPrompt(id, k, v).ok());
+      ids->push_back(id);
+    }
+  }
+  absl::StatusOr<std::unique_ptr<DecodeSession>> session = client_->OpenDecodeSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  for (int step = 0; step < 2; ++step) {
+    for (int layer = 0; layer < kLayers; ++layer) {
+      DecodeBatch batch{packed_ids, Random({3, kHeads, kDim}, 100 + 10 * step + layer),
+                        Random({3, kHeads, kDim}, 200 + 10 * step + layer),
+                        Random({3, kQHeads, kDim}, 300 + 10 * step + layer)};
+      std::vector<AppendAttendItem> items;
+      for (int i = 0; i < 3; ++i) {
+        items.push_back({each_ids[i], Row(batch.k, i, true), Row(batch.v, i, true),
+                         Row(batch.q, i, false)});
+      }
+      absl::StatusOr<std::vector<AttendOutput>> each = client_->AppendAttend(layer, items);
+      ASSERT_TRUE(each.ok()) << each.status();
+      absl::StatusOr<AttendOutput> packed = step == 0
+                                                ? client_->AppendAttendBatch(layer, batch)
+                                                : (*session)->StepBatch(layer, batch);
+      ASSERT_TRUE(packed.ok()) << packed.status();
+      EXPECT_EQ(packed->out.shape, (std::vector<int64_t>{3, kQHeads, kDim}));
+      EXPECT_EQ(packed->lse.shape, (std::vector<int64_t>{3, kQHeads}));
+      std::string out, lse;
+      for (const AttendOutput& o : *each) {
+        out += o.out.data;
+        lse += o.lse.data;
+      }
+      EXPECT_TRUE(out == packed->out.data) << "step " << step << " layer " << layer;
+      EXPECT_TRUE(lse == packed->lse.data) << "step " << step << " layer " << layer;
+    }
+  }
+  ASSERT_TRUE((*session)->Close().ok());
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<FetchedKv> a = client_->FetchDequant(each_ids[i]);
+    absl::StatusOr<FetchedKv> b = client_->FetchDequant(packed_ids[i]);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_TRUE(a->k.data == b->k.data && a->v.data == b->v.data) << schemes[i];
+  }
+}
+
 TEST_F(ClientServerTest, DecodeStepsAppendAndAttendEveryLayer) {
   Create("decode", "kivi2:g32:r128");
   const HostTensor k = Random({kLayers, kHeads, 200, kDim}, 6);

@@ -499,6 +499,44 @@ TEST_F(ErrorPathTest, PackedAttendChecksItsQueries) {
   ExpectUnchanged("s", before_);
 }
 
+TEST_F(ErrorPathTest, PackedDecodeStepsCheckTheirTensors) {
+  auto append_attend = [&](const v1::AppendAttendRequest& req) {
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    const grpc::Status st = stub_->AppendAttend(&ctx, req, &resp);
+    EXPECT_FALSE(resp.has_out()) << "a failed call returned a packed output";
+    return st;
+  };
+  v1::AppendAttendRequest req;
+  v1::SequenceRef* ref = req.add_items()->mutable_sequence();
+  ref->set_namespace_(ns_);
+  ref->set_sequence_id("s");
+  ToProto(Random({1, kHeads, kDim}, 40), req.mutable_k());
+  ToProto(Random({1, kHeads, kDim}, 41), req.mutable_v());
+  ExpectStatus(append_attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "k, v and q (packed) must be set together");
+  ToProto(Random({1, kQHeads, kDim}, 42), req.mutable_q());
+  ToProto(Random({2, kHeads, kDim}, 43), req.mutable_k());
+  ExpectStatus(append_attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "k.shape = [2, 2, 64], expected [1, n, n]");
+  ToProto(Random({1, kHeads + 1, kDim}, 44), req.mutable_k());
+  ToProto(Random({1, kHeads + 1, kDim}, 45), req.mutable_v());
+  ExpectStatus(append_attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "k.shape = [1, 3, 64] and q.shape = [1, 4, 64] do not fit items[0].sequence: "
+               "kv_heads = 2, num_q_heads = 4, head_dim = 64");
+  ToProto(Random({1, kHeads, kDim}, 46), req.mutable_k());
+  ToProto(Random({1, kHeads, kDim}, 47), req.mutable_v());
+  ToProto(Random({kHeads, 1, kDim}, 48), req.mutable_items(0)->mutable_k());
+  ExpectStatus(append_attend(req), grpc::StatusCode::INVALID_ARGUMENT,
+               "items[0].k, .v and .q must be empty when k, v and q (packed) are set");
+  // The client library checks the row counts before sending.
+  DecodeBatch batch{{"s", "s"}, Random({2, kHeads, kDim}, 49), Random({2, kHeads, kDim}, 50),
+                    Random({1, kQHeads, kDim}, 51)};
+  ExpectStatus(client_->AppendAttendBatch(0, batch).status(), absl::StatusCode::kInvalidArgument,
+               "q.shape[0] = 1 must equal the 2 sequences (one row each, at least one)");
+  ExpectUnchanged("s", before_);
+}
+
 TEST_F(ErrorPathTest, OversizedMessagesNameTheLimit) {
   absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();

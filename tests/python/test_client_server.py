@@ -155,6 +155,23 @@ def test_decode_session_append_attend_and_fork(client):
         client.append_attend(layer, [("d1", k[layer, :, :1], k[layer, :, :1],
                                       rng.standard_normal((1, QHEADS, DIM)).astype(np.float32))])
     assert client.stats("d1").num_tokens == 134
+    # The packed decode step: the same outputs as item by item on a copy.
+    client.create_sequence(layout(), scheme="kivi4", sequence_id="d3")
+    client.append_prompt("d3", k, k)
+    client.create_sequence(layout(), scheme="kivi4", sequence_id="d4")
+    client.append_prompt("d4", k, k)
+    kb = rng.standard_normal((1, HEADS, DIM)).astype(np.float16)
+    qb = rng.standard_normal((1, QHEADS, DIM)).astype(np.float32)
+    [(out_e, lse_e)] = client.append_attend(0, [("d3", kb.reshape(HEADS, 1, DIM),
+                                                 kb.reshape(HEADS, 1, DIM), qb)])
+    out_p, lse_p = client.append_attend_batch(0, ["d4"], kb, kb, qb)
+    assert (out_p == out_e).all() and (lse_p == lse_e).all()
+    with client.decode_session() as session:
+        out_s, _ = session.step_batch(1, ["d4"], kb, kb, qb)
+        assert out_s.shape == (1, QHEADS, DIM)
+    assert client.stats("d4").num_tokens == 131  # Both layers (LAYERS == 2) got their token.
+    with pytest.raises(ValueError, match=r"q must be \[1 sequences"):
+        client.append_attend_batch(0, ["d4"], kb, kb, qb[:0])
     child, n = client.fork("d1", new_sequence_id="d2", num_tokens=128)
     assert (child, n) == ("d2", 128)
     assert client.stats("d2").num_tokens == 128

@@ -158,6 +158,15 @@ def _results(response):
             for i, r in enumerate(response.results)]
 
 
+def _packed(response):
+    """(out, lse) of a packed reply (AttendBatch, AppendAttendBatch)."""
+    if not response.HasField("out"):
+        raise KvqError(grpc.StatusCode.UNIMPLEMENTED,
+                       "the server answered without a packed out/lse: it predates the "
+                       "packed form")
+    return from_tensor(response.out, "out"), from_tensor(response.lse, "lse")
+
+
 class DecodeSession:
     """A DecodeStream: write() sends one layer's append+attend for some
     sequences, read() returns the results in write order; step() does both.
@@ -189,6 +198,30 @@ class DecodeSession:
     def step(self, layer, items, softmax_scale=0.0):
         self.write(layer, items, softmax_scale)
         return self.read()
+
+    def write_batch(self, layer, sequence_ids, k, v, q, softmax_scale=0.0):
+        """The packed form of write(): k, v [n, kv_heads, head_dim] and q
+        [n, num_q_heads, head_dim], row i for sequence_ids[i]; read its reply
+        with read_batch()."""
+        if self._closed:
+            raise KvqError(grpc.StatusCode.FAILED_PRECONDITION, "decode session closed")
+        request = pb.DecodeRequest()
+        self._client._fill_append_attend_batch(request.step, layer, sequence_ids, k, v, q,
+                                               softmax_scale)
+        self._requests.put(request)
+
+    def read_batch(self):
+        """(out, lse) of a write_batch(), packed."""
+        try:
+            return _packed(next(self._responses).result)
+        except StopIteration:
+            raise KvqError(grpc.StatusCode.UNAVAILABLE, "decode stream closed by the server")
+        except grpc.RpcError as e:
+            raise KvqError.from_rpc_error(e) from None
+
+    def step_batch(self, layer, sequence_ids, k, v, q, softmax_scale=0.0):
+        self.write_batch(layer, sequence_ids, k, v, q, softmax_scale)
+        return self.read_batch()
 
     def close(self):
         """Half-closes, drains unread results and raises the stream's error, if any."""
@@ -309,6 +342,20 @@ class KvqClient:
                 if np.ndim(array) != rank:
                     raise ValueError(f"{name} must have rank {rank}, got shape {np.shape(array)}")
                 to_tensor(array, out=getattr(item, name))
+
+    def _fill_append_attend_batch(self, request, layer, sequence_ids, k, v, q, softmax_scale):
+        ids = list(sequence_ids)
+        for name, array in (("k", k), ("v", v), ("q", q)):
+            if np.ndim(array) != 3 or not ids or np.shape(array)[0] != len(ids):
+                raise ValueError(f"{name} must be [{len(ids)} sequences (at least one), heads, "
+                                 f"head_dim], got {np.shape(array)}")
+        request.layer = layer
+        request.softmax_scale = softmax_scale
+        for sequence_id in ids:
+            self._ref(sequence_id, request.items.add().sequence)
+        to_tensor(k, out=request.k)
+        to_tensor(v, out=request.v)
+        to_tensor(q, out=request.q)
 
     # ---------------------------------------------------------------- RPCs
 
@@ -499,11 +546,7 @@ class KvqClient:
         to_tensor(q, out=request.q)
         r = self._call(lambda t, _: self._stub.Attend(request, timeout=t),
                        idempotent=True, deadline=deadline)
-        if not r.HasField("out"):
-            raise KvqError(grpc.StatusCode.UNIMPLEMENTED,
-                           "the server answered without a packed out/lse: it predates the "
-                           "packed Attend form")
-        return from_tensor(r.out, "out"), from_tensor(r.lse, "lse")
+        return _packed(r)
 
     def append_attend(self, layer, items, softmax_scale=0.0, deadline=None):
         """Appends each DecodeItem's k/v to its sequence's layer, then attends;
@@ -513,6 +556,18 @@ class KvqClient:
         r = self._call(lambda t, _: self._stub.AppendAttend(request, timeout=t),
                        idempotent=False, deadline=deadline)
         return _results(r)
+
+    def append_attend_batch(self, layer, sequence_ids, k, v, q, softmax_scale=0.0,
+                            deadline=None):
+        """append_attend's packed form, one new token per sequence: k, v
+        [n, kv_heads, head_dim] and q [n, num_q_heads, head_dim], row i for
+        sequence_ids[i]; (out [n, num_q_heads, head_dim], lse [n,
+        num_q_heads]) float32 back. Never retried."""
+        request = pb.AppendAttendRequest()
+        self._fill_append_attend_batch(request, layer, sequence_ids, k, v, q, softmax_scale)
+        r = self._call(lambda t, _: self._stub.AppendAttend(request, timeout=t),
+                       idempotent=False, deadline=deadline)
+        return _packed(r)
 
     def decode_session(self, deadline=None):
         """A DecodeSession; `deadline` (seconds) covers the whole session
