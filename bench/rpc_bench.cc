@@ -906,8 +906,7 @@ absl::Status RpcBench::RunLatency() {
           const int key_end = context == T ? 0 : context;  // 0: every stored token.
           std::vector<AttendQuery> items;
           std::vector<std::string> ids(set.ids.begin(), set.ids.begin() + batch);
-          HostTensor packed_q = HostTensor::Zeros(DType::kFloat16, {batch, kQHeads, kHeadDim});
-          packed_q.data.clear();
+          HostTensor packed_q{DType::kFloat16, {batch, kQHeads, kHeadDim}, ""};  // Rows below.
           v1::AttendRequest request;  // What the client sends, for its size.
           v1::AttendResponse response;
           for (int i = 0; i < batch; ++i) {
@@ -1053,10 +1052,9 @@ absl::Status RpcBench::RunLatency() {
       std::vector<AppendAttendItem> items;
       // The same step packed: row i of k, v and q is item i's.
       DecodeBatch packed{{set.ids.begin(), set.ids.begin() + batch},
-                         HostTensor::Zeros(DType::kFloat16, {0}),
-                         HostTensor::Zeros(DType::kFloat16, {0}),
-                         HostTensor::Zeros(DType::kFloat16, {0})};
-      for (HostTensor* t : {&packed.k, &packed.v, &packed.q}) t->data.clear();
+                         {DType::kFloat16, {batch, kKvHeads, kHeadDim}, ""},
+                         {DType::kFloat16, {batch, kKvHeads, kHeadDim}, ""},
+                         {DType::kFloat16, {batch, kQHeads, kHeadDim}, ""}};
       for (int i = 0; i < batch; ++i) {
         items.push_back({set.ids[i], RandomTensor({kKvHeads, 1, kHeadDim}, 2000 + i, 1.0f),
                          RandomTensor({kKvHeads, 1, kHeadDim}, 3000 + i, 0.5f),
@@ -1065,10 +1063,6 @@ absl::Status RpcBench::RunLatency() {
         packed.v.data += items.back().v.data;
         packed.q.data += items.back().q.data;
       }
-      packed.k.dtype = packed.v.dtype = items.front().k.dtype;
-      packed.q.dtype = items.front().q.dtype;
-      packed.k.shape = packed.v.shape = {batch, kKvHeads, kHeadDim};
-      packed.q.shape = {batch, kQHeads, kHeadDim};
       KVQ_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session, client_->OpenDecodeSession());
       std::vector<double> unary_us, stream_us, packed_us;
       for (int i = 0; i < lat_warmup + reps; ++i) {

@@ -635,11 +635,17 @@ absl::StatusOr<std::vector<AttendOutput>> KvqClient::AppendAttend(
     const CallOptions& call) {
   v1::AppendAttendRequest request;
   KVQ_RETURN_IF_ERROR(FillAppendAttend(layer, items, softmax_scale, options_.ns, &request));
+  KVQ_ASSIGN_OR_RETURN(v1::AttendResponse response, CallAppendAttend(request, call));
+  return ToOutputs(std::move(response));
+}
+
+absl::StatusOr<v1::AttendResponse> KvqClient::CallAppendAttend(
+    const v1::AppendAttendRequest& request, const CallOptions& call) {
   v1::AttendResponse response;
   KVQ_RETURN_IF_ERROR(Call(false, call, [&](grpc::ClientContext* ctx, int) {
     return stub_->AppendAttend(ctx, request, &response);
   }));
-  return ToOutputs(std::move(response));
+  return response;
 }
 
 absl::StatusOr<AttendOutput> KvqClient::AppendAttendBatch(int layer, const DecodeBatch& batch,
@@ -647,10 +653,7 @@ absl::StatusOr<AttendOutput> KvqClient::AppendAttendBatch(int layer, const Decod
                                                           const CallOptions& call) {
   v1::AppendAttendRequest request;
   KVQ_RETURN_IF_ERROR(FillAppendAttendBatch(layer, batch, softmax_scale, options_.ns, &request));
-  v1::AttendResponse response;
-  KVQ_RETURN_IF_ERROR(Call(false, call, [&](grpc::ClientContext* ctx, int) {
-    return stub_->AppendAttend(ctx, request, &response);
-  }));
+  KVQ_ASSIGN_OR_RETURN(v1::AttendResponse response, CallAppendAttend(request, call));
   return ToPackedOutput(std::move(response));
 }
 
@@ -725,43 +728,51 @@ absl::Status DecodeSession::Broken() {
   return *final_;
 }
 
-absl::Status DecodeSession::Write(int layer, absl::Span<const AppendAttendItem> items,
-                                  float softmax_scale) {
-  if (final_.has_value()) return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
-  if (writes_done_) return absl::FailedPreconditionError("session closed");
-  v1::DecodeRequest request;
-  KVQ_RETURN_IF_ERROR(FillAppendAttend(layer, items, softmax_scale, ns_, request.mutable_step()));
+absl::Status DecodeSession::CheckOpen(bool writing) const {
+  if (final_.has_value()) {
+    return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
+  }
+  if (writing && writes_done_) return absl::FailedPreconditionError("session closed");
+  return absl::OkStatus();
+}
+
+absl::Status DecodeSession::Send(const v1::DecodeRequest& request) {
   if (!stream_->Write(request)) return Broken();
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<AttendOutput>> DecodeSession::Read() {
-  if (final_.has_value()) return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
+absl::StatusOr<v1::AttendResponse> DecodeSession::Receive() {
+  KVQ_RETURN_IF_ERROR(CheckOpen(false));
   v1::DecodeResponse response;
   if (!stream_->Read(&response)) return Broken();
-  return ToOutputs(std::move(*response.mutable_result()));
+  return std::move(*response.mutable_result());
+}
+
+absl::Status DecodeSession::Write(int layer, absl::Span<const AppendAttendItem> items,
+                                  float softmax_scale) {
+  KVQ_RETURN_IF_ERROR(CheckOpen(true));
+  v1::DecodeRequest request;
+  KVQ_RETURN_IF_ERROR(FillAppendAttend(layer, items, softmax_scale, ns_, request.mutable_step()));
+  return Send(request);
+}
+
+absl::StatusOr<std::vector<AttendOutput>> DecodeSession::Read() {
+  KVQ_ASSIGN_OR_RETURN(v1::AttendResponse result, Receive());
+  return ToOutputs(std::move(result));
 }
 
 absl::Status DecodeSession::WriteBatch(int layer, const DecodeBatch& batch,
                                        float softmax_scale) {
-  if (final_.has_value()) {
-    return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
-  }
-  if (writes_done_) return absl::FailedPreconditionError("session closed");
+  KVQ_RETURN_IF_ERROR(CheckOpen(true));
   v1::DecodeRequest request;
   KVQ_RETURN_IF_ERROR(
       FillAppendAttendBatch(layer, batch, softmax_scale, ns_, request.mutable_step()));
-  if (!stream_->Write(request)) return Broken();
-  return absl::OkStatus();
+  return Send(request);
 }
 
 absl::StatusOr<AttendOutput> DecodeSession::ReadBatch() {
-  if (final_.has_value()) {
-    return final_->ok() ? absl::FailedPreconditionError("session closed") : *final_;
-  }
-  v1::DecodeResponse response;
-  if (!stream_->Read(&response)) return Broken();
-  return ToPackedOutput(std::move(*response.mutable_result()));
+  KVQ_ASSIGN_OR_RETURN(v1::AttendResponse result, Receive());
+  return ToPackedOutput(std::move(result));
 }
 
 absl::StatusOr<AttendOutput> DecodeSession::StepBatch(int layer, const DecodeBatch& batch,

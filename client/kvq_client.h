@@ -219,6 +219,12 @@ class DecodeSession {
   friend class KvqClient;
   DecodeSession() = default;
   absl::Status Broken();
+  // The stream's final status once it broke, FAILED_PRECONDITION once
+  // closed (for writing: once half-closed).
+  absl::Status CheckOpen(bool writing) const;
+  // One request out (after CheckOpen), one step's result in.
+  absl::Status Send(const v1::DecodeRequest& request);
+  absl::StatusOr<v1::AttendResponse> Receive();
 
   std::string ns_;
   grpc::ClientContext context_;
@@ -335,6 +341,9 @@ class KvqClient {
   absl::Status Call(bool idempotent, const CallOptions& call,
                     const std::function<grpc::Status(grpc::ClientContext*, int attempt)>& attempt);
   void SetDeadline(grpc::ClientContext* context, const CallOptions& call) const;
+  // AppendAttend, either form (never retried).
+  absl::StatusOr<v1::AttendResponse> CallAppendAttend(const v1::AppendAttendRequest& request,
+                                                      const CallOptions& call);
   void Ref(absl::string_view sequence_id, v1::SequenceRef* out) const;
   absl::StatusOr<AppendResult> SendPlan(absl::string_view sequence_id, const HostTensor& k,
                                         const HostTensor& v, const AppendPlan& plan,

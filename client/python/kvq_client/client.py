@@ -180,20 +180,26 @@ class DecodeSession:
         self._responses = stub.DecodeStream(iter(self._requests.get, self._END), timeout=timeout)
         self._closed = False
 
-    def write(self, layer, items, softmax_scale=0.0):
+    def _check_open(self):
         if self._closed:
             raise KvqError(grpc.StatusCode.FAILED_PRECONDITION, "decode session closed")
+
+    def _next_result(self):
+        try:
+            return next(self._responses).result
+        except StopIteration:
+            raise KvqError(grpc.StatusCode.UNAVAILABLE, "decode stream closed by the server")
+        except grpc.RpcError as e:
+            raise KvqError.from_rpc_error(e) from None
+
+    def write(self, layer, items, softmax_scale=0.0):
+        self._check_open()
         request = pb.DecodeRequest()
         self._client._fill_append_attend(request.step, layer, items, softmax_scale)
         self._requests.put(request)
 
     def read(self):
-        try:
-            return _results(next(self._responses).result)
-        except StopIteration:
-            raise KvqError(grpc.StatusCode.UNAVAILABLE, "decode stream closed by the server")
-        except grpc.RpcError as e:
-            raise KvqError.from_rpc_error(e) from None
+        return _results(self._next_result())
 
     def step(self, layer, items, softmax_scale=0.0):
         self.write(layer, items, softmax_scale)
@@ -203,8 +209,7 @@ class DecodeSession:
         """The packed form of write(): k, v [n, kv_heads, head_dim] and q
         [n, num_q_heads, head_dim], row i for sequence_ids[i]; read its reply
         with read_batch()."""
-        if self._closed:
-            raise KvqError(grpc.StatusCode.FAILED_PRECONDITION, "decode session closed")
+        self._check_open()
         request = pb.DecodeRequest()
         self._client._fill_append_attend_batch(request.step, layer, sequence_ids, k, v, q,
                                                softmax_scale)
@@ -212,12 +217,7 @@ class DecodeSession:
 
     def read_batch(self):
         """(out, lse) of a write_batch(), packed."""
-        try:
-            return _packed(next(self._responses).result)
-        except StopIteration:
-            raise KvqError(grpc.StatusCode.UNAVAILABLE, "decode stream closed by the server")
-        except grpc.RpcError as e:
-            raise KvqError.from_rpc_error(e) from None
+        return _packed(self._next_result())
 
     def step_batch(self, layer, sequence_ids, k, v, q, softmax_scale=0.0):
         self.write_batch(layer, sequence_ids, k, v, q, softmax_scale)
