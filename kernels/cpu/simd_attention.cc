@@ -29,13 +29,15 @@
 // The AVX2 paths also run on AVX3 (AVX-512), where the integer key scores,
 // the value accumulation and the scores of float key tiles use 512-bit
 // registers (KVQ_X86_AVX3 blocks); every other loop keeps 8 float lanes
-// there (simd_targets.h). AVX3_DL adds VNNI: the key scores multiply-add in
-// one instruction (vpdpwssd) and the values of uniform kivi run as integer
-// dot products too (KiviValueDot, vpdpbusd).
+// there (simd_targets.h). AVX3_DL adds VNNI: 2- and 4-bit key scores run
+// with 16 tokens in the lanes of a vector (KiviKeyScoresLanes, vpdpbusd, no
+// per-token reduction), other key widths multiply-add in one instruction
+// (vpdpwssd), and the values of uniform kivi run as integer dot products too
+// (KiviValueDot, vpdpbusd).
 // Keys and values may have different code widths (vN): each side's kernel
 // is instantiated for its own width (KiviSegment<key bits, value bits, D>).
 // Only the integer paths round anything beyond float arithmetic (the key
-// path's int16 queries, AVX3_DL's 16-bit value weights): their output is
+// path's int16 queries, AVX3_DL's 15-bit value weights): their output is
 // within ~5e-4 of the reference (contract: 5e-3), every other path within
 // float rounding (~3e-6; contract 1e-4).
 //
@@ -180,6 +182,7 @@ struct Scratch {
   // kivi fast path.
   std::vector<float> kparams;   // scale[d], zero[d] of the current key block.
   std::vector<int16_t> qi;      // [kMaxRows][d]
+  std::vector<uint8_t> qb;      // [kMaxRows][2][d]: (qi + 128) >> 8, then qi's low byte.
   std::vector<int32_t> ipart;   // [kTile][kMaxRows][8]
   std::vector<float> vparams;   // [2][ng][kTile + 2]: scale then zero, token-major per group.
   std::vector<float> wf;        // [kMaxRows][ng][kTile + 2]
@@ -209,6 +212,7 @@ struct Scratch {
     base_sf.assign(D, 0.0f);
     kparams.assign(2 * D, 0.0f);
     qi.assign(kMaxRows * D, 0);
+    qb.assign(kMaxRows * 2 * D, 0);
     ipart.assign(static_cast<size_t>(kTile) * kMaxRows * 8, 0);
     vparams.assign(2 * D * (kTile + 2), 0.0f);
     wf.assign(kMaxRows * D * (kTile + 2), 0.0f);
@@ -793,56 +797,337 @@ HWY_INLINE __m512i Widen32(const uint8_t* HWY_RESTRICT row, int j) {
 }
 #endif
 
+#if KVQ_X86_AVX3
+// A transpose of 16 tokens x 2^w dword columns held in 2^w registers
+// (register i lane l = element 16 i + l of the token-major block) into one
+// register per column (lane t = token t), as w rounds of two-source
+// permutes: round s swaps register-index bit s with lane-index bit s; the
+// last round's indices are found by search so that tokens come out in order.
+struct DwordTransposePlan {
+  int32_t idx[3][2][16] = {};
+  bool ok = false;
+};
+
+constexpr DwordTransposePlan MakeDwordTransposePlan(int w) {
+  DwordTransposePlan p;
+  const int n = 1 << w;
+  int tag[8][16] = {};  // Element (16 i + l) currently in register i', lane l'.
+  for (int i = 0; i < n; ++i) {
+    for (int l = 0; l < 16; ++l) tag[i][l] = 16 * i + l;
+  }
+  for (int s = 0; s < w; ++s) {
+    const int bit = 1 << s;
+    if (s + 1 < w) {
+      for (int l = 0; l < 16; ++l) {
+        const int from_b = (l >> s) & 1;
+        p.idx[s][0][l] = (l & ~bit) | (from_b << 4);
+        p.idx[s][1][l] = (l | bit) | (from_b << 4);
+      }
+    } else {
+      // Output register k, lane t must hold token t's column k, element
+      // t * n + k; it lies in register k & ~bit or k | bit. Take the
+      // indices from the pair (0, bit) and check every pair agrees.
+      for (int half = 0; half < 2; ++half) {
+        const int k = half ? bit : 0;
+        for (int t = 0; t < 16; ++t) {
+          int found = -1;
+          for (int l = 0; l < 16; ++l) {
+            if (tag[0][l] == t * n + k) found = l;
+            if (tag[bit][l] == t * n + k) found = 16 + l;
+          }
+          if (found < 0) return p;
+          p.idx[s][half][t] = found;
+        }
+      }
+    }
+    int next[8][16] = {};
+    for (int j = 0; j < n; ++j) {
+      if (j & bit) continue;
+      for (int half = 0; half < 2; ++half) {
+        for (int l = 0; l < 16; ++l) {
+          const int src = p.idx[s][half][l];
+          next[j | (half ? bit : 0)][l] = src < 16 ? tag[j][src] : tag[j | bit][src - 16];
+        }
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      for (int l = 0; l < 16; ++l) tag[j][l] = next[j][l];
+    }
+  }
+  for (int k = 0; k < n; ++k) {
+    for (int t = 0; t < 16; ++t) {
+      if (tag[k][t] != t * n + k) return p;
+    }
+  }
+  p.ok = true;
+  return p;
+}
+
+template <int w>
+inline constexpr DwordTransposePlan kDwordTranspose = MakeDwordTransposePlan(w);
+static_assert(kDwordTranspose<2>.ok && kDwordTranspose<3>.ok);
+
+template <int w>
+HWY_INLINE void TransposeDwords(__m512i* HWY_RESTRICT x) {
+  constexpr int n = 1 << w;
+#pragma GCC unroll 3
+  for (int s = 0; s < w; ++s) {
+    const __m512i i0 = _mm512_loadu_si512(kDwordTranspose<w>.idx[s][0]);
+    const __m512i i1 = _mm512_loadu_si512(kDwordTranspose<w>.idx[s][1]);
+    __m512i y[n];
+#pragma GCC unroll 8
+    for (int j = 0; j < n; ++j) {
+      if (j & (1 << s)) continue;
+      y[j] = _mm512_permutex2var_epi32(x[j], i0, x[j | (1 << s)]);
+      y[j | (1 << s)] = _mm512_permutex2var_epi32(x[j], i1, x[j | (1 << s)]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < n; ++j) x[j] = y[j];
+  }
+}
+#endif  // KVQ_X86_AVX3
+
+#if KVQ_X86_VNNI
+// ---------------------------------------------------------------------------
+// Key scores with tokens in lanes (AVX3_DL, 2- and 4-bit codes).
+//
+// The token-major rows give each token's dot product across the lanes of a
+// vector, and every token then pays for a horizontal reduction. Here the
+// codes of 16 tokens are transposed in registers instead: 32-bit column k of
+// 16 rows becomes one vector whose lane t is dword k of token t. Byte i of
+// that dword, shifted by b * m and masked, is the code of channel
+// 4k + i + P m (P the plane's bytes per row), so one vpdpbusd against the
+// four query bytes of those channels, broadcast, adds their products into
+// each token's own lane: no reduction, 16 tokens per instruction.
+//
+// vpdpbusd multiplies unsigned by signed bytes: the codes are the unsigned
+// operand, and the int16 query splits exactly into two signed bytes,
+// qi = 256 hi + lo with lo the low byte read as signed and
+// hi = (qi + 128) >> 8. hi fits a signed byte while |qi| <= 32639, which is
+// why this target quantizes the query to that bound (kQiMax) rather than
+// 32767. Both bytes are then the operand an instruction can broadcast from
+// memory itself. The two int32 sums recombine to the integer the per-token
+// path computes from the same qi, so the two paths give the same scores.
+
+// qi's high bytes then its low bytes, per row, so four consecutive channels
+// of either are one broadcastable dword.
+template <int D>
+HWY_INLINE void SplitQueryBytes(const int16_t* HWY_RESTRICT qi, int rows,
+                                uint8_t* HWY_RESTRICT qb) {
+  static_assert(D % 32 == 0);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < D; c += 32) {
+      const __m512i x = _mm512_loadu_si512(qi + r * D + c);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 2 * r * D + c),
+                          _mm512_cvtepi16_epi8(_mm512_srai_epi16(
+                              _mm512_add_epi16(x, _mm512_set1_epi16(128)), 8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 2 * r * D + D + c),
+                          _mm512_cvtepi16_epi8(x));
+    }
+  }
+}
+
+// acc + vpdpbusd(u, the dword at p broadcast): the broadcast as the
+// instruction's own memory operand ({1to16}), one fused uop where GCC emits a
+// separate vpbroadcastd for the intrinsics.
+HWY_INLINE __m512i DotBroadcast(__m512i acc, __m512i u, const uint8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// Scores of tokens [row, row + 16 * (n / 16)) of one block from the split
+// query bytes; returns how many tokens it scored.
+template <int R, int kBits, int D>
+HWY_INLINE int KiviKeyScoresLanes(const SideLayout& K, const uint8_t* page, int row, int n,
+                                  const float* a, const float* cst,
+                                  const uint8_t* HWY_RESTRICT qb, float* HWY_RESTRICT S,
+                                  SpreadPrefetch& next_lines) {
+  static_assert(kBits == 2 || kBits == 4);
+  constexpr int kRowBytes = D * kBits / 8;  // One plane: P = kRowBytes.
+  constexpr int kCols = kRowBytes / 4;      // Dword columns per row.
+  constexpr int w = kCols >= 8 ? 3 : 2;
+  constexpr int kPassCols = 1 << w;
+  constexpr int kPasses = kCols / kPassCols;
+  constexpr int kRowsPerReg = 16 / kPassCols;
+  constexpr int kPerByte = 8 / kBits;
+  // Two accumulators per (row, byte) where registers allow: a vpdpbusd chain
+  // is latency-bound (5 cycles) at one per dword column and shift.
+  constexpr int NA = R <= 4 ? 2 : 1;
+  static_assert(kCols % kPassCols == 0 && kRowsPerReg * kPassCols == 16);
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << kBits) - 1));
+  int t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const uint8_t* codes = PageLayout::CodeRow(page, K, row + t);
+    // Hide the query bytes' address from the optimizer: hoisted out of the
+    // token loop, its 2 R kPerByte kCols broadcasts spill to the stack;
+    // inside, each is a load folded into the multiply-add.
+    const uint8_t* qbt = qb;
+    asm("" : "+r"(qbt));
+    __m512i hi[R][NA], lo[R][NA];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < NA; ++u) hi[r][u] = lo[r][u] = _mm512_setzero_si512();
+    }
+    int issued = 0;
+#pragma GCC unroll 4
+    for (int h = 0; h < kPasses; ++h) {
+      __m512i x[kPassCols];
+#pragma GCC unroll 8
+      for (int i = 0; i < kPassCols; ++i) {
+        const uint8_t* p = codes + static_cast<size_t>(kRowsPerReg * i) * kRowBytes;
+        if constexpr (kPasses == 1) {
+          x[i] = _mm512_loadu_si512(p);
+        } else {
+          x[i] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kRowBytes + 32 * h)), 1);
+        }
+      }
+      TransposeDwords<w>(x);
+#pragma GCC unroll 8
+      for (int k = 0; k < kPassCols; ++k) {
+        const int col = kPassCols * h + k;
+#pragma GCC unroll 4
+        for (int m = 0; m < kPerByte; ++m) {
+          const __m512i c =
+              _mm512_and_si512(m == 0 ? x[k] : _mm512_srli_epi16(x[k], kBits * m), mask);
+          const int c0 = 4 * col + kRowBytes * m;
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const uint8_t* qr = qbt + 2 * r * D;
+            hi[r][k % NA] = DotBroadcast(hi[r][k % NA], c, qr + c0);
+            lo[r][k % NA] = DotBroadcast(lo[r][k % NA], c, qr + D + c0);
+          }
+        }
+        // The next page's share, about one step per token as in the
+        // per-token loop, spread over the columns.
+        for (; issued < 16 && issued * kCols < 16 * (col + 1); ++issued) next_lines.Step();
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512i sh = hi[r][0], sl = lo[r][0];
+      if constexpr (NA == 2) {
+        sh = _mm512_add_epi32(sh, hi[r][1]);
+        sl = _mm512_add_epi32(sl, lo[r][1]);
+      }
+      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+      _mm512_storeu_ps(S + r * kSLd + t, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                                         _mm512_set1_ps(a[r]),
+                                                         _mm512_set1_ps(cst[r])));
+    }
+  }
+  return t;
+}
+#endif  // KVQ_X86_VNNI
+
+#if KVQ_X86_AVX3
+// Four rows' 16-lane vectors reduced together to four floats (lane r = row
+// r): one tree of unpacks and block shuffles instead of four reductions,
+// each a chain of shuffles and dependent adds.
+template <class Op>
+HWY_INLINE __m128 ReduceRows4(const __m512* v, Op op) {
+  const __m512 t01 = op(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 t23 = op(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  const __m512d d01 = _mm512_castps_pd(t01), d23 = _mm512_castps_pd(t23);
+  // Per 128-bit block: [r0 r1 r2 r3] over that block's lanes.
+  __m512 u = op(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+  u = op(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+  u = op(u, _mm512_shuffle_f32x4(u, u, 0xB1));
+  return _mm512_castps512_ps128(u);
+}
+#endif
+
 // Per-block key setup: int16 q~ per row, its scale and the constant term.
 // The constant also carries the rounding residual of q~ against the middle
 // code m = (2^bits - 1) / 2: sum_c q~_c code_c = a sum_c qi_c code_c +
 // a sum_c e_c code_c, and a sum_c e_c m is added exactly, so what is left of
 // the rounding error is a sum_c e_c (code_c - m), small and unbiased.
-template <int D>
-HWY_NOINLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block, int R,
-                             const float* HWY_RESTRICT q, Scratch& sc, float* a, float* cst) {
+#if KVQ_X86_VNNI
+constexpr float kQiMax = 32639.0f;  // The split into signed bytes (KiviKeyScoresLanes).
+#else
+constexpr float kQiMax = 32767.0f;
+#endif
+
+template <int R, int D>
+HWY_NOINLINE void KiviKeyBlock(const KvStream& s, const uint8_t* page, int block,
+                               const float* HWY_RESTRICT q, Scratch& sc, float* a, float* cst) {
   const PageLayout& L = s.layout();
   const float mid = 0.5f * static_cast<float>((1 << L.key.bits) - 1);
   float* scale = sc.kparams.data();
   float* zero = scale + D;
-  LoadParams(L, L.key, page, block, 1, scale);
 #if KVQ_X86_AVX3
-  // 16 channels per step, the same arithmetic per element (the residual's
-  // sum and the constant's dot product add in another order).
+  // 16 channels per step, rows four at a time with their reductions in one
+  // tree (ReduceRows4): the same arithmetic per element; the maxima are
+  // exact, the constant's dot product and the residual's sum add in
+  // another order than on AVX2.
   if constexpr (D % 16 == 0) {
-    for (int r = 0; r < R; ++r) {
-      const float* qr = q + r * D;
-      __m512 vmax = _mm512_setzero_ps();
-      __m512 vc = _mm512_setzero_ps();
-      for (int c = 0; c < D; c += 16) {
-        const __m512 qv = _mm512_loadu_ps(qr + c);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(scale + c))));
-        vc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(zero + c), vc);
+    if (L.key.param_bits == 16) {
+      const uint16_t* p = L.Params(page, L.key, block);
+      for (int c = 0; c < 2 * D; c += 16) {
+        _mm512_storeu_ps(scale + c, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                        reinterpret_cast<const __m256i*>(p + c))));
       }
-      const float amax = _mm512_reduce_max_ps(vmax);
-      cst[r] = _mm512_reduce_add_ps(vc);
-      int16_t* qi = sc.qi.data() + r * D;
-      if (!(amax > 0.0f)) {
-        a[r] = 0.0f;
-        std::memset(qi, 0, sizeof(int16_t) * D);
-        continue;
-      }
-      a[r] = amax / 32767.0f;
-      const __m512 inv = _mm512_set1_ps(32767.0f / amax);
-      __m512 resid = _mm512_setzero_ps();
-      for (int c = 0; c < D; c += 16) {
-        const __m512 x =
-            _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(scale + c)), inv);
-        const __m512 rx = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        resid = _mm512_add_ps(resid, _mm512_sub_ps(x, rx));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + c),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(rx)));
-      }
-      cst[r] += mid * a[r] * _mm512_reduce_add_ps(resid);
+    } else {
+      LoadParams(L, L.key, page, block, 1, scale);
     }
+    const auto max_op = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+    const auto add_op = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      constexpr int kRows = R < 4 ? R : 4;
+      __m512 vmax[4], vc[4], resid[4];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        vmax[k] = vc[k] = resid[k] = _mm512_setzero_ps();
+        if (k >= kRows) continue;
+        const float* qr = q + (r0 + k) * D;
+#pragma GCC unroll 16
+        for (int c = 0; c < D; c += 16) {
+          const __m512 qv = _mm512_loadu_ps(qr + c);
+          vmax[k] = _mm512_max_ps(vmax[k],
+                                  _mm512_abs_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(scale + c))));
+          vc[k] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(zero + c), vc[k]);
+        }
+      }
+      alignas(16) float amax[4], inv[4], res[4];
+      const __m128 vamax = ReduceRows4(vmax, max_op);
+      _mm_store_ps(amax, vamax);
+      _mm_store_ps(inv, _mm_div_ps(_mm_set1_ps(kQiMax), vamax));
+      _mm_storeu_ps(cst + r0, ReduceRows4(vc, add_op));  // cst has kMaxRows entries.
+#pragma GCC unroll 4
+      for (int k = 0; k < kRows; ++k) {
+        const int r = r0 + k;
+        int16_t* qi = sc.qi.data() + r * D;
+        if (!(amax[k] > 0.0f)) {
+          a[r] = 0.0f;
+          std::memset(qi, 0, sizeof(int16_t) * D);
+          continue;
+        }
+        a[r] = amax[k] / kQiMax;
+        const __m512 vinv = _mm512_set1_ps(inv[k]);
+        const float* qr = q + r * D;
+#pragma GCC unroll 16
+        for (int c = 0; c < D; c += 16) {
+          const __m512 x = _mm512_mul_ps(
+              _mm512_mul_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(scale + c)), vinv);
+          const __m512 rx = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          resid[k] = _mm512_add_ps(resid[k], _mm512_sub_ps(x, rx));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + c),
+                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(rx)));
+        }
+      }
+      _mm_store_ps(res, ReduceRows4(resid, add_op));
+      for (int k = 0; k < kRows; ++k) cst[r0 + k] += mid * a[r0 + k] * res[k];
+    }
+#if KVQ_X86_VNNI
+    SplitQueryBytes<D>(sc.qi.data(), R, sc.qb.data());
+#endif
     return;
   }
 #endif
+  LoadParams(L, L.key, page, block, 1, scale);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int r = 0; r < R; ++r) {
     const float* qr = q + r * D;
@@ -898,6 +1183,11 @@ HWY_NOINLINE void KiviKeyScores(const KvStream& s, const uint8_t* page, int row,
   // the multiply-adds and adds of AVX2.
   constexpr int NW = D / 32;
   int t0 = 0;
+#if KVQ_X86_VNNI
+  if constexpr (kBits == 2 || kBits == 4) {
+    t0 = KiviKeyScoresLanes<R, kBits, D>(K, page, row, n, a, cst, sc.qb.data(), S, next_lines);
+  }
+#endif
   if constexpr (R == 4) {
     // 4 tokens x 4 rows at a time: their 16 sums reduce in one tree of
     // unpacks and block shuffles to one vector, lanes [token][row], instead
@@ -1326,21 +1616,23 @@ HWY_INLINE void KiviValueRows(const uint8_t* HWY_RESTRICT codes0, size_t row_byt
 #if KVQ_X86_VNNI
 // Values as integer dot products (AVX3_DL; uniform 2- and 4-bit codes, rows
 // of 16, 32 or 64 bytes). With the scales folded into the weights,
-// o_c = sum_t w_tg code[t][c]: the weights of a tile are quantized to 16
-// bits per (row, group), w ~ step * (256 hi + lo), and vpdpbusd multiplies
-// the unsigned weight bytes of 4 tokens with the codes of those 4 tokens
-// (signed bytes, 0..15) and adds, 64 multiply-adds per instruction where the
-// float path does 16 per FMA after converting every code to float. The
-// codes of 4 tokens are interleaved once per tile (byte 4j + k = plane byte
-// j of token k, one or two byte permutes per 64 bytes); each plane shift of
-// a 16-byte block of that is 16 consecutive channels, one group.
-// step = max_t p s / 65535 per (row, group), so a weight is within step / 2
-// of its value: ~8e-6 of the largest weight of its row and group in the
+// o_c = sum_t w_tg code[t][c]: the weights of a tile are quantized to 15
+// bits per (row, group), w ~ step * (256 hi + lo) with both bytes signed
+// (lo the low byte, hi = (q + 128) >> 8), and vpdpbusd multiplies the codes
+// of 4 tokens (unsigned bytes, 0..15) with one weight byte of each of those
+// 4 tokens, broadcast from memory by the instruction itself, and adds: 64
+// multiply-adds per instruction where the float path does 16 per FMA after
+// converting every code to float. The codes of 4 tokens are interleaved
+// once per tile (byte 4j + k = plane byte j of token k, one or two byte
+// permutes per 64 bytes); each plane shift of a 16-byte block of that is 16
+// consecutive channels, one group.
+// step = max_t p s / 32639 per (row, group), so a weight is within step / 2
+// of its value: ~1.5e-5 of the largest weight of its row and group in the
 // tile. (A bound from max_t p * max_t s instead saved a reduction per row
 // and group, but where the largest weight and the largest scale sit on
 // different tokens, as in real models, it left far fewer levels: +0.9%
-// perplexity for kivi4:pre_rope:sink=4 in kvq-eval --quick.) int32 sums of one tile cannot overflow:
-// 8 groups of 4 tokens * 4 * 255 * 15 * 256 < 2^31.
+// perplexity for kivi4:pre_rope:sink=4 in kvq-eval --quick.) int32 sums of
+// one tile cannot overflow: 8 groups of 4 tokens * 4 * 128 * 15 * 256 < 2^31.
 constexpr bool ValueDotTakes(int bits, int row_bytes) {
   return (bits == 2 || bits == 4) && (row_bytes == 16 || row_bytes == 32 || row_bytes == 64);
 }
@@ -1379,11 +1671,12 @@ struct DotIndices {
       }
     }
     // vpackusdw(q[0..15], q[16..31]) puts token t at word 8 (t % 16 / 4) +
-    // 4 (t / 16) + t % 4; low bytes of tokens 0..31, then high bytes.
+    // 4 (t / 16) + t % 4; low bytes of tokens 0..31 from the words of q,
+    // then high bytes from the words of q + 128 (the second table).
     for (int t = 0; t < 32; ++t) {
       const int w = 8 * (t % 16 / 4) + 4 * (t / 16) + t % 4;
       wbytes[t] = static_cast<uint8_t>(2 * w);
-      wbytes[32 + t] = static_cast<uint8_t>(2 * w + 1);
+      wbytes[32 + t] = static_cast<uint8_t>(64 + 2 * w + 1);
     }
   }
 };
@@ -1428,6 +1721,8 @@ HWY_INLINE void Interleave4(const uint8_t* HWY_RESTRICT rows, int m, __m512i* ou
 
 // acc[r] += sum_t P[r][t] v_t for tokens [0, n) of the tile whose code rows
 // start at codes0 (n <= kTile); vs, vz: scales and zeros [ng][ld].
+constexpr float kWeightMax = 32639.0f;  // Splits into two signed bytes.
+
 template <int R, int kBits, int D>
 HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, int gc_shift,
                              int ld, const float* HWY_RESTRICT vs, const float* HWY_RESTRICT vz,
@@ -1443,38 +1738,60 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
     Interleave4<RB>(codes0 + static_cast<size_t>(4 * i) * RB, n - 4 * i, blk);
     for (int h = 0; h < H; ++h) _mm512_storeu_si512(ibuf + (i * H + h) * 64, blk[h]);
   }
-  // Weights: 16 bits per (row, group) against that row and group's largest;
-  // the zero term sum_t p z of each (row, group) in the same pass.
+  // Weights: 15 bits per (row, group) against that row and group's largest,
+  // q in [0, 32639], split into two signed bytes as the key query is
+  // (KiviKeyScoresLanes): low byte, and (q + 128) >> 8. Signed, both are the
+  // operand vpdpbusd broadcasts from memory itself, with the codes the
+  // unsigned one. The zero term sum_t p z of each (row, group) in the same
+  // pass.
   const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
   const __m512i wperm = _mm512_load_si512(Indices().wbytes);
   uint8_t* wq = sc.wq.data();
   float* wstep = sc.wstep.data();
   float* zsum = sc.zsum.data();
-  for (int r = 0; r < R; ++r) {
-    const float* pr = P + r * kSLd;
-    const __m512 p0 = _mm512_maskz_loadu_ps(m0, pr), p1 = _mm512_maskz_loadu_ps(m1, pr + 16);
-    for (int g = 0; g < ng; ++g) {
+  // (row, group) pairs four at a time: their sums and maxima reduce in one
+  // tree each (ReduceRows4), the steps in one division.
+  const int pairs = R * ng;
+  const auto max_op = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+  const auto add_op = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
+  for (int c0 = 0; c0 < pairs; c0 += 4) {
+    __m512 w[4][2], zt[4], top[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const int c = std::min(c0 + k, pairs - 1);  // Past the end: a repeat, unused.
+      const float* pr = P + (c / ng) * kSLd;
+      const int g = c % ng;
+      const __m512 p0 = _mm512_maskz_loadu_ps(m0, pr), p1 = _mm512_maskz_loadu_ps(m1, pr + 16);
       const float* zg = vz + g * ld;
-      zsum[r * ng + g] = _mm512_reduce_add_ps(
-          _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m0, zg),
-                          _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, zg + 16))));
+      zt[k] = _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m0, zg),
+                              _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, zg + 16)));
       const float* sg = vs + g * ld;
-      const __m512 w0 = _mm512_mul_ps(p0, _mm512_maskz_loadu_ps(m0, sg));
-      const __m512 w1 = _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, sg + 16));
-      const float top = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
-      uint8_t* dst = wq + (r * ng + g) * 64;
-      if (!(top > 0.0f)) {
-        wstep[r * ng + g] = 0.0f;
-        _mm512_storeu_si512(dst, _mm512_setzero_si512());
-        continue;
-      }
-      wstep[r * ng + g] = top / 65535.0f;
-      const __m512 f = _mm512_set1_ps(65535.0f / top);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(w0, f));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(w1, f));
-      // Saturating pack: a product that rounds to 65536 stays 65535.
-      _mm512_storeu_si512(dst, _mm512_permutexvar_epi8(wperm, _mm512_packus_epi32(q0, q1)));
+      w[k][0] = _mm512_mul_ps(p0, _mm512_maskz_loadu_ps(m0, sg));
+      w[k][1] = _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, sg + 16));
+      top[k] = _mm512_max_ps(w[k][0], w[k][1]);
+    }
+    const __m128 zs4 = ReduceRows4(zt, add_op);
+    const __m128 top4 = ReduceRows4(top, max_op);
+    // A pair with no weight (top 0) gets step 0 and factor 0: zero bytes.
+    const __mmask8 live = _mm_cmp_ps_mask(top4, _mm_setzero_ps(), _CMP_GT_OQ);
+    alignas(16) float f4[4], st4[4], z4[4];
+    _mm_store_ps(f4, _mm_maskz_div_ps(live, _mm_set1_ps(kWeightMax), top4));
+    _mm_store_ps(st4, _mm_maskz_div_ps(live, top4, _mm_set1_ps(kWeightMax)));
+    _mm_store_ps(z4, zs4);
+    const int nk = std::min(4, pairs - c0);
+    for (int k = 0; k < nk; ++k) {
+      const int c = c0 + k;
+      zsum[c] = z4[k];
+      wstep[c] = st4[k];
+      const __m512 f = _mm512_set1_ps(f4[k]);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(w[k][0], f));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(w[k][1], f));
+      const __m512i half = _mm512_set1_epi32(128);
+      _mm512_storeu_si512(wq + c * 64, _mm512_permutex2var_epi8(
+                                          _mm512_packus_epi32(q0, q1), wperm,
+                                          _mm512_packus_epi32(_mm512_add_epi32(q0, half),
+                                                              _mm512_add_epi32(q1, half))));
     }
   }
   // Two 16-channel chunks per pass, RG rows at a time; the next page's
@@ -1507,11 +1824,8 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
         for (int r = 0; r < RG; ++r) {
           const uint8_t* wr[2] = {w0 + r * ng * 64, w1 + r * ng * 64};
           for (int k = 0; k < 2; ++k) {
-            int32_t l4, h4;
-            std::memcpy(&l4, wr[k] + 4 * i, 4);
-            std::memcpy(&h4, wr[k] + 32 + 4 * i, 4);
-            lo[r][k] = _mm512_dpbusd_epi32(lo[r][k], _mm512_set1_epi32(l4), x[k]);
-            hi[r][k] = _mm512_dpbusd_epi32(hi[r][k], _mm512_set1_epi32(h4), x[k]);
+            lo[r][k] = DotBroadcast(lo[r][k], x[k], wr[k] + 4 * i);
+            hi[r][k] = DotBroadcast(hi[r][k], x[k], wr[k] + 32 + 4 * i);
           }
         }
       }
@@ -1906,7 +2220,7 @@ class RowPass {
         if (fast_.key) {
           key_done = true;
           if (block != key_block_ || page != key_page_) {
-            KiviKeyBlock<D>(s_, page, block, R, q_, sc_, ka_, kcst_);
+            KiviKeyBlock<R, D>(s_, page, block, q_, sc_, ka_, kcst_);
             key_block_ = block;
             key_page_ = page;
           }
