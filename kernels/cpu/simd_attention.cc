@@ -1753,6 +1753,15 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
   // (row, group) pairs four at a time: their sums and maxima reduce in one
   // tree each (ReduceRows4), the steps in one division.
   const int pairs = R * ng;
+  // The rows' weights past n (stale scores) zeroed once per row, so the
+  // pairs below load plain vectors: a masked load costs an extra vector uop.
+  // Scales and zeros past n are finite (zeroed or an earlier tile's), so
+  // their products with a zero weight are zero.
+  float* pz = sc.wf.data();  // [R][32]; wf itself serves only the float value path.
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(pz + 32 * r, _mm512_maskz_loadu_ps(m0, P + r * kSLd));
+    _mm512_storeu_ps(pz + 32 * r + 16, _mm512_maskz_loadu_ps(m1, P + r * kSLd + 16));
+  }
   const auto max_op = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
   const auto add_op = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
   for (int c0 = 0; c0 < pairs; c0 += 4) {
@@ -1760,15 +1769,14 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       const int c = std::min(c0 + k, pairs - 1);  // Past the end: a repeat, unused.
-      const float* pr = P + (c / ng) * kSLd;
+      const float* pr = pz + 32 * (c / ng);
       const int g = c % ng;
-      const __m512 p0 = _mm512_maskz_loadu_ps(m0, pr), p1 = _mm512_maskz_loadu_ps(m1, pr + 16);
+      const __m512 p0 = _mm512_loadu_ps(pr), p1 = _mm512_loadu_ps(pr + 16);
       const float* zg = vz + g * ld;
-      zt[k] = _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m0, zg),
-                              _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, zg + 16)));
+      zt[k] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(zg), _mm512_mul_ps(p1, _mm512_loadu_ps(zg + 16)));
       const float* sg = vs + g * ld;
-      w[k][0] = _mm512_mul_ps(p0, _mm512_maskz_loadu_ps(m0, sg));
-      w[k][1] = _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m1, sg + 16));
+      w[k][0] = _mm512_mul_ps(p0, _mm512_loadu_ps(sg));
+      w[k][1] = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + 16));
       top[k] = _mm512_max_ps(w[k][0], w[k][1]);
     }
     const __m128 zs4 = ReduceRows4(zt, add_op);
