@@ -326,6 +326,64 @@ HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT 
 }
 
 // Dequantizes rows [row0, row0 + n) of an int8 / packed side.
+#if KVQ_X86_AVX3
+// Uniform 2- and 4-bit rows straight from the bit plane, 16 channels per
+// vector (AVX-512): a 16-byte run of the plane zero-extended to 32-bit lanes,
+// shifted by b m and masked, is channels [j0 + P m, j0 + P m + 16). The same
+// separate multiply and add per element as DequantAffineRows, so the result
+// is bit-identical; what goes is the unpacked-codes scratch row and the
+// 8-lane loop.
+inline void DequantUniformRows512(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0,
+                                  int n, float* HWY_RESTRICT out) {
+  const KvStream& s = *ctx.stream;
+  const PageLayout& L = s.layout();
+  const SideLayout& S = L.side(ctx.side);
+  const int d = L.head_dim;
+  const int bits = S.bits;
+  const int plane = d * bits / 8;
+  const int per_byte = 8 / bits;
+  const int g = L.block_tokens;
+  const bool per_channel = S.axis == ParamAxis::kChannelGroups;
+  const int gc = per_channel ? d : S.group_channels;
+  const int ng = d / gc;
+  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+  // Per-token groups: the n rows' scales and zeros converted in one call.
+  if (!per_channel && ctx.params.size() < static_cast<size_t>(n) * 2 * ng) {
+    ctx.params.resize(static_cast<size_t>(n) * 2 * ng);
+  }
+  if (!per_channel) LoadParams(L, S, page, row0, n, ctx.params.data());
+  int cur_block = -1;
+  for (int r = 0; r < n; ++r) {
+    const int row = row0 + r;
+    const uint8_t* codes = PageLayout::CodeRow(page, S, row);
+    float* x = out + static_cast<size_t>(r) * d;
+    const float* params = ctx.params.data() + (per_channel ? 0 : static_cast<size_t>(r) * 2 * ng);
+    if (per_channel && row / g != cur_block) {
+      cur_block = row / g;
+      LoadParams(L, S, page, cur_block, 1, ctx.params.data());
+    }
+    for (int j0 = 0; j0 < plane; j0 += 16) {
+      const __m512i b =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j0)));
+      for (int m = 0; m < per_byte; ++m) {
+        const int c = j0 + plane * m;
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, bits * m), mask));
+        __m512 v;
+        if (per_channel) {
+          v = _mm512_add_ps(_mm512_loadu_ps(params + d + c),
+                            _mm512_mul_ps(_mm512_loadu_ps(params + c), f));
+        } else {
+          const int grp = c / gc;
+          v = _mm512_add_ps(_mm512_set1_ps(params[ng + grp]),
+                            _mm512_mul_ps(_mm512_set1_ps(params[grp]), f));
+        }
+        _mm512_storeu_ps(x + c, v);
+      }
+    }
+  }
+}
+#endif
+
 inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0,
                                   int n, float* HWY_RESTRICT out) {
   const KvStream& s = *ctx.stream;
@@ -340,6 +398,15 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
   float* scale = ctx.params.data();
   float* zero = scale + d;
   const int lv = ctx.levels;
+#if KVQ_X86_AVX3
+  if (lv == 0 && (bits == 2 || bits == 4) && d % 16 == 0 && d * bits / 8 >= 16 &&
+      (S.axis == ParamAxis::kChannelGroups ||
+       (S.axis == ParamAxis::kTokenGroups && S.group_channels % 16 == 0))) {
+    DequantUniformRows512(ctx, page, row0, n, out);
+    WriteOutliers(L, S, page, row0, n, out);
+    return;
+  }
+#endif
   int cur_block = -1;
   for (int r = 0; r < n; ++r) {
     const int row = row0 + r;
