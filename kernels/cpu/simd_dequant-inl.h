@@ -333,11 +333,9 @@ HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT 
 // separate multiply and add per element as DequantAffineRows, so the result
 // is bit-identical; what goes is the unpacked-codes scratch row and the
 // 8-lane loop.
-inline void DequantUniformRows512(SideContext& ctx, const uint8_t* HWY_RESTRICT page, int row0,
-                                  int n, float* HWY_RESTRICT out) {
-  const KvStream& s = *ctx.stream;
-  const PageLayout& L = s.layout();
-  const SideLayout& S = L.side(ctx.side);
+inline void DequantUniformRows512(SideContext& ctx, const PageLayout& L, const SideLayout& S,
+                                  const uint8_t* HWY_RESTRICT page, int row0, int n,
+                                  float* HWY_RESTRICT out) {
   const int d = L.head_dim;
   const int bits = S.bits;
   const int plane = d * bits / 8;
@@ -402,7 +400,7 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
   if (lv == 0 && (bits == 2 || bits == 4) && d % 16 == 0 && d * bits / 8 >= 16 &&
       (S.axis == ParamAxis::kChannelGroups ||
        (S.axis == ParamAxis::kTokenGroups && S.group_channels % 16 == 0))) {
-    DequantUniformRows512(ctx, page, row0, n, out);
+    DequantUniformRows512(ctx, L, S, page, row0, n, out);
     WriteOutliers(L, S, page, row0, n, out);
     return;
   }
