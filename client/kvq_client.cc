@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/fetch_placer.h"
 #include "client/grpc_status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -318,79 +319,6 @@ absl::Status KvqClient::FetchStream(
   return local.ok() ? st : local;
 }
 
-namespace {
-
-// Copies dense fetch messages into [layers, kv_heads, tokens, head_dim]
-// tensors, checking that each continues its layer's range.
-class FetchPlacer {
- public:
-  FetchPlacer(const FetchOptions& options, HostTensor* k, HostTensor* v)
-      : options_(options),
-        k_(k),
-        v_(v),
-        layers_(k->shape[0]),
-        heads_(k->shape[1]),
-        tokens_(k->shape[2]),
-        d_(k->shape[3]),
-        elem_(DTypeBytes(options.dtype)),
-        filled_(static_cast<size_t>(layers_), 0) {}
-
-  absl::Status Place(const v1::FetchResponse& m) {
-    const int64_t l = int64_t{m.layer()} - options_.layer_begin;
-    const int64_t t0 = int64_t{m.token_begin()} - options_.token_begin;
-    const int64_t n = m.k().shape_size() == 3 ? m.k().shape(1) : -1;
-    const size_t piece = static_cast<size_t>(std::max<int64_t>(n, 0)) * d_ * elem_;
-    const bool shape_ok =
-        n >= 0 && m.k().shape(0) == heads_ && m.k().shape(2) == d_ && m.v().shape_size() == 3 &&
-        m.v().shape(0) == heads_ && m.v().shape(1) == n && m.v().shape(2) == d_ &&
-        m.k().dtype() == ToProtoDType(options_.dtype) && m.v().dtype() == m.k().dtype() &&
-        m.k().data().size() == heads_ * piece && m.v().data().size() == heads_ * piece;
-    if (!shape_ok || l < 0 || l >= layers_ || t0 != filled_[l] || t0 + n > tokens_) {
-      return absl::DataLossError(
-          absl::StrCat("fetch response for layer ", m.layer(), " token ", m.token_begin(), " (", n,
-                       " tokens) does not continue the range: layer ", m.layer(), " has ",
-                       l >= 0 && l < layers_ ? filled_[l] : -1, " of ", tokens_, " tokens of [",
-                       heads_, ", tokens, ", d_, "] ", DTypeName(options_.dtype)));
-    }
-    for (int64_t h = 0; h < heads_; ++h) {
-      const size_t dst = static_cast<size_t>(((l * heads_ + h) * tokens_ + t0) * d_) * elem_;
-      std::memcpy(k_->mutable_bytes() + dst, m.k().data().data() + h * piece, piece);
-      std::memcpy(v_->mutable_bytes() + dst, m.v().data().data() + h * piece, piece);
-    }
-    filled_[l] += n;
-    bytes_ += static_cast<int64_t>(2 * heads_ * piece);
-    if (options_.progress) options_.progress(bytes_, 2 * static_cast<int64_t>(k_->byte_size()));
-    return absl::OkStatus();
-  }
-
-  // After a retried stream restarts.
-  void Reset() {
-    std::fill(filled_.begin(), filled_.end(), 0);
-    bytes_ = 0;
-  }
-
-  absl::Status CheckComplete() const {
-    for (int64_t l = 0; l < layers_; ++l) {
-      if (filled_[l] != tokens_) {
-        return absl::DataLossError(absl::StrCat("fetch stream ended with ", filled_[l], " of ",
-                                                tokens_, " tokens of layer ",
-                                                options_.layer_begin + l));
-      }
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  const FetchOptions& options_;
-  HostTensor* k_;
-  HostTensor* v_;
-  const int64_t layers_, heads_, tokens_, d_;
-  const size_t elem_;
-  std::vector<int64_t> filled_;  // Tokens so far, per layer.
-  int64_t bytes_ = 0;
-};
-
-}  // namespace
 
 absl::StatusOr<FetchedKv> KvqClient::FetchDequant(absl::string_view sequence_id,
                                                   const FetchOptions& options) {
@@ -488,76 +416,95 @@ absl::StatusOr<RawFetch> KvqClient::FetchRaw(absl::string_view sequence_id,
   return raw;
 }
 
-absl::StatusOr<std::unique_ptr<LocalSequence>> KvqClient::FetchToLocal(
-    absl::string_view sequence_id, const SequenceConfig& config, const FetchOptions& options) {
+absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
+                                       const SequenceConfig& config, const FetchOptions& o,
+                                       int num_tokens, HostTensor* k, HostTensor* v) {
   KVQ_ASSIGN_OR_RETURN(const StreamConfig stream_config, config.ToStreamConfig());
-  KVQ_ASSIGN_OR_RETURN(const v1::StatsResponse stats, Stats(sequence_id, options.call));
-  const int num_tokens = stats.num_tokens();
+  KVQ_ASSIGN_OR_RETURN(const std::unique_ptr<LocalSequence> local,
+                       LocalSequence::Create(config, o.layer_begin, o.layer_end - o.layer_begin,
+                                             &CpuBackend(), local_pages_.get()));
   const TokenPlacement place = PlaceTokens(stream_config, num_tokens);
-  const int layer_end = options.layer_end > 0 ? options.layer_end : config.layout.num_layers;
-  auto create = [&] {
-    return LocalSequence::Create(config, options.layer_begin, layer_end - options.layer_begin,
-                                 &CpuBackend(), local_pages_.get());
-  };
-  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<LocalSequence> local, create());
-  // Every token of the layer range, in order: the sink and the tail as the
-  // fp16 rows they are stored as (keys pre-RoPE), the quantized part as raw
-  // pages. The server sends each part's layers in order. Messages are
-  // applied as they arrive (while the server prepares the next) and kept:
-  // a retried stream would otherwise apply its first messages twice, so
-  // after a restart the sequence is rebuilt from the kept ones at the end.
-  std::vector<v1::FetchResponse> kept;
-  bool restarted = false;
+  const int q_begin = place.sink, q_end = place.sink + place.quantized;
   int64_t done = 0;
-  auto fetch_part = [&](int begin, int end, bool raw) -> absl::Status {
+  auto progress = [&](int64_t bytes) {
+    if (o.progress) o.progress(done + bytes, -1);
+  };
+  // The sink and the fp16 tail come dequantized by the server, as
+  // FetchDequantInto would place them.
+  auto dense = [&](int begin, int end) -> absl::Status {
     if (begin >= end) return absl::OkStatus();
-    FetchOptions part = options;
+    FetchOptions part = o;
     part.token_begin = begin;
     part.token_end = end;
-    part.dtype = DType::kFloat16;
-    part.apply_rope = false;
-    const size_t part_begin = kept.size();
-    int64_t bytes = 0;
+    part.progress = nullptr;
+    FetchPlacer placer(part, k, v, begin - o.token_begin, end - begin);
     KVQ_RETURN_IF_ERROR(FetchStream(
-        sequence_id, part, raw,
-        [&](v1::FetchResponse&& m) -> absl::Status {
-          bytes += static_cast<int64_t>(m.k().data().size() + m.v().data().size() +
-                                        m.pages().page_data().size());
-          if (!restarted) KVQ_RETURN_IF_ERROR(local->ApplyFetched(m));
-          kept.push_back(std::move(m));
-          if (options.progress) options.progress(done + bytes, -1);
+        sequence_id, part, /*raw=*/false,
+        [&](v1::FetchResponse&& m) {
+          KVQ_RETURN_IF_ERROR(placer.Place(m));
+          progress(placer.bytes());
           return absl::OkStatus();
         },
-        [&] {
-          kept.resize(part_begin);
-          bytes = 0;
-          restarted = true;
-        }));
-    done += bytes;
+        [&] { placer.Reset(); }));
+    KVQ_RETURN_IF_ERROR(placer.CheckComplete());
+    done += placer.bytes();
     return absl::OkStatus();
   };
-  KVQ_RETURN_IF_ERROR(fetch_part(0, place.sink, false));
-  KVQ_RETURN_IF_ERROR(fetch_part(place.sink, place.sink + place.quantized, true));
-  KVQ_RETURN_IF_ERROR(fetch_part(place.sink + place.quantized, num_tokens, false));
-  if (restarted) {
-    KVQ_ASSIGN_OR_RETURN(local, create());
-    for (const v1::FetchResponse& m : kept) KVQ_RETURN_IF_ERROR(local->ApplyFetched(m));
+  KVQ_RETURN_IF_ERROR(dense(o.token_begin, std::min(o.token_end, q_begin)));
+  // The quantized part as raw pages from the page holding its first token,
+  // dequantized here as each message arrives (while the server prepares
+  // the next); a restarted stream rewrites the same rows.
+  const int begin = std::max(o.token_begin, q_begin), end = std::min(o.token_end, q_end);
+  if (begin < end) {
+    const int pt = local->stream(o.layer_begin, 0).layout().page_tokens;
+    FetchOptions part = o;
+    part.token_begin = q_begin + (begin - q_begin) / pt * pt;
+    part.token_end = end;
+    ReadOptions read;
+    read.dtype = o.dtype;
+    read.apply_rope = o.apply_rope;
+    RawPagePlacer placer(*local, read, part.token_begin, begin, end, o.token_begin, k, v);
+    KVQ_RETURN_IF_ERROR(FetchStream(
+        sequence_id, part, /*raw=*/true,
+        [&](v1::FetchResponse&& m) {
+          KVQ_RETURN_IF_ERROR(placer.Place(m));
+          progress(placer.bytes());
+          return absl::OkStatus();
+        },
+        [&] { placer.Reset(); }));
+    KVQ_RETURN_IF_ERROR(placer.CheckComplete());
+    done += placer.bytes();
   }
-  return local;
+  return dense(std::max(o.token_begin, q_end), o.token_end);
 }
 
 absl::StatusOr<FetchedKv> KvqClient::FetchDequantLocal(absl::string_view sequence_id,
                                                        const SequenceConfig& config,
                                                        const FetchOptions& options) {
   KVQ_ASSIGN_OR_RETURN(const StreamConfig stream_config, config.ToStreamConfig());
-  // fp8_e4m3 keeps its scale per stream: no raw pages, the server dequantizes.
   if (stream_config.spec.kind == SchemeKind::kFp8E4m3) return FetchDequant(sequence_id, options);
-  KVQ_ASSIGN_OR_RETURN(const std::unique_ptr<LocalSequence> local,
-                       FetchToLocal(sequence_id, config, options));
-  ReadOptions read;
-  read.dtype = options.dtype;
-  read.apply_rope = options.apply_rope;
-  return local->Read(options.token_begin, options.token_end > 0 ? options.token_end : -1, read);
+  KVQ_ASSIGN_OR_RETURN(const v1::StatsResponse stats, Stats(sequence_id, options.call));
+  FetchOptions o = options;
+  if (o.layer_end <= 0) o.layer_end = config.layout.num_layers;
+  if (o.token_end <= 0) o.token_end = stats.num_tokens();
+  if (o.layer_begin < 0 || o.layer_begin >= o.layer_end || o.layer_end > config.layout.num_layers) {
+    return absl::OutOfRangeError(absl::StrCat("layers [", o.layer_begin, ", ", o.layer_end,
+                                              ") are not a range inside [0, ",
+                                              config.layout.num_layers, ")"));
+  }
+  if (o.token_begin < 0 || o.token_begin > o.token_end || o.token_end > stats.num_tokens()) {
+    return absl::OutOfRangeError(absl::StrCat("token range [", o.token_begin, ", ", o.token_end,
+                                              ") is not inside [0, ", stats.num_tokens(), "]"));
+  }
+  FetchedKv out;
+  out.layer_begin = o.layer_begin;
+  out.token_begin = o.token_begin;
+  const std::vector<int64_t> shape = {o.layer_end - o.layer_begin, config.layout.num_kv_heads,
+                                      o.token_end - o.token_begin, config.layout.head_dim};
+  out.k = HostTensor::Zeros(o.dtype, shape);
+  out.v = HostTensor::Zeros(o.dtype, shape);
+  KVQ_RETURN_IF_ERROR(FetchLocalInto(sequence_id, config, o, stats.num_tokens(), &out.k, &out.v));
+  return out;
 }
 
 absl::Status KvqClient::FetchDequantLocalInto(absl::string_view sequence_id,
@@ -570,12 +517,19 @@ absl::Status KvqClient::FetchDequantLocalInto(absl::string_view sequence_id,
   }
   KVQ_ASSIGN_OR_RETURN(const FetchOptions o, RangeOfOutputs(options, k, v));
   if (o.layer_end == o.layer_begin) return absl::OkStatus();
-  KVQ_ASSIGN_OR_RETURN(const std::unique_ptr<LocalSequence> local,
-                       FetchToLocal(sequence_id, config, o));
-  ReadOptions read;
-  read.dtype = o.dtype;
-  read.apply_rope = o.apply_rope;
-  return local->ReadInto(o.token_begin, o.token_end, read, k, v);
+  if (k->shape[1] != config.layout.num_kv_heads || k->shape[3] != config.layout.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k is ", k->DebugString(), "; the sequence has ", config.layout.num_kv_heads,
+        " kv heads of head_dim ", config.layout.head_dim));
+  }
+  KVQ_ASSIGN_OR_RETURN(const v1::StatsResponse stats, Stats(sequence_id, o.call));
+  if (o.token_end > stats.num_tokens() || o.layer_end > config.layout.num_layers) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "k is ", k->DebugString(), " from layer ", o.layer_begin, " token ", o.token_begin,
+        "; the sequence has ", config.layout.num_layers, " layers and ", stats.num_tokens(),
+        " tokens"));
+  }
+  return FetchLocalInto(sequence_id, config, o, stats.num_tokens(), k, v);
 }
 
 absl::StatusOr<std::vector<AttendOutput>> KvqClient::Attend(int layer,

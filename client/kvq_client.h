@@ -68,8 +68,9 @@ struct ClientOptions {
   int max_message_bytes = 64 << 20;
   // Insecure when null.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
-  // Freed page memory of FetchDequantLocal's local streams kept for the
-  // next call (fresh memory costs a page fault per 4 KiB); 0 keeps none.
+  // Freed memory of FetchDequantLocal's local streams (their sink and tail
+  // buffers) kept for the next call (fresh memory costs a page fault per
+  // 4 KiB); 0 keeps none.
   size_t local_page_cache_bytes = size_t{64} << 20;
   // Connect() calls RetainMessageBuffers() (kernels/malloc_tuning.h): glibc
   // then serves message-sized buffers from the heap and keeps up to 64 MiB
@@ -286,12 +287,12 @@ class KvqClient {
   // otherwise); options.dtype and apply_rope are not sent.
   absl::StatusOr<RawFetch> FetchRaw(absl::string_view sequence_id,
                                     const FetchOptions& options = {});
-  // The layer range's sink and fp16 tail as fp16 rows and its quantized part
-  // as raw pages (FetchRaw), then a LocalSequence dequantizes here: the
-  // wire carries the quantized bytes. One Stats call first for the length.
-  // Bit-exact against FetchDequant except with `rotate` (its sink and tail
-  // go through one extra rotation round trip). fp8_e4m3 (no raw pages)
-  // falls back to FetchDequant.
+  // The range's quantized part as raw pages (FetchRaw), dequantized here
+  // with the core's kernels as each message arrives (the pages are
+  // validated, not stored): the wire carries the quantized bytes. The sink
+  // and the fp16 tail come dequantized by the server (FetchDequant). One
+  // Stats call first for the length. Bit-exact against FetchDequant.
+  // fp8_e4m3 (no raw pages) falls back to FetchDequant.
   absl::StatusOr<FetchedKv> FetchDequantLocal(absl::string_view sequence_id,
                                               const SequenceConfig& config,
                                               const FetchOptions& options = {});
@@ -352,17 +353,18 @@ class KvqClient {
   absl::Status FetchStream(absl::string_view sequence_id, const FetchOptions& options, bool raw,
                            const std::function<absl::Status(v1::FetchResponse&&)>& on_message,
                            const std::function<void()>& on_restart);
-  // The layer range of options as a LocalSequence: the sink and tail as
-  // fp16 rows, the quantized part as raw pages, each message applied as it
-  // arrives.
-  absl::StatusOr<std::unique_ptr<LocalSequence>> FetchToLocal(absl::string_view sequence_id,
-                                                              const SequenceConfig& config,
-                                                              const FetchOptions& options);
+  // FetchDequantLocalInto with the range resolved (o.layer_end and
+  // o.token_end set, inside the sequence's num_tokens): the sink and tail
+  // dequantized by the server, the quantized part as raw pages dequantized
+  // here, each message placed as it arrives.
+  absl::Status FetchLocalInto(absl::string_view sequence_id, const SequenceConfig& config,
+                              const FetchOptions& o, int num_tokens, HostTensor* k,
+                              HostTensor* v);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvCache::Stub> stub_;
-  // Pages of FetchToLocal's sequences (which never outlive the client).
+  // Aux blocks of FetchLocalInto's (empty) local streams.
   std::unique_ptr<RecyclingPageAllocator> local_pages_;
 };
 

@@ -304,6 +304,15 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
   // tail rows are contiguous).
   const bool dense_rows16 = copy_rows16 && k.stride() == d && v.stride() == d;
   for (int r = to_sink; r < n;) {
+    if (dense_rows16 && tail_tokens() == 0 && n - r >= tail_capacity_) {
+      // Whole flush blocks straight from the input, which is what the tail
+      // would hold: the copy into it is skipped.
+      const int count = (n - r) / tail_capacity_ * tail_capacity_;
+      QuantizeBlocks(k.row(r), v.row(r), count);
+      num_tokens_ += count;
+      r += count;
+      continue;
+    }
     const int slot = config_.spec.sink + tail_tokens();
     const int count = std::min(n - r, tail_capacity_ - tail_tokens());
     if (dense_rows16) {
@@ -332,31 +341,31 @@ void KvStream::ZeroAroundRows(uint8_t* page, int rows) const {
 }
 
 void KvStream::FlushTail() {
-  const int n = tail_capacity_;
+  QuantizeBlocks(tail_row(Side::kKey, 0), tail_row(Side::kValue, 0), tail_capacity_);
+  // The tail is now empty (n == capacity); nothing to move.
+}
+
+void KvStream::QuantizeBlocks(const void* k_rows, const void* v_rows, int n) {
   const int d = head_dim();
   const int g = layout_.block_tokens;
   const int pt = layout_.page_tokens;
   std::vector<float> block(static_cast<size_t>(g) * d);
+  const size_t block_bytes = 2 * static_cast<size_t>(g) * d;
   for (int b = 0; b < n; b += g) {
     const int page = quantized_tokens_ / pt;
     const int row = quantized_tokens_ % pt;
     for (Side side : {Side::kKey, Side::kValue}) {
-      // The block's tail rows are contiguous: one conversion.
-      RowToFloat(tail_row(side, b), DType::kFloat16, g * d, block.data());
+      // The block's rows are contiguous: one conversion.
+      const auto* rows = static_cast<const uint8_t*>(side == Side::kKey ? k_rows : v_rows);
+      RowToFloat(rows + (b / g) * block_bytes, DType::kFloat16, g * d, block.data());
       backend_->QuantizeRows(*this, side, block.data(), g, pages_[page], row);
     }
     quantized_tokens_ += g;
   }
-  // The tail is now empty (n == capacity); nothing to move.
 }
 
-absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, TensorView k_out,
-                            TensorView v_out) const {
-  if (begin < 0 || end < begin || end > num_tokens_) {
-    return absl::OutOfRangeError(absl::StrCat("token range [", begin, ", ", end,
-                                              ") is not inside [0, ", num_tokens_, "]"));
-  }
-  const int n = end - begin;
+absl::Status KvStream::CheckReadOutputs(int n, const ReadOptions& options, const TensorView& k_out,
+                                        const TensorView& v_out) const {
   const int d = head_dim();
   for (const TensorView* t : {&k_out, &v_out}) {
     if (t->data == nullptr) continue;
@@ -366,64 +375,87 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
           ", ", t->cols, "] of ", DTypeName(t->dtype)));
     }
   }
+  return absl::OkStatus();
+}
+
+bool KvStream::StoredAsRead(Side side, const ReadOptions& options) const {
+  return !rotation_ && !(side == Side::kKey && rope_ && options.apply_rope);
+}
+
+void KvStream::FinishRows(Side side, float* rows, int count, int t, const ReadOptions& options,
+                          const TensorView& out, int out_row) const {
+  const int d = head_dim();
+  for (int i = 0; i < count; ++i) {
+    float* x = rows + static_cast<size_t>(i) * d;
+    if (side == Side::kKey && rope_ && options.apply_rope) rope_->Apply(x, t + i);
+    if (rotation_) rotation_->Inverse(x);
+    FloatToRow(x, d, options.dtype, out.row(out_row + i));
+  }
+}
+
+void KvStream::ReadPageRows(Side side, const uint8_t* page, int row, int count, int t,
+                            const ReadOptions& options, const TensorView& out, int out_row,
+                            float* scratch) const {
+  const SideLayout& S = layout_.side(side);
+  // Rows stored in the requested 16-bit type, with nothing to apply, are
+  // copied as they are (the float round trip would be the identity).
+  const bool copy_rows =
+      StoredAsRead(side, options) &&
+      ((S.format == CodeFormat::kFp16 && options.dtype == DType::kFloat16) ||
+       (S.format == CodeFormat::kBf16 && options.dtype == DType::kBFloat16));
+  if (copy_rows) {
+    for (int i = 0; i < count; ++i) {
+      std::memcpy(out.row(out_row + i), PageLayout::CodeRow(page, S, row + i), S.code_row_bytes);
+    }
+    return;
+  }
+  if (StoredAsRead(side, options) && options.dtype == DType::kFloat16 &&
+      backend_->DequantizeRowsHalf(*this, side, page, row, count,
+                                   reinterpret_cast<uint16_t*>(out.row(out_row)),
+                                   static_cast<size_t>(out.stride()))) {
+    return;
+  }
+  backend_->DequantizeRows(*this, side, page, row, count, scratch);
+  FinishRows(side, scratch, count, t, options, out, out_row);
+}
+
+absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, TensorView k_out,
+                            TensorView v_out) const {
+  if (begin < 0 || end < begin || end > num_tokens_) {
+    return absl::OutOfRangeError(absl::StrCat("token range [", begin, ", ", end,
+                                              ") is not inside [0, ", num_tokens_, "]"));
+  }
+  KVQ_RETURN_IF_ERROR(CheckReadOutputs(end - begin, options, k_out, v_out));
+  const int d = head_dim();
   const int pt = layout_.page_tokens;
   std::vector<float> rows(static_cast<size_t>(pt) * d);
   for (Side side : {Side::kKey, Side::kValue}) {
     const TensorView& out = side == Side::kKey ? k_out : v_out;
     if (out.data == nullptr) continue;
-    // Rows stored in the requested 16-bit type, with nothing to apply, are
-    // copied as they are (the float round trip would be the identity).
-    const bool as_stored = !rotation_ && !(side == Side::kKey && rope_ && options.apply_rope);
-    const bool copy_fp16 = as_stored && options.dtype == DType::kFloat16;
-    const SideLayout& S = layout_.side(side);
-    const bool copy_pages =
-        as_stored && ((S.format == CodeFormat::kFp16 && options.dtype == DType::kFloat16) ||
-                      (S.format == CodeFormat::kBf16 && options.dtype == DType::kBFloat16));
+    const bool copy_fp16 = StoredAsRead(side, options) && options.dtype == DType::kFloat16;
     const size_t row16 = 2 * static_cast<size_t>(d);
     int t = begin;
     while (t < end) {
-      int count = 1;
-      if (copy_fp16 && t < sink_tokens()) {
-        std::memcpy(out.row(t - begin), sink_row(side, t), row16);
-        ++t;
-        continue;
-      }
-      if (copy_pages && t >= sink_tokens() && t - page_base() < quantized_tokens_) {
-        const int u = t - page_base();
-        const int row = u % pt;
-        count = std::min({end - t, pt - row, quantized_tokens_ - u});
-        for (int i = 0; i < count; ++i) {
-          std::memcpy(out.row(t + i - begin), PageLayout::CodeRow(pages_[u / pt], S, row + i),
-                      S.code_row_bytes);
-        }
-        t += count;
-        continue;
-      }
-      if (copy_fp16 && t - page_base() >= quantized_tokens_ && t >= sink_tokens()) {
-        std::memcpy(out.row(t - begin), tail_row(side, t - page_base() - quantized_tokens_), row16);
-        ++t;
-        continue;
-      }
-      if (t < sink_tokens()) {
-        RowToFloat(sink_row(side, t), DType::kFloat16, d, rows.data());
-      } else if (t - page_base() < quantized_tokens_) {
+      if (t >= sink_tokens() && t - page_base() < quantized_tokens_) {
         const int u = t - page_base();
         const int row = u % pt;
         // A page may be quantized only partly (a flush smaller than a page):
         // the rest of the range is in the tail.
-        count = std::min({end - t, pt - row, quantized_tokens_ - u});
-        backend_->DequantizeRows(*this, side, pages_[u / pt], row, count, rows.data());
+        const int count = std::min({end - t, pt - row, quantized_tokens_ - u});
+        ReadPageRows(side, pages_[u / pt], row, count, t, options, out, t - begin, rows.data());
+        t += count;
+        continue;
+      }
+      const uint16_t* stored = t < sink_tokens()
+                                   ? sink_row(side, t)
+                                   : tail_row(side, t - page_base() - quantized_tokens_);
+      if (copy_fp16) {
+        std::memcpy(out.row(t - begin), stored, row16);
       } else {
-        RowToFloat(tail_row(side, t - page_base() - quantized_tokens_), DType::kFloat16, d,
-                   rows.data());
+        RowToFloat(stored, DType::kFloat16, d, rows.data());
+        FinishRows(side, rows.data(), 1, t, options, out, t - begin);
       }
-      for (int i = 0; i < count; ++i) {
-        float* x = &rows[static_cast<size_t>(i) * d];
-        if (side == Side::kKey && rope_ && options.apply_rope) rope_->Apply(x, t + i);
-        if (rotation_) rotation_->Inverse(x);
-        FloatToRow(x, d, options.dtype, out.row(t + i - begin));
-      }
-      t += count;
+      ++t;
     }
   }
   return absl::OkStatus();
@@ -521,6 +553,43 @@ absl::Status KvStream::AppendPages(const uint8_t* data, int tokens) {
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
   quantized_tokens_ += tokens;
   num_tokens_ += tokens;
+  return absl::OkStatus();
+}
+
+absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int begin, int end,
+                                 const ReadOptions& options, TensorView k_out,
+                                 TensorView v_out) const {
+  if (config_.spec.kind == SchemeKind::kFp8E4m3) {
+    return absl::FailedPreconditionError("fp8_e4m3 streams have no raw pages: the scale is per stream");
+  }
+  if (tokens < 0 || first < 0 || begin < first || end < begin ||
+      int64_t{end} > int64_t{first} + tokens) {
+    return absl::OutOfRangeError(absl::StrCat("token range [", begin, ", ", end,
+                                              ") is not inside the pages' [", first, ", ",
+                                              int64_t{first} + tokens, ")"));
+  }
+  KVQ_RETURN_IF_ERROR(CheckReadOutputs(end - begin, options, k_out, v_out));
+  const int pt = layout_.page_tokens;
+  if (begin == end) return absl::OkStatus();
+  const int first_page = (begin - first) / pt;
+  const int last_page = (end - 1 - first) / pt;
+  for (int i = first_page; i <= last_page; ++i) {
+    KVQ_RETURN_IF_ERROR(CheckPage(layout_, data + static_cast<size_t>(i) * layout_.page_bytes,
+                                  std::min(pt, tokens - i * pt), i));
+  }
+  std::vector<float> rows(static_cast<size_t>(pt) * head_dim());
+  for (Side side : {Side::kKey, Side::kValue}) {
+    const TensorView& out = side == Side::kKey ? k_out : v_out;
+    if (out.data == nullptr) continue;
+    for (int t = begin; t < end;) {
+      const int u = t - first;
+      const int row = u % pt;
+      const int count = std::min(end - t, pt - row);
+      ReadPageRows(side, data + static_cast<size_t>(u / pt) * layout_.page_bytes, row, count, t,
+                   options, out, t - begin, rows.data());
+      t += count;
+    }
+  }
   return absl::OkStatus();
 }
 

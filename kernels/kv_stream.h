@@ -102,6 +102,17 @@ class KvStream {
   // relative to page_base(), begin on a page boundary — to `out`
   // (PagesFor(end - begin) * page_bytes bytes).
   absl::Status CopyPages(int begin, int end, uint8_t* out) const;
+  // Reads tokens [begin, end) out of raw pages without storing them: `data`
+  // holds `tokens` tokens from stream position `first` (on a page boundary),
+  // as CopyPages writes them. The result is what Read() would return had
+  // AppendPages(data, tokens) run with the quantized part ending at `first`
+  // (positions, hence RoPE, count from `first`). The pages the range touches
+  // are validated as AppendPages validates them (INVALID_ARGUMENT names the
+  // page, row and field); OUT_OF_RANGE outside [first, first + tokens);
+  // FAILED_PRECONDITION for fp8_e4m3. `data` must hold PagesFor(tokens)
+  // pages.
+  absl::Status ReadPages(const uint8_t* data, int tokens, int first, int begin, int end,
+                         const ReadOptions& options, TensorView k_out, TensorView v_out) const;
 
   // Row t of one side in the stored basis (rotated, pre-RoPE), as floats.
   // Slow (one row at a time): for references and tests.
@@ -138,10 +149,27 @@ class KvStream {
   int NewQuantizedTokens(int n) const;
   // Quantizes the full tail into pages (whose memory is already allocated).
   void FlushTail();
+  // Quantizes n contiguous fp16 rows of K and of V (n a multiple of the
+  // block; the pages already allocated) at the end of the quantized part.
+  void QuantizeBlocks(const void* k_rows, const void* v_rows, int n);
   // Zeroes every byte of a fresh page except code rows [0, rows) of both
   // sides (which the caller writes). Pages without parameter sections only.
   void ZeroAroundRows(uint8_t* page, int rows) const;
   uint16_t* fp16_row(Side side, int slot);
+  absl::Status CheckReadOutputs(int n, const ReadOptions& options, const TensorView& k_out,
+                                const TensorView& v_out) const;
+  // Whether a side's stored rows are what a read returns (no RoPE to apply,
+  // no rotation to undo).
+  bool StoredAsRead(Side side, const ReadOptions& options) const;
+  // RoPE at positions t.., the inverse rotation, then the conversion to
+  // options.dtype, of `count` float rows into out rows from out_row on.
+  void FinishRows(Side side, float* rows, int count, int t, const ReadOptions& options,
+                  const TensorView& out, int out_row) const;
+  // Rows [row, row + count) of a page (tokens t..) into out rows from
+  // out_row on; scratch holds page_tokens rows of floats.
+  void ReadPageRows(Side side, const uint8_t* page, int row, int count, int t,
+                    const ReadOptions& options, const TensorView& out, int out_row,
+                    float* scratch) const;
 
   StreamConfig config_;
   PageLayout layout_;

@@ -106,6 +106,11 @@ class CpuBackendImpl final : public KernelBackend {
     cpu::DequantizeRowsSimd(s, side, page, row0, n, out);
   }
 
+  bool DequantizeRowsHalf(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                          uint16_t* out, size_t stride) const override {
+    return cpu::DequantizeRowsHalfSimd(s, side, page, row0, n, out, stride);
+  }
+
   bool AttendUsesThreads(absl::Span<const AttentionTask> tasks,
                          const AttentionOptions& options) const override {
     int64_t work = 0;  // (row x key) pairs, as the plan below counts them.

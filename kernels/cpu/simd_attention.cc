@@ -1522,7 +1522,7 @@ HWY_NOINLINE void KiviKeyTileToFloat(const KvStream& s, const uint8_t* page, int
       }
     }
   }
-  WriteOutliers(L, K, page, row, m, kb);
+  WriteOutliers(L, K, page, row, m, kb, static_cast<size_t>(L.head_dim));
 }
 
 #if KVQ_X86_AVX3

@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "hwy/highway.h"
@@ -98,9 +99,11 @@ HWY_INLINE void LoadParams(const PageLayout& L, const SideLayout& S, const uint8
 }
 
 // Writes the sparse outliers of page rows [row0, row0 + n) over their
-// dequantized values in out ([n][head_dim]).
+// dequantized values in out (row r at out + r * stride): floats, or fp16
+// bits (an outlier is an fp16 value, so both are exact).
+template <typename OutT>
 HWY_INLINE void WriteOutliers(const PageLayout& L, const SideLayout& S, const uint8_t* page,
-                              int row0, int n, float* HWY_RESTRICT out) {
+                              int row0, int n, OutT* HWY_RESTRICT out, size_t stride) {
   const int k = L.outliers_per_block;
   if (k == 0 || n == 0) return;
   const int g = L.block_tokens;
@@ -110,7 +113,12 @@ HWY_INLINE void WriteOutliers(const PageLayout& L, const SideLayout& S, const ui
     for (int e = 0; e < k; ++e) {
       const int row = b * g + table[e] / d;
       if (row < row0 || row >= row0 + n) continue;
-      out[static_cast<size_t>(row - row0) * d + table[e] % d] = HalfToFloat(table[k + e]);
+      OutT& x = out[static_cast<size_t>(row - row0) * stride + table[e] % d];
+      if constexpr (std::is_same_v<OutT, float>) {
+        x = HalfToFloat(table[k + e]);
+      } else {
+        x = table[k + e];
+      }
     }
   }
 }
@@ -332,10 +340,13 @@ HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT 
 // shifted by b m and masked, is channels [j0 + P m, j0 + P m + 16). The same
 // separate multiply and add per element as DequantAffineRows, so the result
 // is bit-identical; what goes is the unpacked-codes scratch row and the
-// 8-lane loop.
+// 8-lane loop. Rows go to out + r * stride as floats, or (OutT uint16_t) as
+// fp16 rounded to nearest even, which is FloatToRow's conversion of those
+// floats: one pass instead of a float row written and read back.
+template <typename OutT>
 inline void DequantUniformRows512(SideContext& ctx, const PageLayout& L, const SideLayout& S,
                                   const uint8_t* HWY_RESTRICT page, int row0, int n,
-                                  float* HWY_RESTRICT out) {
+                                  OutT* HWY_RESTRICT out, size_t stride) {
   const int d = L.head_dim;
   const int bits = S.bits;
   const int plane = d * bits / 8;
@@ -354,7 +365,7 @@ inline void DequantUniformRows512(SideContext& ctx, const PageLayout& L, const S
   for (int r = 0; r < n; ++r) {
     const int row = row0 + r;
     const uint8_t* codes = PageLayout::CodeRow(page, S, row);
-    float* x = out + static_cast<size_t>(r) * d;
+    OutT* x = out + static_cast<size_t>(r) * stride;
     const float* params = ctx.params.data() + (per_channel ? 0 : static_cast<size_t>(r) * 2 * ng);
     if (per_channel && row / g != cur_block) {
       cur_block = row / g;
@@ -375,10 +386,24 @@ inline void DequantUniformRows512(SideContext& ctx, const PageLayout& L, const S
           v = _mm512_add_ps(_mm512_set1_ps(params[ng + grp]),
                             _mm512_mul_ps(_mm512_set1_ps(params[grp]), f));
         }
-        _mm512_storeu_ps(x + c, v);
+        if constexpr (std::is_same_v<OutT, float>) {
+          _mm512_storeu_ps(x + c, v);
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + c),
+                              _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
       }
     }
   }
+}
+
+// Whether DequantUniformRows512 serves this side: uniform 2- or 4-bit codes
+// whose planes and groups come in whole 16-channel vectors.
+inline bool UniformRows512Applies(const SideContext& ctx, const SideLayout& S, int d) {
+  return ctx.levels == 0 && (S.bits == 2 || S.bits == 4) && d % 16 == 0 &&
+         d * S.bits / 8 >= 16 &&
+         (S.axis == ParamAxis::kChannelGroups ||
+          (S.axis == ParamAxis::kTokenGroups && S.group_channels % 16 == 0));
 }
 #endif
 
@@ -397,11 +422,9 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
   float* zero = scale + d;
   const int lv = ctx.levels;
 #if KVQ_X86_AVX3
-  if (lv == 0 && (bits == 2 || bits == 4) && d % 16 == 0 && d * bits / 8 >= 16 &&
-      (S.axis == ParamAxis::kChannelGroups ||
-       (S.axis == ParamAxis::kTokenGroups && S.group_channels % 16 == 0))) {
-    DequantUniformRows512(ctx, L, S, page, row0, n, out);
-    WriteOutliers(L, S, page, row0, n, out);
+  if (UniformRows512Applies(ctx, S, d)) {
+    DequantUniformRows512(ctx, L, S, page, row0, n, out, static_cast<size_t>(d));
+    WriteOutliers(L, S, page, row0, n, out, static_cast<size_t>(d));
     return;
   }
 #endif
@@ -449,7 +472,7 @@ inline HWY_NOINLINE void DequantAffineRows(SideContext& ctx, const uint8_t* HWY_
       }
     }
   }
-  WriteOutliers(L, S, page, row0, n, out);
+  WriteOutliers(L, S, page, row0, n, out, static_cast<size_t>(d));
 }
 
 // Dequantizes page rows [row0, row0 + n) of any format.

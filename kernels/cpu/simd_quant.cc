@@ -526,6 +526,25 @@ void DequantizeRowsImpl(const KvStream& s, Side side, const uint8_t* page, int r
   DequantRows(ctx, page, row0, n, out);
 }
 
+bool DequantizeRowsHalfImpl(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                            uint16_t* out, size_t stride) {
+#if KVQ_X86_AVX3
+  const SideLayout& S = s.layout().side(side);
+  if (s.spec().nuq || (S.format != CodeFormat::kPacked && S.format != CodeFormat::kInt8)) {
+    return false;
+  }
+  static thread_local SideContext ctx;
+  ctx.Init(s, side);
+  if (!UniformRows512Applies(ctx, S, s.head_dim())) return false;
+  DequantUniformRows512(ctx, s.layout(), S, page, row0, n, out, stride);
+  WriteOutliers(s.layout(), S, page, row0, n, out, stride);
+  return true;
+#else
+  (void)s, (void)side, (void)page, (void)row0, (void)n, (void)out, (void)stride;
+  return false;
+#endif
+}
+
 // Row conversions for tensors at the API edge (RowToFloat / FloatToRow).
 void HalfToFloatImpl(const uint16_t* src, size_t n, float* dst) {
   constexpr size_t kStep = size_t{1} << 20;  // HalfRowToFloat takes an int.
@@ -576,6 +595,7 @@ namespace cpu {
 
 HWY_EXPORT(QuantizeRowsImpl);
 HWY_EXPORT(DequantizeRowsImpl);
+HWY_EXPORT(DequantizeRowsHalfImpl);
 HWY_EXPORT(HalfToFloatImpl);
 HWY_EXPORT(FloatToHalfImpl);
 HWY_EXPORT(MaxAbsBits16Impl);
@@ -604,6 +624,11 @@ bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int 
 void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,
                         int n, float* out) {
   HWY_DYNAMIC_DISPATCH(DequantizeRowsImpl)(stream, side, page, row0, n, out);
+}
+
+bool DequantizeRowsHalfSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,
+                            int n, uint16_t* out, size_t stride) {
+  return HWY_DYNAMIC_DISPATCH(DequantizeRowsHalfImpl)(stream, side, page, row0, n, out, stride);
 }
 
 }  // namespace cpu

@@ -375,8 +375,7 @@ TEST_F(ClientRpcTest, RawFetchDequantizedLocallyMatchesTheServersDequantization)
     EXPECT_TRUE(local->k == server->k) << "rope " << rope;
     EXPECT_TRUE(local->v == server->v) << "rope " << rope;
     // Into tensors reused across calls; the second call's first stream
-    // fails once, so its messages are applied after a rebuild, not as they
-    // arrive.
+    // fails once and restarts, rewriting the rows it had placed.
     HostTensor ko = HostTensor::Zeros(DType::kFloat32, server->k.shape);
     HostTensor vo = HostTensor::Zeros(DType::kFloat32, server->v.shape);
     for (int rep = 0; rep < 2; ++rep) {
@@ -411,6 +410,42 @@ TEST_F(ClientRpcTest, RawFetchDequantizedLocallyMatchesTheServersDequantization)
   EXPECT_LT(raw->wire_bytes * 2, int64_t{2} * kLayers * kHeads * 512 * kDim * 2);
   // The fp16 tail has no pages.
   EXPECT_EQ(client_->FetchRaw(id).status().code(), absl::StatusCode::kOutOfRange);
+}
+
+TEST_F(ClientRpcTest, LocalFetchOfAnyRangeMatchesTheServerBitForBit) {
+  // rotate: the sink and the tail come from the server as it dequantizes
+  // them, the pages are inverse-rotated here; both match FetchDequant.
+  config_.scheme = "kivi2:g32:r128:rotate:sink=4";
+  const std::string id = Create();
+  const HostTensor k = Random({kLayers, kHeads, 600, kDim}, 15);
+  const HostTensor v = Random({kLayers, kHeads, 600, kDim}, 16);
+  ASSERT_TRUE(client_->AppendPromptQuantized(id, config_, k, v, {}).ok());
+  // 600 tokens: sink [0, 4), pages [4, 516) of 32 tokens, tail [516, 600).
+  const std::pair<int, int> ranges[] = {{0, 600}, {0, 3}, {100, 300}, {37, 38}, {520, 590},
+                                        {500, 530}};
+  for (DType dtype : {DType::kFloat16, DType::kFloat32}) {
+    for (auto [b, e] : ranges) {
+      FetchOptions fetch;
+      fetch.dtype = dtype;
+      fetch.apply_rope = true;
+      fetch.layer_begin = 1;
+      fetch.layer_end = kLayers;
+      fetch.token_begin = b;
+      fetch.token_end = e;
+      absl::StatusOr<FetchedKv> server = client_->FetchDequant(id, fetch);
+      absl::StatusOr<FetchedKv> local = client_->FetchDequantLocal(id, config_, fetch);
+      ASSERT_TRUE(server.ok()) << server.status();
+      ASSERT_TRUE(local.ok()) << local.status();
+      EXPECT_EQ(local->k.shape, server->k.shape);
+      EXPECT_TRUE(local->k == server->k) << DTypeName(dtype) << " [" << b << ", " << e << ")";
+      EXPECT_TRUE(local->v == server->v) << DTypeName(dtype) << " [" << b << ", " << e << ")";
+    }
+  }
+  FetchOptions beyond;
+  beyond.token_end = 601;
+  const absl::StatusOr<FetchedKv> past = client_->FetchDequantLocal(id, config_, beyond);
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(past.status().message(), "token range [0, 601) is not inside [0, 600]");
 }
 
 TEST_F(ClientRpcTest, AttendSendsEveryItemAndReturnsTypedResults) {

@@ -2,8 +2,10 @@
 // library that quantizes locally and a server that validates would.
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "tests/unit/test_util.h"
@@ -91,6 +93,143 @@ TEST_P(RawPagesTest, PagesOnlyAtABoundary) {
   absl::Status st = s->AppendPages(page.data(), spec.flush_tokens());
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_EQ(s->num_tokens(), spec.sink + 3);
+}
+
+// Bytes of Read(begin, end) (or ReadPages of `wire`) in `dtype`, K then V.
+std::vector<uint8_t> ReadBytes(const KvStream& s, const uint8_t* wire, int tokens, int first,
+                               int begin, int end, DType dtype, bool apply_rope,
+                               absl::Status* status) {
+  const int d = s.head_dim();
+  const size_t side_bytes = static_cast<size_t>(end - begin) * d * DTypeBytes(dtype);
+  std::vector<uint8_t> out(2 * side_bytes, 0xAB);
+  const TensorView k{out.data(), dtype, end - begin, d, 0};
+  const TensorView v{out.data() + side_bytes, dtype, end - begin, d, 0};
+  ReadOptions options;
+  options.dtype = dtype;
+  options.apply_rope = apply_rope;
+  *status = wire == nullptr ? s.Read(begin, end, options, k, v)
+                            : s.ReadPages(wire, tokens, first, begin, end, options, k, v);
+  return out;
+}
+
+TEST_P(RawPagesTest, ReadPagesEqualsReadOfTheStoredPages) {
+  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  // An empty stream of the same config reads the pages without storing them.
+  std::unique_ptr<KvStream> reader = testutil::MakeStream(GetParam());
+  const int d = src->head_dim();
+  const QuantSpec& spec = src->spec();
+  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64);
+  std::vector<float> k = testutil::MakeKeys(n, d, 37);
+  std::vector<float> v = testutil::MakeValues(n, d, 38);
+  ASSERT_TRUE(testutil::AppendRows(*src, k, v, 0, n).ok());
+  const int q = src->quantized_tokens();
+  const int first = src->page_base();
+  ASSERT_GT(q, 0);
+  std::vector<uint8_t> wire(static_cast<size_t>(src->PagesFor(q)) * src->layout().page_bytes);
+  ASSERT_TRUE(src->CopyPages(0, q, wire.data()).ok());
+  const int pt = src->layout().page_tokens;
+  // The whole range, one inside a page, one across a page boundary.
+  const std::pair<int, int> ranges[] = {{first, first + q},
+                                        {first + 1, first + std::min(q, 3)},
+                                        {first + std::max(0, std::min(pt, q) - 2),
+                                         first + std::min(q, pt + 3)}};
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (bool rope : {true, false}) {
+      for (auto [b, e] : ranges) {
+        absl::Status want_st, got_st;
+        const std::vector<uint8_t> want =
+            ReadBytes(*src, nullptr, 0, 0, b, e, dtype, rope, &want_st);
+        const std::vector<uint8_t> got =
+            ReadBytes(*reader, wire.data(), q, first, b, e, dtype, rope, &got_st);
+        ASSERT_TRUE(want_st.ok()) << want_st;
+        ASSERT_TRUE(got_st.ok()) << got_st;
+        EXPECT_EQ(got, want) << DTypeName(dtype) << " rope " << rope << " [" << b << ", " << e
+                             << ")";
+      }
+    }
+  }
+  EXPECT_EQ(reader->num_tokens(), 0);
+}
+
+TEST_P(RawPagesTest, ReadPagesChecksThePagesItReadsAndTheRange) {
+  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  const QuantSpec& spec = src->spec();
+  if (!spec.is_kivi() && spec.kind != SchemeKind::kInt8) {
+    GTEST_SKIP() << "corruption case written for scaled pages";
+  }
+  std::unique_ptr<KvStream> reader = testutil::MakeStream(GetParam());
+  const int d = src->head_dim();
+  const PageLayout& L = src->layout();
+  const int n = spec.sink + 2 * std::max({spec.flush_tokens(), 64, L.page_tokens});
+  std::vector<float> k = testutil::MakeKeys(n, d, 39);
+  std::vector<float> v = testutil::MakeValues(n, d, 40);
+  ASSERT_TRUE(testutil::AppendRows(*src, k, v, 0, n).ok());
+  const int q = src->quantized_tokens();
+  ASSERT_GT(src->PagesFor(q), 1);
+  std::vector<uint8_t> wire(static_cast<size_t>(src->PagesFor(q)) * L.page_bytes);
+  ASSERT_TRUE(src->CopyPages(0, q, wire.data()).ok());
+  const uint16_t inf = 0x7c00;
+  std::memcpy(L.ParamBlock(wire.data() + L.page_bytes, L.value, 0), &inf, 2);
+  const int first = src->page_base();
+  absl::Status st;
+  // The first page alone is intact.
+  ReadBytes(*reader, wire.data(), q, first, first, first + L.page_tokens, DType::kFloat32, true,
+            &st);
+  EXPECT_TRUE(st.ok()) << st;
+  ReadBytes(*reader, wire.data(), q, first, first, first + q, DType::kFloat32, true, &st);
+  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find(L.value.param_bits == 8
+                                  ? "page 1 value block 0: scale step must be finite and >= 0"
+                                  : "page 1 value row 0"),
+            absl::string_view::npos)
+      << st;
+  ReadBytes(*reader, wire.data(), q, first, first, first + q + 1, DType::kFloat32, true, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_EQ(st.message(), absl::StrCat("token range [", first, ", ", first + q + 1,
+                                       ") is not inside the pages' [", first, ", ", first + q,
+                                       ")"));
+}
+
+// DequantizeRowsHalf, where a backend has it, is FloatToRow(fp16) of
+// DequantizeRows for every row range of every page.
+TEST_P(RawPagesTest, HalfRowsAreTheFloatRowsRounded) {
+  std::unique_ptr<KvStream> s = testutil::MakeStream(GetParam());
+  absl::StatusOr<const KernelBackend*> backend = BackendByName(GetParam().backend);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const KernelBackend& b = **backend;
+  const int d = s->head_dim();
+  const QuantSpec& spec = s->spec();
+  const int n = spec.sink + 2 * std::max(spec.flush_tokens(), 64);
+  std::vector<float> k = testutil::MakeKeys(n, d, 41);
+  std::vector<float> v = testutil::MakeValues(n, d, 42);
+  ASSERT_TRUE(testutil::AppendRows(*s, k, v, 0, n).ok());
+  const int q = s->quantized_tokens();
+  const int pt = s->layout().page_tokens;
+  std::vector<uint8_t> wire(static_cast<size_t>(s->PagesFor(q)) * s->layout().page_bytes);
+  ASSERT_TRUE(s->CopyPages(0, q, wire.data()).ok());
+  const size_t stride = static_cast<size_t>(d) + 8;  // Rows apart, as in a wider tensor.
+  for (Side side : {Side::kKey, Side::kValue}) {
+    for (int page = 0; page < s->PagesFor(q); ++page) {
+      const uint8_t* p = wire.data() + static_cast<size_t>(page) * s->layout().page_bytes;
+      const int rows = std::min(pt, q - page * pt);
+      for (auto [row0, count] : {std::pair{0, rows}, std::pair{1, std::min(3, rows - 1)}}) {
+        if (count <= 0) continue;
+        std::vector<uint16_t> half(count * stride, 0xFFFF);
+        if (!b.DequantizeRowsHalf(*s, side, p, row0, count, half.data(), stride)) {
+          EXPECT_EQ(half, std::vector<uint16_t>(count * stride, 0xFFFF)) << "wrote and declined";
+          continue;
+        }
+        std::vector<float> f(static_cast<size_t>(count) * d);
+        b.DequantizeRows(*s, side, p, row0, count, f.data());
+        std::vector<uint16_t> want(count * stride, 0xFFFF);
+        for (int r = 0; r < count; ++r) {
+          FloatToRow(f.data() + static_cast<size_t>(r) * d, d, DType::kFloat16,
+                     want.data() + r * stride);
+        }
+        EXPECT_EQ(half, want) << "page " << page << " rows " << row0 << "+" << count;
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, RawPagesTest,

@@ -139,5 +139,26 @@ TEST_F(SimdDispatchTest, MaxAbsBitsIsExactOnEveryTargetAndTail) {
   }
 }
 
+// The one-pass fp16 dequantization serves uniform 2- and 4-bit kivi on
+// AVX-512 and declines elsewhere (its callers then convert floats).
+TEST_F(SimdDispatchTest, HalfRowsOnAvx512Only) {
+  for (const std::string& t : best_) {
+    ASSERT_TRUE(PinSimdTarget(t).ok());
+    for (const char* scheme : {"kivi4:g32:r128", "kivi2:g32:r128:outliers=1"}) {
+      StreamConfig config;
+      config.spec = *QuantSpec::Parse(scheme);
+      config.head_dim = 64;
+      absl::StatusOr<std::unique_ptr<KvStream>> s = KvStream::Create(config, &CpuBackend());
+      ASSERT_TRUE(s.ok()) << s.status();
+      std::vector<uint8_t> page((*s)->layout().page_bytes, 0);
+      std::vector<uint16_t> out(64);
+      const bool avx512 = t == "AVX3" || t == "AVX3_DL" || t == "AVX3_ZEN4" || t == "AVX3_SPR";
+      EXPECT_EQ(CpuBackend().DequantizeRowsHalf(**s, Side::kValue, page.data(), 0, 1, out.data(), 64),
+                avx512)
+          << t << " " << scheme;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvq
