@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "client/parallel_for.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -69,7 +70,7 @@ absl::Status FetchPlacer::CheckComplete() const {
 
 RawPagePlacer::RawPagePlacer(const LocalSequence& local, const ReadOptions& read,
                              int pages_begin, int begin, int end, int out_begin, HostTensor* k,
-                             HostTensor* v)
+                             HostTensor* v, int threads)
     : local_(local),
       read_(read),
       pages_begin_(pages_begin),
@@ -78,6 +79,7 @@ RawPagePlacer::RawPagePlacer(const LocalSequence& local, const ReadOptions& read
       out_begin_(out_begin),
       k_(k),
       v_(v),
+      threads_(threads),
       next_(static_cast<size_t>(local.layers()), pages_begin) {}
 
 absl::Status RawPagePlacer::Place(const v1::FetchResponse& m) {
@@ -107,16 +109,25 @@ absl::Status RawPagePlacer::Place(const v1::FetchResponse& m) {
   const int d = s0.head_dim();
   const size_t elem = DTypeBytes(read_.dtype);
   const auto* data = reinterpret_cast<const uint8_t*>(p.page_data().data());
-  for (int h = 0; h < heads && b < e; ++h) {
+  // K and V of each head are independent tasks (an even split over two
+  // threads for an odd head count).
+  std::vector<absl::Status> results(b < e ? 2 * static_cast<size_t>(heads) : 0);
+  ParallelFor(static_cast<int>(results.size()), threads_, [&](int i) {
+    const int h = i / 2;
     const size_t at =
         static_cast<size_t>((int64_t{l} * heads + h) * out_tokens + (b - out_begin_)) * d * elem;
-    const TensorView k{k_->mutable_bytes() + at, read_.dtype, e - b, d, 0};
-    const TensorView v{v_->mutable_bytes() + at, read_.dtype, e - b, d, 0};
-    const absl::Status st = local_.stream(m.layer(), h).ReadPages(data + h * per_stream, n, t0,
-                                                                  b, e, read_, k, v);
-    if (!st.ok()) {
-      return absl::Status(st.code(), absl::StrCat("raw fetch of layer ", m.layer(), " kv head ", h,
-                                                  " from token ", t0, ": ", st.message()));
+    HostTensor* out = i % 2 == 0 ? k_ : v_;
+    const TensorView rows{out->mutable_bytes() + at, read_.dtype, e - b, d, 0};
+    const TensorView none{nullptr, read_.dtype, e - b, d, 0};
+    results[i] = local_.stream(m.layer(), h)
+                     .ReadPages(data + h * per_stream, n, t0, b, e, read_,
+                                i % 2 == 0 ? rows : none, i % 2 == 0 ? none : rows);
+  });
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (!results[i].ok()) {
+      return absl::Status(results[i].code(),
+                          absl::StrCat("raw fetch of layer ", m.layer(), " kv head ", i / 2,
+                                       " from token ", t0, ": ", results[i].message()));
     }
   }
   next_[l] = t0 + n;

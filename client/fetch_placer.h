@@ -46,11 +46,13 @@ class FetchPlacer {
 // a page boundary) of `local`'s layers, dequantized straight into k and v:
 // tokens [begin, end) land at token index (t - out_begin). `local`'s
 // streams (empty) supply the layout, RoPE, rotation and codebooks. Pages
-// are validated as KvStream::AppendPages validates them.
+// are validated as KvStream::AppendPages validates them. A message's K and V
+// of each head are dequantized on up to `threads` threads (<= 0: one per
+// hardware thread); the bytes do not depend on the count.
 class RawPagePlacer {
  public:
   RawPagePlacer(const LocalSequence& local, const ReadOptions& read, int pages_begin, int begin,
-                int end, int out_begin, HostTensor* k, HostTensor* v);
+                int end, int out_begin, HostTensor* k, HostTensor* v, int threads = 0);
 
   absl::Status Place(const v1::FetchResponse& m);
   void Reset();
@@ -63,6 +65,7 @@ class RawPagePlacer {
   const int pages_begin_, begin_, end_, out_begin_;
   HostTensor* k_;
   HostTensor* v_;
+  const int threads_;
   std::vector<int> next_;  // Per layer: the token the next message starts at.
   int64_t bytes_ = 0;
 };

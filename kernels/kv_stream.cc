@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
@@ -470,12 +471,14 @@ namespace {
 
 bool FiniteHalf(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
 
-absl::Status CheckPage(const PageLayout& L, const uint8_t* page, int rows, int index) {
+// Checks the sides of a page named in `sides` (both by default).
+absl::Status CheckPage(const PageLayout& L, const uint8_t* page, int rows, int index,
+                       std::initializer_list<Side> sides = {Side::kKey, Side::kValue}) {
   auto bad = [&](absl::string_view side, absl::string_view what, int row) {
     return absl::InvalidArgumentError(absl::StrCat("page ", index, " ", side, " row ", row, ": ",
                                                    what));
   };
-  for (Side side : {Side::kKey, Side::kValue}) {
+  for (Side side : sides) {
     const SideLayout& S = L.side(side);
     const char* name = side == Side::kKey ? "key" : "value";
     for (int r = 0; r < rows; ++r) {
@@ -573,9 +576,14 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
   if (begin == end) return absl::OkStatus();
   const int first_page = (begin - first) / pt;
   const int last_page = (end - 1 - first) / pt;
-  for (int i = first_page; i <= last_page; ++i) {
-    KVQ_RETURN_IF_ERROR(CheckPage(layout_, data + static_cast<size_t>(i) * layout_.page_bytes,
-                                  std::min(pt, tokens - i * pt), i));
+  // Only the sides read are checked: a caller may read K and V apart.
+  const bool keys = k_out.data != nullptr, values = v_out.data != nullptr;
+  for (int i = first_page; i <= last_page && (keys || values); ++i) {
+    const uint8_t* page = data + static_cast<size_t>(i) * layout_.page_bytes;
+    const int rows = std::min(pt, tokens - i * pt);
+    KVQ_RETURN_IF_ERROR(keys && values ? CheckPage(layout_, page, rows, i)
+                                       : CheckPage(layout_, page, rows, i,
+                                                   {keys ? Side::kKey : Side::kValue}));
   }
   std::vector<float> rows(static_cast<size_t>(pt) * head_dim());
   for (Side side : {Side::kKey, Side::kValue}) {

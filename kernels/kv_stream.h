@@ -106,9 +106,10 @@ class KvStream {
   // holds `tokens` tokens from stream position `first` (on a page boundary),
   // as CopyPages writes them. The result is what Read() would return had
   // AppendPages(data, tokens) run with the quantized part ending at `first`
-  // (positions, hence RoPE, count from `first`). The pages the range touches
-  // are validated as AppendPages validates them (INVALID_ARGUMENT names the
-  // page, row and field); OUT_OF_RANGE outside [first, first + tokens);
+  // (positions, hence RoPE, count from `first`). The sides read (k_out or
+  // v_out may be null) of the pages the range touches are validated as
+  // AppendPages validates them (INVALID_ARGUMENT names the page, row and
+  // field); OUT_OF_RANGE outside [first, first + tokens);
   // FAILED_PRECONDITION for fp8_e4m3. `data` must hold PagesFor(tokens)
   // pages.
   absl::Status ReadPages(const uint8_t* data, int tokens, int first, int begin, int end,
