@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/numeric.h"
 #include "tests/unit/test_util.h"
@@ -179,6 +180,44 @@ TEST(GroupParamsTest, CheckNamesTheBadHeaderField) {
   std::memcpy(L.ParamBlock(ok.data(), L.value, 0), &neg_zero, 2);
   std::memcpy(L.ParamBlock(ok.data(), L.value, 0) + 2, &minus_two, 2);
   EXPECT_TRUE(CheckGroupParams(L, L.value, ok.data(), 32).ok());
+}
+
+// fp16 parameters, both axes: every position of every entry is checked
+// (the first pass is branch-free; the message comes from the second).
+TEST(GroupParamsTest, CheckNamesTheBadFp16Parameter) {
+  const PageLayout L = Layout("kivi2:g32:r128", 64);
+  std::vector<uint8_t> page(L.page_bytes, 0);
+  for (const SideLayout* S : {&L.key, &L.value}) {
+    const int rows = L.page_tokens;
+    const int n = L.ParamsPerEntry(*S);
+    const int entries = S->axis == ParamAxis::kChannelGroups ? rows / L.block_tokens : rows;
+    ASSERT_TRUE(CheckGroupParams(L, *S, page.data(), rows).ok());
+    const int last = entries - 1;
+    const struct {
+      int entry, index;  // index < n: scale index; else zero point index - n.
+      uint16_t value;
+      std::string message;
+    } cases[] = {
+        {0, 0, 0x7c00, "row 0: scale 0 must be finite and >= 0"},
+        {last, n - 1, 0xbc00, absl::StrCat("row ", last, ": scale ", n - 1, " must be finite and >= 0")},
+        {last, n - 1, 0x8001, absl::StrCat("row ", last, ": scale ", n - 1, " must be finite and >= 0")},
+        {0, n, 0x7e00, "row 0: zero point 0 is not finite"},
+        {last, 2 * n - 1, 0xfc00, absl::StrCat("row ", last, ": zero point ", n - 1, " is not finite")},
+    };
+    for (const auto& c : cases) {
+      std::vector<uint8_t> bad = page;
+      L.Params(bad.data(), *S, c.entry)[c.index] = c.value;
+      const absl::Status st = CheckGroupParams(L, *S, bad.data(), rows);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.message;
+      EXPECT_EQ(st.message(), c.message);
+    }
+    // A negative zero scale is a zero scale; zero points may be negative.
+    std::vector<uint8_t> ok = page;
+    L.Params(ok.data(), *S, last)[0] = 0x8000;
+    L.Params(ok.data(), *S, last)[n] = 0xc000;
+    L.Params(ok.data(), *S, 0)[n - 1] = 0x7bff;  // The largest finite scale.
+    EXPECT_TRUE(CheckGroupParams(L, *S, ok.data(), rows).ok());
+  }
 }
 
 // Root-mean-square round-trip error of the quantized tokens of a stream.
