@@ -12,11 +12,18 @@
 //
 // `rpc` measures kvq over gRPC against raw gRPC and Redis on this machine
 // (bench/rpc_bench.h).
+//
+//   kvq-bench convert [--json] [--schemes=kivi4,kivi2] [--tokens=N] [--bulk_reps=N]
+//
+// `convert` times the client's side of rpc's quantized round trip in this
+// process alone: quantizing the prompt, dequantizing raw pages
+// (bench/convert_bench.h).
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -24,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/convert_bench.h"
 #include "bench/kernels_bench.h"
 #include "bench/rpc_bench.h"
 
@@ -51,8 +59,34 @@ ABSL_FLAG(int, threads, 0, "OpenMP threads (0: omp_get_max_threads()).");
 ABSL_FLAG(int, page_tokens, 0,
           "kernels: tokens per page, a multiple of the scheme's block (0: max(32, G)).");
 
+// Defined with `rpc`'s flags (rpc_main.cc); `convert` reads them too.
+ABSL_DECLARE_FLAG(int, tokens);
+ABSL_DECLARE_FLAG(int, bulk_reps);
+ABSL_DECLARE_FLAG(int64_t, chunk_bytes);
+
 namespace kvq {
 namespace {
+
+int ConvertMain(const std::string& command) {
+  ConvertBenchOptions options;
+  if (absl::GetFlag(FLAGS_tokens) > 0) options.tokens = absl::GetFlag(FLAGS_tokens);
+  if (absl::GetFlag(FLAGS_bulk_reps) > 0) options.reps = absl::GetFlag(FLAGS_bulk_reps);
+  options.warmup = absl::GetFlag(FLAGS_warmup);
+  options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  if (!absl::GetFlag(FLAGS_schemes).empty()) options.schemes = absl::GetFlag(FLAGS_schemes);
+  if (options.warmup < 0 || options.chunk_bytes < 1) {
+    std::cerr << "--warmup must be >= 0 and --chunk_bytes >= 1\n";
+    return 2;
+  }
+  absl::StatusOr<ConvertBenchResult> result = RunConvertBench(options, &std::cerr);
+  if (!result.ok()) {
+    std::cerr << "kvq-bench convert: " << result.status() << "\n";
+    return 2;
+  }
+  std::cout << (absl::GetFlag(FLAGS_json) ? FormatConvertJson(*result, command)
+                                          : FormatConvertTable(*result, command));
+  return 0;
+}
 
 int KernelsMain(const std::string& command) {
   KernelsBenchOptions options;
@@ -119,7 +153,9 @@ int main(int argc, char** argv) {
       "  kernels   bits/element, attention error and decode speed of every scheme\n"
       "            e.g. kvq-bench kernels --quick\n"
       "  rpc       kvq over gRPC vs raw gRPC and Redis: transfer, round trip, Attend, decode\n"
-      "            e.g. kvq-bench rpc --quick");
+      "            e.g. kvq-bench rpc --quick\n"
+      "  convert   the client's quantize / dequantize of rpc's round trip, alone\n"
+      "            e.g. kvq-bench convert");
   std::vector<std::string> words = {"kvq-bench"};
   for (int i = 1; i < argc; ++i) words.push_back(argv[i]);
   const std::string command = absl::StrJoin(words, " ");
@@ -128,13 +164,14 @@ int main(int argc, char** argv) {
   // Abseil keeps one; the client's page allocator locks once per page).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (args.size() != 2) {
-    std::cerr << "usage: kvq-bench kernels|rpc [flags]   (see --help)\n";
+    std::cerr << "usage: kvq-bench kernels|rpc|convert [flags]   (see --help)\n";
     return 2;
   }
   const std::string sub = args[1];
   if (sub == "kernels") return kvq::KernelsMain(command);
   if (sub == "rpc") return kvq::RpcMain(command);
+  if (sub == "convert") return kvq::ConvertMain(command);
   if (sub == "rpc-echo-server") return kvq::RpcEchoServerMain();  // Started by `rpc`.
-  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc\n";
+  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc, convert\n";
   return 2;
 }

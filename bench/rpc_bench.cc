@@ -17,6 +17,7 @@
 #include "bench/child_process.h"
 #include "bench/raw_echo.grpc.pb.h"
 #include "bench/resp_client.h"
+#include "bench/smollm_prompt.h"
 #include "client/append_plan.h"
 #include "client/grpc_status.h"
 #include "client/kvq_client.h"
@@ -32,12 +33,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// SmolLM2-135M.
-constexpr int kLayers = 30;
-constexpr int kKvHeads = 3;
-constexpr int kQHeads = 9;
-constexpr int kHeadDim = 64;
-constexpr float kRopeTheta = 100000.0f;
+// SmolLM2-135M (bench/smollm_prompt.h).
+using smollm::kHeadDim;
+using smollm::kKvHeads;
+using smollm::kLayers;
+using smollm::kQHeads;
+using smollm::MakeKv;
+using smollm::RandomTensor;
 
 constexpr int kDefaultTokens = 4096;
 constexpr int kQuickTokens = 1024;
@@ -147,63 +149,6 @@ class Span {
   double server_cpu_;
   Clock::time_point start_;
 };
-
-// Deterministic, fast noise (splitmix64); Normal() sums four uniforms
-// (Irwin-Hall, rescaled to unit variance): plenty for timing data.
-class Noise {
- public:
-  explicit Noise(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  float Normal() {
-    const uint64_t r = Next();
-    float sum = 0.0f;
-    for (int i = 0; i < 4; ++i) sum += static_cast<float>((r >> (16 * i)) & 0xffff) / 65535.0f;
-    return (sum - 2.0f) * 1.7320508f;
-  }
-
- private:
-  uint64_t state_;
-};
-
-// fp16 [layers, kv_heads, tokens, head_dim]. Keys carry the large fixed
-// channels real caches have (one in 16); values are narrower.
-HostTensor MakeKv(int layers, int tokens, uint64_t seed, bool keys) {
-  HostTensor t = HostTensor::Zeros(DType::kFloat16, {layers, kKvHeads, tokens, kHeadDim});
-  Noise noise(seed);
-  float row[kHeadDim];
-  const int64_t rows = static_cast<int64_t>(layers) * kKvHeads * tokens;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int c = 0; c < kHeadDim; ++c) {
-      row[c] = keys ? noise.Normal() + (c % 16 == 3 ? 4.0f : 0.0f) : 0.5f * noise.Normal();
-    }
-    FloatToRow(row, kHeadDim, DType::kFloat16, t.mutable_bytes() + r * kHeadDim * 2);
-  }
-  return t;
-}
-
-HostTensor RandomTensor(std::vector<int64_t> shape, uint64_t seed, float scale) {
-  HostTensor t = HostTensor::Zeros(DType::kFloat16, shape);
-  Noise noise(seed);
-  std::vector<float> x(static_cast<size_t>(t.num_elements()));
-  for (float& e : x) e = scale * noise.Normal();
-  FloatToRow(x.data(), static_cast<int>(x.size()), DType::kFloat16, t.mutable_bytes());
-  return t;
-}
-
-ModelLayout SmolLmLayout() {
-  ModelLayout l;
-  l.num_layers = kLayers;
-  l.num_kv_heads = kKvHeads;
-  l.num_q_heads = kQHeads;
-  l.head_dim = kHeadDim;
-  l.rope.theta = kRopeTheta;
-  return l;
-}
 
 ThroughputRow MakeRow(std::string id, std::string label, int64_t fp16_bytes, int64_t wire_bytes,
                       int64_t tokens) {
@@ -418,13 +363,13 @@ class RpcBench {
 
   absl::StatusOr<SequenceInfo> Create(const std::string& scheme) {
     CreateOptions create;
-    create.config.layout = SmolLmLayout();
+    create.config.layout = smollm::Layout();
     create.config.scheme = scheme;
     return client_->CreateSequence(create);
   }
   SequenceConfig Config(const std::string& canonical_scheme) const {
     SequenceConfig c;
-    c.layout = SmolLmLayout();
+    c.layout = smollm::Layout();
     c.scheme = canonical_scheme;
     return c;
   }
