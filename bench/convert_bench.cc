@@ -96,7 +96,7 @@ absl::StatusOr<ConvertBenchResult> RunConvertBench(const ConvertBenchOptions& o,
     std::memcpy(buffer.data() + k.byte_size(), v.bytes(), v.byte_size());
     return absl::OkStatus();
   }));
-  ConvertRow fill{"memset", "", "memset of the same bytes (the output's writes alone)", 1, all,
+  ConvertRow fill{"memset", "", "memset of the same bytes (the writes alone)", 1, all,
                   {}, 0.0};
   KVQ_RETURN_IF_ERROR(Time(o, &fill, [&] {
     std::memset(buffer.data(), 0, buffer.size());
