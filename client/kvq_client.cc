@@ -426,8 +426,19 @@ absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
   const TokenPlacement place = PlaceTokens(stream_config, num_tokens);
   const int q_begin = place.sink, q_end = place.sink + place.quantized;
   int64_t done = 0;
-  auto progress = [&](int64_t bytes) {
-    if (o.progress) o.progress(done + bytes, -1);
+  // One stream of the fetch, each message placed as it arrives.
+  auto stream_into = [&](const FetchOptions& part, bool raw, auto& placer) -> absl::Status {
+    KVQ_RETURN_IF_ERROR(FetchStream(
+        sequence_id, part, raw,
+        [&](v1::FetchResponse&& m) {
+          KVQ_RETURN_IF_ERROR(placer.Place(m));
+          if (o.progress) o.progress(done + placer.bytes(), -1);
+          return absl::OkStatus();
+        },
+        [&] { placer.Reset(); }));
+    KVQ_RETURN_IF_ERROR(placer.CheckComplete());
+    done += placer.bytes();
+    return absl::OkStatus();
   };
   // The sink and the fp16 tail come dequantized by the server, as
   // FetchDequantInto would place them.
@@ -438,17 +449,7 @@ absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
     part.token_end = end;
     part.progress = nullptr;
     FetchPlacer placer(part, k, v, begin - o.token_begin, end - begin);
-    KVQ_RETURN_IF_ERROR(FetchStream(
-        sequence_id, part, /*raw=*/false,
-        [&](v1::FetchResponse&& m) {
-          KVQ_RETURN_IF_ERROR(placer.Place(m));
-          progress(placer.bytes());
-          return absl::OkStatus();
-        },
-        [&] { placer.Reset(); }));
-    KVQ_RETURN_IF_ERROR(placer.CheckComplete());
-    done += placer.bytes();
-    return absl::OkStatus();
+    return stream_into(part, /*raw=*/false, placer);
   };
   KVQ_RETURN_IF_ERROR(dense(o.token_begin, std::min(o.token_end, q_begin)));
   // The quantized part as raw pages from the page holding its first token,
@@ -464,16 +465,7 @@ absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
     read.dtype = o.dtype;
     read.apply_rope = o.apply_rope;
     RawPagePlacer placer(*local, read, part.token_begin, begin, end, o.token_begin, k, v);
-    KVQ_RETURN_IF_ERROR(FetchStream(
-        sequence_id, part, /*raw=*/true,
-        [&](v1::FetchResponse&& m) {
-          KVQ_RETURN_IF_ERROR(placer.Place(m));
-          progress(placer.bytes());
-          return absl::OkStatus();
-        },
-        [&] { placer.Reset(); }));
-    KVQ_RETURN_IF_ERROR(placer.CheckComplete());
-    done += placer.bytes();
+    KVQ_RETURN_IF_ERROR(stream_into(part, /*raw=*/true, placer));
   }
   return dense(std::max(o.token_begin, q_end), o.token_end);
 }

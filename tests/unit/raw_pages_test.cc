@@ -112,21 +112,39 @@ std::vector<uint8_t> ReadBytes(const KvStream& s, const uint8_t* wire, int token
   return out;
 }
 
+// A stream holding the sink and `blocks` flush blocks (at least 64 tokens
+// each) of synthetic K/V, and its quantized tokens as raw pages.
+struct StoredPages {
+  std::unique_ptr<KvStream> stream;
+  std::vector<uint8_t> wire;
+  int q = 0;  // Quantized tokens.
+};
+StoredPages StorePages(const StreamParam& p, int blocks, uint64_t seed) {
+  StoredPages out;
+  out.stream = testutil::MakeStream(p);
+  const int d = out.stream->head_dim();
+  const QuantSpec& spec = out.stream->spec();
+  const int n = spec.sink +
+                blocks * std::max({spec.flush_tokens(), 64, out.stream->layout().page_tokens});
+  const std::vector<float> k = testutil::MakeKeys(n, d, seed);
+  const std::vector<float> v = testutil::MakeValues(n, d, seed + 1);
+  EXPECT_TRUE(testutil::AppendRows(*out.stream, k, v, 0, n).ok());
+  out.q = out.stream->quantized_tokens();
+  out.wire.resize(static_cast<size_t>(out.stream->PagesFor(out.q)) *
+                  out.stream->layout().page_bytes);
+  EXPECT_TRUE(out.stream->CopyPages(0, out.q, out.wire.data()).ok());
+  return out;
+}
+
 TEST_P(RawPagesTest, ReadPagesEqualsReadOfTheStoredPages) {
-  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  const StoredPages stored = StorePages(GetParam(), 3, 37);
+  const KvStream* src = stored.stream.get();
   // An empty stream of the same config reads the pages without storing them.
   std::unique_ptr<KvStream> reader = testutil::MakeStream(GetParam());
-  const int d = src->head_dim();
-  const QuantSpec& spec = src->spec();
-  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64);
-  std::vector<float> k = testutil::MakeKeys(n, d, 37);
-  std::vector<float> v = testutil::MakeValues(n, d, 38);
-  ASSERT_TRUE(testutil::AppendRows(*src, k, v, 0, n).ok());
-  const int q = src->quantized_tokens();
+  const int q = stored.q;
   const int first = src->page_base();
   ASSERT_GT(q, 0);
-  std::vector<uint8_t> wire(static_cast<size_t>(src->PagesFor(q)) * src->layout().page_bytes);
-  ASSERT_TRUE(src->CopyPages(0, q, wire.data()).ok());
+  const std::vector<uint8_t>& wire = stored.wire;
   const int pt = src->layout().page_tokens;
   // The whole range, one inside a page, one across a page boundary.
   const std::pair<int, int> ranges[] = {{first, first + q},
@@ -152,22 +170,17 @@ TEST_P(RawPagesTest, ReadPagesEqualsReadOfTheStoredPages) {
 }
 
 TEST_P(RawPagesTest, ReadPagesChecksThePagesItReadsAndTheRange) {
-  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  StoredPages stored = StorePages(GetParam(), 2, 39);
+  const KvStream* src = stored.stream.get();
   const QuantSpec& spec = src->spec();
   if (!spec.is_kivi() && spec.kind != SchemeKind::kInt8) {
     GTEST_SKIP() << "corruption case written for scaled pages";
   }
   std::unique_ptr<KvStream> reader = testutil::MakeStream(GetParam());
-  const int d = src->head_dim();
   const PageLayout& L = src->layout();
-  const int n = spec.sink + 2 * std::max({spec.flush_tokens(), 64, L.page_tokens});
-  std::vector<float> k = testutil::MakeKeys(n, d, 39);
-  std::vector<float> v = testutil::MakeValues(n, d, 40);
-  ASSERT_TRUE(testutil::AppendRows(*src, k, v, 0, n).ok());
-  const int q = src->quantized_tokens();
+  const int q = stored.q;
   ASSERT_GT(src->PagesFor(q), 1);
-  std::vector<uint8_t> wire(static_cast<size_t>(src->PagesFor(q)) * L.page_bytes);
-  ASSERT_TRUE(src->CopyPages(0, q, wire.data()).ok());
+  std::vector<uint8_t>& wire = stored.wire;
   const uint16_t inf = 0x7c00;
   std::memcpy(L.ParamBlock(wire.data() + L.page_bytes, L.value, 0), &inf, 2);
   const int first = src->page_base();
@@ -193,20 +206,15 @@ TEST_P(RawPagesTest, ReadPagesChecksThePagesItReadsAndTheRange) {
 // DequantizeRowsHalf, where a backend has it, is FloatToRow(fp16) of
 // DequantizeRows for every row range of every page.
 TEST_P(RawPagesTest, HalfRowsAreTheFloatRowsRounded) {
-  std::unique_ptr<KvStream> s = testutil::MakeStream(GetParam());
+  const StoredPages stored = StorePages(GetParam(), 2, 41);
+  const KvStream* s = stored.stream.get();
   absl::StatusOr<const KernelBackend*> backend = BackendByName(GetParam().backend);
   ASSERT_TRUE(backend.ok()) << backend.status();
   const KernelBackend& b = **backend;
   const int d = s->head_dim();
-  const QuantSpec& spec = s->spec();
-  const int n = spec.sink + 2 * std::max(spec.flush_tokens(), 64);
-  std::vector<float> k = testutil::MakeKeys(n, d, 41);
-  std::vector<float> v = testutil::MakeValues(n, d, 42);
-  ASSERT_TRUE(testutil::AppendRows(*s, k, v, 0, n).ok());
-  const int q = s->quantized_tokens();
+  const int q = stored.q;
   const int pt = s->layout().page_tokens;
-  std::vector<uint8_t> wire(static_cast<size_t>(s->PagesFor(q)) * s->layout().page_bytes);
-  ASSERT_TRUE(s->CopyPages(0, q, wire.data()).ok());
+  const std::vector<uint8_t>& wire = stored.wire;
   const size_t stride = static_cast<size_t>(d) + 8;  // Rows apart, as in a wider tensor.
   for (Side side : {Side::kKey, Side::kValue}) {
     for (int page = 0; page < s->PagesFor(q); ++page) {
