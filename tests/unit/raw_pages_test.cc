@@ -17,6 +17,17 @@ using testutil::StreamParam;
 
 bool TakesPages(const QuantSpec& s) { return s.kind != SchemeKind::kFp8E4m3; }
 
+// The error of a page set whose second page has an infinite first value
+// scale (or p8 scale step).
+void ExpectPage1ValueScaleNamed(const absl::Status& st, const PageLayout& L) {
+  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find(L.value.param_bits == 8
+                                  ? "page 1 value block 0: scale step must be finite and >= 0"
+                                  : "page 1 value row 0"),
+            absl::string_view::npos)
+      << st;
+}
+
 class RawPagesTest : public ::testing::TestWithParam<StreamParam> {};
 
 TEST_P(RawPagesTest, CopiedPagesAppendToAnEquivalentStream) {
@@ -72,12 +83,7 @@ TEST_P(RawPagesTest, CorruptPagesAreRejectedAndNothingIsStored) {
   }
   const ByteBreakdown before = dst->AllocatedBytes();
   absl::Status st = dst->AppendPages(wire.data(), q);
-  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_NE(st.message().find(L.value.param_bits == 8
-                                  ? "page 1 value block 0: scale step must be finite and >= 0"
-                                  : "page 1 value row 0"),
-            absl::string_view::npos)
-      << st;
+  ExpectPage1ValueScaleNamed(st, L);
   EXPECT_EQ(dst->num_tokens(), spec.sink);
   EXPECT_EQ(dst->AllocatedBytes(), before);
 }
@@ -190,12 +196,7 @@ TEST_P(RawPagesTest, ReadPagesChecksThePagesItReadsAndTheRange) {
             &st);
   EXPECT_TRUE(st.ok()) << st;
   ReadBytes(*reader, wire.data(), q, first, first, first + q, DType::kFloat32, true, &st);
-  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_NE(st.message().find(L.value.param_bits == 8
-                                  ? "page 1 value block 0: scale step must be finite and >= 0"
-                                  : "page 1 value row 0"),
-            absl::string_view::npos)
-      << st;
+  ExpectPage1ValueScaleNamed(st, L);
   ReadBytes(*reader, wire.data(), q, first, first, first + q + 1, DType::kFloat32, true, &st);
   EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
   EXPECT_EQ(st.message(), absl::StrCat("token range [", first, ", ", first + q + 1,
