@@ -68,6 +68,14 @@ uint8_t* PutInt32Field(uint32_t field, int32_t value, uint8_t* p) {
   if (value == 0) return p;
   return PutVarint(Int32Bits(value), PutVarint(Tag(field, kVarint), p));
 }
+// The same for an int64 field.
+size_t Int64FieldSize(int64_t value) {
+  return value == 0 ? 0 : 1 + VarintSize(static_cast<uint64_t>(value));
+}
+uint8_t* PutInt64Field(uint32_t field, int64_t value, uint8_t* p) {
+  if (value == 0) return p;
+  return PutVarint(static_cast<uint64_t>(value), PutVarint(Tag(field, kVarint), p));
+}
 
 }  // namespace
 
@@ -95,5 +103,38 @@ DenseFetchMessage::DenseFetchMessage(int32_t layer, int32_t token_begin, v1::DTy
 }
 
 grpc::ByteBuffer DenseFetchMessage::Release() { return grpc::ByteBuffer(&slice_, 1); }
+
+RawFetchMessage::RawFetchMessage(int32_t layer, int32_t token_begin, int32_t layers,
+                                 int32_t tokens, int64_t page_bytes, int32_t page_tokens,
+                                 size_t data_bytes, int32_t range_layer_end,
+                                 int32_t range_token_end) {
+  // QuantizedPages: its four numbers, then page_data when there is any.
+  const size_t data_field = data_bytes == 0 ? 0 : 1 + VarintSize(data_bytes) + data_bytes;
+  const size_t pages = Int32FieldSize(layers) + Int32FieldSize(tokens) +
+                       Int64FieldSize(page_bytes) + Int32FieldSize(page_tokens) + data_field;
+  const size_t size = Int32FieldSize(layer) + Int32FieldSize(token_begin) + 1 +
+                      VarintSize(pages) + pages + Int32FieldSize(range_layer_end) +
+                      Int32FieldSize(range_token_end);
+  slice_ = grpc::Slice(size);  // Uninitialized: every byte is written below or by the caller.
+  uint8_t* p = const_cast<uint8_t*>(slice_.begin());
+  p = PutInt32Field(1, layer, p);
+  p = PutInt32Field(2, token_begin, p);
+  p = PutVarint(Tag(5, kLengthDelimited), p);  // Set even when empty, as mutable_pages() does.
+  p = PutVarint(pages, p);
+  p = PutInt32Field(1, layers, p);
+  p = PutInt32Field(2, tokens, p);
+  p = PutInt64Field(3, page_bytes, p);
+  p = PutInt32Field(4, page_tokens, p);
+  if (data_bytes > 0) {
+    p = PutVarint(Tag(5, kLengthDelimited), p);
+    p = PutVarint(data_bytes, p);
+    page_data_ = p;
+    p += data_bytes;
+  }
+  p = PutInt32Field(6, range_layer_end, p);
+  PutInt32Field(7, range_token_end, p);
+}
+
+grpc::ByteBuffer RawFetchMessage::Release() { return grpc::ByteBuffer(&slice_, 1); }
 
 }  // namespace kvq

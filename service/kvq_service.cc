@@ -530,30 +530,19 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     const ModelShape& m = seq_->shape();
     const int n = p.end - p.begin;
     if (req_.raw()) {
-      v1::FetchResponse resp;
-      resp.set_layer(p.layer);
-      resp.set_token_begin(p.begin);
-      resp.set_range_layer_end(range_layers);
-      resp.set_range_token_end(range_tokens);
       const KvStream& s0 = seq_->stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
-      v1::QuantizedPages* out = resp.mutable_pages();
-      out->set_layers(1);
-      out->set_tokens(n);
-      out->set_page_bytes(s0.layout().page_bytes);
-      out->set_page_tokens(s0.layout().page_tokens);
-      std::string* data = out->mutable_page_data();
-      data->resize(per_stream * m.num_kv_heads);
+      // The pages go straight into the message buffer.
+      RawFetchMessage msg(p.layer, p.begin, 1, n, static_cast<int64_t>(s0.layout().page_bytes),
+                          s0.layout().page_tokens, per_stream * m.num_kv_heads, range_layers,
+                          range_tokens);
       for (int h = 0; h < m.num_kv_heads; ++h) {
         const KvStream& s = seq_->stream(p.layer, h);
         KVQ_RETURN_IF_ERROR(s.CopyPages(p.begin - s.page_base(), p.end - s.page_base(),
-                                        reinterpret_cast<uint8_t*>(data->data()) + h * per_stream));
+                                        msg.page_data() + h * per_stream));
       }
-      bool own = false;
-      out_.Clear();  // The serializer writes into an empty buffer only.
-      const grpc::Status gs =
-          grpc::SerializationTraits<v1::FetchResponse>::Serialize(resp, &out_, &own);
-      return gs.ok() ? absl::OkStatus() : absl::InternalError(gs.error_message());
+      out_ = msg.Release();
+      return absl::OkStatus();
     }
     const size_t per_head = static_cast<size_t>(n) * m.head_dim * DTypeBytes(dtype_);
     DenseFetchMessage msg(p.layer, p.begin, ToWire(dtype_), {m.num_kv_heads, n, m.head_dim},
