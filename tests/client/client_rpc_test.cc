@@ -446,6 +446,23 @@ TEST_F(ClientRpcTest, LocalFetchOfAnyRangeMatchesTheServerBitForBit) {
   const absl::StatusOr<FetchedKv> past = client_->FetchDequantLocal(id, config_, beyond);
   EXPECT_EQ(past.status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(past.status().message(), "token range [0, 601) is not inside [0, 600]");
+  FetchOptions layers;
+  layers.layer_begin = 1;
+  layers.layer_end = kLayers + 1;
+  const absl::StatusOr<FetchedKv> too_many = client_->FetchDequantLocal(id, config_, layers);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(too_many.status().message(),
+            absl::StrCat("layers [1, ", kLayers + 1, ") are not a range inside [0, ", kLayers, ")"));
+  // Into tensors that reach past the stored tokens: nothing is fetched.
+  HostTensor ko = HostTensor::Zeros(DType::kFloat16, {1, kHeads, 10, kDim});
+  HostTensor vo = HostTensor::Zeros(DType::kFloat16, ko.shape);
+  FetchOptions tail;
+  tail.token_begin = 595;
+  const absl::Status into = client_->FetchDequantLocalInto(id, config_, tail, &ko, &vo);
+  EXPECT_EQ(into.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(into.message(),
+            absl::StrCat("k is ", ko.DebugString(), " from layer 0 token 595; the sequence has ",
+                         kLayers, " layers and 600 tokens"));
 }
 
 TEST_F(ClientRpcTest, AttendSendsEveryItemAndReturnsTypedResults) {
