@@ -23,6 +23,17 @@ std::string Bytes(grpc::ByteBuffer buf) {
   return out;
 }
 
+// A FetchResponse with the fields every message carries.
+v1::FetchResponse Header(int32_t layer, int32_t token_begin, int32_t range_layer_end,
+                         int32_t range_token_end) {
+  v1::FetchResponse r;
+  r.set_layer(layer);
+  r.set_token_begin(token_begin);
+  r.set_range_layer_end(range_layer_end);
+  r.set_range_token_end(range_token_end);
+  return r;
+}
+
 struct Case {
   int32_t layer, token_begin, range_layer_end, range_token_end;
   v1::DType dtype;
@@ -49,11 +60,7 @@ TEST_P(FetchEncoderTest, BytesEqualProtobufSerialization) {
   const size_t size = m.size();
   const std::string ours = Bytes(m.Release());
 
-  v1::FetchResponse r;
-  r.set_layer(c.layer);
-  r.set_token_begin(c.token_begin);
-  r.set_range_layer_end(c.range_layer_end);
-  r.set_range_token_end(c.range_token_end);
+  v1::FetchResponse r = Header(c.layer, c.token_begin, c.range_layer_end, c.range_token_end);
   for (auto [t, data] : {std::pair{r.mutable_k(), &k}, std::pair{r.mutable_v(), &v}}) {
     t->set_dtype(c.dtype);
     for (int64_t d : c.shape) t->add_shape(d);
@@ -96,11 +103,7 @@ TEST_P(RawFetchEncoderTest, BytesEqualProtobufSerialization) {
   const size_t size = m.size();
   const std::string ours = Bytes(m.Release());
 
-  v1::FetchResponse r;
-  r.set_layer(c.layer);
-  r.set_token_begin(c.token_begin);
-  r.set_range_layer_end(c.range_layer_end);
-  r.set_range_token_end(c.range_token_end);
+  v1::FetchResponse r = Header(c.layer, c.token_begin, c.range_layer_end, c.range_token_end);
   v1::QuantizedPages* p = r.mutable_pages();
   p->set_layers(c.layers);
   p->set_tokens(c.tokens);
