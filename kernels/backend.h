@@ -54,6 +54,16 @@ class KernelBackend {
   virtual void QuantizeRows(const KvStream& stream, Side side, const float* rows,
                             int n, uint8_t* page, int row0) const = 0;
 
+  // QuantizeRows from fp16 rows (bit patterns), writing the bytes QuantizeRows
+  // writes for their float values, without a float copy of the input.
+  // Returns false, writing nothing, where the backend has no such path for
+  // this stream and side: the caller converts to floats.
+  virtual bool QuantizeRowsHalf(const KvStream& stream, Side side, const uint16_t* rows, int n,
+                                uint8_t* page, int row0) const {
+    (void)stream, (void)side, (void)rows, (void)n, (void)page, (void)row0;
+    return false;
+  }
+
   // Dequantizes page rows [row0, row0 + n) to floats (stored basis, outliers
   // applied, no RoPE, no inverse rotation).
   virtual void DequantizeRows(const KvStream& stream, Side side, const uint8_t* page,
@@ -78,6 +88,7 @@ class KernelBackend {
   // worker team serves them all (service/kernel_thread.h).
   virtual bool AttendUsesThreads(absl::Span<const AttentionTask> tasks,
                                  const AttentionOptions& options) const {
+    (void)tasks, (void)options;
     return false;
   }
 };

@@ -350,15 +350,21 @@ void KvStream::QuantizeBlocks(const void* k_rows, const void* v_rows, int n) {
   const int d = head_dim();
   const int g = layout_.block_tokens;
   const int pt = layout_.page_tokens;
-  std::vector<float> block(static_cast<size_t>(g) * d);
+  std::vector<float> block;  // Only where the backend takes floats.
   const size_t block_bytes = 2 * static_cast<size_t>(g) * d;
   for (int b = 0; b < n; b += g) {
     const int page = quantized_tokens_ / pt;
     const int row = quantized_tokens_ % pt;
     for (Side side : {Side::kKey, Side::kValue}) {
-      // The block's rows are contiguous: one conversion.
       const auto* rows = static_cast<const uint8_t*>(side == Side::kKey ? k_rows : v_rows);
-      RowToFloat(rows + (b / g) * block_bytes, DType::kFloat16, g * d, block.data());
+      const uint8_t* x = rows + (b / g) * block_bytes;
+      if (backend_->QuantizeRowsHalf(*this, side, reinterpret_cast<const uint16_t*>(x), g,
+                                     pages_[page], row)) {
+        continue;
+      }
+      // The block's rows are contiguous: one conversion.
+      block.resize(static_cast<size_t>(g) * d);
+      RowToFloat(x, DType::kFloat16, g * d, block.data());
       backend_->QuantizeRows(*this, side, block.data(), g, pages_[page], row);
     }
     quantized_tokens_ += g;
@@ -601,17 +607,31 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
   return absl::OkStatus();
 }
 
-absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
+absl::Status KvStream::CheckPageRange(int begin, int end) const {
   const int pt = layout_.page_tokens;
   if (begin < 0 || end < begin || end > quantized_tokens_ || begin % pt != 0) {
     return absl::OutOfRangeError(absl::StrCat(
         "raw page range [", begin, ", ", end, ") must start on a multiple of ", pt,
         " inside the quantized tokens [0, ", quantized_tokens_, ")"));
   }
-  const int first = begin / pt;
+  return absl::OkStatus();
+}
+
+absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
+  KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
+  const int first = begin / layout_.page_tokens;
   for (int i = 0; i < PagesFor(end - begin); ++i) {
     std::memcpy(out + static_cast<size_t>(i) * layout_.page_bytes, pages_[first + i],
                 layout_.page_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvStream::CopyPages(int begin, int end, std::string* out) const {
+  KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
+  const int first = begin / layout_.page_tokens;
+  for (int i = 0; i < PagesFor(end - begin); ++i) {
+    out->append(reinterpret_cast<const char*>(pages_[first + i]), layout_.page_bytes);
   }
   return absl::OkStatus();
 }

@@ -101,6 +101,11 @@ class CpuBackendImpl final : public KernelBackend {
     }
   }
 
+  bool QuantizeRowsHalf(const KvStream& s, Side side, const uint16_t* rows, int n,
+                        uint8_t* page, int row0) const override {
+    return cpu::QuantizeRowsHalfSimd(s, side, rows, n, page, row0);
+  }
+
   void DequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                       float* out) const override {
     cpu::DequantizeRowsSimd(s, side, page, row0, n, out);

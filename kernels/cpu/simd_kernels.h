@@ -66,6 +66,9 @@ uint32_t MaxAbsBits32(const uint32_t* src, size_t n);
 
 bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
                       uint8_t* page, int row0);
+// KernelBackend::QuantizeRowsHalf of the cpu backend: AVX-512 only.
+bool QuantizeRowsHalfSimd(const KvStream& stream, Side side, const uint16_t* rows, int n,
+                          uint8_t* page, int row0);
 
 }  // namespace cpu
 }  // namespace kvq

@@ -68,28 +68,34 @@ QuantScratch& ThreadQuantScratch() {
 // between them, and only half-integers inside [0, top] matter (clamping
 // maps both sides of -1/2 and top + 1/2 to the same code): there |q| <= 256
 // and the two differ by < 2^-14. So a vector whose every lane lies more
-// than kTieMargin from a half-integer gets the division's codes; any other
+// than kTieMargin from a half-integer (|q - round(q)| < 1/2 - kTieMargin;
+// both sides are exact in floats) gets the division's codes; any other
 // (about one element in 2^11) is divided as the reference divides.
 // (vdivps is a 5-10 cycle throughput instruction: it bounded the append.)
 constexpr float kTieMargin = 1.0f / 4096;
 
+// Round((x - zero) / scale) per lane, as UniformCode rounds it before
+// clamping; inv = 1 / scale, and 0 where scale is 0, whose code is 0: with
+// finite inputs (Append rejects others) the product is then 0, and the
+// division's lanes are zeroed to match.
 template <class D>
-HWY_INLINE hn::Vec<D> ExactQuotient(D d, hn::Vec<D> a, hn::Vec<D> scale, hn::Vec<D> inv) {
+HWY_INLINE hn::Vec<D> RoundedQuotient(D d, hn::Vec<D> a, hn::Vec<D> scale, hn::Vec<D> inv) {
   const hn::Vec<D> q = hn::Mul(a, inv);
-  const hn::Vec<D> frac = hn::Sub(q, hn::Floor(q));
-  const auto near = hn::Lt(hn::Abs(hn::Sub(frac, hn::Set(d, 0.5f))), hn::Set(d, kTieMargin));
-  if (HWY_UNLIKELY(!hn::AllFalse(d, near))) return hn::Div(a, scale);
-  return q;
+  const hn::Vec<D> r = hn::Round(q);
+  const auto near = hn::Gt(hn::Abs(hn::Sub(q, r)), hn::Set(d, 0.5f - kTieMargin));
+  if (HWY_UNLIKELY(!hn::AllFalse(d, near))) {
+    return hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(d)), hn::Round(hn::Div(a, scale)));
+  }
+  return r;
 }
 
 // UniformCode(x, {scale, zero}, bits) per lane, as a float; inv = 1 / scale
-// (anything where scale is 0, whose code is 0).
+// (0 where scale is 0).
 template <class D>
 HWY_INLINE hn::Vec<D> CodeOf(D d, hn::Vec<D> x, hn::Vec<D> scale, hn::Vec<D> inv,
                              hn::Vec<D> zero, hn::Vec<D> top) {
-  const hn::Vec<D> q = hn::Round(ExactQuotient(d, hn::Sub(x, zero), scale, inv));
-  const hn::Vec<D> clamped = hn::Min(hn::Max(q, hn::Zero(d)), top);
-  return hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(d)), clamped);
+  const hn::Vec<D> q = RoundedQuotient(d, hn::Sub(x, zero), scale, inv);
+  return hn::Min(hn::Max(q, hn::Zero(d)), top);
 }
 
 // Stores integral floats in [0, 255] as bytes.
@@ -468,6 +474,233 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
   }
 }
 
+#if KVQ_X86_AVX3
+// ---------------------------------------------------------------------------
+// Whole G-token blocks of fp16 rows straight to codes (AVX-512): the append's
+// common case, uniform 2- or 4-bit kivi with fp16 parameters and no sparse
+// outliers or fitted ranges. QuantizeAffine gets floats that a separate pass
+// converted, takes min / max in 8 lanes, writes byte codes and packs them in
+// another pass. Here one pass converts a block (16 lanes, into an L1 buffer)
+// while it takes the per-channel min / max, and the codes are packed into
+// bit planes in registers. The arithmetic is QuantizeAffine's, op for op
+// (the same min / max order, StoreParams, 1 / scale, CodeOf), so the bytes
+// are the reference's.
+
+// Whether QuantizeBlockHalf512 takes this side of the stream.
+bool HalfBlocksApply(const KvStream& s, Side side) {
+  const PageLayout& L = s.layout();
+  const SideLayout& S = L.side(side);
+  const int d = L.head_dim;
+  if (s.spec().nuq || FitsRanges(s.spec(), side) || L.outliers_per_block > 0) return false;
+  if (S.format != CodeFormat::kPacked || (S.bits != 2 && S.bits != 4) || S.param_bits != 16) {
+    return false;
+  }
+  if (d != 64 && d != 128 && d != 256) return false;
+  return S.axis == ParamAxis::kChannelGroups ||
+         (S.group_channels % 16 == 0 && d % S.group_channels == 0);
+}
+
+// Byte j of a packed row is sum_m code[j + P m] << (kBits m), P the row's
+// bytes (the inverse of the unpack); c[i] holds the int32 codes of channels
+// [16 i, 16 i + 16).
+template <int kBits, int kD>
+HWY_INLINE void PackCodes512(const __m512i* c, uint8_t* row) {
+  constexpr int kChunks = kD * kBits / 8 / 16;  // 16-byte pieces of a row.
+  for (int k = 0; k < kChunks; ++k) {
+    __m512i acc = c[k];
+    for (int m = 1; m < 8 / kBits; ++m) {
+      acc = _mm512_or_si512(acc, _mm512_slli_epi32(c[k + kChunks * m], kBits * m));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * k), _mm512_cvtepi32_epi8(acc));
+  }
+}
+
+// inv = 1 / scale, 0 where scale is 0 (Reciprocals, 16 at a time; the
+// division is IEEE in both).
+void Reciprocals512(const float* scale, int n, float* inv) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 s = _mm512_loadu_ps(scale + i);
+    const __mmask16 nz = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    _mm512_storeu_ps(inv + i, _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), s));
+  }
+  Reciprocals(scale + i, n - i, inv + i);
+}
+
+// Converts `g` fp16 rows of kD channels to floats in `f`.
+template <int kD>
+HWY_INLINE void HalfRowsTo512(const uint16_t* HWY_RESTRICT x, int g, float* HWY_RESTRICT f) {
+  for (int i = 0; i < g * kD; i += 16) {
+    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(x + i))));
+  }
+}
+
+// One G-row block with per-channel groups (keys): min / max down each
+// channel as the block converts, one parameter entry, then a packed row per
+// token.
+template <int kBits, int kD>
+void QuantizeChannelBlockHalf(const PageLayout& L, const SideLayout& S,
+                              const uint16_t* HWY_RESTRICT x, uint8_t* page, int row0,
+                              QuantScratch& qs) {
+  constexpr int C = kD / 16;
+  const int g = L.block_tokens;
+  qs.lo.resize(static_cast<size_t>(g) * kD);
+  float* f = qs.lo.data();
+  __m512 mn[C], mx[C];
+  for (int c = 0; c < C; ++c) {
+    mn[c] = mx[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * c)));
+    _mm512_storeu_ps(f + 16 * c, mn[c]);
+  }
+  for (int t = 1; t < g; ++t) {
+    for (int c = 0; c < C; ++c) {
+      const size_t at = static_cast<size_t>(t) * kD + 16 * c;
+      const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + at)));
+      _mm512_storeu_ps(f + at, v);
+      mn[c] = _mm512_min_ps(mn[c], v);  // Operand order as QuantizeAffine's hn::Min.
+      mx[c] = _mm512_max_ps(mx[c], v);
+    }
+  }
+  qs.glo.resize(kD);
+  qs.ghi.resize(kD);
+  qs.scale.resize(kD);
+  qs.zero.resize(kD);
+  qs.inv.resize(kD);
+  for (int c = 0; c < C; ++c) {
+    _mm512_storeu_ps(qs.glo.data() + 16 * c, mn[c]);
+    _mm512_storeu_ps(qs.ghi.data() + 16 * c, mx[c]);
+  }
+  StoreParams(L, S, page, row0 / g, 1, qs.glo.data(), qs.ghi.data(), qs.scale.data(),
+              qs.zero.data(), qs);
+  Reciprocals512(qs.scale.data(), kD, qs.inv.data());
+  const hn::ScalableTag<float> d16;
+  const auto top = hn::Set(d16, static_cast<float>((1 << kBits) - 1));
+  for (int t = 0; t < g; ++t) {
+    __m512i codes[C];
+    for (int c = 0; c < C; ++c) {
+      const auto q = CodeOf(d16, hn::LoadU(d16, f + static_cast<size_t>(t) * kD + 16 * c),
+                            hn::LoadU(d16, qs.scale.data() + 16 * c),
+                            hn::LoadU(d16, qs.inv.data() + 16 * c),
+                            hn::LoadU(d16, qs.zero.data() + 16 * c), top);
+      codes[c] = _mm512_cvttps_epi32(q.raw);
+    }
+    PackCodes512<kBits, kD>(codes, PageLayout::CodeRow(page, S, row0 + t));
+  }
+}
+
+// Lane i of the result = op over the 16 lanes of v[i]: one tree of block
+// and lane shuffles for all 16 (46 instructions), where a reduction each
+// takes 8. Round 1 pairs 256-bit halves, round 2 128-bit blocks, rounds 3
+// and 4 lanes within blocks; lane 4 b + l then holds v[4 l + b].
+template <class Op>
+HWY_INLINE __m512 ReduceLanes16(const __m512* v, Op op) {
+  __m512 m[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i) {
+    m[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i) {
+    w[i] = op(_mm512_shuffle_f32x4(m[2 * i], m[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(m[2 * i], m[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    x[i] = op(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 r = op(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// One G-row block with per-token groups of gc channels (values): each
+// row's group min / max as it converts, the block's parameters in one
+// StoreParams, then a packed row per token.
+template <int kBits, int kD>
+void QuantizeTokenBlockHalf(const PageLayout& L, const SideLayout& S,
+                            const uint16_t* HWY_RESTRICT x, uint8_t* page, int row0,
+                            QuantScratch& qs) {
+  constexpr int C = kD / 16;
+  const int g = L.block_tokens;
+  const int gc = S.group_channels;
+  const int ng = kD / gc;
+  const int per = gc / 16;  // Vectors per group.
+  qs.lo.resize(static_cast<size_t>(g) * kD);
+  float* f = qs.lo.data();
+  HalfRowsTo512<kD>(x, g, f);
+  const size_t entries = static_cast<size_t>(g) * ng;
+  qs.glo.resize(entries);
+  qs.ghi.resize(entries);
+  qs.scale.resize(entries);
+  qs.zero.resize(entries);
+  qs.inv.resize(entries);
+  // Entry e = t * ng + j is group j of row t, at f + e * gc (ng * gc = kD):
+  // its vectors' min (max), then 16 entries' lanes reduced together.
+  auto group = [&](size_t e, auto op) {
+    const float* p = f + e * gc;
+    __m512 m = _mm512_loadu_ps(p);
+    for (int i = 1; i < per; ++i) m = op(m, _mm512_loadu_ps(p + 16 * i));
+    return m;
+  };
+  const auto min_op = [](__m512 a, __m512 b) { return _mm512_min_ps(a, b); };
+  const auto max_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  size_t e = 0;
+  for (; e + 16 <= entries; e += 16) {
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i) v[i] = group(e + i, min_op);
+    _mm512_storeu_ps(qs.glo.data() + e, ReduceLanes16(v, min_op));
+    for (int i = 0; i < 16; ++i) v[i] = group(e + i, max_op);
+    _mm512_storeu_ps(qs.ghi.data() + e, ReduceLanes16(v, max_op));
+  }
+  for (; e < entries; ++e) {
+    qs.glo[e] = _mm512_reduce_min_ps(group(e, min_op));
+    qs.ghi[e] = _mm512_reduce_max_ps(group(e, max_op));
+  }
+  StoreParams(L, S, page, row0, g, qs.glo.data(), qs.ghi.data(), qs.scale.data(), qs.zero.data(),
+              qs);
+  Reciprocals512(qs.scale.data(), static_cast<int>(entries), qs.inv.data());
+  const hn::ScalableTag<float> d16;
+  const auto top = hn::Set(d16, static_cast<float>((1 << kBits) - 1));
+  for (int t = 0; t < g; ++t) {
+    __m512i codes[C];
+    const size_t e0 = static_cast<size_t>(t) * ng;
+    for (int c = 0; c < C; ++c) {
+      const size_t e = e0 + 16 * c / gc;
+      const auto q = CodeOf(d16, hn::LoadU(d16, f + static_cast<size_t>(t) * kD + 16 * c),
+                            hn::Set(d16, qs.scale[e]), hn::Set(d16, qs.inv[e]),
+                            hn::Set(d16, qs.zero[e]), top);
+      codes[c] = _mm512_cvttps_epi32(q.raw);
+    }
+    PackCodes512<kBits, kD>(codes, PageLayout::CodeRow(page, S, row0 + t));
+  }
+}
+
+template <int kBits, int kD>
+void QuantizeBlocksHalf(const PageLayout& L, const SideLayout& S, const uint16_t* rows, int n,
+                        uint8_t* page, int row0) {
+  QuantScratch& qs = ThreadQuantScratch();
+  const int g = L.block_tokens;
+  for (int b = 0; b < n; b += g) {
+    const uint16_t* x = rows + static_cast<size_t>(b) * kD;
+    if (S.axis == ParamAxis::kChannelGroups) {
+      QuantizeChannelBlockHalf<kBits, kD>(L, S, x, page, row0 + b, qs);
+    } else {
+      QuantizeTokenBlockHalf<kBits, kD>(L, S, x, page, row0 + b, qs);
+    }
+  }
+}
+
+template <int kBits>
+void QuantizeBlocksHalfOfDim(const PageLayout& L, const SideLayout& S, const uint16_t* rows,
+                             int n, uint8_t* page, int row0) {
+  switch (L.head_dim) {
+    case 64: return QuantizeBlocksHalf<kBits, 64>(L, S, rows, n, page, row0);
+    case 128: return QuantizeBlocksHalf<kBits, 128>(L, S, rows, n, page, row0);
+    case 256: return QuantizeBlocksHalf<kBits, 256>(L, S, rows, n, page, row0);
+  }
+}
+#endif  // KVQ_X86_AVX3
+
 }  // namespace
 
 bool QuantizeRowsImpl(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
@@ -545,6 +778,26 @@ bool DequantizeRowsHalfImpl(const KvStream& s, Side side, const uint8_t* page, i
 #endif
 }
 
+bool QuantizeRowsHalfImpl(const KvStream& s, Side side, const uint16_t* rows, int n,
+                          uint8_t* page, int row0) {
+#if KVQ_X86_AVX3
+  const PageLayout& L = s.layout();
+  if (!HalfBlocksApply(s, side) || n % L.block_tokens != 0 || row0 % L.block_tokens != 0) {
+    return false;
+  }
+  const SideLayout& S = L.side(side);
+  if (S.bits == 2) {
+    QuantizeBlocksHalfOfDim<2>(L, S, rows, n, page, row0);
+  } else {
+    QuantizeBlocksHalfOfDim<4>(L, S, rows, n, page, row0);
+  }
+  return true;
+#else
+  (void)s, (void)side, (void)rows, (void)n, (void)page, (void)row0;
+  return false;
+#endif
+}
+
 // Row conversions for tensors at the API edge (RowToFloat / FloatToRow).
 void HalfToFloatImpl(const uint16_t* src, size_t n, float* dst) {
   constexpr size_t kStep = size_t{1} << 20;  // HalfRowToFloat takes an int.
@@ -594,6 +847,7 @@ namespace kvq {
 namespace cpu {
 
 HWY_EXPORT(QuantizeRowsImpl);
+HWY_EXPORT(QuantizeRowsHalfImpl);
 HWY_EXPORT(DequantizeRowsImpl);
 HWY_EXPORT(DequantizeRowsHalfImpl);
 HWY_EXPORT(HalfToFloatImpl);
@@ -619,6 +873,11 @@ void FloatToHalfSimd(const float* src, size_t n, uint16_t* dst) {
 bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
                       uint8_t* page, int row0) {
   return HWY_DYNAMIC_DISPATCH(QuantizeRowsImpl)(stream, side, rows, n, page, row0);
+}
+
+bool QuantizeRowsHalfSimd(const KvStream& stream, Side side, const uint16_t* rows, int n,
+                          uint8_t* page, int row0) {
+  return HWY_DYNAMIC_DISPATCH(QuantizeRowsHalfImpl)(stream, side, rows, n, page, row0);
 }
 
 void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,

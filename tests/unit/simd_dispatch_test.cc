@@ -18,6 +18,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/simd_kernels.h"
 #include "kernels/kv_stream.h"
+#include "kernels/numeric.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
@@ -26,6 +27,10 @@ namespace {
 using cpu::ActiveSimdTarget;
 using cpu::AvailableSimdTargets;
 using cpu::PinSimdTarget;
+
+bool IsAvx512(const std::string& target) {
+  return target == "AVX3" || target == "AVX3_DL" || target == "AVX3_ZEN4" || target == "AVX3_SPR";
+}
 
 class SimdDispatchTest : public ::testing::Test {
  protected:
@@ -152,10 +157,71 @@ TEST_F(SimdDispatchTest, HalfRowsOnAvx512Only) {
       ASSERT_TRUE(s.ok()) << s.status();
       std::vector<uint8_t> page((*s)->layout().page_bytes, 0);
       std::vector<uint16_t> out(64);
-      const bool avx512 = t == "AVX3" || t == "AVX3_DL" || t == "AVX3_ZEN4" || t == "AVX3_SPR";
       EXPECT_EQ(CpuBackend().DequantizeRowsHalf(**s, Side::kValue, page.data(), 0, 1, out.data(), 64),
-                avx512)
+                IsAvx512(t))
           << t << " " << scheme;
+    }
+  }
+}
+
+// The fused fp16 quantizer serves whole blocks of uniform 2- and 4-bit kivi
+// on AVX-512 (head_dim 64, 128 and 256; per-channel keys, and per-token
+// groups of 16 to 64 channels) and declines elsewhere; where it serves,
+// its bytes are those the reference writes for the same values, constant
+// groups (scale 0) included.
+TEST_F(SimdDispatchTest, HalfBlocksQuantizeAsTheReferenceOnAvx512Only) {
+  struct Case {
+    const char* scheme;
+    int head_dim;
+    bool keys, values;  // Taken on AVX-512.
+  };
+  const Case cases[] = {
+      {"kivi4", 64, true, true},
+      {"kivi2", 128, true, true},
+      {"kivi4:g16:r16", 256, true, true},
+      {"kivi2:g64:r64", 64, true, true},
+      {"kivi2:ktok", 64, true, true},
+      {"kivi2:g8:r8", 64, true, false},  // Value groups of 8 channels: not a vector.
+      {"kivi3", 64, false, false},
+      {"kivi4:outliers=1", 64, false, false},
+      {"kivi2:fit", 64, false, true},  // fit: keys only.
+      {"kivi4:p8", 128, false, false},
+      {"kivi4", 96, false, false},
+  };
+  for (const std::string& t : best_) {
+    ASSERT_TRUE(PinSimdTarget(t).ok());
+    for (const Case& c : cases) {
+      StreamConfig config;
+      config.spec = *QuantSpec::Parse(c.scheme);
+      config.head_dim = c.head_dim;
+      absl::StatusOr<std::unique_ptr<KvStream>> s = KvStream::Create(config, &CpuBackend());
+      ASSERT_TRUE(s.ok()) << c.scheme << ": " << s.status();
+      const PageLayout& L = (*s)->layout();
+      const int g = L.block_tokens, d = c.head_dim;
+      const int row0 = L.page_tokens - g;  // The page's last block.
+      for (Side side : {Side::kKey, Side::kValue}) {
+        std::vector<float> x = side == Side::kKey ? testutil::MakeKeys(g, d, 7)
+                                                  : testutil::MakeValues(g, d, 7);
+        for (int i = 0; i < g; ++i) x[static_cast<size_t>(i) * d + 5] = 0.25f;  // Channel 5.
+        for (int ch = 0; ch < d; ++ch) x[static_cast<size_t>(3) * d + ch] = -1.5f;  // Row 3.
+        std::vector<uint16_t> bits(x.size());
+        for (size_t i = 0; i < x.size(); ++i) {
+          bits[i] = FloatToHalf(x[i]);
+          x[i] = HalfToFloat(bits[i]);
+        }
+        std::vector<uint8_t> fused(L.page_bytes, 0), ref(L.page_bytes, 0);
+        const bool took =
+            CpuBackend().QuantizeRowsHalf(**s, side, bits.data(), g, fused.data(), row0);
+        EXPECT_EQ(took, IsAvx512(t) && (side == Side::kKey ? c.keys : c.values))
+            << t << " " << c.scheme << " d=" << d << " side " << static_cast<int>(side);
+        if (!took) {
+          EXPECT_EQ(fused, std::vector<uint8_t>(L.page_bytes, 0)) << t << " " << c.scheme;
+          continue;
+        }
+        RefBackend().QuantizeRows(**s, side, x.data(), g, ref.data(), row0);
+        EXPECT_EQ(fused, ref) << t << " " << c.scheme << " d=" << d << " side "
+                              << static_cast<int>(side);
+      }
     }
   }
 }
