@@ -303,9 +303,11 @@ absl::StatusOr<v1::KvChunk> ChunkBuilder::Build(const PlannedChunk& chunk) {
   p->set_page_bytes(q.page_bytes);
   p->set_page_tokens(q.page_tokens);
   std::string* data = p->mutable_page_data();
-  data->reserve(run * r.layers * heads);
+  data->resize(run * r.layers * heads);
+  uint8_t* dst = reinterpret_cast<uint8_t*>(data->data());
   for (size_t i = first; i < first + static_cast<size_t>(r.layers) * heads; ++i) {
-    KVQ_RETURN_IF_ERROR(streams_[i]->CopyPages(begin, begin + r.tokens, data));
+    KVQ_RETURN_IF_ERROR(streams_[i]->CopyPages(begin, begin + r.tokens, dst));
+    dst += run;
   }
   return out;
 }

@@ -607,31 +607,17 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
   return absl::OkStatus();
 }
 
-absl::Status KvStream::CheckPageRange(int begin, int end) const {
+absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
   const int pt = layout_.page_tokens;
   if (begin < 0 || end < begin || end > quantized_tokens_ || begin % pt != 0) {
     return absl::OutOfRangeError(absl::StrCat(
         "raw page range [", begin, ", ", end, ") must start on a multiple of ", pt,
         " inside the quantized tokens [0, ", quantized_tokens_, ")"));
   }
-  return absl::OkStatus();
-}
-
-absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
-  KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
-  const int first = begin / layout_.page_tokens;
+  const int first = begin / pt;
   for (int i = 0; i < PagesFor(end - begin); ++i) {
     std::memcpy(out + static_cast<size_t>(i) * layout_.page_bytes, pages_[first + i],
                 layout_.page_bytes);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status KvStream::CopyPages(int begin, int end, std::string* out) const {
-  KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
-  const int first = begin / layout_.page_tokens;
-  for (int i = 0; i < PagesFor(end - begin); ++i) {
-    out->append(reinterpret_cast<const char*>(pages_[first + i]), layout_.page_bytes);
   }
   return absl::OkStatus();
 }

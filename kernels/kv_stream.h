@@ -14,7 +14,6 @@
 
 #include <memory>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -103,9 +102,6 @@ class KvStream {
   // relative to page_base(), begin on a page boundary — to `out`
   // (PagesFor(end - begin) * page_bytes bytes).
   absl::Status CopyPages(int begin, int end, uint8_t* out) const;
-  // The same bytes appended to `out` (which a caller reserves once, rather
-  // than zero-filling it with a resize first).
-  absl::Status CopyPages(int begin, int end, std::string* out) const;
   // Reads tokens [begin, end) out of raw pages without storing them: `data`
   // holds `tokens` tokens from stream position `first` (on a page boundary),
   // as CopyPages writes them. The result is what Read() would return had
@@ -150,8 +146,6 @@ class KvStream {
   KvStream(const StreamConfig& config, const PageLayout& layout,
            const KernelBackend* backend, PageAllocator* allocator);
   absl::Status ValidateInput(ConstTensorView t, const char* name, int rows) const;
-  // OUT_OF_RANGE unless [begin, end) is a range CopyPages can copy.
-  absl::Status CheckPageRange(int begin, int end) const;
   // Tokens of the next `n` that land in pages (the rest go to sink or tail).
   int NewQuantizedTokens(int n) const;
   // Quantizes the full tail into pages (whose memory is already allocated).
