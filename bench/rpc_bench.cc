@@ -150,6 +150,23 @@ class Span {
   Clock::time_point start_;
 };
 
+// Keeps every hardware thread busy for `ms` (see warm_cores_ms).
+void KeepCoresBusy(int ms) {
+  if (ms <= 0) return;
+  const auto until = Clock::now() + std::chrono::milliseconds(ms);
+  auto spin = [until] {
+    uint64_t n = 0;
+    while (Clock::now() < until) ++n;
+    return n;
+  };
+  std::vector<std::thread> others;
+  for (unsigned i = 1; i < std::max(1u, std::thread::hardware_concurrency()); ++i) {
+    others.emplace_back([spin] { (void)spin(); });
+  }
+  (void)spin();
+  for (std::thread& t : others) t.join();
+}
+
 ThroughputRow MakeRow(std::string id, std::string label, int64_t fp16_bytes, int64_t wire_bytes,
                       int64_t tokens) {
   ThroughputRow row;
@@ -562,15 +579,18 @@ absl::Status RpcBench::RunBulk() {
   for (int rep = 0; rep < total; ++rep) {
     const bool timed = rep >= result_.bulk_warmup;
     KVQ_ASSIGN_OR_RETURN(const SequenceInfo seq, Create("fp16"));
+    KeepCoresBusy(options_.warm_cores_ms);
     Span span(kvq_server_.get());
     KVQ_RETURN_IF_ERROR(Annotate(
         client_->AppendPrompt(seq.sequence_id, k_, v_, append_options).status(), "AppendPrompt"));
     const double t_append = span.End(&append, timed);
 
+    KeepCoresBusy(options_.warm_cores_ms);
     span = Span(echo_server_.get());
     KVQ_RETURN_IF_ERROR(raw_->SinkStream(pieces));
     const double t_sink = span.End(&sink, timed);
 
+    KeepCoresBusy(options_.warm_cores_ms);
     span = Span(kvq_server_.get());
     absl::StatusOr<FetchedKv> fetched = client_->FetchDequant(seq.sequence_id);
     const double t_fetch = span.End(&fetch, timed);
@@ -580,6 +600,7 @@ absl::Status RpcBench::RunBulk() {
     }
     fetched = FetchedKv();
 
+    KeepCoresBusy(options_.warm_cores_ms);
     span = Span(kvq_server_.get());
     KVQ_RETURN_IF_ERROR(
         Annotate(client_->FetchDequantInto(seq.sequence_id, {}, &k_into, &v_into), "FetchDequantInto"));
@@ -588,10 +609,12 @@ absl::Status RpcBench::RunBulk() {
       return absl::InternalError("FetchDequantInto of an fp16 sequence returned other bytes");
     }
 
+    KeepCoresBusy(options_.warm_cores_ms);
     span = Span(echo_server_.get());
     KVQ_RETURN_IF_ERROR(raw_->Source(bytes, options_.chunk_bytes, dst.data()));
     const double t_source = span.End(&source, timed);
 
+    KeepCoresBusy(options_.warm_cores_ms);
     span = Span(echo_server_.get());
     KVQ_RETURN_IF_ERROR(raw_->SinkUnary(pieces));
     const double t_unary = span.End(&unary, timed);
@@ -706,6 +729,7 @@ absl::Status RpcBench::RunRoundTrip() {
       int64_t fetched_wire = 0;
       FetchOptions fetch_options;
       fetch_options.progress = [&](int64_t done, int64_t) { fetched_wire = done; };
+      KeepCoresBusy(options_.warm_cores_ms);
       Span span(kvq_server_.get());
       KVQ_ASSIGN_OR_RETURN(const SequenceInfo seq, Create(kRoundTripSchemes[s]));
       const SequenceConfig config = Config(seq.scheme);
@@ -723,6 +747,7 @@ absl::Status RpcBench::RunRoundTrip() {
       absl::StrAppendFormat(&line, " %s %.1f ms", kRoundTripSchemes[s], 1e3 * t);
     }
     for (size_t i = 0; i < variants.size(); ++i) {
+      KeepCoresBusy(options_.warm_cores_ms);
       Span span(redis_server_.get());
       double t_set = 0.0;
       KVQ_RETURN_IF_ERROR(Annotate(RedisRoundTrip(variants[i], redis_, &t_set), variants[i].id));
@@ -1055,6 +1080,7 @@ absl::StatusOr<RpcBenchResult> RpcBench::Run() {
                              : (quick ? kQuickLatencyReps : kDefaultLatencyReps);
   result_.bulk_warmup = quick ? std::min(options_.warmup, 1) : options_.warmup;
   result_.latency_warmup = 10 * result_.bulk_warmup;
+  result_.warm_cores_ms = options_.warm_cores_ms;
   if (tokens_ < 256 || tokens_ > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("tokens = ", tokens_, " must be in [256, 65536]"));
@@ -1318,10 +1344,13 @@ std::string FormatRpcTable(const RpcBenchResult& r, const std::string& command) 
   absl::StrAppendFormat(
       &out,
       "# %d CPUs (load average %.2f at the start, %.2f at the end), one client thread unless "
-      "noted; transfers: median of %d reps after %d warm-ups; latencies: %d calls after %d "
+      "noted; transfers: median of %d reps after %d warm-ups%s; latencies: %d calls after %d "
       "warm-ups\n",
-      r.cpus, r.load_start, r.load_end, r.bulk_reps, r.bulk_warmup, r.latency_reps,
-      r.latency_warmup);
+      r.cpus, r.load_start, r.load_end, r.bulk_reps, r.bulk_warmup,
+      r.warm_cores_ms > 0
+          ? absl::StrFormat(", each after %d ms with every core busy", r.warm_cores_ms)
+          : std::string(),
+      r.latency_reps, r.latency_warmup);
 
   if (!r.bulk.empty()) {
     absl::StrAppendFormat(&out, "\n## Bulk fp16 KV of the prompt (%.1f MiB each way)\n",
@@ -1449,7 +1478,8 @@ std::string FormatRpcJson(const RpcBenchResult& r, const std::string& command,
   absl::StrAppend(&out, "  \"chunk_bytes\": ", r.chunk_bytes, ",\n");
   absl::StrAppend(&out, "  \"bulk_reps\": ", r.bulk_reps, ", \"bulk_warmup\": ", r.bulk_warmup,
                   ", \"latency_reps\": ", r.latency_reps,
-                  ", \"latency_warmup\": ", r.latency_warmup, ",\n");
+                  ", \"latency_warmup\": ", r.latency_warmup,
+                  ", \"warm_cores_ms\": ", r.warm_cores_ms, ",\n");
   absl::StrAppend(&out, "  \"total_seconds\": ", JsonNumber(r.total_seconds), ",\n");
   auto rows = [&](const char* name, const std::vector<ThroughputRow>& list) {
     absl::StrAppend(&out, "  \"", name, "\": [\n");

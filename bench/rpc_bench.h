@@ -37,6 +37,12 @@ struct RpcBenchOptions {
   std::vector<int> attend_batches = {1, 8, 32};
   std::vector<int> decode_batches = {1, 8};
   int redis_connections = 4;  // Of the multi-connection Redis variants.
+  // Before every transfer (bulk and round trip, timed or not) every core is
+  // kept busy this long (0: off, the default). A diagnostic: an idle core of
+  // a virtual machine resumes slowly, and the transfer after an idle
+  // stretch pays for it; the busy spell is not neutral either (BENCHMARKS.md
+  // 4p).
+  int warm_cores_ms = 0;
   // Which parts run (a profile of one part needs only that part).
   bool run_bulk = true;       // Bulk fp16 append / fetch and the raw streams.
   bool run_roundtrip = true;  // Quantized round trips and Redis.
@@ -127,6 +133,7 @@ struct RpcBenchResult {
   int layers = 0, kv_heads = 0, q_heads = 0, head_dim = 0;
   int tokens = 0;
   int bulk_reps = 0, latency_reps = 0, bulk_warmup = 0, latency_warmup = 0;
+  int warm_cores_ms = 0;  // Every core busy this long before each transfer.
   int64_t chunk_bytes = 0;
   int64_t prompt_fp16_bytes = 0;         // K + V of the prompt, all layers.
   std::vector<ThroughputRow> bulk;       // kvq fp16 append/fetch and the raw streams.

@@ -40,6 +40,9 @@ ABSL_FLAG(std::vector<std::string>, sections,
           "rpc: parts to run: bulk (fp16 append/fetch, raw streams), roundtrip (quantized round "
           "trips, Redis), latency (Attend, layer fetch, decode steps).");
 ABSL_FLAG(int, redis_connections, 4, "rpc: connections of the multi-connection Redis variants.");
+ABSL_FLAG(int, warm_cores_ms, 0,
+          "rpc: before every bulk or round-trip transfer, keep every core busy this long (ms; 0: "
+          "off). A diagnostic: an idle core of a virtual machine resumes slowly.");
 ABSL_FLAG(std::string, echo_port_file, "",
           "rpc-echo-server (internal): where to write the port it listens on.");
 
@@ -71,6 +74,7 @@ int RpcMain(const std::string& command) {
   options.bulk_reps = absl::GetFlag(FLAGS_bulk_reps);
   options.latency_reps = absl::GetFlag(FLAGS_latency_reps);
   options.warmup = absl::GetFlag(FLAGS_warmup);
+  options.warm_cores_ms = absl::GetFlag(FLAGS_warm_cores_ms);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.redis_connections = absl::GetFlag(FLAGS_redis_connections);
@@ -95,6 +99,10 @@ int RpcMain(const std::string& command) {
       options.redis_connections < 1 || options.redis_connections > 64) {
     std::cerr << "--tokens, --bulk_reps and --latency_reps must be >= 0, --redis_connections in "
                  "[1, 64]\n";
+    return 2;
+  }
+  if (options.warm_cores_ms < 0 || options.warm_cores_ms > 10000) {
+    std::cerr << "--warm_cores_ms must be in [0, 10000], got " << options.warm_cores_ms << "\n";
     return 2;
   }
 
