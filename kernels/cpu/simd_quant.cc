@@ -23,6 +23,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -527,12 +528,40 @@ void Reciprocals512(const float* scale, int n, float* inv) {
   Reciprocals(scale + i, n - i, inv + i);
 }
 
+// 16 fp16 values at p as floats.
+HWY_INLINE __m512 LoadHalf16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Converts `g` fp16 rows of kD channels to floats in `f`.
 template <int kD>
 HWY_INLINE void HalfRowsTo512(const uint16_t* HWY_RESTRICT x, int g, float* HWY_RESTRICT f) {
-  for (int i = 0; i < g * kD; i += 16) {
-    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(
-                                reinterpret_cast<const __m256i*>(x + i))));
+  for (int i = 0; i < g * kD; i += 16) _mm512_storeu_ps(f + i, LoadHalf16(x + i));
+}
+
+// Room for `entries` parameter entries of each kind.
+void SizeParams(QuantScratch& qs, size_t entries) {
+  for (std::vector<float>* v : {&qs.glo, &qs.ghi, &qs.scale, &qs.zero, &qs.inv}) {
+    v->resize(entries);
+  }
+}
+
+// The g rows of floats at f (kD channels each) as codes, packed into code
+// rows row0.. of the page; params(t, c) gives the scale, 1 / scale and zero
+// vectors of channels [16 c, 16 c + 16) of row t.
+template <int kBits, int kD, class ParamsOf>
+HWY_INLINE void PackBlockCodes(const float* HWY_RESTRICT f, int g, ParamsOf params,
+                               const SideLayout& S, uint8_t* page, int row0) {
+  const hn::ScalableTag<float> d16;
+  const auto top = hn::Set(d16, static_cast<float>((1 << kBits) - 1));
+  for (int t = 0; t < g; ++t) {
+    __m512i codes[kD / 16];
+    for (int c = 0; c < kD / 16; ++c) {
+      const auto [scale, inv, zero] = params(t, c);
+      const auto x = hn::LoadU(d16, f + static_cast<size_t>(t) * kD + 16 * c);
+      codes[c] = _mm512_cvttps_epi32(CodeOf(d16, x, scale, inv, zero, top).raw);
+    }
+    PackCodes512<kBits, kD>(codes, PageLayout::CodeRow(page, S, row0 + t));
   }
 }
 
@@ -549,23 +578,19 @@ void QuantizeChannelBlockHalf(const PageLayout& L, const SideLayout& S,
   float* f = qs.lo.data();
   __m512 mn[C], mx[C];
   for (int c = 0; c < C; ++c) {
-    mn[c] = mx[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * c)));
+    mn[c] = mx[c] = LoadHalf16(x + 16 * c);
     _mm512_storeu_ps(f + 16 * c, mn[c]);
   }
   for (int t = 1; t < g; ++t) {
     for (int c = 0; c < C; ++c) {
       const size_t at = static_cast<size_t>(t) * kD + 16 * c;
-      const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + at)));
+      const __m512 v = LoadHalf16(x + at);
       _mm512_storeu_ps(f + at, v);
       mn[c] = _mm512_min_ps(mn[c], v);  // Operand order as QuantizeAffine's hn::Min.
       mx[c] = _mm512_max_ps(mx[c], v);
     }
   }
-  qs.glo.resize(kD);
-  qs.ghi.resize(kD);
-  qs.scale.resize(kD);
-  qs.zero.resize(kD);
-  qs.inv.resize(kD);
+  SizeParams(qs, kD);
   for (int c = 0; c < C; ++c) {
     _mm512_storeu_ps(qs.glo.data() + 16 * c, mn[c]);
     _mm512_storeu_ps(qs.ghi.data() + 16 * c, mx[c]);
@@ -574,18 +599,11 @@ void QuantizeChannelBlockHalf(const PageLayout& L, const SideLayout& S,
               qs.zero.data(), qs);
   Reciprocals512(qs.scale.data(), kD, qs.inv.data());
   const hn::ScalableTag<float> d16;
-  const auto top = hn::Set(d16, static_cast<float>((1 << kBits) - 1));
-  for (int t = 0; t < g; ++t) {
-    __m512i codes[C];
-    for (int c = 0; c < C; ++c) {
-      const auto q = CodeOf(d16, hn::LoadU(d16, f + static_cast<size_t>(t) * kD + 16 * c),
-                            hn::LoadU(d16, qs.scale.data() + 16 * c),
-                            hn::LoadU(d16, qs.inv.data() + 16 * c),
-                            hn::LoadU(d16, qs.zero.data() + 16 * c), top);
-      codes[c] = _mm512_cvttps_epi32(q.raw);
-    }
-    PackCodes512<kBits, kD>(codes, PageLayout::CodeRow(page, S, row0 + t));
-  }
+  PackBlockCodes<kBits, kD>(f, g, [&](int, int c) {
+    return std::array{hn::LoadU(d16, qs.scale.data() + 16 * c),
+                      hn::LoadU(d16, qs.inv.data() + 16 * c),
+                      hn::LoadU(d16, qs.zero.data() + 16 * c)};
+  }, S, page, row0);
 }
 
 // Lane i of the result = op over the 16 lanes of v[i]: one tree of block
@@ -613,14 +631,14 @@ HWY_INLINE __m512 ReduceLanes16(const __m512* v, Op op) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-// One G-row block with per-token groups of gc channels (values): each
-// row's group min / max as it converts, the block's parameters in one
-// StoreParams, then a packed row per token.
+// One G-row block with per-token groups of gc channels (values): the block
+// converted, each row's group min / max (16 groups' lanes reduced
+// together), the block's parameters in one StoreParams, then a packed row
+// per token.
 template <int kBits, int kD>
 void QuantizeTokenBlockHalf(const PageLayout& L, const SideLayout& S,
                             const uint16_t* HWY_RESTRICT x, uint8_t* page, int row0,
                             QuantScratch& qs) {
-  constexpr int C = kD / 16;
   const int g = L.block_tokens;
   const int gc = S.group_channels;
   const int ng = kD / gc;
@@ -629,11 +647,7 @@ void QuantizeTokenBlockHalf(const PageLayout& L, const SideLayout& S,
   float* f = qs.lo.data();
   HalfRowsTo512<kD>(x, g, f);
   const size_t entries = static_cast<size_t>(g) * ng;
-  qs.glo.resize(entries);
-  qs.ghi.resize(entries);
-  qs.scale.resize(entries);
-  qs.zero.resize(entries);
-  qs.inv.resize(entries);
+  SizeParams(qs, entries);
   // Entry e = t * ng + j is group j of row t, at f + e * gc (ng * gc = kD):
   // its vectors' min (max), then 16 entries' lanes reduced together.
   auto group = [&](size_t e, auto op) {
@@ -660,19 +674,10 @@ void QuantizeTokenBlockHalf(const PageLayout& L, const SideLayout& S,
               qs);
   Reciprocals512(qs.scale.data(), static_cast<int>(entries), qs.inv.data());
   const hn::ScalableTag<float> d16;
-  const auto top = hn::Set(d16, static_cast<float>((1 << kBits) - 1));
-  for (int t = 0; t < g; ++t) {
-    __m512i codes[C];
-    const size_t e0 = static_cast<size_t>(t) * ng;
-    for (int c = 0; c < C; ++c) {
-      const size_t e = e0 + 16 * c / gc;
-      const auto q = CodeOf(d16, hn::LoadU(d16, f + static_cast<size_t>(t) * kD + 16 * c),
-                            hn::Set(d16, qs.scale[e]), hn::Set(d16, qs.inv[e]),
-                            hn::Set(d16, qs.zero[e]), top);
-      codes[c] = _mm512_cvttps_epi32(q.raw);
-    }
-    PackCodes512<kBits, kD>(codes, PageLayout::CodeRow(page, S, row0 + t));
-  }
+  PackBlockCodes<kBits, kD>(f, g, [&](int t, int c) {
+    const size_t e = static_cast<size_t>(t) * ng + 16 * c / gc;
+    return std::array{hn::Set(d16, qs.scale[e]), hn::Set(d16, qs.inv[e]), hn::Set(d16, qs.zero[e])};
+  }, S, page, row0);
 }
 
 template <int kBits, int kD>
