@@ -493,7 +493,7 @@ bool HalfBlocksApply(const KvStream& s, Side side) {
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
   if (s.spec().nuq || FitsRanges(s.spec(), side) || L.outliers_per_block > 0) return false;
-  if (S.format != CodeFormat::kPacked || (S.bits != 2 && S.bits != 4) || S.param_bits != 16) {
+  if (S.format != CodeFormat::kPacked || S.bits < 2 || S.bits > 4 || S.param_bits != 16) {
     return false;
   }
   if (d != 64 && d != 128 && d != 256) return false;
@@ -501,18 +501,54 @@ bool HalfBlocksApply(const KvStream& s, Side side) {
          (S.group_channels % 16 == 0 && d % S.group_channels == 0);
 }
 
-// Byte j of a packed row is sum_m code[j + P m] << (kBits m), P the row's
-// bytes (the inverse of the unpack); c[i] holds the int32 codes of channels
-// [16 i, 16 i + 16).
+// One bit plane of a packed row: byte j is sum_m field(code[j + P m]) <<
+// (b m), P the plane's bytes, field = (code >> kShift) & (2^b - 1), the
+// inverse of the unpack; c[i] holds the int32 codes of channels
+// [16 i, 16 i + 16). kMask: codes can exceed the field (the 2-bit plane of
+// 3-bit codes). Planes narrower than 16 bytes (1-bit at head_dim 64: 8
+// bytes) fold the upper 8 lanes onto the lower ones.
+template <int b, int kShift, bool kMask, int kD>
+HWY_INLINE void PackPlane512(const __m512i* c, uint8_t* plane) {
+  constexpr int kPlaneBytes = kD * b / 8;
+  constexpr int kPerByte = 8 / b;
+  const __m512i mask = _mm512_set1_epi32((1 << b) - 1);
+  auto field = [&](int i) {
+    const __m512i x = kShift == 0 ? c[i] : _mm512_srli_epi32(c[i], kShift);
+    return kMask ? _mm512_and_si512(x, mask) : x;
+  };
+  if constexpr (kPlaneBytes >= 16) {
+    constexpr int kChunks = kPlaneBytes / 16;
+    for (int k = 0; k < kChunks; ++k) {
+      __m512i acc = field(k);
+      for (int m = 1; m < kPerByte; ++m) {
+        acc = _mm512_or_si512(acc, _mm512_slli_epi32(field(k + kChunks * m), b * m));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(plane + 16 * k), _mm512_cvtepi32_epi8(acc));
+    }
+  } else {
+    static_assert(kPlaneBytes == 8, "a plane of 8 or a multiple of 16 bytes");
+    // Byte j takes channels j + 8 m: lane j of c[m / 2] for even m, lane
+    // j + 8 for odd m.
+    __m512i acc = field(0);
+    for (int m = 2; m < kPerByte; m += 2) {
+      acc = _mm512_or_si512(acc, _mm512_slli_epi32(field(m / 2), b * m));
+    }
+    const __m256i lo = _mm512_castsi512_si256(acc);
+    const __m256i hi = _mm256_slli_epi32(_mm512_extracti64x4_epi64(acc, 1), b);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(plane),
+                     _mm256_cvtepi32_epi8(_mm256_or_si256(lo, hi)));
+  }
+}
+
+// A packed row of kBits codes: one plane for 2 and 4 bits; for 3 bits the
+// low two bits in a 2-bit plane, then the high bit in a 1-bit plane.
 template <int kBits, int kD>
 HWY_INLINE void PackCodes512(const __m512i* c, uint8_t* row) {
-  constexpr int kChunks = kD * kBits / 8 / 16;  // 16-byte pieces of a row.
-  for (int k = 0; k < kChunks; ++k) {
-    __m512i acc = c[k];
-    for (int m = 1; m < 8 / kBits; ++m) {
-      acc = _mm512_or_si512(acc, _mm512_slli_epi32(c[k + kChunks * m], kBits * m));
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * k), _mm512_cvtepi32_epi8(acc));
+  if constexpr (kBits == 3) {
+    PackPlane512<2, 0, true, kD>(c, row);
+    PackPlane512<1, 2, false, kD>(c, row + kD / 4);
+  } else {
+    PackPlane512<kBits, 0, false, kD>(c, row);
   }
 }
 
@@ -791,10 +827,10 @@ bool QuantizeRowsHalfImpl(const KvStream& s, Side side, const uint16_t* rows, in
     return false;
   }
   const SideLayout& S = L.side(side);
-  if (S.bits == 2) {
-    QuantizeBlocksHalfOfDim<2>(L, S, rows, n, page, row0);
-  } else {
-    QuantizeBlocksHalfOfDim<4>(L, S, rows, n, page, row0);
+  switch (S.bits) {
+    case 2: QuantizeBlocksHalfOfDim<2>(L, S, rows, n, page, row0); break;
+    case 3: QuantizeBlocksHalfOfDim<3>(L, S, rows, n, page, row0); break;
+    default: QuantizeBlocksHalfOfDim<4>(L, S, rows, n, page, row0); break;
   }
   return true;
 #else

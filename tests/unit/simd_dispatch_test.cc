@@ -164,7 +164,7 @@ TEST_F(SimdDispatchTest, HalfRowsOnAvx512Only) {
   }
 }
 
-// The fused fp16 quantizer serves whole blocks of uniform 2- and 4-bit kivi
+// The fused fp16 quantizer serves whole blocks of uniform 2-, 3- and 4-bit kivi
 // on AVX-512 (head_dim 64, 128 and 256; per-channel keys, and per-token
 // groups of 16 to 64 channels) and declines elsewhere; where it serves,
 // its bytes are those the reference writes for the same values, constant
@@ -182,7 +182,9 @@ TEST_F(SimdDispatchTest, HalfBlocksQuantizeAsTheReferenceOnAvx512Only) {
       {"kivi2:g64:r64", 64, true, true},
       {"kivi2:ktok", 64, true, true},
       {"kivi2:g8:r8", 64, true, false},  // Value groups of 8 channels: not a vector.
-      {"kivi3", 64, false, false},
+      {"kivi3", 64, true, true},            // Two planes; the 1-bit one 8 bytes.
+      {"kivi3:g16:r16", 128, true, true},
+      {"kivi3", 256, true, true},
       {"kivi4:outliers=1", 64, false, false},
       {"kivi2:fit", 64, false, true},  // fit: keys only.
       {"kivi4:p8", 128, false, false},
