@@ -346,13 +346,44 @@ HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT 
 // The bit width and the parameter axis are template arguments: the
 // unrolled inner loops run without the runtime tests (measured, 15-20% of
 // a client's raw-page dequantization in `kvq-bench convert`).
+// The 3-bit codes of channels [c0, c0 + 16) of a row (c0 a multiple of 16):
+// the low two bits from the 2-bit plane (d / 4 bytes; byte j holds
+// channels j + (d / 4) m at bits 2m), the high bit from the 1-bit plane
+// after it (d / 8 bytes; byte j holds channels j + (d / 8) m at bit m). At
+// head_dim 64 that plane is 8 bytes, so lanes 8-15 read the same bytes one
+// bit higher.
+inline __m512i ThreeBitCodes16(const uint8_t* HWY_RESTRICT row, int d, int c0) {
+  const int pa = d / 4, pb = d / 8;
+  const __m512i low = _mm512_and_si512(
+      _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            reinterpret_cast<const __m128i*>(row + c0 % pa))),
+                        2 * (c0 / pa)),
+      _mm512_set1_epi32(3));
+  const uint8_t* plane_b = row + pa;
+  __m512i high;
+  if (pb >= 16) {
+    high = _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                 reinterpret_cast<const __m128i*>(plane_b + c0 % pb))),
+                             c0 / pb);
+  } else {  // pb == 8: bytes 0-7 twice, lanes 8-15 one bit further.
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(plane_b));
+    const __m512i shift = _mm512_add_epi32(
+        _mm512_set1_epi32(c0 / pb),
+        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+    high = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shift);
+  }
+  return _mm512_or_si512(low, _mm512_slli_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), 2));
+}
+
 template <typename OutT, int bits, bool per_channel>
 inline void DequantUniformRowsOf(SideContext& ctx, const PageLayout& L, const SideLayout& S,
                                  const uint8_t* HWY_RESTRICT page, int row0, int n,
                                  OutT* HWY_RESTRICT out, size_t stride) {
   const int d = L.head_dim;
-  const int plane = d * bits / 8;
-  constexpr int per_byte = 8 / bits;
+  // 3-bit rows: the loop walks the 2-bit plane of the low bits
+  // (ThreeBitCodes16 adds the high bit from the 1-bit plane).
+  const int plane = d * (bits == 3 ? 2 : bits) / 8;
+  constexpr int per_byte = 8 / (bits == 3 ? 2 : bits);
   const int g = L.block_tokens;
   const int gc = per_channel ? d : S.group_channels;
   const int ng = d / gc;
@@ -377,7 +408,9 @@ inline void DequantUniformRowsOf(SideContext& ctx, const PageLayout& L, const Si
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j0)));
       for (int m = 0; m < per_byte; ++m) {
         const int c = j0 + plane * m;
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, bits * m), mask));
+        const __m512 f = _mm512_cvtepi32_ps(
+            bits == 3 ? ThreeBitCodes16(codes, d, c)
+                      : _mm512_and_si512(_mm512_srli_epi32(b, bits * m), mask));
         __m512 v;
         if constexpr (per_channel) {
           v = _mm512_add_ps(_mm512_loadu_ps(params + d + c),
@@ -406,17 +439,22 @@ inline void DequantUniformRows512(SideContext& ctx, const PageLayout& L, const S
   if (S.bits == 2) {
     per_channel ? DequantUniformRowsOf<OutT, 2, true>(ctx, L, S, page, row0, n, out, stride)
                 : DequantUniformRowsOf<OutT, 2, false>(ctx, L, S, page, row0, n, out, stride);
+  } else if (S.bits == 3) {
+    per_channel ? DequantUniformRowsOf<OutT, 3, true>(ctx, L, S, page, row0, n, out, stride)
+                : DequantUniformRowsOf<OutT, 3, false>(ctx, L, S, page, row0, n, out, stride);
   } else {
     per_channel ? DequantUniformRowsOf<OutT, 4, true>(ctx, L, S, page, row0, n, out, stride)
                 : DequantUniformRowsOf<OutT, 4, false>(ctx, L, S, page, row0, n, out, stride);
   }
 }
 
-// Whether DequantUniformRows512 serves this side: uniform 2- or 4-bit codes
-// whose planes and groups come in whole 16-channel vectors.
+// Whether DequantUniformRows512 serves this side: uniform 2-, 3- or 4-bit
+// codes whose planes and groups come in whole 16-channel vectors (3 bits:
+// a 2-bit plane of at least 16 bytes, head_dim 64 and up).
 inline bool UniformRows512Applies(const SideContext& ctx, const SideLayout& S, int d) {
-  return ctx.levels == 0 && (S.bits == 2 || S.bits == 4) && d % 16 == 0 &&
-         d * S.bits / 8 >= 16 &&
+  const int plane_bits = S.bits == 3 ? 2 : S.bits;
+  return ctx.levels == 0 && (S.bits == 2 || S.bits == 3 || S.bits == 4) && d % 16 == 0 &&
+         d * plane_bits / 8 >= 16 &&
          (S.axis == ParamAxis::kChannelGroups ||
           (S.axis == ParamAxis::kTokenGroups && S.group_channels % 16 == 0));
 }

@@ -144,12 +144,12 @@ TEST_F(SimdDispatchTest, MaxAbsBitsIsExactOnEveryTargetAndTail) {
   }
 }
 
-// The one-pass fp16 dequantization serves uniform 2- and 4-bit kivi on
+// The one-pass fp16 dequantization serves uniform 2-, 3- and 4-bit kivi on
 // AVX-512 and declines elsewhere (its callers then convert floats).
 TEST_F(SimdDispatchTest, HalfRowsOnAvx512Only) {
   for (const std::string& t : best_) {
     ASSERT_TRUE(PinSimdTarget(t).ok());
-    for (const char* scheme : {"kivi4:g32:r128", "kivi2:g32:r128:outliers=1"}) {
+    for (const char* scheme : {"kivi4:g32:r128", "kivi2:g32:r128:outliers=1", "kivi3:g32:r128"}) {
       StreamConfig config;
       config.spec = *QuantSpec::Parse(scheme);
       config.head_dim = 64;
