@@ -335,12 +335,13 @@ HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT 
 
 // Dequantizes rows [row0, row0 + n) of an int8 / packed side.
 #if KVQ_X86_AVX3
-// Uniform 2- and 4-bit rows straight from the bit plane, 16 channels per
-// vector (AVX-512): a 16-byte run of the plane zero-extended to 32-bit lanes,
-// shifted by b m and masked, is channels [j0 + P m, j0 + P m + 16). The same
-// separate multiply and add per element as DequantAffineRows, so the result
-// is bit-identical; what goes is the unpacked-codes scratch row and the
-// 8-lane loop. Rows go to out + r * stride as floats, or (OutT uint16_t) as
+// Uniform 2-, 3- and 4-bit rows straight from the bit planes, 16 channels
+// per vector (AVX-512): a 16-byte run of the plane zero-extended to 32-bit
+// lanes, shifted by b m and masked, is channels [j0 + P m, j0 + P m + 16)
+// (3 bits: the 2-bit plane's, with the high bit added by ThreeBitCodes16).
+// The same separate multiply and add per element as DequantAffineRows, so
+// the result is bit-identical; what goes is the unpacked-codes scratch row
+// and the 8-lane loop. Rows go to out + r * stride as floats, or (OutT uint16_t) as
 // fp16 rounded to nearest even, which is FloatToRow's conversion of those
 // floats: one pass instead of a float row written and read back.
 // The bit width and the parameter axis are template arguments: the

@@ -43,7 +43,7 @@ void AttendRange(const RangeJob& job);
 // reference: same conversions, multiply then add).
 void DequantizeRowsSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,
                         int n, float* out);
-// KernelBackend::DequantizeRowsHalf: uniform 2- and 4-bit rows on AVX-512
+// KernelBackend::DequantizeRowsHalf: uniform 2-, 3- and 4-bit rows on AVX-512
 // straight to fp16; false, writing nothing, elsewhere.
 bool DequantizeRowsHalfSimd(const KvStream& stream, Side side, const uint8_t* page, int row0,
                             int n, uint16_t* out, size_t stride);

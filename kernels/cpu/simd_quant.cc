@@ -478,7 +478,7 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
 #if KVQ_X86_AVX3
 // ---------------------------------------------------------------------------
 // Whole G-token blocks of fp16 rows straight to codes (AVX-512): the append's
-// common case, uniform 2- or 4-bit kivi with fp16 parameters and no sparse
+// common case, uniform 2-, 3- or 4-bit kivi with fp16 parameters and no sparse
 // outliers or fitted ranges. QuantizeAffine gets floats that a separate pass
 // converted, takes min / max in 8 lanes, writes byte codes and packs them in
 // another pass. Here one pass converts a block (16 lanes, into an L1 buffer)
