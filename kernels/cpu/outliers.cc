@@ -76,24 +76,41 @@ std::vector<int> SelectOutliers(const float* block, int rows, int d, const SideL
   }
   if (k <= 0) return {};
   // The first k of the total order, as partial_sort gives them: one pass
-  // keeping the k best so far in a heap whose front is the worst of them.
-  // Nearly every element ranks below that front, so the pass is one
-  // well-predicted compare per element.
-  const auto before = [&](int a, int b) { return Before(scores, a, b); };
-  std::vector<int> best;
-  best.reserve(k);
-  for (int i = 0; i < static_cast<int>(total); ++i) {
-    if (static_cast<int>(best.size()) < k) {
-      best.push_back(i);
-      std::push_heap(best.begin(), best.end(), before);
-    } else if (before(i, best.front())) {
-      std::pop_heap(best.begin(), best.end(), before);
-      best.back() = i;
-      std::push_heap(best.begin(), best.end(), before);
+  // keeping the k best so far sorted, best first, as (score, index) pairs.
+  // Every element met later has a higher index than all kept, so it enters
+  // exactly when its score is strictly above the last kept, and goes after
+  // any kept equal score. Runs of 16 are tested against that threshold by
+  // their maximum; only a run with a candidate goes element by element, and
+  // an entry moves at most k pairs (k is ~1% of the block).
+  const int n = static_cast<int>(total);
+  const int kept = std::min(k, n);
+  std::vector<std::pair<float, int>> best(kept);
+  for (int i = 0; i < kept; ++i) best[i] = {scores[i], i};
+  const auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  std::sort(best.begin(), best.end(), better);
+  auto offer = [&](int i) {
+    const float x = scores[i];
+    if (!(x > best.back().first)) return;
+    int at = kept - 1;  // Slide worse pairs down over the dropped last one.
+    while (at > 0 && best[at - 1].first < x) {
+      best[at] = best[at - 1];
+      --at;
     }
+    best[at] = {x, i};
+  };
+  int i = kept;
+  for (; i + 16 <= n; i += 16) {
+    float run_max = scores[i];  // The form compilers vectorize (maxps).
+    for (int l = 1; l < 16; ++l) run_max = scores[i + l] > run_max ? scores[i + l] : run_max;
+    if (!(run_max > best.back().first)) continue;
+    for (int l = 0; l < 16; ++l) offer(i + l);
   }
-  std::sort(best.begin(), best.end(), before);
-  return best;
+  for (; i < n; ++i) offer(i);
+  std::vector<int> out(kept);
+  for (int j = 0; j < kept; ++j) out[j] = best[j].second;
+  return out;
 }
 
 }  // namespace kvq

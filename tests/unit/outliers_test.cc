@@ -54,7 +54,7 @@ TEST(OutliersTest, SimdSelectionMatchesTheReference) {
           for (int levels : {0, 2}) {
             const std::vector<float> x = Block(rows, d, 1000 * rows + d + gc + levels, levels);
             const SideLayout side = Side(per_channel, gc);
-            for (int k : {1, rows * d / 100, 37}) {
+            for (int k : {1, rows * d / 100, 37, rows * d - 3}) {
               SCOPED_TRACE(absl::StrCat(per_channel ? "per-channel" : "per-token", " rows ", rows,
                                         " d ", d, " gc ", gc, " levels ", levels, " k ", k));
               EXPECT_EQ(SelectOutliers(x.data(), rows, d, side, k),
