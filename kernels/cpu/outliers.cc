@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <numeric>
 
 #include "kernels/cpu/simd_outliers.h"
@@ -75,41 +77,42 @@ std::vector<int> SelectOutliers(const float* block, int rows, int d, const SideL
     ScoreBlockRef(block, rows, d, side, scores);
   }
   if (k <= 0) return {};
-  // The first k of the total order, as partial_sort gives them: one pass
-  // keeping the k best so far sorted, best first, as (score, index) pairs.
-  // Every element met later has a higher index than all kept, so it enters
-  // exactly when its score is strictly above the last kept, and goes after
-  // any kept equal score. Runs of 16 are tested against that threshold by
-  // their maximum; only a run with a candidate goes element by element, and
-  // an entry moves at most k pairs (k is ~1% of the block).
+  // The first k of the total order (score, then lower index), as
+  // partial_sort gives them, without ordering every element: the k-th
+  // largest maximum of the runs of 16 is a floor T. At least k elements (one
+  // per such run) score >= T, so nothing below T can be among the first k;
+  // the few elements at or above T are ordered instead.
   const int n = static_cast<int>(total);
-  const int kept = std::min(k, n);
-  std::vector<std::pair<float, int>> best(kept);
-  for (int i = 0; i < kept; ++i) best[i] = {scores[i], i};
-  const auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  };
-  std::sort(best.begin(), best.end(), better);
-  auto offer = [&](int i) {
-    const float x = scores[i];
-    if (!(x > best.back().first)) return;
-    int at = kept - 1;  // Slide worse pairs down over the dropped last one.
-    while (at > 0 && best[at - 1].first < x) {
-      best[at] = best[at - 1];
-      --at;
-    }
-    best[at] = {x, i};
-  };
-  int i = kept;
-  for (; i + 16 <= n; i += 16) {
-    float run_max = scores[i];  // The form compilers vectorize (maxps).
-    for (int l = 1; l < 16; ++l) run_max = scores[i + l] > run_max ? scores[i + l] : run_max;
-    if (!(run_max > best.back().first)) continue;
-    for (int l = 0; l < 16; ++l) offer(i + l);
+  const int runs = n / 16;
+  std::vector<float> run_max(runs);
+  for (int r = 0; r < runs; ++r) {
+    const float* x = scores.data() + 16 * r;
+    float m = x[0];
+    for (int l = 1; l < 16; ++l) m = x[l] > m ? x[l] : m;
+    run_max[r] = m;
   }
-  for (; i < n; ++i) offer(i);
+  float floor = -std::numeric_limits<float>::infinity();
+  if (runs >= k) {
+    std::vector<float> maxima = run_max;
+    std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<>());
+    floor = maxima[k - 1];
+  }
+  std::vector<std::pair<float, int>> candidates;
+  auto take = [&](int i) {
+    if (scores[i] >= floor) candidates.push_back({scores[i], i});
+  };
+  for (int r = 0; r < runs; ++r) {
+    if (run_max[r] < floor) continue;
+    for (int i = 16 * r; i < 16 * r + 16; ++i) take(i);
+  }
+  for (int i = 16 * runs; i < n; ++i) take(i);
+  const int kept = std::min(k, static_cast<int>(candidates.size()));
+  std::partial_sort(candidates.begin(), candidates.begin() + kept, candidates.end(),
+                    [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
+                      return a.first != b.first ? a.first > b.first : a.second < b.second;
+                    });
   std::vector<int> out(kept);
-  for (int j = 0; j < kept; ++j) out[j] = best[j].second;
+  for (int j = 0; j < kept; ++j) out[j] = candidates[j].second;
   return out;
 }
 
