@@ -338,7 +338,7 @@ HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT 
 // Uniform 2-, 3- and 4-bit rows straight from the bit planes, 16 channels
 // per vector (AVX-512): a 16-byte run of the plane zero-extended to 32-bit
 // lanes, shifted by b m and masked, is channels [j0 + P m, j0 + P m + 16)
-// (3 bits: the 2-bit plane's, with the high bit added by ThreeBitCodes16).
+// (3 bits: the 2-bit plane's, with the high bit added by ThreeBitHigh16).
 // The same separate multiply and add per element as DequantAffineRows, so
 // the result is bit-identical; what goes is the unpacked-codes scratch row
 // and the 8-lane loop. Rows go to out + r * stride as floats, or (OutT uint16_t) as
@@ -347,20 +347,14 @@ HWY_INLINE void NuqRangeAny(const SideContext& ctx, const uint8_t* HWY_RESTRICT 
 // The bit width and the parameter axis are template arguments: the
 // unrolled inner loops run without the runtime tests (measured, 15-20% of
 // a client's raw-page dequantization in `kvq-bench convert`).
-// The 3-bit codes of channels [c0, c0 + 16) of a row (c0 a multiple of 16):
-// the low two bits from the 2-bit plane (d / 4 bytes; byte j holds
-// channels j + (d / 4) m at bits 2m), the high bit from the 1-bit plane
-// after it (d / 8 bytes; byte j holds channels j + (d / 8) m at bit m). At
-// head_dim 64 that plane is 8 bytes, so lanes 8-15 read the same bytes one
-// bit higher.
-inline __m512i ThreeBitCodes16(const uint8_t* HWY_RESTRICT row, int d, int c0) {
-  const int pa = d / 4, pb = d / 8;
-  const __m512i low = _mm512_and_si512(
-      _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            reinterpret_cast<const __m128i*>(row + c0 % pa))),
-                        2 * (c0 / pa)),
-      _mm512_set1_epi32(3));
-  const uint8_t* plane_b = row + pa;
+// The high bit of the 3-bit codes of channels [c0, c0 + 16) of a row (c0 a
+// multiple of 16), as bit 2 of each lane: it lives in the 1-bit plane after
+// the 2-bit plane of the low bits (d / 8 bytes; byte j holds channels
+// j + (d / 8) m at bit m). At head_dim 64 that plane is 8 bytes, so lanes
+// 8-15 read the same bytes one bit higher.
+inline __m512i ThreeBitHigh16(const uint8_t* HWY_RESTRICT row, int d, int c0) {
+  const int pb = d / 8;
+  const uint8_t* plane_b = row + d / 4;
   __m512i high;
   if (pb >= 16) {
     high = _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
@@ -373,7 +367,7 @@ inline __m512i ThreeBitCodes16(const uint8_t* HWY_RESTRICT row, int d, int c0) {
         _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
     high = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shift);
   }
-  return _mm512_or_si512(low, _mm512_slli_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), 2));
+  return _mm512_slli_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), 2);
 }
 
 template <typename OutT, int bits, bool per_channel>
@@ -382,13 +376,14 @@ inline void DequantUniformRowsOf(SideContext& ctx, const PageLayout& L, const Si
                                  OutT* HWY_RESTRICT out, size_t stride) {
   const int d = L.head_dim;
   // 3-bit rows: the loop walks the 2-bit plane of the low bits
-  // (ThreeBitCodes16 adds the high bit from the 1-bit plane).
-  const int plane = d * (bits == 3 ? 2 : bits) / 8;
-  constexpr int per_byte = 8 / (bits == 3 ? 2 : bits);
+  // (ThreeBitHigh16 adds the high bit from the 1-bit plane).
+  constexpr int field = bits == 3 ? 2 : bits;  // Bits per code in the walked plane.
+  const int plane = d * field / 8;
+  constexpr int per_byte = 8 / field;
   const int g = L.block_tokens;
   const int gc = per_channel ? d : S.group_channels;
   const int ng = d / gc;
-  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+  const __m512i mask = _mm512_set1_epi32((1 << field) - 1);
   // Per-token groups: the n rows' scales and zeros converted in one call.
   if (!per_channel && ctx.params.size() < static_cast<size_t>(n) * 2 * ng) {
     ctx.params.resize(static_cast<size_t>(n) * 2 * ng);
@@ -409,9 +404,9 @@ inline void DequantUniformRowsOf(SideContext& ctx, const PageLayout& L, const Si
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j0)));
       for (int m = 0; m < per_byte; ++m) {
         const int c = j0 + plane * m;
-        const __m512 f = _mm512_cvtepi32_ps(
-            bits == 3 ? ThreeBitCodes16(codes, d, c)
-                      : _mm512_and_si512(_mm512_srli_epi32(b, bits * m), mask));
+        __m512i code = _mm512_and_si512(_mm512_srli_epi32(b, field * m), mask);
+        if constexpr (bits == 3) code = _mm512_or_si512(code, ThreeBitHigh16(codes, d, c));
+        const __m512 f = _mm512_cvtepi32_ps(code);
         __m512 v;
         if constexpr (per_channel) {
           v = _mm512_add_ps(_mm512_loadu_ps(params + d + c),
