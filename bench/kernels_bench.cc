@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "bench/counting_allocator.h"
+#include "bench/dot_rate.h"
 #include "bench/read_bandwidth.h"
 #include "bench/synthetic_kv.h"
 #include "kernels/accounting.h"
@@ -448,6 +449,13 @@ absl::StatusOr<KernelsBenchResult> RunKernelsBench(const KernelsBenchOptions& op
     *progress << absl::StrFormat("read bandwidth %.2f GB/s (median of %d passes)\n",
                                  bw.bytes_per_second / 1e9, bw.passes.size());
   }
+  const DotRate dots = MeasureDotRate(options.bandwidth_passes, result.threads);
+  result.dot_seconds = dots.seconds;
+  result.dot_passes = dots.passes;
+  if (progress && dots.seconds > 0) {
+    *progress << absl::StrFormat("512-bit vpdpbusd: %.3f ns each per thread (median of %d passes)\n",
+                                 dots.seconds * 1e9, dots.passes.size());
+  }
 
   CodebookCache codebooks;
   CacheEvictor evictor(options.evict_bytes, result.threads);
@@ -558,8 +566,25 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
       c.detail = "row not run";
     } else {
       c.outcome = pass_fail(r->speedup_vs_fp16 >= min_speedup);
+      const double fp16_us = r->decode_us * r->speedup_vs_fp16;
       c.detail = absl::StrFormat("%.2fx (%.0f us vs fp16 %.0f us)", r->speedup_vs_fp16,
-                                 r->decode_us, r->decode_us * r->speedup_vs_fp16);
+                                 r->decode_us, fp16_us);
+      // The floor the integer dot products alone put under this call, from
+      // the instruction rate measured in this run: how far the rest of the
+      // kernel's work keeps it from that bound (docs/KERNELS.md 4q).
+      const absl::StatusOr<KvLayout> layout = KvLayoutByName(kCheckLayout);
+      if (layout.ok() && result.dot_seconds > 0 && result.threads > 0) {
+        const int group = layout->q_heads / layout->kv_heads;
+        const int rows = group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
+        const double dots = static_cast<double>(layout->kv_heads) * kCheckContext *
+                            KiviDotsPerToken(rows, layout->head_dim);
+        const double floor_us = 1e6 * dots * result.dot_seconds / result.threads;
+        absl::StrAppendFormat(&c.detail,
+                              "; its %.1f M integer dot products (vpdpbusd) alone take >= %.0f us "
+                              "here (%.3f ns each per thread), %.0f%% of the call",
+                              dots / 1e6, floor_us, 1e9 * result.dot_seconds,
+                              100.0 * floor_us / r->decode_us);
+      }
     }
     checks.push_back(c);
   };
@@ -703,11 +728,15 @@ std::string FormatKernelsTable(const KernelsBenchResult& result, const std::stri
   absl::StrAppendFormat(
       &out,
       "# backend %s (%s), SIMD %s, %d threads, read bandwidth %.2f GB/s (median of %d passes "
-      "over %d MiB)\n# decode_us = median of %d calls, one call = one layer (a task per KV "
+      "over %d MiB)%s\n# decode_us = median of %d calls, one call = one layer (a task per KV "
       "head), %s\n",
       result.backend, result.backend_impl, result.simd_target, result.threads,
       result.read_bandwidth / 1e9, result.read_bandwidth_passes.size(),
-      result.bandwidth_bytes >> 20, result.reps,
+      result.bandwidth_bytes >> 20,
+      result.dot_seconds > 0
+          ? absl::StrFormat(", 512-bit vpdpbusd %.3f ns per thread", 1e9 * result.dot_seconds)
+          : std::string(),
+      result.reps,
       result.evict_bytes > 0
           ? absl::StrFormat("cold cache (%d MiB read before each call)", result.evict_bytes >> 20)
           : std::string("warm cache"));
@@ -759,6 +788,11 @@ std::string FormatKernelsJson(const KernelsBenchResult& result, const std::strin
   for (double p : result.read_bandwidth_passes) passes.push_back(JsonNumber(p));
   absl::StrAppend(&out, "  \"read_bandwidth_passes\": [", absl::StrJoin(passes, ", "), "],\n");
   absl::StrAppend(&out, "  \"read_bandwidth_buffer_bytes\": ", result.bandwidth_bytes, ",\n");
+  absl::StrAppend(&out, "  \"vpdpbusd_seconds_per_thread\": ", JsonNumber(result.dot_seconds),
+                  ",\n");
+  std::vector<std::string> dot_passes;
+  for (double p : result.dot_passes) dot_passes.push_back(JsonNumber(p));
+  absl::StrAppend(&out, "  \"vpdpbusd_passes\": [", absl::StrJoin(dot_passes, ", "), "],\n");
   absl::StrAppend(&out, "  \"evict_bytes\": ", result.evict_bytes, ",\n");
   absl::StrAppend(&out, "  \"total_seconds\": ", JsonNumber(result.total_seconds), ",\n");
   absl::StrAppend(&out, "  \"load_average_start\": ", JsonNumber(result.load_start), ",\n");

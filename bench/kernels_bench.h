@@ -90,6 +90,10 @@ struct KernelsBenchResult {
   double read_bandwidth = 0.0;  // Bytes/s, median.
   std::vector<double> read_bandwidth_passes;
   size_t bandwidth_bytes = 0;
+  // Seconds per 512-bit vpdpbusd per thread with every thread issuing them
+  // (median; 0 without AVX-512 VNNI): what the kivi checks' floor uses.
+  double dot_seconds = 0.0;
+  std::vector<double> dot_passes;
   size_t evict_bytes = 0;  // 0: timed calls ran with a warm cache.
   std::vector<AttentionProfile> profiles;
   std::vector<KernelsBenchRow> rows;
