@@ -585,6 +585,30 @@ struct RowState {
   float l[kMaxRows];
 };
 
+#if KVQ_X86_AVX3
+// exp(x) in 16 lanes for x <= 0, -inf included (-> +0): 2^t with t = x log2 e,
+// split into n = round(t) and f = t - n in [-1/2, 1/2]; 2^f from its Taylor
+// polynomial of degree 6 (truncation below 1.3e-7 relative) and 2^n applied
+// by vscalefps, which rounds results below the smallest denormal to +0.
+// Eleven instructions where Highway's Exp, accurate to an ulp over the whole
+// float range, takes about 36 (the softmax runs it on every score).
+HWY_INLINE __m512 ExpNonPositive(__m512 x) {
+  // exp(-150) is +0 in float; the clamp also turns -inf into a finite t.
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);                 // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));  // ln2^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));   // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));   // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));     // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));     // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 // Turns the scores of a tile (tokens t0 .. t0+n) into probabilities in place,
 // masking keys beyond each row's visible end, and rescales l and acc to the
 // new running max. Returns false when no row sees any key of the tile.
@@ -621,7 +645,11 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     const VF vm = hn::Set(df, m_new);
     VF vsum = hn::Zero(df);
     for (int t = 0; t < npad; t += N) {
+#if KVQ_X86_AVX3
+      const VF p{ExpNonPositive(hn::Sub(hn::LoadU(df, s + t), vm).raw)};
+#else
       const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + t), vm));
+#endif
       vsum = hn::Add(vsum, p);
       hn::StoreU(p, df, s + t);
     }
