@@ -583,16 +583,23 @@ HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vs
 struct RowState {
   float m[kMaxRows];
   float l[kMaxRows];
+  // AVX-512: the sum of each row per lane, added into l once, in Finish.
+  alignas(64) float lanes[kMaxRows][16];
 };
 
+// The AVX-512 softmax moves a row's running max only when a score exceeds
+// it by more than this (natural log units): probabilities then stay below
+// e^8, and a tile that leaves the max where it is needs no reduction.
+constexpr float kLazyMaxSlack = 8.0f;
+
 #if KVQ_X86_AVX3
-// exp(x) in 16 lanes for x <= 0, -inf included (-> +0): 2^t with t = x log2 e,
+// exp(x) in 16 lanes for x <= 80, -inf included (-> +0): 2^t with t = x log2 e,
 // split into n = round(t) and f = t - n in [-1/2, 1/2]; 2^f from its Taylor
 // polynomial of degree 6 (truncation below 1.3e-7 relative) and 2^n applied
 // by vscalefps, which rounds results below the smallest denormal to +0.
 // Eleven instructions where Highway's Exp, accurate to an ulp over the whole
 // float range, takes about 36 (the softmax runs it on every score).
-HWY_INLINE __m512 ExpNonPositive(__m512 x) {
+HWY_INLINE __m512 ExpUpTo80(__m512 x) {
   // exp(-150) is +0 in float; the clamp also turns -inf into a finite t.
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
@@ -625,6 +632,50 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
   const int N = static_cast<int>(hn::Lanes(df));
   const int npad = (n + N - 1) / N * N;
   bool any = false;
+#if KVQ_X86_AVX3
+  // Rows one after another, but no horizontal step on the common path:
+  // scores are exponentiated against the running max m, which moves only
+  // when a score exceeds m + kLazyMaxSlack (softmax is the same for any
+  // shift; only m + log l must be the one the probabilities were taken
+  // against). The first tile of a row, and a tile that raises the max that
+  // much, reduce to the exact new max and rescale the sums and the output.
+  // Sums stay per lane (RowState::lanes).
+  for (int r = 0; r < R; ++r) {
+    float* s = S + r * kSLd;
+    const int nv = std::clamp(visible_end[r] - t0, 0, n);
+    if (nv == 0) {
+      std::fill(s, s + npad, 0.0f);
+      continue;
+    }
+    any = true;
+    for (int t = nv; t < npad; ++t) s[t] = kNegInf;
+    const __m512 lim = _mm512_set1_ps(st.m[r] + kLazyMaxSlack);  // -inf: every score.
+    __m512 x[2] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16)};
+    const int nvec = npad / 16;
+    __mmask16 over = _mm512_cmp_ps_mask(x[0], lim, _CMP_GT_OQ);
+    if (nvec > 1) over |= _mm512_cmp_ps_mask(x[1], lim, _CMP_GT_OQ);
+    __m512 lanes = _mm512_load_ps(st.lanes[r]);
+    if (over != 0) {
+      const __m512 top = nvec > 1 ? _mm512_max_ps(x[0], x[1]) : x[0];
+      const float m_new = std::max(st.m[r], _mm512_reduce_max_ps(top));
+      const float corr = st.m[r] == kNegInf ? 0.0f : std::exp(st.m[r] - m_new);
+      lanes = _mm512_mul_ps(lanes, _mm512_set1_ps(corr));
+      st.l[r] *= corr;
+      st.m[r] = m_new;
+      const __m512 vc = _mm512_set1_ps(corr);
+      float* a = acc + r * d;
+      for (int c = 0; c < d; c += 16) _mm512_storeu_ps(a + c, _mm512_mul_ps(_mm512_loadu_ps(a + c), vc));
+    }
+    const __m512 vm = _mm512_set1_ps(st.m[r]);
+    for (int v = 0; v < nvec; ++v) {
+      const __m512 p = ExpUpTo80(_mm512_sub_ps(x[v], vm));
+      lanes = _mm512_add_ps(lanes, p);
+      _mm512_storeu_ps(s + 16 * v, p);
+    }
+    _mm512_store_ps(st.lanes[r], lanes);
+  }
+  return any;
+#endif
   for (int r = 0; r < R; ++r) {
     float* s = S + r * kSLd;
     const int nv = std::clamp(visible_end[r] - t0, 0, n);
@@ -646,7 +697,7 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     VF vsum = hn::Zero(df);
     for (int t = 0; t < npad; t += N) {
 #if KVQ_X86_AVX3
-      const VF p{ExpNonPositive(hn::Sub(hn::LoadU(df, s + t), vm).raw)};
+      const VF p{ExpUpTo80(hn::Sub(hn::LoadU(df, s + t), vm).raw)};
 #else
       const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + t), vm));
 #endif
@@ -2033,6 +2084,7 @@ class RowPass {
     for (int r = 0; r < R; ++r) {
       st_.m[r] = kNegInf;
       st_.l[r] = 0.0f;
+      std::fill(st_.lanes[r], st_.lanes[r] + 16, 0.0f);
     }
     std::fill(sc_.acc.begin(), sc_.acc.begin() + R * d_, 0.0f);
     if (rope_) {
@@ -2098,6 +2150,7 @@ class RowPass {
     const int N = static_cast<int>(hn::Lanes(df));
     for (int r = 0; r < R; ++r) {
       float* o = out + static_cast<size_t>(r) * d_;
+      for (float x : st_.lanes[r]) st_.l[r] += x;
       if (!(st_.l[r] > 0.0f)) {
         std::fill(o, o + d_, 0.0f);
         lse[r] = kNegInf;

@@ -206,6 +206,33 @@ TEST_P(AttentionTest, DecodeMatchesOwnDequantizedKv) {
   }
 }
 
+// Scores that climb across the tiles: every key is a constant r(t) in all
+// channels plus a little noise, and the query rows are constants too, so
+// row g scores about slope_g * t (times the softmax scale) and the last
+// tokens win. The running max moves in every tile, by less than the AVX-512
+// softmax's lazy slack for the gentle rows (probabilities above 1 until it
+// moves) and by more for the steep ones; a jump of 20 nats halfway moves it
+// once more.
+TEST_P(AttentionTest, ScoresThatClimbAcrossTiles) {
+  const std::vector<double> slopes = {0.02, 0.1, 0.25, 0.35};  // Nats per token.
+  std::vector<float> k = testutil::MakeGaussian(static_cast<size_t>(n_) * d_, 900);
+  for (int t = 0; t < n_; ++t) {
+    // q . k_t * scale = sqrt(d) * level * r(t) for a query of `level` everywhere.
+    const double r = (t + (t >= n_ / 2 ? 20.0 / slopes.back() : 0.0)) / std::sqrt(static_cast<double>(d_));
+    for (int c = 0; c < d_; ++c) k[static_cast<size_t>(t) * d_ + c] = 0.05f * k[t * d_ + c] + r;
+  }
+  stream_ = testutil::MakeStream(GetParam());
+  ASSERT_NE(stream_, nullptr);
+  ASSERT_TRUE(testutil::AppendRows(*stream_, k, v_, 0, n_).ok());
+  const std::vector<float> kd = testutil::ReadSide(*stream_, Side::kKey, 0, n_, true);
+  AttendCall run(1, static_cast<int>(slopes.size()), d_, 901);
+  for (int g = 0; g < run.group; ++g) {
+    std::fill_n(run.q.begin() + g * d_, d_, static_cast<float>(slopes[g]));
+  }
+  ASSERT_TRUE(Attend(run, 0, -1).ok());
+  Check(run, 0, n_, kd, vd_, PathTol(), "climbing scores");
+}
+
 TEST_P(AttentionTest, ChunkedCausalQueries) {
   AttendCall run(8, 4, d_, 200, /*pad=*/8);
   const int mid_tail = std::min(n_ - 3, pb_ + quantized_ + 1);
