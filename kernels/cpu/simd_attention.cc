@@ -1903,20 +1903,43 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
       }
       const uint8_t* w0 = wq + ((r0)*ng + gg[0]) * 64;
       const uint8_t* w1 = wq + ((r0)*ng + gg[1]) * 64;
-      for (int i = 0; i < groups4; ++i) {
-        if (r0 == 0) next_lines.Step();
-        __m512i x[2];
-        for (int k = 0; k < 2; ++k) {
-          const __m512i b = _mm512_loadu_si512(ibuf + (i * H + hh[k]) * 64);
-          x[k] = _mm512_and_si512(sh[k] == 0 ? b : _mm512_srl_epi16(b, _mm_cvtsi32_si128(sh[k])), mask);
-        }
-        for (int r = 0; r < RG; ++r) {
-          const uint8_t* wr[2] = {w0 + r * ng * 64, w1 + r * ng * 64};
+      // Both chunks in one channel group (groups of >= 32 channels): they
+      // share every weight dword, so each is broadcast once into a register
+      // (a load-port uop alone) for both multiply-adds instead of being
+      // loaded by each.
+      const auto quads = [&](auto shared) {
+        for (int i = 0; i < groups4; ++i) {
+          if (r0 == 0) next_lines.Step();
+          __m512i x[2];
           for (int k = 0; k < 2; ++k) {
-            lo[r][k] = DotBroadcast(lo[r][k], x[k], wr[k] + 4 * i);
-            hi[r][k] = DotBroadcast(hi[r][k], x[k], wr[k] + 32 + 4 * i);
+            const __m512i b = _mm512_loadu_si512(ibuf + (i * H + hh[k]) * 64);
+            x[k] = _mm512_and_si512(sh[k] == 0 ? b : _mm512_srl_epi16(b, _mm_cvtsi32_si128(sh[k])),
+                                    mask);
+          }
+          for (int r = 0; r < RG; ++r) {
+            const uint8_t* wr[2] = {w0 + r * ng * 64, w1 + r * ng * 64};
+            if constexpr (decltype(shared)::value) {
+              int32_t wl, wh;
+              std::memcpy(&wl, wr[0] + 4 * i, 4);
+              std::memcpy(&wh, wr[0] + 32 + 4 * i, 4);
+              const __m512i bl = _mm512_set1_epi32(wl), bh = _mm512_set1_epi32(wh);
+              for (int k = 0; k < 2; ++k) {
+                lo[r][k] = _mm512_dpbusd_epi32(lo[r][k], x[k], bl);
+                hi[r][k] = _mm512_dpbusd_epi32(hi[r][k], x[k], bh);
+              }
+            } else {
+              for (int k = 0; k < 2; ++k) {
+                lo[r][k] = DotBroadcast(lo[r][k], x[k], wr[k] + 4 * i);
+                hi[r][k] = DotBroadcast(hi[r][k], x[k], wr[k] + 32 + 4 * i);
+              }
+            }
           }
         }
+      };
+      if (gg[0] == gg[1]) {
+        quads(std::true_type{});
+      } else {
+        quads(std::false_type{});
       }
       for (int r = 0; r < RG; ++r) {
         const int row = r0 + r;
