@@ -632,14 +632,6 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
   const int N = static_cast<int>(hn::Lanes(df));
   const int npad = (n + N - 1) / N * N;
   bool any = false;
-#if KVQ_X86_AVX3
-  // Rows one after another, but no horizontal step on the common path:
-  // scores are exponentiated against the running max m, which moves only
-  // when a score exceeds m + kLazyMaxSlack (softmax is the same for any
-  // shift; only m + log l must be the one the probabilities were taken
-  // against). The first tile of a row, and a tile that raises the max that
-  // much, reduce to the exact new max and rescale the sums and the output.
-  // Sums stay per lane (RowState::lanes).
   for (int r = 0; r < R; ++r) {
     float* s = S + r * kSLd;
     const int nv = std::clamp(visible_end[r] - t0, 0, n);
@@ -649,6 +641,14 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     }
     any = true;
     for (int t = nv; t < npad; ++t) s[t] = kNegInf;
+#if KVQ_X86_AVX3
+    // No horizontal step on the common path: scores are exponentiated
+    // against the running max m, which moves only when a score exceeds
+    // m + kLazyMaxSlack (softmax is the same for any shift; only m + log l
+    // must be the one the probabilities were taken against). The first tile
+    // of a row, and a tile that raises the max that much, reduce to the
+    // exact new max and rescale the sums and the output. Sums stay per lane
+    // (RowState::lanes).
     const __m512 lim = _mm512_set1_ps(st.m[r] + kLazyMaxSlack);  // -inf: every score.
     __m512 x[2] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16)};
     const int nvec = npad / 16;
@@ -673,18 +673,7 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
       _mm512_storeu_ps(s + 16 * v, p);
     }
     _mm512_store_ps(st.lanes[r], lanes);
-  }
-  return any;
-#endif
-  for (int r = 0; r < R; ++r) {
-    float* s = S + r * kSLd;
-    const int nv = std::clamp(visible_end[r] - t0, 0, n);
-    if (nv == 0) {
-      std::fill(s, s + npad, 0.0f);
-      continue;
-    }
-    any = true;
-    for (int t = nv; t < npad; ++t) s[t] = kNegInf;
+#else
     VF vmax = hn::Set(df, kNegInf);
     for (int t = 0; t < npad; t += N) vmax = hn::Max(vmax, hn::LoadU(df, s + t));
     const float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
@@ -696,11 +685,7 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     const VF vm = hn::Set(df, m_new);
     VF vsum = hn::Zero(df);
     for (int t = 0; t < npad; t += N) {
-#if KVQ_X86_AVX3
-      const VF p{ExpUpTo80(hn::Sub(hn::LoadU(df, s + t), vm).raw)};
-#else
       const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + t), vm));
-#endif
       vsum = hn::Add(vsum, p);
       hn::StoreU(p, df, s + t);
     }
@@ -712,6 +697,7 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
       float* a = acc + r * d;
       for (int c = 0; c < d; c += N) hn::StoreU(hn::Mul(hn::LoadU(df, a + c), vc), df, a + c);
     }
+#endif
   }
   return any;
 }
