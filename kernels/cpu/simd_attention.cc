@@ -7,8 +7,9 @@
 // share every loaded tile. Per tile: scores S[r][t] = q_r . k_t (q already
 // carries the softmax scale), an online-softmax update (running max m_r, sum
 // l_r, output acc_r rescaled by exp(m_old - m_new); on AVX-512 m_r moves only
-// when a score passes it by kLazyMaxSlack), then acc_r += sum_t p_rt v_t. The whole dequantized KV is never materialized: at most one tile
-// of floats lives in a thread-local buffer.
+// when a score passes it by kLazyMaxSlack), then acc_r += sum_t p_rt v_t.
+// The whole dequantized KV is never materialized: at most one tile of floats
+// lives in a thread-local buffer.
 //
 // Paths, chosen per side of a page:
 //  * fp16 / bf16 pages and the fp16 sink and tail rows: the float tile kernel
