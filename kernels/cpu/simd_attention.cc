@@ -1800,6 +1800,13 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
   constexpr int RB = Shape::kRowBytes;
   constexpr int H = Shape::kBlocks;
   const int groups4 = (n + 3) / 4;
+  // Half of the next page's lines given to this kernel go out now, ahead
+  // of the weights (which read nothing from memory), the rest spread over
+  // the dot loop (see KiviSegment).
+  const size_t pf_burst = pf_lines / 2;
+  for (size_t j = 0; j < pf_burst; ++j) hwy::Prefetch(pf + 64 * j);
+  pf += 64 * pf_burst;
+  pf_lines -= pf_burst;
   uint8_t* ibuf = sc.vcodes.data();
   for (int i = 0; i < groups4; ++i) {
     __m512i blk[H];
@@ -2320,18 +2327,28 @@ class RowPass {
       if constexpr (kKeyBits != 8) {  // int8 keys are per token: generic.
         if (fast_.key) {
           key_done = true;
+          // The next page's share of lines for these rows goes out over
+          // the whole tile, since a burst of more lines than the line-fill
+          // buffers hold stalls the core, and so does a loop that must
+          // issue them faster than they drain: a quarter before the key
+          // setup (which reads nothing from memory), then with the integer
+          // values (AVX3_DL) 3/8 a few per token in the key loop and 3/8 in
+          // the value kernel, else the rest in the key loop. (In the key
+          // loop alone kivi4 was 6-10% slower; half there and half spread
+          // over the value loop, 4-9% slower at llama 32k: KERNELS.md 4r.)
+          const auto [pf, pf_lines] = NextPageShare(r, m);
+          const size_t pf_first = pf_lines / 4;
+          for (size_t j = 0; j < pf_first; ++j) hwy::Prefetch(pf + 64 * j);
+          vpf_lines_ = value_dot_ ? pf_lines * 3 / 8 : 0;
+          const size_t key_lines = pf_lines - pf_first - vpf_lines_;
+          vpf_ = pf + 64 * (pf_first + key_lines);
           if (block != key_block_ || page != key_page_) {
             KiviKeyBlock<R, D>(s_, page, block, q_, sc_, ka_, kcst_);
             key_block_ = block;
             key_page_ = page;
           }
-          const auto [pf, pf_lines] = NextPageShare(r, m);
-          // With the integer values (AVX3_DL) half of the next page's
-          // lines go out in the value loop: requested during the key loop
-          // alone they kept its line-fill buffers full (kivi4 -6..-10%).
-          vpf_lines_ = value_dot_ ? pf_lines / 2 : 0;
-          vpf_ = pf + 64 * (pf_lines - vpf_lines_);
-          KiviKeyScores<R, kKeyBits, D>(s_, page, r, m, ka_, kcst_, sc_, S, pf, pf_lines - vpf_lines_);
+          KiviKeyScores<R, kKeyBits, D>(s_, page, r, m, ka_, kcst_, sc_, S, pf + 64 * pf_first,
+                                        key_lines);
           if (outliers_) KeyOutliers<kKeyBits, D>(page, block, r, m, S);
         }
       }
