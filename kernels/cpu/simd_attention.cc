@@ -1700,7 +1700,9 @@ HWY_INLINE void KiviValueRows(const uint8_t* HWY_RESTRICT codes0, size_t row_byt
 // and group, but where the largest weight and the largest scale sit on
 // different tokens, as in real models, it left far fewer levels: +0.9%
 // perplexity for kivi4:pre_rope:sink=4 in kvq-eval --quick.) int32 sums of
-// one tile cannot overflow: 8 groups of 4 tokens * 4 * 128 * 15 * 256 < 2^31.
+// one tile cannot overflow: a code masked in place is at most 240 (15 << 4,
+// or 3 << 6), a weight byte at most 128 in magnitude, so 256 hi + lo over 32
+// tokens stays within 257 * 32 * 240 * 128 < 2^28.
 constexpr bool ValueDotTakes(int bits, int row_bytes) {
   return (bits == 2 || bits == 4) && (row_bytes == 16 || row_bytes == 32 || row_bytes == 64);
 }
@@ -1881,14 +1883,19 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
   // lines left to this loop go out a few per step, as in the key loop.
   constexpr int RG = R < 4 ? R : 4;
   SpreadPrefetch next_lines(pf, pf_lines, static_cast<size_t>(D / 32 * groups4));
-  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << kBits) - 1));
+  // A chunk's codes are masked in place, not shifted down: the products
+  // come out 2^sh times too large, and the step that scales the chunk's
+  // int32 sums takes the factor out (exact: sums stay below 2^31, and the
+  // float conversion rounds by at most 2^-24 of them).
   for (int j0 = 0; j0 < D / 16; j0 += 2) {
     int hh[2], sh[2], gg[2];
+    __m512i cmask[2];
     for (int k = 0; k < 2; ++k) {
       const int c0 = 16 * (j0 + k);
       hh[k] = (c0 % RB) / 16;
       sh[k] = kBits * (c0 / RB);
       gg[k] = c0 >> gc_shift;
+      cmask[k] = _mm512_set1_epi8(static_cast<char>(((1 << kBits) - 1) << sh[k]));
     }
     for (int r0 = 0; r0 < R; r0 += RG) {
       __m512i lo[RG][2], hi[RG][2];
@@ -1906,9 +1913,7 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
           if (r0 == 0) next_lines.Step();
           __m512i x[2];
           for (int k = 0; k < 2; ++k) {
-            const __m512i b = _mm512_loadu_si512(ibuf + (i * H + hh[k]) * 64);
-            x[k] = _mm512_and_si512(sh[k] == 0 ? b : _mm512_srl_epi16(b, _mm_cvtsi32_si128(sh[k])),
-                                    mask);
+            x[k] = _mm512_and_si512(_mm512_loadu_si512(ibuf + (i * H + hh[k]) * 64), cmask[k]);
           }
           for (int r = 0; r < RG; ++r) {
             const uint8_t* wr[2] = {w0 + r * ng * 64, w1 + r * ng * 64};
@@ -1942,7 +1947,8 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
           const __m512 v = _mm512_cvtepi32_ps(
               _mm512_add_epi32(_mm512_slli_epi32(hi[r][k], 8), lo[r][k]));
           const __m512 base = _mm512_add_ps(_mm512_loadu_ps(a), _mm512_set1_ps(zsum[row * ng + gg[k]]));
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(v, _mm512_set1_ps(wstep[row * ng + gg[k]]), base));
+          const float step = wstep[row * ng + gg[k]] * (1.0f / static_cast<float>(1 << sh[k]));
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(v, _mm512_set1_ps(step), base));
         }
       }
     }
