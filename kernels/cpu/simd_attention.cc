@@ -1885,8 +1885,8 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
   SpreadPrefetch next_lines(pf, pf_lines, static_cast<size_t>(D / 32 * groups4));
   // A chunk's codes are masked in place, not shifted down: the products
   // come out 2^sh times too large, and the step that scales the chunk's
-  // int32 sums takes the factor out (exact: sums stay below 2^31, and the
-  // float conversion rounds by at most 2^-24 of them).
+  // int32 sums takes the factor out (the sums stay below 2^28, see
+  // ValueDotTakes, and their float conversion rounds by at most 2^-24).
   for (int j0 = 0; j0 < D / 16; j0 += 2) {
     int hh[2], sh[2], gg[2];
     __m512i cmask[2];
