@@ -113,6 +113,12 @@ struct Prefetch {
   }
 };
 
+// Lines [0, lines) from p, requested at once (a burst: at most what the
+// line-fill buffers can take while the work that follows reads nothing).
+HWY_INLINE void PrefetchLines(const uint8_t* p, size_t lines) {
+  for (size_t i = 0; i < lines; ++i) hwy::Prefetch(p + 64 * i);
+}
+
 // Lines [0, lines) from p, requested a few per step of a loop of `steps`
 // (a burst fills the line-fill buffers and stalls the pipeline): one
 // division per loop, none per step.
@@ -1806,7 +1812,7 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
   // of the weights (which read nothing from memory), the rest spread over
   // the dot loop (see KiviSegment).
   const size_t pf_burst = pf_lines / 2;
-  for (size_t j = 0; j < pf_burst; ++j) hwy::Prefetch(pf + 64 * j);
+  PrefetchLines(pf, pf_burst);
   pf += 64 * pf_burst;
   pf_lines -= pf_burst;
   uint8_t* ibuf = sc.vcodes.data();
@@ -1884,18 +1890,20 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
   constexpr int RG = R < 4 ? R : 4;
   SpreadPrefetch next_lines(pf, pf_lines, static_cast<size_t>(D / 32 * groups4));
   // A chunk's codes are masked in place, not shifted down: the products
-  // come out 2^sh times too large, and the step that scales the chunk's
+  // come out 2^shift times too large, and the step that scales the chunk's
   // int32 sums takes the factor out (the sums stay below 2^28, see
   // ValueDotTakes, and their float conversion rounds by at most 2^-24).
   for (int j0 = 0; j0 < D / 16; j0 += 2) {
-    int hh[2], sh[2], gg[2];
+    int hh[2], gg[2];
     __m512i cmask[2];
+    float unscale[2];  // 2^-shift: what the chunk's masked codes are scaled by.
     for (int k = 0; k < 2; ++k) {
       const int c0 = 16 * (j0 + k);
+      const int sh = kBits * (c0 / RB);
       hh[k] = (c0 % RB) / 16;
-      sh[k] = kBits * (c0 / RB);
       gg[k] = c0 >> gc_shift;
-      cmask[k] = _mm512_set1_epi8(static_cast<char>(((1 << kBits) - 1) << sh[k]));
+      cmask[k] = _mm512_set1_epi8(static_cast<char>(((1 << kBits) - 1) << sh));
+      unscale[k] = 1.0f / static_cast<float>(1 << sh);
     }
     for (int r0 = 0; r0 < R; r0 += RG) {
       __m512i lo[RG][2], hi[RG][2];
@@ -1947,7 +1955,7 @@ HWY_INLINE void KiviValueDot(const uint8_t* HWY_RESTRICT codes0, int n, int ng, 
           const __m512 v = _mm512_cvtepi32_ps(
               _mm512_add_epi32(_mm512_slli_epi32(hi[r][k], 8), lo[r][k]));
           const __m512 base = _mm512_add_ps(_mm512_loadu_ps(a), _mm512_set1_ps(zsum[row * ng + gg[k]]));
-          const float step = wstep[row * ng + gg[k]] * (1.0f / static_cast<float>(1 << sh[k]));
+          const float step = wstep[row * ng + gg[k]] * unscale[k];
           _mm512_storeu_ps(a, _mm512_fmadd_ps(v, _mm512_set1_ps(step), base));
         }
       }
@@ -2217,7 +2225,7 @@ class RowPass {
   // page ahead.
   void PrefetchNextPage(int row, int m) {
     const auto [p, lines] = NextPageShare(row, m);
-    for (size_t i = 0; i < lines; ++i) hwy::Prefetch(p + 64 * i);
+    PrefetchLines(p, lines);
   }
   // The lines of the next page that go with rows [row, row + m).
   std::pair<const uint8_t*, size_t> NextPageShare(int row, int m) const {
@@ -2344,7 +2352,7 @@ class RowPass {
           // over the value loop, 4-9% slower at llama 32k: KERNELS.md 4r.)
           const auto [pf, pf_lines] = NextPageShare(r, m);
           const size_t pf_first = pf_lines / 4;
-          for (size_t j = 0; j < pf_first; ++j) hwy::Prefetch(pf + 64 * j);
+          PrefetchLines(pf, pf_first);
           vpf_lines_ = value_dot_ ? pf_lines * 3 / 8 : 0;
           const size_t key_lines = pf_lines - pf_first - vpf_lines_;
           vpf_ = pf + 64 * (pf_first + key_lines);
