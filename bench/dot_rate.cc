@@ -18,7 +18,8 @@ constexpr int64_t kSteps = int64_t{1} << 20;  // 16 instructions per step.
 #if defined(__x86_64__)
 // 16 independent accumulators: more than the instruction's latency times the
 // ports that run it, so the loop is bound by issue, not by a chain.
-__attribute__((target("avx512f,avx512vnni"))) int32_t DotChains(int64_t steps) {
+// Unsigned sums wrap, as the lanes do: the value only keeps the chains alive.
+__attribute__((target("avx512f,avx512vnni"))) uint32_t DotChains(int64_t steps) {
   __m512i u = _mm512_set1_epi8(3);
   __m512i s = _mm512_set1_epi8(-5);
   // Operands the compiler cannot see, so it cannot fold the products.
@@ -56,8 +57,8 @@ __attribute__((target("avx512f,avx512vnni"))) int32_t DotChains(int64_t steps) {
                        _mm512_add_epi32(_mm512_add_epi32(a12, a13), _mm512_add_epi32(a14, a15))));
   alignas(64) int32_t lanes[16];
   _mm512_store_si512(lanes, sum);
-  int32_t total = 0;
-  for (int32_t x : lanes) total += x;
+  uint32_t total = 0;
+  for (int32_t x : lanes) total += static_cast<uint32_t>(x);
   return total;
 }
 #endif
@@ -69,11 +70,11 @@ DotRate MeasureDotRate(int passes, int threads) {
   result.threads = std::max(1, threads);
 #if defined(__x86_64__)
   if (!__builtin_cpu_supports("avx512vnni")) return result;
-  volatile int32_t sink = 0;
+  volatile uint32_t sink = 0;
   sink = sink + DotChains(kSteps / 16);  // Warm-up: the clock settles under load.
   for (int pass = 0; pass < std::max(1, passes); ++pass) {
     const auto start = std::chrono::steady_clock::now();
-    int32_t total = 0;
+    uint32_t total = 0;
 #pragma omp parallel num_threads(result.threads) reduction(+ : total)
     total += DotChains(kSteps);
     const double seconds =

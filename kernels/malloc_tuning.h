@@ -22,6 +22,14 @@ namespace kvq {
 // is not glibc's.
 absl::Status RetainMessageBuffers();
 
+// False in a build whose allocator replaces glibc's (KVQ_SANITIZE=address):
+// glibc's settings and counters then describe memory nobody allocates from.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kMallocIsGlibc = false;
+#else
+inline constexpr bool kMallocIsGlibc = true;
+#endif
+
 }  // namespace kvq
 
 #endif  // KVQ_KERNELS_MALLOC_TUNING_H_
