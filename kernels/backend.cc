@@ -1,5 +1,6 @@
 #include "kernels/backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -55,6 +56,39 @@ absl::Status ValidateAttention(absl::Span<const AttentionTask> tasks,
       }
       if (t.q_positions != nullptr && t.q_positions[qi] < 0) {
         return bad(absl::StrCat("q_positions[", qi, "] is negative"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAttentionResults(absl::Span<const AttentionTask> tasks,
+                                   const AttentionOptions& options) {
+  const int group = options.group_size;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const AttentionTask& t = tasks[i];
+    const int d = t.stream->head_dim();
+    const int end = t.key_end == -1 ? t.stream->num_tokens() : t.key_end;
+    for (int qi = 0; qi < t.num_queries; ++qi) {
+      // A row that sees a key has a finite log-sum-exp: -inf there means
+      // every score overflowed to -inf.
+      const int visible_end =
+          t.q_positions == nullptr ? end : std::min(end, t.q_positions[qi] + 1);
+      const bool sees_keys = visible_end > t.key_begin;
+      for (int h = 0; h < group; ++h) {
+        const float lse = t.lse[static_cast<size_t>(qi) * t.lse_stride + h];
+        const float* out = t.out + static_cast<size_t>(qi) * t.out_stride + static_cast<size_t>(h) * d;
+        bool finite = sees_keys ? std::isfinite(lse)
+                                : lse == -std::numeric_limits<float>::infinity();
+        for (int c = 0; c < d && finite; ++c) finite = std::isfinite(out[c]);
+        if (finite) continue;
+        const float* q = t.q + static_cast<size_t>(qi) * t.q_stride + static_cast<size_t>(h) * d;
+        float qmax = 0.0f;
+        for (int c = 0; c < d; ++c) qmax = std::max(qmax, std::fabs(q[c]));
+        return absl::OutOfRangeError(absl::StrCat(
+            "attention task ", i, ", query ", qi, ", head ", h,
+            ": the result overflowed float (log-sum-exp ", lse, "); the query (largest |q| ",
+            qmax, ") or the stored keys and values are too large for float attention"));
       }
     }
   }

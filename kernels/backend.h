@@ -101,6 +101,16 @@ absl::StatusOr<const KernelBackend*> BackendByName(absl::string_view name);
 // Checks tasks against their streams: shared by every backend.
 absl::Status ValidateAttention(absl::Span<const AttentionTask> tasks,
                                const AttentionOptions& options);
+// OUT_OF_RANGE naming the first row of `tasks` whose result is not finite:
+// an output element NaN or infinite, or a log-sum-exp that is not finite
+// although the row sees keys (a row that sees none has -inf and zeros).
+// Float attention overflows when |q . k| * softmax_scale passes float's
+// range (finite queries or stored keys near it; bf16 pages hold values up
+// to 3.4e38) or a sum of weighted values does; every backend then fails
+// the call rather than return NaN, or zeros for scores that all overflowed
+// to -inf.
+absl::Status CheckAttentionResults(absl::Span<const AttentionTask> tasks,
+                                   const AttentionOptions& options);
 inline float SoftmaxScale(const AttentionOptions& o, int head_dim) {
   return o.softmax_scale > 0.0f ? o.softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 }

@@ -277,7 +277,7 @@ class CpuBackendImpl final : public KernelBackend {
         *lse = l;
       }
     }
-    return absl::OkStatus();
+    return CheckAttentionResults(tasks, options);
   }
 };
 

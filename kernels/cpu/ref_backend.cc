@@ -294,7 +294,7 @@ class RefBackendImpl final : public KernelBackend {
                       const AttentionOptions& options) const override {
     if (absl::Status st = ValidateAttention(tasks, options); !st.ok()) return st;
     for (const AttentionTask& task : tasks) AttendRef(task, options);
-    return absl::OkStatus();
+    return CheckAttentionResults(tasks, options);
   }
 };
 

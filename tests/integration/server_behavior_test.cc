@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -492,6 +493,12 @@ TEST_F(ErrorPathTest, PackedAttendChecksItsQueries) {
   ToProto(HostTensor::FromFloats(nan, {2, kQHeads, kDim}).value(), req.mutable_q());
   ExpectStatus(attend(req), grpc::StatusCode::INVALID_ARGUMENT,
                "q: attention task 2: q[0][7] is not finite");
+  // Finite, but near float's range: the scores overflow.
+  std::vector<float> huge(2 * kQHeads * kDim, 0.5f);
+  std::fill_n(huge.begin() + (kQHeads + 1) * kDim, kDim, 3e38f);
+  ToProto(HostTensor::FromFloats(huge, {2, kQHeads, kDim}).value(), req.mutable_q());
+  ExpectStatus(attend(req), grpc::StatusCode::OUT_OF_RANGE,
+               "attention task 2, query 0, head 1: the result overflowed float");
   // The client library checks the row count before sending.
   ExpectStatus(client_->AttendBatch(0, {"s", "s"}, Random({3, kQHeads, kDim}, 34)).status(),
                absl::StatusCode::kInvalidArgument,

@@ -233,6 +233,36 @@ TEST_P(AttentionTest, ScoresThatClimbAcrossTiles) {
   Check(run, 0, n_, kd, vd_, PathTol(), "climbing scores");
 }
 
+// A query near float's range overflows the scores: the call fails with
+// OUT_OF_RANGE naming the row, on every path, whether the scores overflow
+// to +inf (the query along the keys) or all to -inf (against them, which
+// would otherwise read as a row that sees no key). RoPE turns the keys by
+// their positions, so their channels' signs mix and the scores may stay in
+// range: there the call either fails so or returns finite results.
+TEST_P(AttentionTest, ScoresThatOverflowFloatFailTheCall) {
+  std::vector<float> k = testutil::MakeGaussian(static_cast<size_t>(n_) * d_, 950);
+  for (float& x : k) x = 0.5f + 0.05f * x;  // Every key channel positive.
+  stream_ = testutil::MakeStream(GetParam());
+  ASSERT_NE(stream_, nullptr);
+  ASSERT_TRUE(testutil::AppendRows(*stream_, k, v_, 0, n_).ok());
+  for (float sign : {1.0f, -1.0f}) {
+    AttendCall run(1, 2, d_, 951);  // Head 0 keeps its ordinary query.
+    std::fill_n(run.q.begin() + d_, d_, sign * 1e38f);
+    const absl::Status st = Attend(run, 0, -1);
+    if (config_.spec.pre_rope && st.ok()) {
+      for (int g = 0; g < 2; ++g) {
+        EXPECT_TRUE(std::isfinite(run.Lse(0, g))) << "sign " << sign << " head " << g;
+        for (int c = 0; c < d_; ++c) ASSERT_TRUE(std::isfinite(run.Out(0, g)[c])) << "head " << g;
+      }
+      continue;
+    }
+    EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << "sign " << sign << ": " << st;
+    EXPECT_NE(st.message().find("attention task 0, query 0, head 1: the result overflowed float"),
+              absl::string_view::npos)
+        << st;
+  }
+}
+
 TEST_P(AttentionTest, ChunkedCausalQueries) {
   AttendCall run(8, 4, d_, 200, /*pad=*/8);
   const int mid_tail = std::min(n_ - 3, pb_ + quantized_ + 1);

@@ -482,6 +482,15 @@ TEST_P(KvStreamTest, SixteenBitInputsAreRangeChecked) {
                "k[1][3] is not finite");
   if (bf16_scheme) {
     EXPECT_TRUE(append(DType::kBFloat16, 0, 0, 0x7f7f).ok());  // Largest finite bf16.
+    // Read as fp16, a value outside fp16's range converts as IEEE does (inf);
+    // as bf16 it comes back exactly.
+    std::vector<uint16_t> row(static_cast<size_t>(d_));
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      ReadOptions options;
+      options.dtype = dtype;
+      ASSERT_TRUE(s->Read(m, m + 1, options, {row.data(), dtype, 1, d_, 0}, {}).ok());
+      EXPECT_EQ(row[0], dtype == DType::kFloat16 ? 0x7c00 : 0x7f7f);
+    }
   } else {
     EXPECT_TRUE(append(DType::kBFloat16, 0, 0, 0x477f).ok());  // 65280 <= 65504.
     ExpectStatus(append(DType::kBFloat16, 2, 4, 0xc780), absl::StatusCode::kInvalidArgument,

@@ -1,7 +1,9 @@
 // Raw pages: CopyPages on one stream, AppendPages on another, as a client
 // library that quantizes locally and a server that validates would.
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -86,6 +88,80 @@ TEST_P(RawPagesTest, CorruptPagesAreRejectedAndNothingIsStored) {
   ExpectPage1ValueScaleNamed(st, L);
   EXPECT_EQ(dst->num_tokens(), spec.sink);
   EXPECT_EQ(dst->AllocatedBytes(), before);
+}
+
+// Whatever bytes a client sends, AppendPages either rejects them
+// (INVALID_ARGUMENT, the stream as it was) or stores pages whose every read
+// is finite: the dequantized rows, and attention's output and log-sum-exp.
+// Random bit flips anywhere in a valid page set (codes, parameters, p8
+// headers, outlier tables, padding), seeded per case; under the sanitizer
+// build (README) this also checks that no read leaves its page.
+TEST_P(RawPagesTest, RandomlyCorruptedPagesAreRejectedOrReadFinite) {
+  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  const QuantSpec& spec = src->spec();
+  const int d = src->head_dim();
+  const int n = spec.sink + 2 * std::max(spec.flush_tokens(), 64);
+  std::vector<float> k = testutil::MakeKeys(n, d, 36);
+  std::vector<float> v = testutil::MakeValues(n, d, 37);
+  ASSERT_TRUE(testutil::AppendRows(*src, k, v, 0, n).ok());
+  const int q = src->quantized_tokens();
+  const PageLayout& L = src->layout();
+  std::vector<uint8_t> wire(static_cast<size_t>(src->PagesFor(q)) * L.page_bytes);
+  ASSERT_TRUE(src->CopyPages(0, q, wire.data()).ok());
+  absl::StatusOr<const KernelBackend*> backend = BackendByName(GetParam().backend);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  // One query row per KV head (group 1) with a large norm, so that scores
+  // over corrupted keys reach far from zero.
+  std::vector<float> query(static_cast<size_t>(d));
+  for (int c = 0; c < d; ++c) query[c] = (c % 3 == 0 ? 40.0f : -25.0f) + static_cast<float>(c);
+  std::mt19937_64 rng(std::hash<std::string>()(testutil::StreamParamName(GetParam())));
+  int accepted = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    std::unique_ptr<KvStream> dst = testutil::MakeStream(GetParam());
+    ASSERT_TRUE(testutil::AppendRows(*dst, k, v, 0, spec.sink).ok());
+    std::vector<uint8_t> bad = wire;
+    const int flips = 1 + static_cast<int>(rng() % 6);
+    for (int f = 0; f < flips; ++f) bad[rng() % bad.size()] ^= static_cast<uint8_t>(1u << (rng() % 8));
+    const ByteBreakdown before = dst->AllocatedBytes();
+    const absl::Status st = dst->AppendPages(bad.data(), q);
+    if (!st.ok()) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_EQ(dst->num_tokens(), spec.sink);
+      EXPECT_EQ(dst->AllocatedBytes(), before);
+      continue;
+    }
+    ++accepted;
+    const int end = spec.sink + q;
+    for (Side side : {Side::kKey, Side::kValue}) {
+      const std::vector<float> rows = testutil::ReadSide(*dst, side, 0, end);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(rows[i])) << "trial " << trial << " side " << static_cast<int>(side)
+                                            << " element " << i << " = " << rows[i];
+      }
+    }
+    std::vector<float> out(static_cast<size_t>(d), NAN);
+    float lse = NAN;
+    AttentionTask task;
+    task.stream = dst.get();
+    task.q = query.data();
+    task.q_stride = d;
+    task.out = out.data();
+    task.out_stride = d;
+    task.lse = &lse;
+    task.lse_stride = 1;
+    // Finite stored values can still overflow float attention (bf16 codes
+    // up to 3.4e38): then the call fails rather than return NaN.
+    const absl::Status att = (*backend)->Attend({&task, 1}, AttentionOptions());
+    if (!att.ok()) {
+      EXPECT_EQ(att.code(), absl::StatusCode::kOutOfRange) << att;
+      continue;
+    }
+    EXPECT_TRUE(std::isfinite(lse)) << "trial " << trial;
+    for (int c = 0; c < d; ++c) ASSERT_TRUE(std::isfinite(out[c])) << "trial " << trial << " c " << c;
+  }
+  // Scaled schemes see both outcomes; a flip in an fp16 or bf16 code that
+  // stays finite is a different valid page, accepted.
+  if (spec.kind == SchemeKind::kFp16 || spec.kind == SchemeKind::kBf16) EXPECT_GT(accepted, 0);
 }
 
 TEST_P(RawPagesTest, PagesOnlyAtABoundary) {
