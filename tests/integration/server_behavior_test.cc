@@ -506,6 +506,126 @@ TEST_F(ErrorPathTest, PackedAttendChecksItsQueries) {
   ExpectUnchanged("s", before_);
 }
 
+// Valid Append chunks with their fields corrupted at random, as a broken or
+// hostile client would send them: a bit of the layer index, of a shape
+// entry, of a page count or size, the dtype, the data cut short or grown,
+// and bit flips in the data. Two chunk kinds: dense fp16 K/V, and the raw
+// quantized pages of "s" (as the server returned them). Every stream gets a
+// status from the validation codes (never UNKNOWN or INTERNAL), the server
+// keeps answering, a rejected append stores nothing, an accepted one
+// stores finite KV, and once every trial's sequence is released the pool is
+// back where it started. Under the sanitizer build (README) the server's
+// parsing and checks also run under ASan and UBSan.
+TEST_F(ErrorPathTest, RandomlyCorruptedAppendChunksAreAnsweredAndAtomic) {
+  std::vector<v1::KvChunk> raw_chunks;
+  {
+    FetchOptions raw;
+    raw.token_end = 256;  // The quantized part of "s" (two 128-token flushes).
+    absl::StatusOr<RawFetch> fetched = client_->FetchRaw("s", raw);
+    ASSERT_TRUE(fetched.ok()) << fetched.status();
+    for (const v1::FetchResponse& m : fetched->responses) {
+      if (!m.has_pages()) continue;
+      v1::KvChunk c;
+      c.set_layer_begin(m.layer());
+      *c.mutable_pages() = m.pages();
+      raw_chunks.push_back(std::move(c));
+    }
+    ASSERT_FALSE(raw_chunks.empty());
+  }
+  const std::vector<v1::KvChunk> dense_chunks = {
+      Chunk(Random({kLayers, kHeads, 40, kDim}, 60).Cast(DType::kFloat16),
+            Random({kLayers, kHeads, 40, kDim}, 61).Cast(DType::kFloat16))};
+  std::mt19937_64 rng(20261202);
+  auto bit = [&](int bits) { return uint64_t{1} << (rng() % bits); };
+  auto flip_bytes = [&](std::string* data) {
+    if (data->empty()) return;
+    for (int f = 1 + static_cast<int>(rng() % 4); f > 0; --f) {
+      (*data)[rng() % data->size()] ^= static_cast<char>(bit(8));
+    }
+  };
+  auto resize = [&](std::string* data) {
+    const size_t delta = 1 + rng() % 64;
+    data->resize(rng() % 2 == 0 && data->size() > delta ? data->size() - delta
+                                                         : data->size() + delta);
+  };
+  auto corrupt_tensor = [&](v1::Tensor* t) {
+    switch (rng() % 5) {
+      case 0:
+        if (t->shape_size() > 0) {
+          const int i = static_cast<int>(rng() % t->shape_size());
+          t->set_shape(i, t->shape(i) ^ static_cast<int64_t>(bit(64)));
+        }
+        break;
+      case 1: t->set_dtype(static_cast<v1::DType>(rng() % 6)); break;
+      case 2: resize(t->mutable_data()); break;
+      case 3:
+        if (rng() % 2 == 0) t->add_shape(1 + static_cast<int64_t>(rng() % 4));
+        else if (t->shape_size() > 0) t->mutable_shape()->RemoveLast();
+        break;
+      default: flip_bytes(t->mutable_data()); break;
+    }
+  };
+  auto corrupt = [&](v1::KvChunk* c) {
+    const int field = static_cast<int>(rng() % 4);
+    if (field == 0) {
+      c->set_layer_begin(c->layer_begin() ^ static_cast<int32_t>(bit(32)));
+    } else if (!c->has_pages()) {
+      corrupt_tensor(field == 1 ? c->mutable_k() : c->mutable_v());
+    } else {
+      v1::QuantizedPages* p = c->mutable_pages();
+      switch (rng() % 6) {
+        case 0: p->set_layers(p->layers() ^ static_cast<int32_t>(bit(32))); break;
+        case 1: p->set_tokens(p->tokens() ^ static_cast<int32_t>(bit(32))); break;
+        case 2: p->set_page_bytes(p->page_bytes() ^ static_cast<int64_t>(bit(64))); break;
+        case 3: p->set_page_tokens(p->page_tokens() ^ static_cast<int32_t>(bit(32))); break;
+        case 4: resize(p->mutable_page_data()); break;
+        default: flip_bytes(p->mutable_page_data()); break;
+      }
+    }
+  };
+  const int64_t pages_before = ServerStats().pages_used();
+  int accepted = 0, rejected = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const bool pages = trial % 2 == 1;
+    std::vector<v1::KvChunk> chunks = pages ? raw_chunks : dense_chunks;
+    if (trial >= 2) {  // Trials 0 and 1 send the chunks as they are.
+      for (int m = 1 + static_cast<int>(rng() % 2); m > 0; --m) {
+        corrupt(&chunks[rng() % chunks.size()]);
+      }
+    }
+    const std::string id = absl::StrCat("fuzz", trial);
+    ASSERT_NO_FATAL_FAILURE(Create(id));
+    const grpc::Status st = RawAppend(id, chunks);
+    const grpc::StatusCode code = st.error_code();
+    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::INVALID_ARGUMENT ||
+                code == grpc::StatusCode::OUT_OF_RANGE ||
+                code == grpc::StatusCode::FAILED_PRECONDITION ||
+                code == grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << "trial " << trial << ": " << code << " " << st.error_message();
+    if (trial < 2) EXPECT_TRUE(st.ok()) << "trial " << trial << ": " << st.error_message();
+    absl::StatusOr<v1::StatsResponse> stats = client_->Stats(id);
+    ASSERT_TRUE(stats.ok()) << "trial " << trial << ": " << stats.status();
+    if (!st.ok()) {
+      ++rejected;
+      EXPECT_EQ(stats->num_tokens(), 0) << "trial " << trial << ": " << st.error_message();
+    } else {
+      ++accepted;
+      FetchOptions all;
+      all.dtype = DType::kFloat32;
+      absl::StatusOr<FetchedKv> kv = client_->FetchDequant(id, all);
+      ASSERT_TRUE(kv.ok()) << "trial " << trial << ": " << kv.status();
+      for (const HostTensor* t : {&kv->k, &kv->v}) {
+        for (float x : t->ToFloats()) ASSERT_TRUE(std::isfinite(x)) << "trial " << trial;
+      }
+    }
+    ASSERT_TRUE(client_->Release(id).ok());
+  }
+  EXPECT_GE(accepted, 2);
+  EXPECT_GE(rejected, 20);
+  EXPECT_EQ(ServerStats().pages_used(), pages_before);
+  ExpectUnchanged("s", before_);
+}
+
 TEST_F(ErrorPathTest, PackedDecodeStepsCheckTheirTensors) {
   auto append_attend = [&](const v1::AppendAttendRequest& req) {
     grpc::ClientContext ctx;
