@@ -481,6 +481,14 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     }
     range_layer_end_ = le;
     range_token_end_ = te;
+    // A larger chunk would make messages the transport refuses to send
+    // (its limit is twice max_message_bytes): say so before sending any.
+    const int64_t limit = service_->options().max_message_bytes;
+    if (req_.max_chunk_bytes() < 0 || req_.max_chunk_bytes() > limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_chunk_bytes = ", req_.max_chunk_bytes(),
+                       " must be in [0, max_message_bytes = ", limit, "] (0: the server's default)"));
+    }
     const int64_t chunk = req_.max_chunk_bytes() > 0 ? req_.max_chunk_bytes()
                                                      : service_->options().fetch_chunk_bytes;
     if (req_.raw()) {

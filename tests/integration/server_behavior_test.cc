@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -626,6 +627,137 @@ TEST_F(ErrorPathTest, RandomlyCorruptedAppendChunksAreAnsweredAndAtomic) {
   ExpectUnchanged("s", before_);
 }
 
+// Valid CreateSequence, Attend, FetchDequant and Fork requests with a field
+// set at random (integers with a bit flipped, floats from a list that has
+// NaN, inf and negatives, enums past their values, tensors with a shape
+// entry, dtype or byte count changed): every call gets a status from the
+// validation codes, the server keeps answering, and "s" and the pool are
+// unchanged once what was created or forked is released.
+TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
+  std::mt19937_64 rng(20261203);
+  auto flip32 = [&](int32_t x) { return x ^ static_cast<int32_t>(uint32_t{1} << (rng() % 32)); };
+  const std::vector<float> floats = {0.0f, -1.0f, 1e-30f, 0.5f, 3e38f, -3e38f,
+                                     std::numeric_limits<float>::infinity(), std::nanf("")};
+  auto any_float = [&] { return floats[rng() % floats.size()]; };
+  auto corrupt_tensor = [&](v1::Tensor* t) {
+    switch (rng() % 4) {
+      case 0:
+        if (t->shape_size() > 0) {
+          const int i = static_cast<int>(rng() % t->shape_size());
+          t->set_shape(i, t->shape(i) ^ static_cast<int64_t>(uint64_t{1} << (rng() % 64)));
+        }
+        break;
+      case 1: t->set_dtype(static_cast<v1::DType>(rng() % 6)); break;
+      case 2: t->mutable_data()->resize(rng() % (t->data().size() + 8)); break;
+      default: {
+        std::string* d = t->mutable_data();
+        if (d->size() >= 4) {
+          const float f = any_float();
+          std::memcpy(d->data() + 4 * (rng() % (d->size() / 4)), &f, 4);
+        }
+      }
+    }
+  };
+  auto ok_or_validation = [](grpc::StatusCode code) {
+    return code == grpc::StatusCode::OK || code == grpc::StatusCode::INVALID_ARGUMENT ||
+           code == grpc::StatusCode::OUT_OF_RANGE || code == grpc::StatusCode::FAILED_PRECONDITION ||
+           code == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  };
+  const int64_t pages_before = ServerStats().pages_used();
+  std::vector<std::string> made;  // Created or forked: released at the end.
+  int failed = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    grpc::ClientContext ctx;
+    grpc::Status st;
+    const int rpc = trial % 4;
+    if (rpc == 0) {
+      v1::CreateSequenceRequest req;
+      req.set_namespace_(ns_);
+      req.set_sequence_id(absl::StrCat("rand", trial));
+      req.set_scheme(kScheme);
+      v1::ModelLayout* l = req.mutable_layout();
+      l->set_num_layers(kLayers);
+      l->set_num_kv_heads(kHeads);
+      l->set_num_q_heads(kQHeads);
+      l->set_head_dim(kDim);
+      switch (rng() % 9) {
+        case 0: l->set_num_layers(flip32(l->num_layers())); break;
+        case 1: l->set_num_kv_heads(flip32(l->num_kv_heads())); break;
+        case 2: l->set_num_q_heads(flip32(l->num_q_heads())); break;
+        case 3: l->set_head_dim(flip32(l->head_dim())); break;
+        case 4: l->mutable_rope()->set_theta(any_float()); break;
+        case 5: l->mutable_rope()->set_rotary_dim(flip32(0)); break;
+        case 6: l->mutable_rope()->set_factor(any_float()); break;
+        case 7:
+          req.set_scheme(std::vector<std::string>{"kivi2:pre_rope", "kivi3:nuq", "kivi4:g7",
+                                                  "kivi2:r8", "int8:sink=70000", ""}[rng() % 6]);
+          break;
+        default:
+          l->mutable_rope()->set_pairing(static_cast<v1::RopeParams::Pairing>(rng() % 5));
+          l->mutable_rope()->set_scaling(static_cast<v1::RopeParams::Scaling>(rng() % 5));
+          req.set_scheme("kivi2:pre_rope");
+      }
+      v1::CreateSequenceResponse resp;
+      st = stub_->CreateSequence(&ctx, req, &resp);
+      if (st.ok()) made.push_back(resp.sequence_id());
+    } else if (rpc == 1) {
+      v1::AttendRequest req;
+      req.set_layer(static_cast<int32_t>(rng() % kLayers));
+      v1::AttendItem* it = req.add_items();
+      it->mutable_sequence()->set_namespace_(ns_);
+      it->mutable_sequence()->set_sequence_id("s");
+      ToProto(Random({1, kQHeads, kDim}, 70 + trial), it->mutable_q());
+      switch (rng() % 6) {
+        case 0: req.set_layer(flip32(req.layer())); break;
+        case 1: req.set_softmax_scale(any_float()); break;
+        case 2: it->add_q_positions(flip32(0)); break;
+        case 3: it->set_key_begin(flip32(0)); break;
+        case 4: it->set_key_end(flip32(0)); break;
+        default: corrupt_tensor(it->mutable_q());
+      }
+      v1::AttendResponse resp;
+      st = stub_->Attend(&ctx, req, &resp);
+    } else if (rpc == 2) {
+      v1::FetchRequest req;
+      req.mutable_sequence()->set_namespace_(ns_);
+      req.mutable_sequence()->set_sequence_id("s");
+      req.set_raw(rng() % 2 == 0);
+      req.set_apply_rope(rng() % 2 == 0);
+      switch (rng() % 6) {
+        case 0: req.set_layer_begin(flip32(0)); break;
+        case 1: req.set_layer_end(flip32(kLayers)); break;
+        case 2: req.set_token_begin(flip32(0)); break;
+        case 3: req.set_token_end(flip32(300)); break;
+        case 4: req.set_dtype(static_cast<v1::DType>(rng() % 6)); break;
+        default: req.set_max_chunk_bytes(flip32(0));
+      }
+      std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader =
+          stub_->FetchDequant(&ctx, req);
+      v1::FetchResponse m;
+      while (reader->Read(&m)) {
+      }
+      st = reader->Finish();
+    } else {
+      v1::ForkRequest req;
+      req.mutable_source()->set_namespace_(ns_);
+      req.mutable_source()->set_sequence_id("s");
+      req.set_new_sequence_id(absl::StrCat("rand", trial));
+      req.set_num_tokens(flip32(0));
+      if (rng() % 2 == 0) req.set_ttl_seconds(static_cast<uint32_t>(flip32(0)));
+      v1::ForkResponse resp;
+      st = stub_->Fork(&ctx, req, &resp);
+      if (st.ok()) made.push_back(resp.sequence_id());
+    }
+    EXPECT_TRUE(ok_or_validation(st.error_code()))
+        << "trial " << trial << " rpc " << rpc << ": " << st.error_code() << " " << st.error_message();
+    if (!st.ok()) ++failed;
+  }
+  for (const std::string& id : made) EXPECT_TRUE(client_->Release(id).ok()) << id;
+  EXPECT_GE(failed, 60);
+  EXPECT_EQ(ServerStats().pages_used(), pages_before);
+  ExpectUnchanged("s", before_);
+}
+
 TEST_F(ErrorPathTest, PackedDecodeStepsCheckTheirTensors) {
   auto append_attend = [&](const v1::AppendAttendRequest& req) {
     grpc::ClientContext ctx;
@@ -678,10 +810,22 @@ TEST_F(ErrorPathTest, OversizedMessagesNameTheLimit) {
                         Random({40, kQHeads, kDim}, 25)};
   ExpectStatus(client_->AppendAttend(1, {item}).status(), absl::StatusCode::kInvalidArgument,
                "exceeds max_message_bytes = 65536");
+  // A fetch may not ask for messages over the limit (the transport would
+  // refuse to send them half-way through the stream).
+  for (int chunk : {65537, -1}) {
+    FetchOptions fetch;
+    fetch.max_chunk_bytes = chunk;
+    ExpectStatus(client_->FetchDequant("s", fetch).status(), absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("max_chunk_bytes = ", chunk,
+                              " must be in [0, max_message_bytes = 65536] (0: the server's default)"));
+  }
   ExpectUnchanged("s", before_);
   // Below the limit the same calls succeed.
   query.q = Random({8, kQHeads, kDim}, 26);
   EXPECT_TRUE(client_->Attend(0, {query}).ok());
+  FetchOptions fetch;
+  fetch.max_chunk_bytes = 65536;
+  EXPECT_TRUE(client_->FetchDequant("s", fetch).ok());
 }
 
 // ------------------------------------------------------------ concurrency

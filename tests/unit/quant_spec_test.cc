@@ -1,5 +1,6 @@
 #include "kernels/quant_spec.h"
 
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -268,6 +269,39 @@ TEST(QuantSpecTest, ValidateRejectsBadKiviBits) {
   QuantSpec s = MustParse("kivi2");
   s.bits = 5;
   ExpectValidateError(s, "kivi bits must be 2, 3 or 4, got 5");
+}
+
+// Random scheme strings built from the grammar's own pieces, and valid ones
+// with a character changed: Parse() accepts or returns INVALID_ARGUMENT, and
+// whatever it accepts prints a canonical form that parses to the same spec.
+// (Scheme strings arrive over the API from any client.)
+TEST(QuantSpecTest, RandomStringsParseOrFailCleanly) {
+  const std::vector<std::string> pieces = {
+      "kivi2", "kivi3", "kivi4", "int8", "fp16", "bf16", "fp8_e4m3", "fp8", "g32", "g16", "g0",
+      "g1024", "r128", "r0", "r32", "r-1", "pre_rope", "outliers=1", "outliers=0.5",
+      "outliers=-1", "outliers=x", "sink=4", "sink=999999999999", "nuq", "rotate", "ktok",
+      "p8", "fit", "v2", "v3", "v4", "v9", "", "=", ":"};
+  std::mt19937_64 rng(11);
+  int accepted = 0;
+  auto check = [&](const std::string& text) {
+    absl::StatusOr<QuantSpec> spec = QuantSpec::Parse(text);
+    if (!spec.ok()) {
+      EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << "\"" << text << "\"";
+      return;
+    }
+    ++accepted;
+    const std::string canonical = spec->ToString();
+    absl::StatusOr<QuantSpec> again = QuantSpec::Parse(canonical);
+    ASSERT_TRUE(again.ok()) << "\"" << text << "\" printed \"" << canonical << "\": " << again.status();
+    EXPECT_EQ(again->ToString(), canonical) << "\"" << text << "\"";
+  };
+  for (int trial = 0; trial < 4000; ++trial) {
+    std::string text = pieces[rng() % 8];
+    for (int n = static_cast<int>(rng() % 5); n > 0; --n) text += ":" + pieces[rng() % pieces.size()];
+    if (rng() % 4 == 0 && !text.empty()) text[rng() % text.size()] = static_cast<char>(rng() % 128);
+    check(text);
+  }
+  EXPECT_GT(accepted, 100);
 }
 
 }  // namespace
