@@ -4,6 +4,7 @@
 #ifndef KVQ_KERNELS_NUMERIC_H_
 #define KVQ_KERNELS_NUMERIC_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -15,6 +16,20 @@ inline constexpr float kFp16Max = 65504.0f;
 inline constexpr float kBf16Max = 3.38953139e38f;
 // Largest finite OCP FP8 E4M3 ("fn") value.
 inline constexpr float kFp8E4m3Max = 448.0f;
+
+// Element i of a 16-bit row that need not be 2-byte aligned: a tensor
+// inside a serialized message starts wherever its header ends. memcpy is
+// the defined access (a plain load or store once optimized); indexing a
+// misaligned uint16_t* is undefined behaviour, and the sanitizer build
+// stops on it.
+inline uint16_t Load16(const void* row, size_t i) {
+  uint16_t x;
+  std::memcpy(&x, static_cast<const unsigned char*>(row) + 2 * i, 2);
+  return x;
+}
+inline void Store16(void* row, size_t i, uint16_t x) {
+  std::memcpy(static_cast<unsigned char*>(row) + 2 * i, &x, 2);
+}
 
 inline uint32_t FloatBits(float f) {
   uint32_t u;

@@ -33,11 +33,9 @@ void RowToFloat(const void* src, DType dtype, int n, float* dst) {
     case DType::kFloat16:
       cpu::HalfToFloatSimd(static_cast<const uint16_t*>(src), n, dst);
       return;
-    case DType::kBFloat16: {
-      const auto* b = static_cast<const uint16_t*>(src);
-      for (int i = 0; i < n; ++i) dst[i] = Bf16ToFloat(b[i]);
+    case DType::kBFloat16:
+      for (int i = 0; i < n; ++i) dst[i] = Bf16ToFloat(Load16(src, i));
       return;
-    }
   }
 }
 
@@ -49,11 +47,9 @@ void FloatToRow(const float* src, int n, DType dtype, void* dst) {
     case DType::kFloat16:
       cpu::FloatToHalfSimd(src, n, static_cast<uint16_t*>(dst));
       return;
-    case DType::kBFloat16: {
-      auto* b = static_cast<uint16_t*>(dst);
-      for (int i = 0; i < n; ++i) b[i] = FloatToBf16(src[i]);
+    case DType::kBFloat16:
+      for (int i = 0; i < n; ++i) Store16(dst, i, FloatToBf16(src[i]));
       return;
-    }
   }
 }
 

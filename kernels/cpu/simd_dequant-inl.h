@@ -57,7 +57,7 @@ HWY_INLINE void HalfRowToFloat(const uint16_t* HWY_RESTRICT src, int n,
                df, dst + c);
   }
 #endif
-  for (; c < n; ++c) dst[c] = HalfToFloat(src[c]);
+  for (; c < n; ++c) dst[c] = HalfToFloat(Load16(src, c));  // src may be misaligned.
 }
 
 // Group parameters of `entries` entries from `entry` as floats, per entry
@@ -113,11 +113,11 @@ HWY_INLINE void WriteOutliers(const PageLayout& L, const SideLayout& S, const ui
     for (int e = 0; e < k; ++e) {
       const int row = b * g + table[e] / d;
       if (row < row0 || row >= row0 + n) continue;
-      OutT& x = out[static_cast<size_t>(row - row0) * stride + table[e] % d];
+      const size_t at = static_cast<size_t>(row - row0) * stride + table[e] % d;
       if constexpr (std::is_same_v<OutT, float>) {
-        x = HalfToFloat(table[k + e]);
+        out[at] = HalfToFloat(table[k + e]);
       } else {
-        x = table[k + e];
+        Store16(out, at, table[k + e]);  // fp16 rows may sit misaligned in a message.
       }
     }
   }

@@ -855,7 +855,7 @@ void FloatToHalfImpl(const float* src, size_t n, uint16_t* dst) {
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT));
   }
 #endif
-  for (; c < n; ++c) dst[c] = FloatToHalf(src[c]);
+  for (; c < n; ++c) Store16(dst, c, FloatToHalf(src[c]));  // dst may be misaligned.
 }
 
 // max over i of (src[i] with the sign bit cleared): the magnitude bits, which
@@ -872,7 +872,11 @@ T MaxAbsBits(const T* HWY_RESTRICT src, size_t n) {
     m1 = hn::Max(m1, hn::And(hn::LoadU(d, src + i + N), magnitude));
   }
   T m = hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1)));
-  for (; i < n; ++i) m = std::max(m, static_cast<T>(src[i] & hn::GetLane(magnitude)));
+  for (; i < n; ++i) {  // src may be misaligned (a tensor inside a message).
+    T x;
+    std::memcpy(&x, src + i, sizeof(T));
+    m = std::max(m, static_cast<T>(x & hn::GetLane(magnitude)));
+  }
   return m;
 }
 uint16_t MaxAbsBits16Impl(const uint16_t* src, size_t n) { return MaxAbsBits(src, n); }

@@ -627,12 +627,13 @@ TEST_F(ErrorPathTest, RandomlyCorruptedAppendChunksAreAnsweredAndAtomic) {
   ExpectUnchanged("s", before_);
 }
 
-// Valid CreateSequence, Attend, FetchDequant and Fork requests with a field
-// set at random (integers with a bit flipped, floats from a list that has
-// NaN, inf and negatives, enums past their values, tensors with a shape
-// entry, dtype or byte count changed): every call gets a status from the
-// validation codes, the server keeps answering, and "s" and the pool are
-// unchanged once what was created or forked is released.
+// Valid CreateSequence, Attend, FetchDequant, Fork and AppendAttend requests
+// with a field set at random (integers with a bit flipped, floats from a
+// list that has NaN, inf and negatives, enums past their values, tensors
+// with a shape entry, dtype or byte count changed): every call gets a
+// status from the validation codes, the server keeps answering, a failed
+// AppendAttend stores nothing, and "s" and the pool are unchanged once what
+// was created or forked is released.
 TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
   std::mt19937_64 rng(20261203);
   auto flip32 = [&](int32_t x) { return x ^ static_cast<int32_t>(uint32_t{1} << (rng() % 32)); };
@@ -665,12 +666,40 @@ TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
   };
   const int64_t pages_before = ServerStats().pages_used();
   std::vector<std::string> made;  // Created or forked: released at the end.
+  // AppendAttend stores a step when it succeeds: its own sequence.
+  ASSERT_NO_FATAL_FAILURE(Create("aa"));
+  ASSERT_NO_FATAL_FAILURE(Append("aa", Random({kLayers, kHeads, 40, kDim}, 71),
+                                 Random({kLayers, kHeads, 40, kDim}, 72)));
+  made.push_back("aa");
   int failed = 0;
-  for (int trial = 0; trial < 200; ++trial) {
+  for (int trial = 0; trial < 250; ++trial) {
     grpc::ClientContext ctx;
     grpc::Status st;
-    const int rpc = trial % 4;
-    if (rpc == 0) {
+    const int rpc = trial % 5;
+    if (rpc == 4) {
+      v1::AppendAttendRequest req;
+      req.set_layer(static_cast<int32_t>(rng() % kLayers));
+      v1::AppendAttendItem* it = req.add_items();
+      it->mutable_sequence()->set_namespace_(ns_);
+      it->mutable_sequence()->set_sequence_id("aa");
+      ToProto(Random({1, kHeads, kDim}, 80 + trial).Cast(DType::kFloat16), req.mutable_k());
+      ToProto(Random({1, kHeads, kDim}, 81 + trial).Cast(DType::kFloat16), req.mutable_v());
+      ToProto(Random({1, kQHeads, kDim}, 82 + trial), req.mutable_q());
+      switch (rng() % 5) {
+        case 0: req.set_layer(flip32(req.layer())); break;
+        case 1: req.set_softmax_scale(any_float()); break;
+        case 2: corrupt_tensor(req.mutable_k()); break;
+        case 3: corrupt_tensor(req.mutable_v()); break;
+        default: corrupt_tensor(req.mutable_q());
+      }
+      const Snapshot before = Take("aa");
+      v1::AttendResponse resp;
+      st = stub_->AppendAttend(&ctx, req, &resp);
+      // The one failure that keeps its step: attention that overflowed.
+      if (!st.ok() && !absl::StrContains(st.error_message(), "overflowed float")) {
+        ExpectUnchanged("aa", before);
+      }
+    } else if (rpc == 0) {
       v1::CreateSequenceRequest req;
       req.set_namespace_(ns_);
       req.set_sequence_id(absl::StrCat("rand", trial));
@@ -753,7 +782,7 @@ TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
     if (!st.ok()) ++failed;
   }
   for (const std::string& id : made) EXPECT_TRUE(client_->Release(id).ok()) << id;
-  EXPECT_GE(failed, 60);
+  EXPECT_GE(failed, 75);
   EXPECT_EQ(ServerStats().pages_used(), pages_before);
   ExpectUnchanged("s", before_);
 }
