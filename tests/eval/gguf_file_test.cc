@@ -8,6 +8,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -317,6 +318,32 @@ TEST(GgufFileTest, TruncationMessagesNameTheFieldAndBound) {
   const absl::Status in_header = OpenBytes(s.bytes.substr(0, 6)).status();
   EXPECT_EQ(in_header.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(in_header.message()), AllOf(HasSubstr("version"), HasSubstr("offset 4")));
+}
+
+// Random bytes changed anywhere in a valid file (lengths, counts, types,
+// offsets, names): Open either succeeds or fails with INVALID_ARGUMENT or
+// DATA_LOSS, and never reads past the file or allocates what a count claims
+// before checking it against the bytes left (a count of 2^60 strings must
+// not reserve 2^60 entries).
+TEST(GgufFileTest, RandomlyCorruptedFilesOpenOrFailCleanly) {
+  const Synthetic s = MakeSynthetic();
+  std::mt19937_64 rng(5);
+  int opened = 0;
+  for (int trial = 0; trial < 1500; ++trial) {
+    std::string bytes = s.bytes;
+    for (int f = 1 + static_cast<int>(rng() % 4); f > 0; --f) {
+      bytes[rng() % bytes.size()] = static_cast<char>(rng() % 4 == 0 ? 0xff : rng() % 256);
+    }
+    const absl::StatusOr<std::unique_ptr<GgufFile>> file = OpenBytes(bytes);
+    if (file.ok()) {
+      ++opened;
+      continue;
+    }
+    const absl::StatusCode code = file.status().code();
+    EXPECT_TRUE(code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kDataLoss)
+        << "trial " << trial << ": " << file.status();
+  }
+  EXPECT_GT(opened, 0);
 }
 
 TEST(GgufFileTest, RejectsBadMagic) {
