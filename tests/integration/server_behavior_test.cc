@@ -15,12 +15,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -297,6 +299,77 @@ class ServerBehaviorTest : public ::testing::Test {
 
 // ------------------------------------------------------------ error paths
 
+// Seeded random corruption of request fields: what a broken or hostile
+// client could send (the randomized error-path tests).
+class Corrupter {
+ public:
+  explicit Corrupter(uint64_t seed) : rng_(seed) {}
+  uint64_t Next() { return rng_(); }
+  // x with one random bit flipped.
+  template <typename Int>
+  Int Flip(Int x) {
+    using U = std::make_unsigned_t<Int>;
+    return static_cast<Int>(static_cast<U>(x) ^ (U{1} << (rng_() % (8 * sizeof(Int)))));
+  }
+  // Zero, ordinary, tiny, near float's range, inf or NaN.
+  float AnyFloat() {
+    static constexpr float kFloats[] = {0.0f, -1.0f, 1e-30f, 0.5f, 3e38f, -3e38f,
+                                        std::numeric_limits<float>::infinity(),
+                                        std::numeric_limits<float>::quiet_NaN()};
+    return kFloats[rng_() % std::size(kFloats)];
+  }
+  // 1 to 4 bits flipped.
+  void FlipBits(std::string* data) {
+    if (data->empty()) return;
+    for (int f = 1 + static_cast<int>(rng_() % 4); f > 0; --f) {
+      (*data)[rng_() % data->size()] ^= static_cast<char>(1 << (rng_() % 8));
+    }
+  }
+  // Cut short or grown by 1 to 64 bytes.
+  void Resize(std::string* data) {
+    const size_t delta = 1 + rng_() % 64;
+    data->resize(rng_() % 2 == 0 && data->size() > delta ? data->size() - delta
+                                                          : data->size() + delta);
+  }
+  // One of: a shape entry, the dtype, the rank, the byte count, data bits,
+  // or a float of AnyFloat() written over 4 data bytes.
+  void Tensor(v1::Tensor* t) {
+    switch (rng_() % 6) {
+      case 0:
+        if (t->shape_size() > 0) {
+          const int i = static_cast<int>(rng_() % t->shape_size());
+          t->set_shape(i, Flip(t->shape(i)));
+        }
+        break;
+      case 1: t->set_dtype(static_cast<v1::DType>(rng_() % 6)); break;
+      case 2:
+        if (rng_() % 2 == 0) t->add_shape(1 + static_cast<int64_t>(rng_() % 4));
+        else if (t->shape_size() > 0) t->mutable_shape()->RemoveLast();
+        break;
+      case 3: Resize(t->mutable_data()); break;
+      case 4: FlipBits(t->mutable_data()); break;
+      default: {
+        std::string* d = t->mutable_data();
+        if (d->size() >= 4) {
+          const float f = AnyFloat();
+          std::memcpy(d->data() + 4 * (rng_() % (d->size() / 4)), &f, 4);
+        }
+      }
+    }
+  }
+
+ private:
+  std::mt19937_64 rng_;
+};
+
+// The codes a corrupted request may get: success, or one of the validation
+// statuses (never UNKNOWN, INTERNAL or a transport error).
+bool IsValidationOutcome(grpc::StatusCode code) {
+  return code == grpc::StatusCode::OK || code == grpc::StatusCode::INVALID_ARGUMENT ||
+         code == grpc::StatusCode::OUT_OF_RANGE || code == grpc::StatusCode::FAILED_PRECONDITION ||
+         code == grpc::StatusCode::RESOURCE_EXHAUSTED;
+}
+
 class ErrorPathTest : public ServerBehaviorTest {
  protected:
   void SetUp() override {
@@ -536,51 +609,22 @@ TEST_F(ErrorPathTest, RandomlyCorruptedAppendChunksAreAnsweredAndAtomic) {
   const std::vector<v1::KvChunk> dense_chunks = {
       Chunk(Random({kLayers, kHeads, 40, kDim}, 60).Cast(DType::kFloat16),
             Random({kLayers, kHeads, 40, kDim}, 61).Cast(DType::kFloat16))};
-  std::mt19937_64 rng(20261202);
-  auto bit = [&](int bits) { return uint64_t{1} << (rng() % bits); };
-  auto flip_bytes = [&](std::string* data) {
-    if (data->empty()) return;
-    for (int f = 1 + static_cast<int>(rng() % 4); f > 0; --f) {
-      (*data)[rng() % data->size()] ^= static_cast<char>(bit(8));
-    }
-  };
-  auto resize = [&](std::string* data) {
-    const size_t delta = 1 + rng() % 64;
-    data->resize(rng() % 2 == 0 && data->size() > delta ? data->size() - delta
-                                                         : data->size() + delta);
-  };
-  auto corrupt_tensor = [&](v1::Tensor* t) {
-    switch (rng() % 5) {
-      case 0:
-        if (t->shape_size() > 0) {
-          const int i = static_cast<int>(rng() % t->shape_size());
-          t->set_shape(i, t->shape(i) ^ static_cast<int64_t>(bit(64)));
-        }
-        break;
-      case 1: t->set_dtype(static_cast<v1::DType>(rng() % 6)); break;
-      case 2: resize(t->mutable_data()); break;
-      case 3:
-        if (rng() % 2 == 0) t->add_shape(1 + static_cast<int64_t>(rng() % 4));
-        else if (t->shape_size() > 0) t->mutable_shape()->RemoveLast();
-        break;
-      default: flip_bytes(t->mutable_data()); break;
-    }
-  };
-  auto corrupt = [&](v1::KvChunk* c) {
-    const int field = static_cast<int>(rng() % 4);
+  Corrupter corrupt(20261202);
+  auto corrupt_chunk = [&](v1::KvChunk* c) {
+    const int field = static_cast<int>(corrupt.Next() % 4);
     if (field == 0) {
-      c->set_layer_begin(c->layer_begin() ^ static_cast<int32_t>(bit(32)));
+      c->set_layer_begin(corrupt.Flip(c->layer_begin()));
     } else if (!c->has_pages()) {
-      corrupt_tensor(field == 1 ? c->mutable_k() : c->mutable_v());
+      corrupt.Tensor(field == 1 ? c->mutable_k() : c->mutable_v());
     } else {
       v1::QuantizedPages* p = c->mutable_pages();
-      switch (rng() % 6) {
-        case 0: p->set_layers(p->layers() ^ static_cast<int32_t>(bit(32))); break;
-        case 1: p->set_tokens(p->tokens() ^ static_cast<int32_t>(bit(32))); break;
-        case 2: p->set_page_bytes(p->page_bytes() ^ static_cast<int64_t>(bit(64))); break;
-        case 3: p->set_page_tokens(p->page_tokens() ^ static_cast<int32_t>(bit(32))); break;
-        case 4: resize(p->mutable_page_data()); break;
-        default: flip_bytes(p->mutable_page_data()); break;
+      switch (corrupt.Next() % 6) {
+        case 0: p->set_layers(corrupt.Flip(p->layers())); break;
+        case 1: p->set_tokens(corrupt.Flip(p->tokens())); break;
+        case 2: p->set_page_bytes(corrupt.Flip(p->page_bytes())); break;
+        case 3: p->set_page_tokens(corrupt.Flip(p->page_tokens())); break;
+        case 4: corrupt.Resize(p->mutable_page_data()); break;
+        default: corrupt.FlipBits(p->mutable_page_data()); break;
       }
     }
   };
@@ -590,19 +634,15 @@ TEST_F(ErrorPathTest, RandomlyCorruptedAppendChunksAreAnsweredAndAtomic) {
     const bool pages = trial % 2 == 1;
     std::vector<v1::KvChunk> chunks = pages ? raw_chunks : dense_chunks;
     if (trial >= 2) {  // Trials 0 and 1 send the chunks as they are.
-      for (int m = 1 + static_cast<int>(rng() % 2); m > 0; --m) {
-        corrupt(&chunks[rng() % chunks.size()]);
+      for (int m = 1 + static_cast<int>(corrupt.Next() % 2); m > 0; --m) {
+        corrupt_chunk(&chunks[corrupt.Next() % chunks.size()]);
       }
     }
     const std::string id = absl::StrCat("fuzz", trial);
     ASSERT_NO_FATAL_FAILURE(Create(id));
     const grpc::Status st = RawAppend(id, chunks);
-    const grpc::StatusCode code = st.error_code();
-    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::INVALID_ARGUMENT ||
-                code == grpc::StatusCode::OUT_OF_RANGE ||
-                code == grpc::StatusCode::FAILED_PRECONDITION ||
-                code == grpc::StatusCode::RESOURCE_EXHAUSTED)
-        << "trial " << trial << ": " << code << " " << st.error_message();
+    EXPECT_TRUE(IsValidationOutcome(st.error_code()))
+        << "trial " << trial << ": " << st.error_code() << " " << st.error_message();
     if (trial < 2) EXPECT_TRUE(st.ok()) << "trial " << trial << ": " << st.error_message();
     absl::StatusOr<v1::StatsResponse> stats = client_->Stats(id);
     ASSERT_TRUE(stats.ok()) << "trial " << trial << ": " << stats.status();
@@ -635,35 +675,7 @@ TEST_F(ErrorPathTest, RandomlyCorruptedAppendChunksAreAnsweredAndAtomic) {
 // AppendAttend stores nothing, and "s" and the pool are unchanged once what
 // was created or forked is released.
 TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
-  std::mt19937_64 rng(20261203);
-  auto flip32 = [&](int32_t x) { return x ^ static_cast<int32_t>(uint32_t{1} << (rng() % 32)); };
-  const std::vector<float> floats = {0.0f, -1.0f, 1e-30f, 0.5f, 3e38f, -3e38f,
-                                     std::numeric_limits<float>::infinity(), std::nanf("")};
-  auto any_float = [&] { return floats[rng() % floats.size()]; };
-  auto corrupt_tensor = [&](v1::Tensor* t) {
-    switch (rng() % 4) {
-      case 0:
-        if (t->shape_size() > 0) {
-          const int i = static_cast<int>(rng() % t->shape_size());
-          t->set_shape(i, t->shape(i) ^ static_cast<int64_t>(uint64_t{1} << (rng() % 64)));
-        }
-        break;
-      case 1: t->set_dtype(static_cast<v1::DType>(rng() % 6)); break;
-      case 2: t->mutable_data()->resize(rng() % (t->data().size() + 8)); break;
-      default: {
-        std::string* d = t->mutable_data();
-        if (d->size() >= 4) {
-          const float f = any_float();
-          std::memcpy(d->data() + 4 * (rng() % (d->size() / 4)), &f, 4);
-        }
-      }
-    }
-  };
-  auto ok_or_validation = [](grpc::StatusCode code) {
-    return code == grpc::StatusCode::OK || code == grpc::StatusCode::INVALID_ARGUMENT ||
-           code == grpc::StatusCode::OUT_OF_RANGE || code == grpc::StatusCode::FAILED_PRECONDITION ||
-           code == grpc::StatusCode::RESOURCE_EXHAUSTED;
-  };
+  Corrupter corrupt(20261203);
   const int64_t pages_before = ServerStats().pages_used();
   std::vector<std::string> made;  // Created or forked: released at the end.
   // AppendAttend stores a step when it succeeds: its own sequence.
@@ -678,19 +690,19 @@ TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
     const int rpc = trial % 5;
     if (rpc == 4) {
       v1::AppendAttendRequest req;
-      req.set_layer(static_cast<int32_t>(rng() % kLayers));
+      req.set_layer(static_cast<int32_t>(corrupt.Next() % kLayers));
       v1::AppendAttendItem* it = req.add_items();
       it->mutable_sequence()->set_namespace_(ns_);
       it->mutable_sequence()->set_sequence_id("aa");
       ToProto(Random({1, kHeads, kDim}, 80 + trial).Cast(DType::kFloat16), req.mutable_k());
       ToProto(Random({1, kHeads, kDim}, 81 + trial).Cast(DType::kFloat16), req.mutable_v());
       ToProto(Random({1, kQHeads, kDim}, 82 + trial), req.mutable_q());
-      switch (rng() % 5) {
-        case 0: req.set_layer(flip32(req.layer())); break;
-        case 1: req.set_softmax_scale(any_float()); break;
-        case 2: corrupt_tensor(req.mutable_k()); break;
-        case 3: corrupt_tensor(req.mutable_v()); break;
-        default: corrupt_tensor(req.mutable_q());
+      switch (corrupt.Next() % 5) {
+        case 0: req.set_layer(corrupt.Flip(req.layer())); break;
+        case 1: req.set_softmax_scale(corrupt.AnyFloat()); break;
+        case 2: corrupt.Tensor(req.mutable_k()); break;
+        case 3: corrupt.Tensor(req.mutable_v()); break;
+        default: corrupt.Tensor(req.mutable_q());
       }
       const Snapshot before = Take("aa");
       v1::AttendResponse resp;
@@ -709,21 +721,21 @@ TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
       l->set_num_kv_heads(kHeads);
       l->set_num_q_heads(kQHeads);
       l->set_head_dim(kDim);
-      switch (rng() % 9) {
-        case 0: l->set_num_layers(flip32(l->num_layers())); break;
-        case 1: l->set_num_kv_heads(flip32(l->num_kv_heads())); break;
-        case 2: l->set_num_q_heads(flip32(l->num_q_heads())); break;
-        case 3: l->set_head_dim(flip32(l->head_dim())); break;
-        case 4: l->mutable_rope()->set_theta(any_float()); break;
-        case 5: l->mutable_rope()->set_rotary_dim(flip32(0)); break;
-        case 6: l->mutable_rope()->set_factor(any_float()); break;
+      switch (corrupt.Next() % 9) {
+        case 0: l->set_num_layers(corrupt.Flip(l->num_layers())); break;
+        case 1: l->set_num_kv_heads(corrupt.Flip(l->num_kv_heads())); break;
+        case 2: l->set_num_q_heads(corrupt.Flip(l->num_q_heads())); break;
+        case 3: l->set_head_dim(corrupt.Flip(l->head_dim())); break;
+        case 4: l->mutable_rope()->set_theta(corrupt.AnyFloat()); break;
+        case 5: l->mutable_rope()->set_rotary_dim(corrupt.Flip(int32_t{0})); break;
+        case 6: l->mutable_rope()->set_factor(corrupt.AnyFloat()); break;
         case 7:
           req.set_scheme(std::vector<std::string>{"kivi2:pre_rope", "kivi3:nuq", "kivi4:g7",
-                                                  "kivi2:r8", "int8:sink=70000", ""}[rng() % 6]);
+                                                  "kivi2:r8", "int8:sink=70000", ""}[corrupt.Next() % 6]);
           break;
         default:
-          l->mutable_rope()->set_pairing(static_cast<v1::RopeParams::Pairing>(rng() % 5));
-          l->mutable_rope()->set_scaling(static_cast<v1::RopeParams::Scaling>(rng() % 5));
+          l->mutable_rope()->set_pairing(static_cast<v1::RopeParams::Pairing>(corrupt.Next() % 5));
+          l->mutable_rope()->set_scaling(static_cast<v1::RopeParams::Scaling>(corrupt.Next() % 5));
           req.set_scheme("kivi2:pre_rope");
       }
       v1::CreateSequenceResponse resp;
@@ -731,18 +743,18 @@ TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
       if (st.ok()) made.push_back(resp.sequence_id());
     } else if (rpc == 1) {
       v1::AttendRequest req;
-      req.set_layer(static_cast<int32_t>(rng() % kLayers));
+      req.set_layer(static_cast<int32_t>(corrupt.Next() % kLayers));
       v1::AttendItem* it = req.add_items();
       it->mutable_sequence()->set_namespace_(ns_);
       it->mutable_sequence()->set_sequence_id("s");
       ToProto(Random({1, kQHeads, kDim}, 70 + trial), it->mutable_q());
-      switch (rng() % 6) {
-        case 0: req.set_layer(flip32(req.layer())); break;
-        case 1: req.set_softmax_scale(any_float()); break;
-        case 2: it->add_q_positions(flip32(0)); break;
-        case 3: it->set_key_begin(flip32(0)); break;
-        case 4: it->set_key_end(flip32(0)); break;
-        default: corrupt_tensor(it->mutable_q());
+      switch (corrupt.Next() % 6) {
+        case 0: req.set_layer(corrupt.Flip(req.layer())); break;
+        case 1: req.set_softmax_scale(corrupt.AnyFloat()); break;
+        case 2: it->add_q_positions(corrupt.Flip(int32_t{0})); break;
+        case 3: it->set_key_begin(corrupt.Flip(int32_t{0})); break;
+        case 4: it->set_key_end(corrupt.Flip(int32_t{0})); break;
+        default: corrupt.Tensor(it->mutable_q());
       }
       v1::AttendResponse resp;
       st = stub_->Attend(&ctx, req, &resp);
@@ -750,15 +762,15 @@ TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
       v1::FetchRequest req;
       req.mutable_sequence()->set_namespace_(ns_);
       req.mutable_sequence()->set_sequence_id("s");
-      req.set_raw(rng() % 2 == 0);
-      req.set_apply_rope(rng() % 2 == 0);
-      switch (rng() % 6) {
-        case 0: req.set_layer_begin(flip32(0)); break;
-        case 1: req.set_layer_end(flip32(kLayers)); break;
-        case 2: req.set_token_begin(flip32(0)); break;
-        case 3: req.set_token_end(flip32(300)); break;
-        case 4: req.set_dtype(static_cast<v1::DType>(rng() % 6)); break;
-        default: req.set_max_chunk_bytes(flip32(0));
+      req.set_raw(corrupt.Next() % 2 == 0);
+      req.set_apply_rope(corrupt.Next() % 2 == 0);
+      switch (corrupt.Next() % 6) {
+        case 0: req.set_layer_begin(corrupt.Flip(int32_t{0})); break;
+        case 1: req.set_layer_end(corrupt.Flip(int32_t{kLayers})); break;
+        case 2: req.set_token_begin(corrupt.Flip(int32_t{0})); break;
+        case 3: req.set_token_end(corrupt.Flip(int32_t{300})); break;
+        case 4: req.set_dtype(static_cast<v1::DType>(corrupt.Next() % 6)); break;
+        default: req.set_max_chunk_bytes(corrupt.Flip(int32_t{0}));
       }
       std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader =
           stub_->FetchDequant(&ctx, req);
@@ -771,13 +783,13 @@ TEST_F(ErrorPathTest, RandomlyCorruptedRequestsAreAnsweredAndChangeNothing) {
       req.mutable_source()->set_namespace_(ns_);
       req.mutable_source()->set_sequence_id("s");
       req.set_new_sequence_id(absl::StrCat("rand", trial));
-      req.set_num_tokens(flip32(0));
-      if (rng() % 2 == 0) req.set_ttl_seconds(static_cast<uint32_t>(flip32(0)));
+      req.set_num_tokens(corrupt.Flip(int32_t{0}));
+      if (corrupt.Next() % 2 == 0) req.set_ttl_seconds(static_cast<uint32_t>(corrupt.Flip(int32_t{0})));
       v1::ForkResponse resp;
       st = stub_->Fork(&ctx, req, &resp);
       if (st.ok()) made.push_back(resp.sequence_id());
     }
-    EXPECT_TRUE(ok_or_validation(st.error_code()))
+    EXPECT_TRUE(IsValidationOutcome(st.error_code()))
         << "trial " << trial << " rpc " << rpc << ": " << st.error_code() << " " << st.error_message();
     if (!st.ok()) ++failed;
   }
