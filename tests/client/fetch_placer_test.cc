@@ -6,6 +6,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "client/local_sequence.h"
@@ -151,6 +152,57 @@ TEST_F(RawPagePlacerTest, AGapOrACorruptPageIsAnErrorThatNamesIt) {
               "raw fetch of layer 0 kv head 1 from token 68: page 1 value row 0: scale 0 must be "
               "finite and >= 0");
   }
+}
+
+// Responses from a broken or hostile server: raw-page messages with a field
+// corrupted at random (layer, first token, page count, page size or tokens
+// per page, the data cut or grown, data bits flipped). Place either takes
+// the message or fails with DATA_LOSS or INVALID_ARGUMENT; it never reads
+// or writes outside the message and the output tensors (checked by the
+// sanitizer build).
+TEST_F(RawPagePlacerTest, RandomlyCorruptedResponsesArePlacedOrRejected) {
+  ReadOptions read;
+  read.dtype = DType::kFloat16;
+  const std::vector<v1::FetchResponse> messages = Messages(0, 2);
+  std::mt19937_64 rng(3);
+  auto flip = [&](auto x) {
+    using U = std::make_unsigned_t<decltype(x)>;
+    return static_cast<decltype(x)>(static_cast<U>(x) ^ (U{1} << (rng() % (8 * sizeof(x)))));
+  };
+  int rejected = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    HostTensor k = HostTensor::Zeros(read.dtype, {kLayers, kHeads, 256, kDim});
+    HostTensor v = HostTensor::Zeros(read.dtype, k.shape);
+    RawPagePlacer placer(*reader_, read, 4, 4, 260, 4, &k, &v, 1 + trial % 2);
+    for (size_t i = 0; i < messages.size(); ++i) {
+      v1::FetchResponse m = messages[i];
+      if (i == static_cast<size_t>(trial) % messages.size()) {
+        v1::QuantizedPages* p = m.mutable_pages();
+        std::string* data = p->mutable_page_data();
+        switch (rng() % 8) {
+          case 0: m.set_layer(flip(m.layer())); break;
+          case 1: m.set_token_begin(flip(m.token_begin())); break;
+          case 2: p->set_layers(flip(p->layers())); break;
+          case 3: p->set_tokens(flip(p->tokens())); break;
+          case 4: p->set_page_bytes(flip(p->page_bytes())); break;
+          case 5: p->set_page_tokens(flip(p->page_tokens())); break;
+          case 6: data->resize(rng() % (data->size() + 64)); break;
+          default:
+            for (int f = 1 + static_cast<int>(rng() % 4); f > 0; --f) {
+              (*data)[rng() % data->size()] ^= static_cast<char>(1 << (rng() % 8));
+            }
+        }
+      }
+      const absl::Status st = placer.Place(m);
+      if (st.ok()) continue;
+      EXPECT_TRUE(st.code() == absl::StatusCode::kDataLoss ||
+                  st.code() == absl::StatusCode::kInvalidArgument)
+          << "trial " << trial << ": " << st;
+      ++rejected;
+      break;
+    }
+  }
+  EXPECT_GE(rejected, 150);
 }
 
 TEST(FetchPlacerTest, DenseRowsLandAtTheirOffset) {
