@@ -691,12 +691,22 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
         st.m[r] == kNegInf ? 0.0f : (m_new == st.m[r] ? 1.0f : std::exp(st.m[r] - m_new));
     const VF vm = hn::Set(df, m_new);
     VF vsum = hn::Zero(df);
+    // A score that overflowed float makes its lane NaN here (inf - inf).
+    // Exp converts its argument to an integer, which for NaN is undefined
+    // behaviour on the portable targets: such lanes take weight 0 and make
+    // the row's sum NaN instead, so the call fails in CheckAttentionResults
+    // as it does on AVX-512.
+    bool overflowed = false;
     for (int t = 0; t < npad; t += N) {
-      const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + t), vm));
+      const VF x = hn::Sub(hn::LoadU(df, s + t), vm);
+      const auto nan = hn::IsNaN(x);
+      overflowed |= !hn::AllFalse(df, nan);
+      const VF p = hn::Exp(df, hn::IfThenElse(nan, hn::Set(df, kNegInf), x));
       vsum = hn::Add(vsum, p);
       hn::StoreU(p, df, s + t);
     }
-    const float sum = hn::GetLane(hn::SumOfLanes(df, vsum));
+    const float sum = overflowed ? std::numeric_limits<float>::quiet_NaN()
+                                 : hn::GetLane(hn::SumOfLanes(df, vsum));
     st.l[r] = st.l[r] * corr + sum;
     st.m[r] = m_new;
     if (corr != 1.0f) {
