@@ -681,27 +681,34 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     }
     _mm512_store_ps(st.lanes[r], lanes);
 #else
+    // A score that overflowed float is NaN (inf - inf in its dot product),
+    // or +inf, which makes its lane NaN below (inf - inf). Exp converts its
+    // argument to an integer, which for NaN is undefined behaviour on the
+    // portable targets: in such a tile, NaN lanes take weight 0 and the
+    // row's sum becomes NaN instead, so the call fails in
+    // CheckAttentionResults as it does on AVX-512. Found in the max pass,
+    // which reads the scores anyway; the exp loop stays as it was.
     VF vmax = hn::Set(df, kNegInf);
-    for (int t = 0; t < npad; t += N) vmax = hn::Max(vmax, hn::LoadU(df, s + t));
+    VF vnan = hn::Zero(df);
+    for (int t = 0; t < npad; t += N) {
+      const VF v = hn::LoadU(df, s + t);
+      vmax = hn::Max(vmax, v);
+      vnan = hn::Or(vnan, hn::VecFromMask(df, hn::IsNaN(v)));
+    }
     const float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
     const float m_new = std::max(st.m[r], tile_max);
+    const bool overflowed =
+        !hn::AllFalse(df, hn::MaskFromVec(vnan)) || m_new == std::numeric_limits<float>::infinity();
     // Once the running max settles (early, where sink tokens draw the
     // attention) most tiles leave it unchanged: no libm exp for them.
     const float corr =
         st.m[r] == kNegInf ? 0.0f : (m_new == st.m[r] ? 1.0f : std::exp(st.m[r] - m_new));
     const VF vm = hn::Set(df, m_new);
     VF vsum = hn::Zero(df);
-    // A score that overflowed float makes its lane NaN here (inf - inf).
-    // Exp converts its argument to an integer, which for NaN is undefined
-    // behaviour on the portable targets: such lanes take weight 0 and make
-    // the row's sum NaN instead, so the call fails in CheckAttentionResults
-    // as it does on AVX-512.
-    bool overflowed = false;
     for (int t = 0; t < npad; t += N) {
-      const VF x = hn::Sub(hn::LoadU(df, s + t), vm);
-      const auto nan = hn::IsNaN(x);
-      overflowed |= !hn::AllFalse(df, nan);
-      const VF p = hn::Exp(df, hn::IfThenElse(nan, hn::Set(df, kNegInf), x));
+      VF x = hn::Sub(hn::LoadU(df, s + t), vm);
+      if (overflowed) x = hn::IfThenElse(hn::IsNaN(x), hn::Set(df, kNegInf), x);
+      const VF p = hn::Exp(df, x);
       vsum = hn::Add(vsum, p);
       hn::StoreU(p, df, s + t);
     }
