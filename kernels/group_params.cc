@@ -73,6 +73,49 @@ void Encode8(const float* lo, const float* hi, int groups, float top, uint8_t* b
   std::memcpy(block, &h, sizeof(h));
 }
 
+// Four fp16 parameters per 64-bit word, checked in their 16-bit lanes at
+// once: the sums below stay inside each lane (at most 0x8000 and 0xfffe), so
+// no carry crosses into the next parameter. Bit 15 of a lane ends up set
+// where the exponent is all ones (Inf / NaN) or, in the lanes of
+// `scale_lanes`, where a nonzero scale carries a sign.
+constexpr uint64_t Lanes(uint16_t x) { return 0x0001000100010001ull * x; }
+
+uint64_t BadLanes(uint64_t w, uint64_t scale_lanes) {
+  const uint64_t not_finite = (w & Lanes(0x7c00)) + Lanes(0x0400);
+  const uint64_t negative = w & ((w & Lanes(0x7fff)) + Lanes(0x7fff)) & scale_lanes;
+  return (not_finite | negative) & Lanes(0x8000);
+}
+
+uint64_t LoadWord(const uint16_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+// Whether any of `entries` fp16 entries (scale[n] then zero[n] each, from p
+// on) has a scale that is not finite or negative, or a zero point that is
+// not finite.
+bool AnyBadParams(const uint16_t* p, int entries, int n) {
+  const size_t halves = static_cast<size_t>(entries) * 2 * n;
+  uint64_t bad = 0;
+  if (n % 4 == 0) {  // Whole words of scales, then of zero points.
+    for (size_t e = 0; e < halves; e += 2 * n) {
+      for (int i = 0; i < n; i += 4) bad |= BadLanes(LoadWord(p + e + i), ~0ull);
+      for (int i = n; i < 2 * n; i += 4) bad |= BadLanes(LoadWord(p + e + i), 0);
+    }
+  } else if (n == 1 || n == 2) {  // Whole entries per word: {s, z, s, z} or {s, s, z, z}.
+    const uint64_t scale_lanes = n == 1 ? 0x0000ffff0000ffffull : 0x00000000ffffffffull;
+    size_t i = 0;
+    for (; i + 4 <= halves; i += 4) bad |= BadLanes(LoadWord(p + i), scale_lanes);
+    if (i < halves) bad |= BadLanes(uint64_t{p[i]} | uint64_t{p[i + 1]} << 16, 0xffff);
+  } else {  // Other n: a parameter at a time.
+    for (size_t e = 0; e < halves; e += 2 * n) {
+      for (int i = 0; i < n; ++i) bad |= BadLanes(p[e + i], 0xffff) | BadLanes(p[e + n + i], 0);
+    }
+  }
+  return bad != 0;
+}
+
 }  // namespace
 
 Params8Steps ReadParams8Steps(const uint8_t* block) {
@@ -178,17 +221,7 @@ absl::Status CheckGroupParams(const PageLayout& L, const SideLayout& S, const ui
   const int entries = S.axis == ParamAxis::kChannelGroups ? rows / L.block_tokens : rows;
   // One branch-free pass first (a check per parameter cost a fifth of a
   // client's raw-page dequantization); the loop below names what is wrong.
-  uint32_t bad = 0;
-  for (int e = 0; e < entries; ++e) {
-    const uint16_t* p = L.Params(page, S, e);
-    for (int i = 0; i < n; ++i) {
-      const uint32_t scale = p[i], zero = p[n + i];
-      // Bit 15 set: exponent all ones (Inf / NaN), or a sign on a nonzero scale.
-      bad |= ((scale & 0x7c00u) + 0x0400u) | ((zero & 0x7c00u) + 0x0400u) |
-             (scale & ((scale & 0x7fffu) + 0x7fffu));
-    }
-  }
-  if ((bad & 0x8000u) == 0) return absl::OkStatus();
+  if (!AnyBadParams(L.Params(page, S, 0), entries, n)) return absl::OkStatus();
   for (int e = 0; e < entries; ++e) {
     const uint16_t* p = L.Params(page, S, e);
     for (int i = 0; i < n; ++i) {

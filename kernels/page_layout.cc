@@ -72,9 +72,9 @@ void UnpackCodes(const uint8_t* row, int n, int bits, uint8_t* codes) {
 
 absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
                                             int page_tokens) {
-  if (head_dim < 16 || head_dim > 256 || head_dim % 16 != 0) {
+  if (head_dim < 16 || head_dim > kMaxHeadDim || head_dim % 16 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "head_dim must be a multiple of 16 in [16, 256], got ", head_dim));
+        "head_dim must be a multiple of 16 in [16, ", kMaxHeadDim, "], got ", head_dim));
   }
   if (spec.is_kivi() && head_dim % std::min(spec.group, head_dim) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

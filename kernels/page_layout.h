@@ -24,6 +24,9 @@
 
 namespace kvq {
 
+// The largest head_dim a layout takes (PageLayout::Make checks it).
+inline constexpr int kMaxHeadDim = 256;
+
 // Pages and their code sections start on a cache line; parameter and
 // outlier tables only on kTableAlign.
 inline constexpr size_t kPageAlign = 64;

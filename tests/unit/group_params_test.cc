@@ -220,6 +220,56 @@ TEST(GroupParamsTest, CheckNamesTheBadFp16Parameter) {
   }
 }
 
+// The word-at-a-time first pass against a parameter-at-a-time predicate,
+// for every way entries fall into 64-bit words: n = 1 and 2 (whole entries
+// per word, including an odd entry count), 3 (entries across words), 4 and
+// 8 (whole words of scales or zeros), and channel groups (n = head_dim).
+TEST(GroupParamsTest, CheckAgreesWithAParameterAtATimeRule) {
+  const struct {
+    const char* spec;
+    int head_dim;
+  } layouts[] = {{"kivi2:g64:r128", 64}, {"kivi2:g32:r128", 64},  {"kivi4:g16:r128", 48},
+                 {"kivi2:g32:r128", 128}, {"kivi4:g16:r128", 128}, {"kivi3:g32:r128", 96}};
+  const uint16_t specials[] = {0x7c00, 0xfc00, 0x7e01, 0x7fff, 0x8000, 0x8001,
+                               0xbc00, 0x3c00, 0x7bff, 0xfbff, 0x0001, 0xc000};
+  std::mt19937 rng(7);
+  for (const auto& c : layouts) {
+    const PageLayout L = Layout(c.spec, c.head_dim);
+    for (const SideLayout* S : {&L.key, &L.value}) {
+      const int n = L.ParamsPerEntry(*S);
+      for (int rows : {L.page_tokens, L.block_tokens, 1, 7}) {
+        if (S->axis == ParamAxis::kChannelGroups && rows % L.block_tokens != 0) continue;
+        const int entries = S->axis == ParamAxis::kChannelGroups ? rows / L.block_tokens : rows;
+        int rejected = 0;
+        for (int trial = 0; trial < 200; ++trial) {
+          std::vector<uint8_t> page(L.page_bytes, 0);
+          uint16_t* p = L.Params(page.data(), *S, 0);
+          const int flips = static_cast<int>(rng() % 3);
+          for (int f = 0; f < flips; ++f) {
+            const size_t at = rng() % (static_cast<size_t>(entries) * 2 * n);
+            p[at] = rng() % 2 ? specials[rng() % std::size(specials)]
+                              : static_cast<uint16_t>(rng());
+          }
+          bool want_ok = true;
+          for (int e = 0; e < entries; ++e) {
+            for (int i = 0; i < 2 * n; ++i) {
+              const uint16_t h = p[static_cast<size_t>(e) * 2 * n + i];
+              const bool finite = (h & 0x7c00) != 0x7c00;
+              const bool negative = (h & 0x8000) != 0 && (h & 0x7fff) != 0;
+              if (!finite || (i < n && negative)) want_ok = false;
+            }
+          }
+          const absl::Status st = CheckGroupParams(L, *S, page.data(), rows);
+          ASSERT_EQ(st.ok(), want_ok) << c.spec << " d" << c.head_dim << " n=" << n
+                                      << " rows=" << rows << " trial " << trial << ": " << st;
+          rejected += !want_ok;
+        }
+        EXPECT_GT(rejected, 20) << c.spec << " n=" << n << ": the trials must reach bad values";
+      }
+    }
+  }
+}
+
 // Root-mean-square round-trip error of the quantized tokens of a stream.
 double RmsError(const std::string& spec, int head_dim, Side side) {
   testutil::StreamParam p{"cpu", {spec, head_dim, {}, ""}};
