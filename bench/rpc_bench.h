@@ -43,6 +43,10 @@ struct RpcBenchOptions {
   // stretch pays for it; the busy spell is not neutral either (BENCHMARKS.md
   // 4p).
   int warm_cores_ms = 0;
+  // Each timed round trip right after an untimed one of the same path (kvq
+  // scheme or Redis variant), so that every path is timed back to back
+  // with itself, as a stream of round trips runs (BENCHMARKS.md 4t).
+  bool roundtrip_warm_pass = true;
   // Which parts run (a profile of one part needs only that part).
   bool run_bulk = true;       // Bulk fp16 append / fetch and the raw streams.
   bool run_roundtrip = true;  // Quantized round trips and Redis.
@@ -134,6 +138,7 @@ struct RpcBenchResult {
   int tokens = 0;
   int bulk_reps = 0, latency_reps = 0, bulk_warmup = 0, latency_warmup = 0;
   int warm_cores_ms = 0;  // Every core busy this long before each transfer.
+  bool roundtrip_warm_pass = false;  // RpcBenchOptions::roundtrip_warm_pass.
   int64_t chunk_bytes = 0;
   int64_t prompt_fp16_bytes = 0;         // K + V of the prompt, all layers.
   std::vector<ThroughputRow> bulk;       // kvq fp16 append/fetch and the raw streams.

@@ -43,6 +43,9 @@ ABSL_FLAG(int, redis_connections, 4, "rpc: connections of the multi-connection R
 ABSL_FLAG(int, warm_cores_ms, 0,
           "rpc: before every bulk or round-trip transfer, keep every core busy this long (ms; 0: "
           "off). A diagnostic: an idle core of a virtual machine resumes slowly.");
+ABSL_FLAG(bool, roundtrip_warm_pass, true,
+          "rpc: time each round trip right after an untimed one of the same path (kvq scheme or "
+          "Redis variant), so every path runs back to back with itself.");
 ABSL_FLAG(std::string, echo_port_file, "",
           "rpc-echo-server (internal): where to write the port it listens on.");
 
@@ -75,6 +78,7 @@ int RpcMain(const std::string& command) {
   options.latency_reps = absl::GetFlag(FLAGS_latency_reps);
   options.warmup = absl::GetFlag(FLAGS_warmup);
   options.warm_cores_ms = absl::GetFlag(FLAGS_warm_cores_ms);
+  options.roundtrip_warm_pass = absl::GetFlag(FLAGS_roundtrip_warm_pass);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.redis_connections = absl::GetFlag(FLAGS_redis_connections);
