@@ -152,16 +152,30 @@ absl::StatusOr<ConvertBenchResult> RunConvertBench(const ConvertBenchOptions& o,
     HostTensor k_out = HostTensor::Zeros(read.dtype, {smollm::kLayers, smollm::kKvHeads, q,
                                                       smollm::kHeadDim});
     HostTensor v_out = HostTensor::Zeros(read.dtype, k_out.shape);
-    for (int t : thread_counts) {
-      ConvertRow row{absl::StrCat(scheme, "_dequantize_t", threads_of(t)), scheme,
-                     "dequantize raw pages into fp16 tensors", threads_of(t), paged, {}, 0.0};
+    // FetchDequantLocalInto streams outputs this large past the caches
+    // (FetchOptions::streaming_output_bytes); ordinary stores are timed
+    // once beside it.
+    auto dequantize = [&](int t, bool streaming, ConvertRow row) -> absl::Status {
+      ReadOptions r = read;
+      r.streaming_output = streaming;
       KVQ_RETURN_IF_ERROR(Time(o, &row, [&]() -> absl::Status {
-        RawPagePlacer placer(*reader, read, first, first, first + q, first, &k_out, &v_out, t);
+        RawPagePlacer placer(*reader, r, first, first, first + q, first, &k_out, &v_out, t);
         for (const v1::FetchResponse& m : messages) KVQ_RETURN_IF_ERROR(placer.Place(m));
         return placer.CheckComplete();
       }));
       result.rows.push_back(std::move(row));
+      return absl::OkStatus();
+    };
+    for (int t : thread_counts) {
+      KVQ_RETURN_IF_ERROR(dequantize(
+          t, true,
+          ConvertRow{absl::StrCat(scheme, "_dequantize_t", threads_of(t)), scheme,
+                     "dequantize raw pages into fp16 tensors", threads_of(t), paged, {}, 0.0}));
     }
+    KVQ_RETURN_IF_ERROR(dequantize(
+        1, false,
+        ConvertRow{absl::StrCat(scheme, "_dequantize_cached_t1"), scheme,
+                   "the same with ordinary (cached) stores", 1, paged, {}, 0.0}));
     // The same reads into one reused page-sized tile: the conversion
     // without the stream of output writes.
     const int pt = s0.layout().page_tokens;

@@ -464,6 +464,9 @@ absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
     ReadOptions read;
     read.dtype = o.dtype;
     read.apply_rope = o.apply_rope;
+    read.streaming_output =
+        o.streaming_output_bytes >= 0 &&
+        static_cast<int64_t>(k->byte_size() + v->byte_size()) >= o.streaming_output_bytes;
     RawPagePlacer placer(*local, read, part.token_begin, begin, end, o.token_begin, k, v);
     KVQ_RETURN_IF_ERROR(stream_into(part, /*raw=*/true, placer));
   }

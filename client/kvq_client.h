@@ -132,6 +132,12 @@ struct FetchOptions {
   DType dtype = DType::kFloat16;
   bool apply_rope = false;   // pre_rope schemes: keys post-RoPE.
   int max_chunk_bytes = 0;   // 0: server default.
+  // Where the client dequantizes raw pages (FetchDequantLocal*), outputs (k
+  // and v together) of at least this many bytes are written past the caches
+  // with non-temporal stores: a prompt's KV that is not read again soon
+  // fills faster that way (docs/BENCHMARKS.md 4u). 0: always; negative:
+  // never. The bytes are the same either way.
+  int64_t streaming_output_bytes = int64_t{16} << 20;
   ProgressFn progress;
   CallOptions call;
 };

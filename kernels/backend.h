@@ -71,7 +71,8 @@ class KernelBackend {
   // DequantizeRows straight to fp16 rows (row r at out + r * stride), the
   // bits FloatToRow gives for DequantizeRows' floats, in one pass. Returns
   // false, writing nothing, where the backend has no such path for this
-  // stream and side: the caller converts the floats.
+  // stream and side (the same answer for every page and row range of that
+  // side): the caller converts the floats.
   virtual bool DequantizeRowsHalf(const KvStream& stream, Side side, const uint8_t* page,
                                   int row0, int n, uint16_t* out, size_t stride) const {
     (void)stream, (void)side, (void)page, (void)row0, (void)n, (void)out, (void)stride;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 
@@ -9,6 +10,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/simd_kernels.h"
 #include "kernels/group_params.h"
+#include "kernels/line_streamer.h"
 #include "kernels/numeric.h"
 #include "kernels/status_macros.h"
 
@@ -595,6 +597,9 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
   for (Side side : {Side::kKey, Side::kValue}) {
     const TensorView& out = side == Side::kKey ? k_out : v_out;
     if (out.data == nullptr) continue;
+    if (options.streaming_output && StreamPageRows(side, data, first, begin, end, options, out)) {
+      continue;
+    }
     for (int t = begin; t < end;) {
       const int u = t - first;
       const int row = u % pt;
@@ -605,6 +610,42 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
     }
   }
   return absl::OkStatus();
+}
+
+bool KvStream::StreamPageRows(Side side, const uint8_t* data, int first, int begin, int end,
+                              const ReadOptions& options, const TensorView& out) const {
+  const SideLayout& S = layout_.side(side);
+  const int d = head_dim();
+  if (options.dtype != DType::kFloat16 || !StoredAsRead(side, options) || out.stride() != d) {
+    return false;
+  }
+  const bool fp16_rows = S.format == CodeFormat::kFp16;
+  const size_t row_bytes = static_cast<size_t>(d) * 2;
+  const int pt = layout_.page_tokens;
+  // Rows are dequantized a page at a time into a tile that stays in L1.
+  static thread_local std::vector<uint16_t> tile;
+  tile.resize(static_cast<size_t>(pt) * d);
+  LineStreamer streamer(out.row(0));
+  for (int t = begin; t < end;) {
+    const int u = t - first;
+    const int row = u % pt;
+    const int count = std::min(end - t, pt - row);
+    const uint8_t* page = data + static_cast<size_t>(u / pt) * layout_.page_bytes;
+    if (fp16_rows) {
+      streamer.Write(PageLayout::CodeRow(page, S, row), count * row_bytes);
+    } else if (backend_->DequantizeRowsHalf(*this, side, page, row, count, tile.data(), d)) {
+      streamer.Write(reinterpret_cast<const uint8_t*>(tile.data()), count * row_bytes);
+    } else {
+      // The backend has no fp16 path for this side. Its answer is the same
+      // for every page of a side (backend.h), so this is the first page and
+      // nothing has been written yet.
+      if (t != begin) std::abort();
+      return false;
+    }
+    t += count;
+  }
+  streamer.Finish();
+  return true;
 }
 
 absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {

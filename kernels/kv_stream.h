@@ -34,6 +34,11 @@ struct ReadOptions {
   // Keys of a pre_rope stream come back post-RoPE (as attention sees them)
   // unless this is false.
   bool apply_rope = true;
+  // The output is large and not read again soon (a prompt's KV on its way
+  // elsewhere): ReadPages writes fp16 rows that need no RoPE or rotation
+  // into contiguous outputs with non-temporal stores (LineStreamer). The
+  // bytes are the same either way.
+  bool streaming_output = false;
 };
 
 class KvStream {
@@ -171,6 +176,11 @@ class KvStream {
   void ReadPageRows(Side side, const uint8_t* page, int row, int count, int t,
                     const ReadOptions& options, const TensorView& out, int out_row,
                     float* scratch) const;
+  // ReadPages' rows [begin, end) of one side with options.streaming_output:
+  // false, writing nothing, where that side's rows do not stream (they need
+  // floats, or the output is not contiguous fp16).
+  bool StreamPageRows(Side side, const uint8_t* data, int first, int begin, int end,
+                      const ReadOptions& options, const TensorView& out) const;
 
   StreamConfig config_;
   PageLayout layout_;

@@ -64,6 +64,13 @@ void FloatToHalfSimd(const float* src, size_t n, uint16_t* dst);
 uint16_t MaxAbsBits16(const uint16_t* src, size_t n);
 uint32_t MaxAbsBits32(const uint32_t* src, size_t n);
 
+// Copies `lines` whole 64-byte lines to dst (64-byte aligned; src any) with
+// non-temporal stores where the target has them (LineStreamer's writes);
+// FenceStreams orders them before later stores (sfence).
+inline constexpr size_t kStreamLine = 64;
+void StreamLines(uint8_t* dst, const uint8_t* src, size_t lines);
+void FenceStreams();
+
 bool QuantizeRowsSimd(const KvStream& stream, Side side, const float* rows, int n,
                       uint8_t* page, int row0);
 // KernelBackend::QuantizeRowsHalf of the cpu backend: AVX-512 only.

@@ -178,20 +178,32 @@ TEST_P(RawPagesTest, PagesOnlyAtABoundary) {
 }
 
 // Bytes of Read(begin, end) (or ReadPages of `wire`) in `dtype`, K then V.
+// The outputs start `skew` bytes past a 64-byte line, with guard bytes
+// around them that must stay as they were (streaming stores write whole
+// lines).
 std::vector<uint8_t> ReadBytes(const KvStream& s, const uint8_t* wire, int tokens, int first,
                                int begin, int end, DType dtype, bool apply_rope,
-                               absl::Status* status) {
+                               absl::Status* status, bool streaming = false, int skew = 0) {
   const int d = s.head_dim();
   const size_t side_bytes = static_cast<size_t>(end - begin) * d * DTypeBytes(dtype);
-  std::vector<uint8_t> out(2 * side_bytes, 0xAB);
-  const TensorView k{out.data(), dtype, end - begin, d, 0};
-  const TensorView v{out.data() + side_bytes, dtype, end - begin, d, 0};
+  constexpr size_t kGuard = 128;
+  std::vector<uint8_t> buffer(kGuard + 64 + skew + 2 * side_bytes + kGuard, 0xAB);
+  uint8_t* base = buffer.data() + kGuard;
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  uint8_t* out = base + skew;
+  const TensorView k{out, dtype, end - begin, d, 0};
+  const TensorView v{out + side_bytes, dtype, end - begin, d, 0};
   ReadOptions options;
   options.dtype = dtype;
   options.apply_rope = apply_rope;
+  options.streaming_output = streaming;
   *status = wire == nullptr ? s.Read(begin, end, options, k, v)
                             : s.ReadPages(wire, tokens, first, begin, end, options, k, v);
-  return out;
+  for (const uint8_t* p = buffer.data(); p < out; ++p) EXPECT_EQ(*p, 0xAB) << "before the outputs";
+  for (const uint8_t* p = out + 2 * side_bytes; p < buffer.data() + buffer.size(); ++p) {
+    EXPECT_EQ(*p, 0xAB) << "after the outputs";
+  }
+  return std::vector<uint8_t>(out, out + 2 * side_bytes);
 }
 
 // A stream holding the sink and `blocks` flush blocks (at least 64 tokens
@@ -239,12 +251,16 @@ TEST_P(RawPagesTest, ReadPagesEqualsReadOfTheStoredPages) {
         absl::Status want_st, got_st;
         const std::vector<uint8_t> want =
             ReadBytes(*src, nullptr, 0, 0, b, e, dtype, rope, &want_st);
-        const std::vector<uint8_t> got =
-            ReadBytes(*reader, wire.data(), q, first, b, e, dtype, rope, &got_st);
         ASSERT_TRUE(want_st.ok()) << want_st;
-        ASSERT_TRUE(got_st.ok()) << got_st;
-        EXPECT_EQ(got, want) << DTypeName(dtype) << " rope " << rope << " [" << b << ", " << e
-                             << ")";
+        // Streaming stores write the same bytes, wherever the outputs start.
+        for (auto [streaming, skew] : {std::pair{false, 0}, std::pair{true, 0},
+                                       std::pair{true, 16}, std::pair{true, 50}}) {
+          const std::vector<uint8_t> got = ReadBytes(*reader, wire.data(), q, first, b, e, dtype,
+                                                     rope, &got_st, streaming, skew);
+          ASSERT_TRUE(got_st.ok()) << got_st;
+          EXPECT_EQ(got, want) << DTypeName(dtype) << " rope " << rope << " [" << b << ", " << e
+                               << ") streaming " << streaming << " skew " << skew;
+        }
       }
     }
   }
