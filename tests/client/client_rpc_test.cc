@@ -415,6 +415,31 @@ TEST_F(ClientRpcTest, RawFetchDequantizedLocallyMatchesTheServersDequantization)
   EXPECT_EQ(client_->FetchRaw(id).status().code(), absl::StatusCode::kOutOfRange);
 }
 
+// Streaming stores (FetchOptions::streaming_output_bytes) change where the
+// client's fp16 rows are written from, not what: always, never and the
+// default (these outputs are under its 16 MiB) give the server's bytes.
+TEST_F(ClientRpcTest, StreamedLocalFetchWritesTheServersBytes) {
+  config_.scheme = "kivi4:g32:r128:sink=4";
+  const std::string id = Create();
+  const HostTensor k = Random({kLayers, kHeads, 600, kDim}, 17);
+  const HostTensor v = Random({kLayers, kHeads, 600, kDim}, 18);
+  ASSERT_TRUE(client_->AppendPromptQuantized(id, config_, k, v, {}).ok());
+  for (auto [b, e] : {std::pair{0, 600}, std::pair{5, 517}, std::pair{37, 38}}) {
+    FetchOptions fetch;
+    fetch.token_begin = b;
+    fetch.token_end = e;
+    absl::StatusOr<FetchedKv> server = client_->FetchDequant(id, fetch);
+    ASSERT_TRUE(server.ok()) << server.status();
+    for (int64_t from : {int64_t{0}, int64_t{-1}, FetchOptions().streaming_output_bytes}) {
+      fetch.streaming_output_bytes = from;
+      absl::StatusOr<FetchedKv> local = client_->FetchDequantLocal(id, config_, fetch);
+      ASSERT_TRUE(local.ok()) << local.status();
+      EXPECT_TRUE(local->k == server->k) << "[" << b << ", " << e << ") from " << from;
+      EXPECT_TRUE(local->v == server->v) << "[" << b << ", " << e << ") from " << from;
+    }
+  }
+}
+
 TEST_F(ClientRpcTest, LocalFetchOfAnyRangeMatchesTheServerBitForBit) {
   // rotate: the sink and the tail come from the server as it dequantizes
   // them, the pages are inverse-rotated here; both match FetchDequant.
