@@ -682,7 +682,9 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     _mm512_store_ps(st.lanes[r], lanes);
 #else
     // A score that overflowed float is NaN (inf - inf in its dot product),
-    // or +inf, which makes its lane NaN below (inf - inf). Exp converts its
+    // or +inf, which makes its lane NaN below (inf - inf), or -inf, which
+    // does the same when every visible score of the row is -inf (the max
+    // stays -inf, and -inf - -inf is NaN). Exp converts its
     // argument to an integer, which for NaN is undefined behaviour on the
     // portable targets: in such a tile, NaN lanes take weight 0 and the
     // row's sum becomes NaN instead, so the call fails in
@@ -697,8 +699,9 @@ HWY_NOINLINE bool SoftmaxTile(int R, int n, int t0, const int32_t* HWY_RESTRICT 
     }
     const float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
     const float m_new = std::max(st.m[r], tile_max);
-    const bool overflowed =
-        !hn::AllFalse(df, hn::MaskFromVec(vnan)) || m_new == std::numeric_limits<float>::infinity();
+    // The row sees a key of this tile, so a max that is not finite came
+    // from overflowed scores.
+    const bool overflowed = !hn::AllFalse(df, hn::MaskFromVec(vnan)) || !std::isfinite(m_new);
     // Once the running max settles (early, where sink tokens draw the
     // attention) most tiles leave it unchanged: no libm exp for them.
     const float corr =
