@@ -118,7 +118,15 @@ const uint16_t* KvStream::tail_row(Side side, int i) const {
   return const_cast<KvStream*>(this)->fp16_row(side, config_.spec.sink + i);
 }
 
-absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int rows) const {
+uint32_t KvStream::MaxInputBits(DType dtype) const {
+  // bf16 pages hold values beyond the fp16 range, but not past the largest
+  // finite bf16 (larger floats would round to infinity).
+  const bool bf16 = config_.spec.kind == SchemeKind::kBf16;
+  return LargestMagnitudeBits(dtype, bf16 ? kBf16Max : kFp16Max);
+}
+
+absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int rows,
+                                     bool values) const {
   if (t.cols != head_dim()) {
     return absl::InvalidArgumentError(absl::StrCat(name, " has ", t.cols,
                                                    " columns, head_dim is ", head_dim()));
@@ -131,14 +139,13 @@ absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int ro
   if (t.row_stride != 0 && t.row_stride < t.cols) {
     return absl::InvalidArgumentError(absl::StrCat(name, " row_stride < cols"));
   }
-  // bf16 pages hold values beyond the fp16 range, but not past the largest
-  // finite bf16 (larger floats would round to infinity).
+  if (!values) return absl::OkStatus();
   const bool bf16 = config_.spec.kind == SchemeKind::kBf16;
   const float limit = bf16 ? kBf16Max : kFp16Max;
   // Fast path: one SIMD max over the magnitude bits per row (or per tensor
   // when rows are contiguous); only a tensor that fails is walked again to
   // name the first bad element.
-  const uint32_t max_bits = LargestMagnitudeBits(t.dtype, limit);
+  const uint32_t max_bits = MaxInputBits(t.dtype);
   const bool contiguous = t.stride() == t.cols;
   bool ok = true;
   for (int r = 0; r < rows && ok; r = contiguous ? rows : r + 1) {
@@ -191,8 +198,65 @@ int KvStream::PagesNeeded(int n) const {
 }
 
 absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
+  const int n = k.rows;
+  if (n > 0 && TakesBlocksChecked(k, v)) {
+    // The shapes first, as ValidateAppend checks them; the values block by
+    // block. A block that fails leaves the stream as it was, and the whole
+    // check below then names the first bad element.
+    KVQ_RETURN_IF_ERROR(ValidateInput(k, "k", n, /*values=*/false));
+    KVQ_RETURN_IF_ERROR(ValidateInput(v, "v", n, /*values=*/false));
+    if (num_tokens_ + static_cast<int64_t>(n) <= kMaxTokens) {
+      KVQ_ASSIGN_OR_RETURN(const bool appended, AppendBlocksChecked(k, v));
+      if (appended) return absl::OkStatus();
+    }
+  }
   KVQ_RETURN_IF_ERROR(ValidateAppend(k, v));
   return AppendValidated(k, v);
+}
+
+bool KvStream::TakesBlocksChecked(ConstTensorView k, ConstTensorView v) const {
+  const int d = head_dim();
+  return tail_capacity_ > 0 && !rotation_ && k.dtype == DType::kFloat16 &&
+         v.dtype == DType::kFloat16 && k.cols == d && v.cols == d && k.rows == v.rows &&
+         k.data != nullptr && v.data != nullptr && k.stride() == d && v.stride() == d &&
+         tail_tokens() == 0 && num_tokens_ >= config_.spec.sink && k.rows % tail_capacity_ == 0;
+}
+
+absl::StatusOr<bool> KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
+  const int n = k.rows;
+  const int d = head_dim();
+  const int g = layout_.block_tokens;
+  std::vector<uint8_t*> fresh;
+  fresh.reserve(PagesNeeded(n));
+  for (int i = 0, pages = PagesNeeded(n); i < pages; ++i) {
+    absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
+    if (!p.ok()) {
+      for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
+      return p.status();
+    }
+    std::memset(*p, 0, layout_.page_bytes);
+    fresh.push_back(*p);
+  }
+  const size_t first_fresh = pages_.size();
+  const int quantized_before = quantized_tokens_;
+  pages_.insert(pages_.end(), fresh.begin(), fresh.end());
+  const uint32_t max_bits = MaxInputBits(DType::kFloat16);
+  const size_t block = static_cast<size_t>(g) * d;  // fp16 elements of one block of rows.
+  const auto* kb = static_cast<const uint16_t*>(k.data);
+  const auto* vb = static_cast<const uint16_t*>(v.data);
+  for (int r = 0; r < n; r += g) {
+    const size_t at = static_cast<size_t>(r) * d;
+    if (cpu::MaxAbsBits16(kb + at, block) > max_bits ||
+        cpu::MaxAbsBits16(vb + at, block) > max_bits) {
+      pages_.resize(first_fresh);
+      for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
+      quantized_tokens_ = quantized_before;
+      return false;
+    }
+    QuantizeBlocks(kb + at, vb + at, g);
+  }
+  num_tokens_ += n;
+  return true;
 }
 
 absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {

@@ -150,7 +150,24 @@ class KvStream {
  private:
   KvStream(const StreamConfig& config, const PageLayout& layout,
            const KernelBackend* backend, PageAllocator* allocator);
-  absl::Status ValidateInput(ConstTensorView t, const char* name, int rows) const;
+  // The checks of one input tensor; `values` false skips the element
+  // check (NaN, Inf, range), leaving the shape's.
+  absl::Status ValidateInput(ConstTensorView t, const char* name, int rows,
+                             bool values = true) const;
+  // Whether Append() of k, v may check each block's values as it
+  // quantizes it (AppendBlocksChecked): whole blocks of contiguous fp16
+  // rows onto an empty tail with the sink complete, as a client quantizing
+  // a prompt appends them.
+  bool TakesBlocksChecked(ConstTensorView k, ConstTensorView v) const;
+  // Append() of such input with each block checked right before it is
+  // quantized, so the input comes from memory once (the check then leaves
+  // the block in L1 for the quantizer) instead of once for a check of the
+  // whole input and again for the quantizer. False, with the stream as it
+  // was, when a block fails the check.
+  absl::StatusOr<bool> AppendBlocksChecked(ConstTensorView k, ConstTensorView v);
+  // The largest magnitude bits (cpu::MaxAbsBits16/32) a finite input of
+  // `dtype` may have in this stream's scheme.
+  uint32_t MaxInputBits(DType dtype) const;
   // Tokens of the next `n` that land in pages (the rest go to sink or tail).
   int NewQuantizedTokens(int n) const;
   // Quantizes the full tail into pages (whose memory is already allocated).

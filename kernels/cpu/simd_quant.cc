@@ -6,7 +6,7 @@
 //    add, -ffp-contract=off);
 //  * quantization takes each group's min / max in lanes, sets the group
 //    parameters with StoreGroupParams (scalar, shared with the reference)
-//    and computes codes with the same rounded division as UniformCode,
+//    and computes codes as UniformCode does (times the rounded reciprocal),
 //    vectorized over channels (per-channel keys: one G-row block at a time;
 //    per-token groups: one row at a time, or one block for p8, whose header
 //    spans the block; kivi appends whole blocks), then
@@ -62,40 +62,20 @@ QuantScratch& ThreadQuantScratch() {
   return s;
 }
 
-// UniformCode without a division per element. The quotient q = (x - zero)
-// / scale is formed as (x - zero) * (1 / scale): two roundings instead of
-// one, so it is within 3 * 2^-24 relative of the division's. Rounding to the
-// nearest integer can only tell the two apart when a half-integer lies
-// between them, and only half-integers inside [0, top] matter (clamping
-// maps both sides of -1/2 and top + 1/2 to the same code): there |q| <= 256
-// and the two differ by < 2^-14. So a vector whose every lane lies more
-// than kTieMargin from a half-integer (|q - round(q)| < 1/2 - kTieMargin;
-// both sides are exact in floats) gets the division's codes; any other
-// (about one element in 2^11) is divided as the reference divides.
-// (vdivps is a 5-10 cycle throughput instruction: it bounded the append.)
-constexpr float kTieMargin = 1.0f / 4096;
-
-// Round((x - zero) / scale) per lane, as UniformCode rounds it before
-// clamping; inv = 1 / scale, and 0 where scale is 0, whose code is 0: with
-// finite inputs (Append rejects others) the product is then 0, and the
-// division's lanes are zeroed to match.
+// round((x - zero) * inv) per lane, as UniformCode rounds it before
+// clamping (inv = 1 / scale, and 0 where scale is 0, whose code is 0: with
+// finite inputs, which Append checks, the product is then 0).
 template <class D>
-HWY_INLINE hn::Vec<D> RoundedQuotient(D d, hn::Vec<D> a, hn::Vec<D> scale, hn::Vec<D> inv) {
-  const hn::Vec<D> q = hn::Mul(a, inv);
-  const hn::Vec<D> r = hn::Round(q);
-  const auto near = hn::Gt(hn::Abs(hn::Sub(q, r)), hn::Set(d, 0.5f - kTieMargin));
-  if (HWY_UNLIKELY(!hn::AllFalse(d, near))) {
-    return hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(d)), hn::Round(hn::Div(a, scale)));
-  }
-  return r;
+HWY_INLINE hn::Vec<D> RoundedQuotient(hn::Vec<D> a, hn::Vec<D> inv) {
+  return hn::Round(hn::Mul(a, inv));
 }
 
 // UniformCode(x, {scale, zero}, bits) per lane, as a float; inv = 1 / scale
 // (0 where scale is 0).
 template <class D>
-HWY_INLINE hn::Vec<D> CodeOf(D d, hn::Vec<D> x, hn::Vec<D> scale, hn::Vec<D> inv,
-                             hn::Vec<D> zero, hn::Vec<D> top) {
-  const hn::Vec<D> q = RoundedQuotient(d, hn::Sub(x, zero), scale, inv);
+HWY_INLINE hn::Vec<D> CodeOf(D d, hn::Vec<D> x, hn::Vec<D> inv, hn::Vec<D> zero,
+                             hn::Vec<D> top) {
+  const hn::Vec<D> q = RoundedQuotient<D>(hn::Sub(x, zero), inv);
   return hn::Min(hn::Max(q, hn::Zero(d)), top);
 }
 
@@ -118,32 +98,31 @@ HWY_INLINE void StoreCodes(D d, hn::Vec<D> v, uint8_t* dst) {
 }
 
 // codes[i] = UniformCode(x[i], ...) for i < n, n a multiple of D's lanes;
-// per-lane parameters at scale / inv / zero + i, or, with kBroadcast, one
-// set at scale[0] / inv[0] / zero[0] for all.
+// per-lane parameters at inv / zero + i, or, with kBroadcast, one set at
+// inv[0] / zero[0] for all.
 template <bool kBroadcast, class D>
-HWY_INLINE void CodesOf(D d, const float* HWY_RESTRICT x, const float* scale, const float* inv,
-                        const float* zero, int n, float top, uint8_t* HWY_RESTRICT codes) {
+HWY_INLINE void CodesOf(D d, const float* HWY_RESTRICT x, const float* inv, const float* zero,
+                        int n, float top, uint8_t* HWY_RESTRICT codes) {
   const size_t N = hn::Lanes(d);
   const hn::Vec<D> vtop = hn::Set(d, top);
   for (int i = 0; i < n; i += static_cast<int>(N)) {
     const size_t p = kBroadcast ? 0 : static_cast<size_t>(i);
-    const hn::Vec<D> vs = kBroadcast ? hn::Set(d, scale[0]) : hn::LoadU(d, scale + p);
     const hn::Vec<D> vi = kBroadcast ? hn::Set(d, inv[0]) : hn::LoadU(d, inv + p);
     const hn::Vec<D> vz = kBroadcast ? hn::Set(d, zero[0]) : hn::LoadU(d, zero + p);
-    StoreCodes(d, CodeOf(d, hn::LoadU(d, x + i), vs, vi, vz, vtop), codes + i);
+    StoreCodes(d, CodeOf(d, hn::LoadU(d, x + i), vi, vz, vtop), codes + i);
   }
 }
 
 // CodesOf with the widest vector that divides n (16 lanes on AVX-512).
 template <bool kBroadcast>
-void CodesOfRow(const float* x, const float* scale, const float* inv, const float* zero, int n,
-                float top, uint8_t* codes) {
+void CodesOfRow(const float* x, const float* inv, const float* zero, int n, float top,
+                uint8_t* codes) {
   const hn::ScalableTag<float> dw;
   const hn::CappedTag<float, 8> d8;
   if (n % static_cast<int>(hn::Lanes(dw)) == 0) {
-    CodesOf<kBroadcast>(dw, x, scale, inv, zero, n, top, codes);
+    CodesOf<kBroadcast>(dw, x, inv, zero, n, top, codes);
   } else {
-    CodesOf<kBroadcast>(d8, x, scale, inv, zero, n, top, codes);
+    CodesOf<kBroadcast>(d8, x, inv, zero, n, top, codes);
   }
 }
 
@@ -419,7 +398,7 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
       Reciprocals(qs.scale.data(), d, qs.inv.data());
       for (int t = 0; t < g; ++t) {
         const float* x = block + static_cast<size_t>(t) * d;
-        CodesOfRow<false>(x, qs.scale.data(), qs.inv.data(), qs.zero.data(), d, topf, codes);
+        CodesOfRow<false>(x, qs.inv.data(), qs.zero.data(), d, topf, codes);
         PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + b * g + t));
       }
     }
@@ -467,7 +446,7 @@ void QuantizeAffine(const KvStream& s, Side side, const float* rows, int n, uint
       const float* x = rows + static_cast<size_t>(r) * d;
       for (int j = 0; j < ng; ++j) {
         const size_t k = static_cast<size_t>(r - r0) * ng + j;
-        CodesOfRow<true>(x + j * gc, &qs.scale[k], &qs.inv[k], &qs.zero[k], gc, topf,
+        CodesOfRow<true>(x + j * gc, &qs.inv[k], &qs.zero[k], gc, topf,
                          codes + j * gc);
       }
       PackRow(codes, d, bits, PageLayout::CodeRow(page, S, row0 + r));
@@ -583,19 +562,23 @@ void SizeParams(QuantScratch& qs, size_t entries) {
 }
 
 // The g rows of floats at f (kD channels each) as codes, packed into code
-// rows row0.. of the page; params(t, c) gives the scale, 1 / scale and zero
-// vectors of channels [16 c, 16 c + 16) of row t.
+// rows row0.. of the page; params(t, c) gives the 1 / scale and zero
+// vectors of channels [16 c, 16 c + 16) of row t. CodeOf, with the clamp
+// before the rounding (the same codes: the bounds 0 and top are integers)
+// and the rounding done by the conversion (embedded round to nearest even):
+// one instruction instead of vrndscaleps and vcvttps2dq.
 template <int kBits, int kD, class ParamsOf>
 HWY_INLINE void PackBlockCodes(const float* HWY_RESTRICT f, int g, ParamsOf params,
                                const SideLayout& S, uint8_t* page, int row0) {
-  const hn::ScalableTag<float> d16;
-  const auto top = hn::Set(d16, static_cast<float>((1 << kBits) - 1));
+  const __m512 top = _mm512_set1_ps(static_cast<float>((1 << kBits) - 1));
   for (int t = 0; t < g; ++t) {
     __m512i codes[kD / 16];
     for (int c = 0; c < kD / 16; ++c) {
-      const auto [scale, inv, zero] = params(t, c);
-      const auto x = hn::LoadU(d16, f + static_cast<size_t>(t) * kD + 16 * c);
-      codes[c] = _mm512_cvttps_epi32(CodeOf(d16, x, scale, inv, zero, top).raw);
+      const auto [inv, zero] = params(t, c);
+      const __m512 x = _mm512_loadu_ps(f + static_cast<size_t>(t) * kD + 16 * c);
+      const __m512 q = _mm512_mul_ps(_mm512_sub_ps(x, zero), inv);
+      codes[c] = _mm512_cvt_roundps_epi32(_mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), top),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
     PackCodes512<kBits, kD>(codes, PageLayout::CodeRow(page, S, row0 + t));
   }
@@ -634,11 +617,9 @@ void QuantizeChannelBlockHalf(const PageLayout& L, const SideLayout& S,
   StoreParams(L, S, page, row0 / g, 1, qs.glo.data(), qs.ghi.data(), qs.scale.data(),
               qs.zero.data(), qs);
   Reciprocals512(qs.scale.data(), kD, qs.inv.data());
-  const hn::ScalableTag<float> d16;
   PackBlockCodes<kBits, kD>(f, g, [&](int, int c) {
-    return std::array{hn::LoadU(d16, qs.scale.data() + 16 * c),
-                      hn::LoadU(d16, qs.inv.data() + 16 * c),
-                      hn::LoadU(d16, qs.zero.data() + 16 * c)};
+    return std::array{_mm512_loadu_ps(qs.inv.data() + 16 * c),
+                      _mm512_loadu_ps(qs.zero.data() + 16 * c)};
   }, S, page, row0);
 }
 
@@ -709,10 +690,9 @@ void QuantizeTokenBlockHalf(const PageLayout& L, const SideLayout& S,
   StoreParams(L, S, page, row0, g, qs.glo.data(), qs.ghi.data(), qs.scale.data(), qs.zero.data(),
               qs);
   Reciprocals512(qs.scale.data(), static_cast<int>(entries), qs.inv.data());
-  const hn::ScalableTag<float> d16;
   PackBlockCodes<kBits, kD>(f, g, [&](int t, int c) {
     const size_t e = static_cast<size_t>(t) * ng + 16 * c / gc;
-    return std::array{hn::Set(d16, qs.scale[e]), hn::Set(d16, qs.inv[e]), hn::Set(d16, qs.zero[e])};
+    return std::array{_mm512_set1_ps(qs.inv[e]), _mm512_set1_ps(qs.zero[e])};
   }, S, page, row0);
 }
 

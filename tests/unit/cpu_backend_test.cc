@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/quant_math.h"
 #include "kernels/kv_stream.h"
 #include "kernels/stream_config.h"
 #include "tests/unit/test_util.h"
@@ -325,13 +326,37 @@ TEST(CpuBackendTest, QuantizeAndDequantizeRowsMatchReferenceExactly) {
   }
 }
 
+// UniformCode rounds (x - zero) * (1 / scale), the reciprocal rounded
+// once, as every quantizer computes it: not the division, which rounds
+// differently for a few quotients next to half-integers. Found by search,
+// then required.
+TEST(CpuBackendTest, UniformCodeRoundsTheProductByTheReciprocal) {
+  int differ = 0;
+  for (int si = 1; si < 4000 && differ < 20; ++si) {
+    const GroupParams p{RoundToHalf(static_cast<float>(si) / 4096.0f), 0.0f};
+    const float inv = 1.0f / p.scale;
+    for (int k = 0; k < 255; ++k) {
+      float x = (static_cast<float>(k) + 0.5f) * p.scale;
+      for (int step = 0; step < 3; ++step, x = std::nextafter(x, 1e9f)) {
+        const float by_product = std::nearbyint(x * inv);
+        const float by_division = std::nearbyint(x / p.scale);
+        if (by_product == by_division || by_product > 255.0f) continue;
+        ++differ;
+        EXPECT_EQ(UniformCode(x, p, 8), static_cast<uint8_t>(by_product))
+            << "x " << x << " scale " << p.scale;
+      }
+    }
+  }
+  EXPECT_GT(differ, 0) << "no quotient where the product and the division round apart";
+}
+
 // Quotients (x - zero) / scale that are exactly half-integers, and (int8,
 // whose float input reaches the quantizer unrounded) one float ulp either
-// side: the SIMD append forms the quotient without a division, and must
-// still round each one as the reference's division does. Every group spans
-// [0, top * 3/32], so scale = 3/32 and zero = 0 exactly, and 1 / scale is
-// inexact.
-TEST(CpuBackendTest, QuantizeRowsRoundsTiesAsTheDivision) {
+// side, where rounding is most fragile: the SIMD append clamps before it
+// rounds and rounds in the conversion, and must give the reference's codes
+// for every one. Every group spans [0, top * 3/32], so scale = 3/32 and
+// zero = 0 exactly, and 1 / scale is inexact.
+TEST(CpuBackendTest, QuantizeRowsRoundsHalfIntegersAsTheReference) {
   constexpr int kD = 64, kTokens = 128;
   constexpr float kScale = 3.0f / 32.0f;
   for (const char* spec : {"kivi4:r0", "kivi4:g64", "kivi2", "kivi3", "int8"}) {

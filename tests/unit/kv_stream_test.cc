@@ -658,6 +658,61 @@ TEST_P(KvStreamTest, AllocatorFailureLeavesStreamUnchanged) {
   EXPECT_EQ(allocator.bad_frees(), 0);
 }
 
+// Whole flush blocks of contiguous fp16 rows onto an empty tail (a client
+// quantizing a prompt) are checked a block at a time as they are quantized
+// (KvStream::AppendBlocksChecked): a bad value in any block, first or last,
+// in K or in V, fails the append with the message of the whole-input check
+// and leaves the stream and the allocator as they were; the good rows then
+// append as float input would.
+TEST_P(KvStreamTest, BlockCheckedAppendRejectsBadBlocksAndLeavesStreamUnchanged) {
+  TestAllocator allocator;
+  std::unique_ptr<KvStream> s = NewStream(&allocator);
+  ASSERT_NE(s, nullptr);
+  // The sink and one flush: the tail is empty again.
+  const int first = config_.spec.sink + flush_;
+  const int m = std::max(2 * flush_, 4);  // Two flushes (kivi: two blocks or more each).
+  const std::vector<float> k = testutil::MakeKeys(first + m, d_, 5);
+  const std::vector<float> v = testutil::MakeValues(first + m, d_, 5);
+  ASSERT_TRUE(AppendRows(*s, k, v, 0, first).ok());
+  ASSERT_EQ(s->tail_tokens(), 0);
+  const Snapshot before = Take(*s);
+  const size_t live = allocator.live_bytes();
+  std::vector<uint16_t> kh(static_cast<size_t>(m) * d_), vh(kh.size());
+  FloatToRow(k.data() + static_cast<size_t>(first) * d_, m * d_, DType::kFloat16, kh.data());
+  FloatToRow(v.data() + static_cast<size_t>(first) * d_, m * d_, DType::kFloat16, vh.data());
+  auto append = [&](const std::vector<uint16_t>& kb, const std::vector<uint16_t>& vb) {
+    return s->Append({kb.data(), DType::kFloat16, m, d_, 0}, {vb.data(), DType::kFloat16, m, d_, 0});
+  };
+  struct Bad {
+    bool key;
+    int row, col;
+    uint16_t bits;
+  };
+  for (const Bad& b : {Bad{true, 0, 3, 0x7e00}, Bad{false, m - 1, d_ - 1, 0xfc00},
+                       Bad{false, m / 2 + 1, 7, 0x7c00}, Bad{true, m - 2, 0, 0x7c01}}) {
+    std::vector<uint16_t> kb = kh, vb = vh;
+    (b.key ? kb : vb)[static_cast<size_t>(b.row) * d_ + b.col] = b.bits;
+    ExpectStatus(append(kb, vb), absl::StatusCode::kInvalidArgument,
+                 absl::StrCat(b.key ? "k[" : "v[", b.row, "][", b.col, "] is not finite"));
+    EXPECT_TRUE(Take(*s) == before) << "a rejected append changed the stream";
+    EXPECT_EQ(allocator.live_bytes(), live) << "pages of the rejected append leaked";
+  }
+  ASSERT_TRUE(append(kh, vh).ok());
+  // The same values as floats (the fp16 rows widened, exactly).
+  std::vector<float> kf(kh.size()), vf(vh.size());
+  RowToFloat(kh.data(), DType::kFloat16, m * d_, kf.data());
+  RowToFloat(vh.data(), DType::kFloat16, m * d_, vf.data());
+  std::unique_ptr<KvStream> want = NewStream();
+  ASSERT_NE(want, nullptr);
+  ASSERT_TRUE(AppendRows(*want, k, v, 0, first).ok());
+  ASSERT_TRUE(AppendRows(*want, kf, vf, 0, m).ok());
+  const Snapshot a = Take(*s), b = Take(*want);
+  EXPECT_EQ(a.num_tokens, b.num_tokens);
+  EXPECT_EQ(a.quantized, b.quantized);
+  EXPECT_TRUE(SameBits(a.k, b.k) && SameBits(a.v, b.v)) << "fp16 blocks differ from float input";
+  EXPECT_EQ(allocator.live_bytes(), s->AllocatedBytes().total());
+}
+
 TEST_P(KvStreamTest, CreateFailsCleanlyWhenAllocatorIsEmpty) {
   TestAllocator allocator;
   allocator.set_budget(0);
