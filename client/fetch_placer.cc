@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "client/parallel_for.h"
@@ -109,25 +110,42 @@ absl::Status RawPagePlacer::Place(const v1::FetchResponse& m) {
   const int d = s0.head_dim();
   const size_t elem = DTypeBytes(read_.dtype);
   const auto* data = reinterpret_cast<const uint8_t*>(p.page_data().data());
-  // K and V of each head are independent tasks (an even split over two
-  // threads for an odd head count).
-  std::vector<absl::Status> results(b < e ? 2 * static_cast<size_t>(heads) : 0);
+  // K and V of each head are independent, and so are runs of whole pages:
+  // about kTasksPerThread tasks per thread. The helper thread wakes tens
+  // of microseconds after the caller starts, on a message of a few hundred;
+  // with one task per (head, side) it found two of six left, with smaller
+  // ones it takes its half of what remains (kvq-bench convert: dequantizing
+  // on two threads 7.0 -> 6.0 ms, BENCHMARKS.md 4v).
+  constexpr int kTasksPerThread = 12;
+  const int threads = threads_ > 0 ? threads_ : static_cast<int>(std::thread::hardware_concurrency());
+  const int pt = layout.page_tokens;
+  const int pages = b < e ? (e - 1 - t0) / pt - (b - t0) / pt + 1 : 0;
+  const int parts = std::clamp((kTasksPerThread * threads + 2 * heads - 1) / (2 * heads), 1,
+                               std::max(pages, 1));
+  const int span = (pages + parts - 1) / parts * pt;  // Tokens per part, whole pages.
+  const int first_page_token = t0 + (b - t0) / pt * pt;
+  std::vector<absl::Status> results(b < e ? 2 * static_cast<size_t>(heads) * parts : 0);
   ParallelFor(static_cast<int>(results.size()), threads_, [&](int i) {
-    const int h = i / 2;
+    const int h = i / (2 * parts);
+    const bool keys = i / parts % 2 == 0;
+    const int pb = std::max(b, first_page_token + i % parts * span);
+    const int pe = std::min(e, first_page_token + (i % parts + 1) * span);
+    if (pb >= pe) return;
     const size_t at =
-        static_cast<size_t>((int64_t{l} * heads + h) * out_tokens + (b - out_begin_)) * d * elem;
-    HostTensor* out = i % 2 == 0 ? k_ : v_;
-    const TensorView rows{out->mutable_bytes() + at, read_.dtype, e - b, d, 0};
-    const TensorView none{nullptr, read_.dtype, e - b, d, 0};
+        static_cast<size_t>((int64_t{l} * heads + h) * out_tokens + (pb - out_begin_)) * d * elem;
+    HostTensor* out = keys ? k_ : v_;
+    const TensorView rows{out->mutable_bytes() + at, read_.dtype, pe - pb, d, 0};
+    const TensorView none{nullptr, read_.dtype, pe - pb, d, 0};
     results[i] = local_.stream(m.layer(), h)
-                     .ReadPages(data + h * per_stream, n, t0, b, e, read_,
-                                i % 2 == 0 ? rows : none, i % 2 == 0 ? none : rows);
+                     .ReadPages(data + h * per_stream, n, t0, pb, pe, read_, keys ? rows : none,
+                                keys ? none : rows);
   });
   for (size_t i = 0; i < results.size(); ++i) {
     if (!results[i].ok()) {
       return absl::Status(results[i].code(),
-                          absl::StrCat("raw fetch of layer ", m.layer(), " kv head ", i / 2,
-                                       " from token ", t0, ": ", results[i].message()));
+                          absl::StrCat("raw fetch of layer ", m.layer(), " kv head ",
+                                       i / (2 * parts), " from token ", t0, ": ",
+                                       results[i].message()));
     }
   }
   next_[l] = t0 + n;
