@@ -201,13 +201,13 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
   const int n = k.rows;
   if (n > 0 && TakesBlocksChecked(k, v)) {
     // The shapes first, as ValidateAppend checks them; the values block by
-    // block. A block that fails leaves the stream as it was, and the whole
-    // check below then names the first bad element.
+    // block. A block that fails, or pages the allocator cannot give, leave
+    // the stream as it was, and the path below then reports them as it
+    // always has (the first bad element named, or RESOURCE_EXHAUSTED).
     KVQ_RETURN_IF_ERROR(ValidateInput(k, "k", n, /*values=*/false));
     KVQ_RETURN_IF_ERROR(ValidateInput(v, "v", n, /*values=*/false));
-    if (num_tokens_ + static_cast<int64_t>(n) <= kMaxTokens) {
-      KVQ_ASSIGN_OR_RETURN(const bool appended, AppendBlocksChecked(k, v));
-      if (appended) return absl::OkStatus();
+    if (num_tokens_ + static_cast<int64_t>(n) <= kMaxTokens && AppendBlocksChecked(k, v)) {
+      return absl::OkStatus();
     }
   }
   KVQ_RETURN_IF_ERROR(ValidateAppend(k, v));
@@ -222,7 +222,7 @@ bool KvStream::TakesBlocksChecked(ConstTensorView k, ConstTensorView v) const {
          tail_tokens() == 0 && num_tokens_ >= config_.spec.sink && k.rows % tail_capacity_ == 0;
 }
 
-absl::StatusOr<bool> KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
+bool KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
   const int n = k.rows;
   const int d = head_dim();
   const int g = layout_.block_tokens;
@@ -230,9 +230,9 @@ absl::StatusOr<bool> KvStream::AppendBlocksChecked(ConstTensorView k, ConstTenso
   fresh.reserve(PagesNeeded(n));
   for (int i = 0, pages = PagesNeeded(n); i < pages; ++i) {
     absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
-    if (!p.ok()) {
+    if (!p.ok()) {  // The checked path below reports it, after the input's checks.
       for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
-      return p.status();
+      return false;
     }
     std::memset(*p, 0, layout_.page_bytes);
     fresh.push_back(*p);

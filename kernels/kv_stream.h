@@ -162,9 +162,10 @@ class KvStream {
   // Append() of such input with each block checked right before it is
   // quantized, so the input comes from memory once (the check then leaves
   // the block in L1 for the quantizer) instead of once for a check of the
-  // whole input and again for the quantizer. False, with the stream as it
-  // was, when a block fails the check.
-  absl::StatusOr<bool> AppendBlocksChecked(ConstTensorView k, ConstTensorView v);
+  // whole input and again for the quantizer. False, with the stream and
+  // the allocator as they were, when a block fails the check or a page
+  // cannot be allocated.
+  bool AppendBlocksChecked(ConstTensorView k, ConstTensorView v);
   // The largest magnitude bits (cpu::MaxAbsBits16/32) a finite input of
   // `dtype` may have in this stream's scheme.
   uint32_t MaxInputBits(DType dtype) const;

@@ -697,6 +697,21 @@ TEST_P(KvStreamTest, BlockCheckedAppendRejectsBadBlocksAndLeavesStreamUnchanged)
     EXPECT_TRUE(Take(*s) == before) << "a rejected append changed the stream";
     EXPECT_EQ(allocator.live_bytes(), live) << "pages of the rejected append leaked";
   }
+  // With no pages to be had, bad input is still named first, and good input
+  // gets the allocator's status; nothing changes either way.
+  if (s->PagesNeeded(m) > 0) {
+    allocator.set_budget(0);
+    std::vector<uint16_t> bad = vh;
+    bad[static_cast<size_t>(m - 1) * d_ + 2] = 0x7e00;
+    ExpectStatus(append(kh, bad), absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("v[", m - 1, "][2] is not finite"));
+    ExpectStatus(append(kh, vh), absl::StatusCode::kResourceExhausted,
+                 absl::StrCat("test allocator: budget spent (", s->layout().page_bytes,
+                              " bytes asked)"));
+    EXPECT_TRUE(Take(*s) == before);
+    EXPECT_EQ(allocator.live_bytes(), live);
+    allocator.set_budget(-1);
+  }
   ASSERT_TRUE(append(kh, vh).ok());
   // The same values as floats (the fp16 rows widened, exactly).
   std::vector<float> kf(kh.size()), vf(vh.size());
