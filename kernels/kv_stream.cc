@@ -227,16 +227,8 @@ bool KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
   const int d = head_dim();
   const int g = layout_.block_tokens;
   std::vector<uint8_t*> fresh;
-  fresh.reserve(PagesNeeded(n));
-  for (int i = 0, pages = PagesNeeded(n); i < pages; ++i) {
-    absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
-    if (!p.ok()) {  // The checked path below reports it, after the input's checks.
-      for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
-      return false;
-    }
-    std::memset(*p, 0, layout_.page_bytes);
-    fresh.push_back(*p);
-  }
+  // A failure is reported by Append's checked path, after the input's checks.
+  if (!AllocatePages(PagesNeeded(n), /*zero=*/true, &fresh).ok()) return false;
   const size_t first_fresh = pages_.size();
   const int quantized_before = quantized_tokens_;
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
@@ -269,6 +261,22 @@ bool KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
   }
   num_tokens_ += n;
   return true;
+}
+
+absl::Status KvStream::AllocatePages(int count, bool zero, std::vector<uint8_t*>* out) {
+  out->reserve(out->size() + static_cast<size_t>(std::max(count, 0)));
+  const size_t had = out->size();
+  for (int i = 0; i < count; ++i) {
+    absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
+    if (!p.ok()) {
+      for (size_t j = had; j < out->size(); ++j) allocator_->Free((*out)[j], layout_.page_bytes);
+      out->resize(had);
+      return p.status();
+    }
+    if (zero) std::memset(*p, 0, layout_.page_bytes);
+    out->push_back(*p);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
@@ -320,17 +328,8 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
   const int pt = layout_.page_tokens;
   const int pages_needed = PagesNeeded(n);
   std::vector<uint8_t*> fresh;
-  fresh.reserve(pages_needed);
-  for (int i = 0; i < pages_needed; ++i) {
-    absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
-    if (!p.ok()) {
-      for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
-      return p.status();
-    }
-    // Copied pages are zeroed below, around the rows the copy writes.
-    if (!copy_pages) std::memset(*p, 0, layout_.page_bytes);
-    fresh.push_back(*p);
-  }
+  // Copied pages are zeroed below, around the rows the copy writes.
+  KVQ_RETURN_IF_ERROR(AllocatePages(pages_needed, /*zero=*/!copy_pages, &fresh));
   const size_t first_fresh = pages_.size();
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
 
@@ -628,14 +627,9 @@ absl::Status KvStream::AppendPages(const uint8_t* data, int tokens) {
                                   std::min(pt, tokens - i * pt), i));
   }
   std::vector<uint8_t*> fresh;
+  KVQ_RETURN_IF_ERROR(AllocatePages(pages, /*zero=*/false, &fresh));
   for (int i = 0; i < pages; ++i) {
-    absl::StatusOr<uint8_t*> p = allocator_->Allocate(layout_.page_bytes);
-    if (!p.ok()) {
-      for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
-      return p.status();
-    }
-    std::memcpy(*p, data + i * layout_.page_bytes, layout_.page_bytes);
-    fresh.push_back(*p);
+    std::memcpy(fresh[i], data + static_cast<size_t>(i) * layout_.page_bytes, layout_.page_bytes);
   }
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
   quantized_tokens_ += tokens;

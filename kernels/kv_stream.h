@@ -169,6 +169,9 @@ class KvStream {
   // The largest magnitude bits (cpu::MaxAbsBits16/32) a finite input of
   // `dtype` may have in this stream's scheme.
   uint32_t MaxInputBits(DType dtype) const;
+  // `count` pages from the allocator appended to `out` (zeroed when `zero`),
+  // all or none: on failure `out` is as it was and nothing stays allocated.
+  absl::Status AllocatePages(int count, bool zero, std::vector<uint8_t*>* out);
   // Tokens of the next `n` that land in pages (the rest go to sink or tail).
   int NewQuantizedTokens(int n) const;
   // Quantizes the full tail into pages (whose memory is already allocated).
