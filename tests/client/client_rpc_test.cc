@@ -107,6 +107,18 @@ class ClientRpcTest : public ::testing::Test {
     return info->sequence_id;
   }
 
+  // A sequence holding a 600-token prompt of random K (seed) and V (seed +
+  // 1), appended as pages the client quantized.
+  std::string CreateWithQuantizedPrompt(uint32_t seed) {
+    const std::string id = Create();
+    const HostTensor k = Random({kLayers, kHeads, 600, kDim}, seed);
+    const HostTensor v = Random({kLayers, kHeads, 600, kDim}, seed + 1);
+    const absl::StatusOr<AppendResult> appended =
+        client_->AppendPromptQuantized(id, config_, k, v, {});
+    EXPECT_TRUE(appended.ok()) << appended.status();
+    return id;
+  }
+
   FakeKvCache fake_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
@@ -420,10 +432,8 @@ TEST_F(ClientRpcTest, RawFetchDequantizedLocallyMatchesTheServersDequantization)
 // default (these outputs are under its 16 MiB) give the server's bytes.
 TEST_F(ClientRpcTest, StreamedLocalFetchWritesTheServersBytes) {
   config_.scheme = "kivi4:g32:r128:sink=4";
-  const std::string id = Create();
-  const HostTensor k = Random({kLayers, kHeads, 600, kDim}, 17);
-  const HostTensor v = Random({kLayers, kHeads, 600, kDim}, 18);
-  ASSERT_TRUE(client_->AppendPromptQuantized(id, config_, k, v, {}).ok());
+  const std::string id = CreateWithQuantizedPrompt(17);
+  ASSERT_FALSE(HasFailure());
   for (auto [b, e] : {std::pair{0, 600}, std::pair{5, 517}, std::pair{37, 38}}) {
     FetchOptions fetch;
     fetch.token_begin = b;
@@ -444,10 +454,8 @@ TEST_F(ClientRpcTest, LocalFetchOfAnyRangeMatchesTheServerBitForBit) {
   // rotate: the sink and the tail come from the server as it dequantizes
   // them, the pages are inverse-rotated here; both match FetchDequant.
   config_.scheme = "kivi2:g32:r128:rotate:sink=4";
-  const std::string id = Create();
-  const HostTensor k = Random({kLayers, kHeads, 600, kDim}, 15);
-  const HostTensor v = Random({kLayers, kHeads, 600, kDim}, 16);
-  ASSERT_TRUE(client_->AppendPromptQuantized(id, config_, k, v, {}).ok());
+  const std::string id = CreateWithQuantizedPrompt(15);
+  ASSERT_FALSE(HasFailure());
   // 600 tokens: sink [0, 4), pages [4, 516) of 32 tokens, tail [516, 600).
   const std::pair<int, int> ranges[] = {{0, 600}, {0, 3}, {100, 300}, {37, 38}, {520, 590},
                                         {500, 530}};
