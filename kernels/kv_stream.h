@@ -14,6 +14,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -107,6 +108,9 @@ class KvStream {
   // relative to page_base(), begin on a page boundary — to `out`
   // (PagesFor(end - begin) * page_bytes bytes).
   absl::Status CopyPages(int begin, int end, uint8_t* out) const;
+  // The same bytes appended to `out`: a message field built this way is
+  // written once, where resizing it first would zero it first.
+  absl::Status AppendPagesTo(int begin, int end, std::string* out) const;
   // Reads tokens [begin, end) out of raw pages without storing them: `data`
   // holds `tokens` tokens from stream position `first` (on a page boundary),
   // as CopyPages writes them. The result is what Read() would return had
@@ -166,6 +170,14 @@ class KvStream {
   // the allocator as they were, when a block fails the check or a page
   // cannot be allocated.
   bool AppendBlocksChecked(ConstTensorView k, ConstTensorView v);
+  // Whether quantizing whole blocks into a page writes every byte of the
+  // rows it covers and of their parameters, with nothing else in the page:
+  // no alignment padding, no outlier tables, fp16 parameters (a p8 block
+  // header has padding of its own). Such pages need no zeroing once full.
+  bool BlocksWriteWholePages() const;
+  // OUT_OF_RANGE unless [begin, end) starts on a page boundary inside the
+  // quantized tokens (CopyPages' range).
+  absl::Status CheckPageRange(int begin, int end) const;
   // The largest magnitude bits (cpu::MaxAbsBits16/32) a finite input of
   // `dtype` may have in this stream's scheme.
   uint32_t MaxInputBits(DType dtype) const;

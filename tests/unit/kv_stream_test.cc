@@ -728,6 +728,41 @@ TEST_P(KvStreamTest, BlockCheckedAppendRejectsBadBlocksAndLeavesStreamUnchanged)
   EXPECT_EQ(allocator.live_bytes(), s->AllocatedBytes().total());
 }
 
+// The block-checked append leaves the pages that its blocks fill unzeroed
+// (KvStream::BlocksWriteWholePages): every byte of them must then be the
+// quantizer's. The test allocator hands out pages filled with 0xa5, so a
+// byte left unwritten differs from the same rows appended as floats, whose
+// pages are zeroed first. Two flushes after a first one cover a page that
+// the new blocks fill in part where pages hold several blocks (g16:r16).
+TEST_P(KvStreamTest, BlockCheckedAppendWritesEveryByteOfItsPages) {
+  TestAllocator poisoned, other;
+  std::unique_ptr<KvStream> s = NewStream(&poisoned);
+  std::unique_ptr<KvStream> want = NewStream(&other);
+  ASSERT_NE(s, nullptr);
+  ASSERT_NE(want, nullptr);
+  const int first = config_.spec.sink + flush_;
+  const int m = std::max(2 * flush_, 4);
+  const std::vector<float> k = testutil::MakeKeys(first + m, d_, 9);
+  const std::vector<float> v = testutil::MakeValues(first + m, d_, 9);
+  ASSERT_TRUE(AppendRows(*s, k, v, 0, first).ok());
+  ASSERT_TRUE(AppendRows(*want, k, v, 0, first).ok());
+  std::vector<uint16_t> kh(static_cast<size_t>(m) * d_), vh(kh.size());
+  FloatToRow(k.data() + static_cast<size_t>(first) * d_, m * d_, DType::kFloat16, kh.data());
+  FloatToRow(v.data() + static_cast<size_t>(first) * d_, m * d_, DType::kFloat16, vh.data());
+  std::vector<float> kf(kh.size()), vf(vh.size());
+  RowToFloat(kh.data(), DType::kFloat16, m * d_, kf.data());
+  RowToFloat(vh.data(), DType::kFloat16, m * d_, vf.data());
+  ASSERT_TRUE(s->Append({kh.data(), DType::kFloat16, m, d_, 0}, {vh.data(), DType::kFloat16, m, d_, 0})
+                  .ok());
+  ASSERT_TRUE(AppendRows(*want, kf, vf, 0, m).ok());
+  ASSERT_EQ(s->num_pages(), want->num_pages());
+  const size_t bytes = s->layout().page_bytes;
+  for (int i = 0; i < s->num_pages(); ++i) {
+    EXPECT_EQ(std::memcmp(s->page(i), want->page(i), bytes), 0)
+        << "page " << i << " of " << s->num_pages() << " differs from the float append's";
+  }
+}
+
 TEST_P(KvStreamTest, CreateFailsCleanlyWhenAllocatorIsEmpty) {
   TestAllocator allocator;
   allocator.set_budget(0);

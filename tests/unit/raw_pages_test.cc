@@ -4,6 +4,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,42 @@ TEST_P(RawPagesTest, CopiedPagesAppendToAnEquivalentStream) {
     EXPECT_EQ(testutil::ReadSide(*dst, side, 0, n), testutil::ReadSide(*src, side, 0, n));
   }
   EXPECT_EQ(dst->AllocatedBytes(), src->AllocatedBytes());
+}
+
+// AppendPagesTo writes CopyPages' bytes after what the string holds, for a
+// whole range and one starting at a later page, and refuses CopyPages'
+// invalid ranges with its message, leaving the string as it was.
+TEST_P(RawPagesTest, AppendedPagesAreTheCopiedPages) {
+  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  const int d = src->head_dim();
+  const QuantSpec& spec = src->spec();
+  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64) + 5;
+  ASSERT_TRUE(testutil::AppendRows(*src, testutil::MakeKeys(n, d, 35),
+                                   testutil::MakeValues(n, d, 36), 0, n)
+                  .ok());
+  const int q = src->quantized_tokens();
+  const int pt = src->layout().page_tokens;
+  const size_t page_bytes = src->layout().page_bytes;
+  for (const int begin : {0, q > pt ? pt : 0}) {
+    std::vector<uint8_t> copied(static_cast<size_t>(src->PagesFor(q - begin)) * page_bytes);
+    ASSERT_TRUE(src->CopyPages(begin, q, copied.data()).ok());
+    std::string appended = "head";
+    ASSERT_TRUE(src->AppendPagesTo(begin, q, &appended).ok());
+    ASSERT_EQ(appended.size(), 4 + copied.size());
+    EXPECT_EQ(appended.substr(0, 4), "head");
+    EXPECT_EQ(std::memcmp(appended.data() + 4, copied.data(), copied.size()), 0)
+        << "pages from token " << begin;
+  }
+  for (const auto& [begin, end] : {std::pair{0, q + 1}, std::pair{-pt, q}, std::pair{1, q}}) {
+    if (begin == 1 && pt == 1) continue;  // Every token starts a page.
+    std::string out = "kept";
+    std::vector<uint8_t> unused(static_cast<size_t>(src->PagesFor(q + pt)) * page_bytes);
+    const absl::Status copied = src->CopyPages(begin, end, unused.data());
+    const absl::Status appended = src->AppendPagesTo(begin, end, &out);
+    EXPECT_EQ(appended.code(), absl::StatusCode::kOutOfRange) << appended;
+    EXPECT_EQ(appended, copied);
+    EXPECT_EQ(out, "kept");
+  }
 }
 
 TEST_P(RawPagesTest, CorruptPagesAreRejectedAndNothingIsStored) {
