@@ -118,11 +118,14 @@ const uint16_t* KvStream::tail_row(Side side, int i) const {
   return const_cast<KvStream*>(this)->fp16_row(side, config_.spec.sink + i);
 }
 
-uint32_t KvStream::MaxInputBits(DType dtype) const {
+float KvStream::InputLimit() const {
   // bf16 pages hold values beyond the fp16 range, but not past the largest
   // finite bf16 (larger floats would round to infinity).
-  const bool bf16 = config_.spec.kind == SchemeKind::kBf16;
-  return LargestMagnitudeBits(dtype, bf16 ? kBf16Max : kFp16Max);
+  return config_.spec.kind == SchemeKind::kBf16 ? kBf16Max : kFp16Max;
+}
+
+uint32_t KvStream::MaxInputBits(DType dtype) const {
+  return LargestMagnitudeBits(dtype, InputLimit());
 }
 
 absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int rows,
@@ -140,8 +143,7 @@ absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int ro
     return absl::InvalidArgumentError(absl::StrCat(name, " row_stride < cols"));
   }
   if (!values) return absl::OkStatus();
-  const bool bf16 = config_.spec.kind == SchemeKind::kBf16;
-  const float limit = bf16 ? kBf16Max : kFp16Max;
+  const float limit = InputLimit();
   // Fast path: one SIMD max over the magnitude bits per row (or per tensor
   // when rows are contiguous); only a tensor that fails is walked again to
   // name the first bad element.
@@ -156,7 +158,8 @@ absl::Status KvStream::ValidateInput(ConstTensorView t, const char* name, int ro
     ok = m <= max_bits;
   }
   if (ok) return absl::OkStatus();
-  const char* range = bf16 ? " is outside the bf16 range +-" : " is outside the fp16 range +-";
+  const char* range = config_.spec.kind == SchemeKind::kBf16 ? " is outside the bf16 range +-"
+                                                              : " is outside the fp16 range +-";
   std::vector<float> row(head_dim());
   for (int r = 0; r < rows; ++r) {
     RowToFloat(t.row(r), t.dtype, head_dim(), row.data());

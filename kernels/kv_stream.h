@@ -178,8 +178,10 @@ class KvStream {
   // OUT_OF_RANGE unless [begin, end) starts on a page boundary inside the
   // quantized tokens (CopyPages' range).
   absl::Status CheckPageRange(int begin, int end) const;
+  // The largest magnitude an input value may have in this stream's scheme.
+  float InputLimit() const;
   // The largest magnitude bits (cpu::MaxAbsBits16/32) a finite input of
-  // `dtype` may have in this stream's scheme.
+  // `dtype` may have: InputLimit() in `dtype`'s bits.
   uint32_t MaxInputBits(DType dtype) const;
   // `count` pages from the allocator appended to `out` (zeroed when `zero`),
   // all or none: on failure `out` is as it was and nothing stays allocated.
