@@ -618,6 +618,12 @@ absl::Status CheckPage(const PageLayout& L, const uint8_t* page, int rows, int i
 }  // namespace
 
 absl::Status KvStream::AppendPages(const uint8_t* data, int tokens) {
+  const ByteReader::Run run(
+      data, static_cast<size_t>(PagesFor(std::max(tokens, 0))) * layout_.page_bytes);
+  return AppendPages(ByteReader({&run, 1}), tokens);
+}
+
+absl::Status KvStream::AppendPages(ByteReader data, int tokens) {
   if (config_.spec.kind == SchemeKind::kFp8E4m3) {
     return absl::FailedPreconditionError("fp8_e4m3 streams do not take raw pages: the scale is per stream");
   }
@@ -637,15 +643,23 @@ absl::Status KvStream::AppendPages(const uint8_t* data, int tokens) {
   }
   const int pt = layout_.page_tokens;
   const int pages = PagesFor(tokens);
+  const size_t bytes = static_cast<size_t>(pages) * layout_.page_bytes;
+  if (data.remaining() < bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("raw pages: ", tokens, " tokens take ", bytes,
+                                                   " bytes, only ", data.remaining(), " given"));
+  }
+  // Every page is checked before any is stored; a page cut between two
+  // runs is checked in a copy.
+  thread_local std::vector<uint8_t> straddling;
+  straddling.resize(layout_.page_bytes);
+  ByteReader check = data;
   for (int i = 0; i < pages; ++i) {
-    KVQ_RETURN_IF_ERROR(CheckPage(layout_, data + i * layout_.page_bytes,
+    KVQ_RETURN_IF_ERROR(CheckPage(layout_, check.Next(layout_.page_bytes, straddling.data()),
                                   std::min(pt, tokens - i * pt), i));
   }
   std::vector<uint8_t*> fresh;
   KVQ_RETURN_IF_ERROR(AllocatePages(pages, /*zero=*/false, &fresh));
-  for (int i = 0; i < pages; ++i) {
-    std::memcpy(fresh[i], data + static_cast<size_t>(i) * layout_.page_bytes, layout_.page_bytes);
-  }
+  for (uint8_t* page : fresh) data.Read(layout_.page_bytes, page);
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
   quantized_tokens_ += tokens;
   num_tokens_ += tokens;
@@ -743,23 +757,26 @@ absl::Status KvStream::CheckPageRange(int begin, int end) const {
   return absl::OkStatus();
 }
 
-absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
+absl::Status KvStream::VisitPages(
+    int begin, int end, absl::FunctionRef<void(const uint8_t* page, bool full)> visit) const {
   KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
   const int first = begin / layout_.page_tokens;
-  for (int i = 0; i < PagesFor(end - begin); ++i) {
-    std::memcpy(out + static_cast<size_t>(i) * layout_.page_bytes, pages_[first + i],
-                layout_.page_bytes);
-  }
+  const int full_pages = quantized_tokens_ / layout_.page_tokens;
+  for (int i = first; i < first + PagesFor(end - begin); ++i) visit(pages_[i], i < full_pages);
   return absl::OkStatus();
 }
 
+absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
+  return VisitPages(begin, end, [&](const uint8_t* page, bool) {
+    std::memcpy(out, page, layout_.page_bytes);
+    out += layout_.page_bytes;
+  });
+}
+
 absl::Status KvStream::AppendPagesTo(int begin, int end, std::string* out) const {
-  KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
-  const int first = begin / layout_.page_tokens;
-  for (int i = 0; i < PagesFor(end - begin); ++i) {
-    out->append(reinterpret_cast<const char*>(pages_[first + i]), layout_.page_bytes);
-  }
-  return absl::OkStatus();
+  return VisitPages(begin, end, [&](const uint8_t* page, bool) {
+    out->append(reinterpret_cast<const char*>(page), layout_.page_bytes);
+  });
 }
 
 absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Fork(int tokens) const {

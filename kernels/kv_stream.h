@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "kernels/accounting.h"
+#include "kernels/byte_reader.h"
 #include "kernels/hadamard.h"
 #include "kernels/page_allocator.h"
 #include "kernels/page_layout.h"
@@ -104,6 +106,10 @@ class KvStream {
   // !AcceptsPages() or for fp8_e4m3 (its scale belongs to the stream).
   // All-or-nothing, like Append().
   absl::Status AppendPages(const uint8_t* data, int tokens);
+  // The same pages read from `data`, which may be cut anywhere (a received
+  // message's slices): INVALID_ARGUMENT when it holds fewer than
+  // PagesFor(tokens) pages.
+  absl::Status AppendPages(ByteReader data, int tokens);
   // Copies the pages holding quantized tokens [begin, end) — positions
   // relative to page_base(), begin on a page boundary — to `out`
   // (PagesFor(end - begin) * page_bytes bytes).
@@ -111,6 +117,15 @@ class KvStream {
   // The same bytes appended to `out`: a message field built this way is
   // written once, where resizing it first would zero it first.
   absl::Status AppendPagesTo(int begin, int end, std::string* out) const;
+  // The same pages for a reader that sends them without copying:
+  // visit(page, full) once per page, in order. A full page is never
+  // written again (appends write rows past quantized_tokens(), and Fork
+  // copies a partial page instead of sharing it), so a reader that holds a
+  // reference to it (allocator()->Retain) may read it after leaving the
+  // stream and its lock: FetchDequant's raw messages do. A partial page
+  // (full = false, at most the last) may still gain rows: copy it.
+  absl::Status VisitPages(int begin, int end,
+                          absl::FunctionRef<void(const uint8_t* page, bool full)> visit) const;
   // Reads tokens [begin, end) out of raw pages without storing them: `data`
   // holds `tokens` tokens from stream position `first` (on a page boundary),
   // as CopyPages writes them. The result is what Read() would return had
@@ -141,6 +156,8 @@ class KvStream {
   int page_base() const { return config_.spec.sink; }
   int num_pages() const { return static_cast<int>(pages_.size()); }
   const uint8_t* page(int i) const { return pages_[i]; }
+  // Where the pages come from (and references to them are taken).
+  PageAllocator* allocator() const { return allocator_; }
   // fp16 rows of the sink (t < sink_tokens()) and of the tail (i < tail_tokens()).
   const uint16_t* sink_row(Side side, int t) const;
   const uint16_t* tail_row(Side side, int i) const;

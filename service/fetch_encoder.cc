@@ -1,7 +1,10 @@
 #include "service/fetch_encoder.h"
 
+#include <cassert>
 #include <cstring>
 #include <string>
+
+#include <grpc/slice.h>
 
 namespace kvq {
 namespace {
@@ -107,16 +110,17 @@ grpc::ByteBuffer DenseFetchMessage::Release() { return grpc::ByteBuffer(&slice_,
 RawFetchMessage::RawFetchMessage(int32_t layer, int32_t token_begin, int32_t layers,
                                  int32_t tokens, int64_t page_bytes, int32_t page_tokens,
                                  size_t data_bytes, int32_t range_layer_end,
-                                 int32_t range_token_end) {
+                                 int32_t range_token_end)
+    : data_bytes_(data_bytes) {
   // QuantizedPages: its four numbers, then page_data when there is any.
-  const size_t data_field = data_bytes == 0 ? 0 : 1 + VarintSize(data_bytes) + data_bytes;
+  const size_t data_head = data_bytes == 0 ? 0 : 1 + VarintSize(data_bytes);
   const size_t pages = Int32FieldSize(layers) + Int32FieldSize(tokens) +
-                       Int64FieldSize(page_bytes) + Int32FieldSize(page_tokens) + data_field;
-  const size_t size = Int32FieldSize(layer) + Int32FieldSize(token_begin) + 1 +
-                      VarintSize(pages) + pages + Int32FieldSize(range_layer_end) +
-                      Int32FieldSize(range_token_end);
-  slice_ = grpc::Slice(size);  // Uninitialized: every byte is written below or by the caller.
-  uint8_t* p = const_cast<uint8_t*>(slice_.begin());
+                       Int64FieldSize(page_bytes) + Int32FieldSize(page_tokens) + data_head +
+                       data_bytes;
+  const size_t head = Int32FieldSize(layer) + Int32FieldSize(token_begin) + 1 +
+                      VarintSize(pages) + pages - data_bytes;
+  grpc::Slice head_slice(head);  // Uninitialized: every byte is written below.
+  uint8_t* p = const_cast<uint8_t*>(head_slice.begin());
   p = PutInt32Field(1, layer, p);
   p = PutInt32Field(2, token_begin, p);
   p = PutVarint(Tag(5, kLengthDelimited), p);  // Set even when empty, as mutable_pages() does.
@@ -127,14 +131,62 @@ RawFetchMessage::RawFetchMessage(int32_t layer, int32_t token_begin, int32_t lay
   p = PutInt32Field(4, page_tokens, p);
   if (data_bytes > 0) {
     p = PutVarint(Tag(5, kLengthDelimited), p);
-    p = PutVarint(data_bytes, p);
-    page_data_ = p;
-    p += data_bytes;
+    PutVarint(data_bytes, p);
   }
-  p = PutInt32Field(6, range_layer_end, p);
-  PutInt32Field(7, range_token_end, p);
+  slices_.push_back(std::move(head_slice));
+  const size_t trailer = Int32FieldSize(range_layer_end) + Int32FieldSize(range_token_end);
+  trailer_ = grpc::Slice(trailer);
+  p = const_cast<uint8_t*>(trailer_.begin());
+  PutInt32Field(7, range_token_end, PutInt32Field(6, range_layer_end, p));
+  size_ = head + data_bytes + trailer;
 }
 
-grpc::ByteBuffer RawFetchMessage::Release() { return grpc::ByteBuffer(&slice_, 1); }
+RawFetchMessage::~RawFetchMessage() {
+  FlushRun();  // Its slice, dropped with slices_, releases the references.
+}
+
+void RawFetchMessage::AddCopy(const uint8_t* data, size_t bytes) {
+  FlushRun();
+  slices_.emplace_back(data, bytes);  // grpc::Slice(buf, len) copies.
+  added_ += bytes;
+}
+
+void RawFetchMessage::AddShared(const std::shared_ptr<PageAllocator>& owner,
+                                const uint8_t* block, size_t bytes) {
+  owner->Retain(const_cast<uint8_t*>(block), bytes);
+  added_ += bytes;
+  if (run_.blocks > 0 && run_.owner == owner && run_.block_bytes == bytes &&
+      run_.begin + run_.blocks * bytes == block) {
+    ++run_.blocks;
+    return;
+  }
+  FlushRun();
+  run_ = {owner, block, bytes, 1};
+}
+
+void RawFetchMessage::FlushRun() {
+  if (run_.blocks == 0) return;
+  // The slice owns the run's references: gRPC calls this when it drops the
+  // last reference to the slice, on whichever thread that happens.
+  auto release = [](void* arg) {
+    auto* run = static_cast<Run*>(arg);
+    for (size_t i = 0; i < run->blocks; ++i) {
+      run->owner->Free(const_cast<uint8_t*>(run->begin + i * run->block_bytes), run->block_bytes);
+    }
+    delete run;
+  };
+  auto* run = new Run(run_);
+  slices_.emplace_back(grpc_slice_new_with_user_data(const_cast<uint8_t*>(run->begin),
+                                                     run->blocks * run->block_bytes, release, run),
+                       grpc::Slice::STEAL_REF);
+  run_ = Run();
+}
+
+grpc::ByteBuffer RawFetchMessage::Release() {
+  FlushRun();
+  assert(added_ == data_bytes_);
+  if (trailer_.size() > 0) slices_.push_back(trailer_);
+  return grpc::ByteBuffer(slices_.data(), slices_.size());
+}
 
 }  // namespace kvq

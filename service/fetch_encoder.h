@@ -6,8 +6,8 @@
 // strings, then the strings -> gRPC's slice buffer when it serializes. Here
 // the bytes protobuf would produce (fields in number order, proto3 defaults
 // omitted, shape packed) go into one grpc::Slice, and the caller dequantizes
-// straight into its two data regions (RawFetchMessage: copies pages into
-// its one). The client parses it as an ordinary FetchResponse;
+// straight into its two data regions (RawFetchMessage: shares full pages
+// and copies the rest). The client parses it as an ordinary FetchResponse;
 // fetch_encoder_test checks the bytes equal protobuf's.
 #ifndef KVQ_SERVICE_FETCH_ENCODER_H_
 #define KVQ_SERVICE_FETCH_ENCODER_H_
@@ -15,10 +15,13 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
+#include "kernels/page_allocator.h"
 #include "kvq/v1/kvq.pb.h"
 
 namespace kvq {
@@ -45,24 +48,57 @@ class DenseFetchMessage {
   uint8_t* v_data_ = nullptr;
 };
 
+// Raw pages are not copied into the message when they need not be: a
+// full page is immutable (KvStream::VisitPages), so the message holds a
+// reference to it and hands gRPC a slice of the page itself, released when
+// gRPC drops the buffer. Adjacent pages of one allocator share a slice.
 class RawFetchMessage {
  public:
   // FetchResponse{layer, token_begin, pages{layers, tokens, page_bytes,
   // page_tokens, page_data}, range_layer_end, range_token_end}, page_data
-  // of `data_bytes` bytes (left for the caller to write).
+  // of `data_bytes` bytes, added with AddCopy / AddShared.
   RawFetchMessage(int32_t layer, int32_t token_begin, int32_t layers, int32_t tokens,
                   int64_t page_bytes, int32_t page_tokens, size_t data_bytes,
                   int32_t range_layer_end = 0, int32_t range_token_end = 0);
+  // Drops the references of pages not yet released (a message abandoned
+  // on an error).
+  ~RawFetchMessage();
+  RawFetchMessage(const RawFetchMessage&) = delete;
+  RawFetchMessage& operator=(const RawFetchMessage&) = delete;
 
-  uint8_t* page_data() { return page_data_; }
-  size_t size() const { return slice_.size(); }
+  // The next `bytes` bytes of page_data, copied.
+  void AddCopy(const uint8_t* data, size_t bytes);
+  // The next `bytes` bytes of page_data: `block`, a block of `bytes` from
+  // `owner`, which gains a reference until gRPC drops the buffer (and is
+  // kept alive until then).
+  void AddShared(const std::shared_ptr<PageAllocator>& owner, const uint8_t* block,
+                 size_t bytes);
 
-  // The finished message (shares the slice; no copy).
+  // The encoded message's size.
+  size_t size() const { return size_; }
+  // Bytes of page_data added so far.
+  size_t data_added() const { return added_; }
+
+  // The finished message; page_data must be complete (data_added() ==
+  // data_bytes).
   grpc::ByteBuffer Release();
 
  private:
-  grpc::Slice slice_;
-  uint8_t* page_data_ = nullptr;
+  // Adjacent shared blocks of one owner, not yet a slice.
+  struct Run {
+    std::shared_ptr<PageAllocator> owner;
+    const uint8_t* begin = nullptr;
+    size_t block_bytes = 0;
+    size_t blocks = 0;
+  };
+  void FlushRun();
+
+  std::vector<grpc::Slice> slices_;  // Header, page_data pieces, then the trailer.
+  grpc::Slice trailer_;
+  Run run_;
+  size_t data_bytes_ = 0;
+  size_t added_ = 0;
+  size_t size_ = 0;
 };
 
 }  // namespace kvq

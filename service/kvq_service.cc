@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/status_macros.h"
+#include "service/append_decoder.h"
 #include "service/fetch_encoder.h"
 #include "service/tensor_codec.h"
 
@@ -202,7 +203,10 @@ KvqService::KvqService(SequenceStore* store, Metrics* metrics, const ServiceOpti
     : store_(store), metrics_(metrics), options_(options) {}
 
 absl::Status KvqService::CheckSize(const google::protobuf::Message& m) const {
-  const size_t bytes = m.ByteSizeLong();
+  return CheckSize(m.ByteSizeLong());
+}
+
+absl::Status KvqService::CheckSize(size_t bytes) const {
   if (static_cast<int64_t>(bytes) > options_.max_message_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("message of ", bytes,
                                                    " bytes exceeds max_message_bytes = ",
@@ -289,11 +293,13 @@ grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext
 
 // ------------------------------------------------------------------ Append
 
-class KvqService::AppendReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
+// Raw method: each message is decoded by AppendMessage, which leaves raw
+// pages in the received slices for AppendPages to copy into the pool.
+class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  AppendReactor(KvqService* service, grpc::CallbackServerContext* ctx, v1::AppendResponse* resp)
+  AppendReactor(KvqService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : service_(service), ctx_(ctx), resp_(resp), timer_(service->metrics(), RpcMethod::kAppend) {
-    StartRead(&req_);
+    StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
@@ -301,10 +307,11 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<v1::AppendReque
       if (ctx_->IsCancelled()) return Done(absl::CancelledError("append stream cancelled"));
       return Done(Commit());
     }
-    service_->metrics()->AddReceivedBytes(RpcMethod::kAppend, req_.ByteSizeLong());
+    service_->metrics()->AddReceivedBytes(RpcMethod::kAppend, in_.Length());
     absl::Status st = Process();
+    in_.Clear();
     if (!st.ok()) return Done(st);
-    StartRead(&req_);
+    StartRead(&in_);
   }
 
   void OnCancel() override {}
@@ -319,27 +326,29 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<v1::AppendReque
 
  private:
   absl::Status Process() {
-    KVQ_RETURN_IF_ERROR(service_->CheckSize(req_));
+    KVQ_RETURN_IF_ERROR(service_->CheckSize(in_.Length()));
+    KVQ_RETURN_IF_ERROR(msg_.Decode(in_));
+    const v1::AppendRequest& req = msg_.request();
     if (!seq_.shared()) {
-      if (req_.sequence().sequence_id().empty()) {
+      if (req.sequence().sequence_id().empty()) {
         return absl::InvalidArgumentError("the first message must set sequence.sequence_id");
       }
-      KVQ_ASSIGN_OR_RETURN(seq_, service_->store()->Get(req_.sequence().namespace_(),
-                                                         req_.sequence().sequence_id()));
+      KVQ_ASSIGN_OR_RETURN(seq_, service_->store()->Get(req.sequence().namespace_(),
+                                                         req.sequence().sequence_id()));
       absl::MutexLock lock(&seq_->mu());
       KVQ_RETURN_IF_ERROR(service_->store()->WithEviction(&*seq_, [&] {
         return seq_->BeginTransaction();
       }));
-    } else if (!req_.sequence().sequence_id().empty() &&
-               (req_.sequence().sequence_id() != seq_->id() ||
-                req_.sequence().namespace_() != seq_->ns())) {
+    } else if (!req.sequence().sequence_id().empty() &&
+               (req.sequence().sequence_id() != seq_->id() ||
+                req.sequence().namespace_() != seq_->ns())) {
       return absl::InvalidArgumentError("sequence changed within one append stream");
     }
     absl::MutexLock lock(&seq_->mu());
     const ModelShape& m = seq_->shape();
     const int before = seq_->layer_tokens(0);
-    if (req_.has_chunk()) {
-      const v1::KvChunk& c = req_.chunk();
+    if (req.has_chunk()) {
+      const v1::KvChunk& c = req.chunk();
       const bool dense = c.has_k() || c.has_v();
       if (dense == c.has_pages()) {
         return absl::InvalidArgumentError("chunk must carry either k and v or pages");
@@ -366,25 +375,24 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<v1::AppendReque
         }
         const uint64_t want = static_cast<uint64_t>(p.layers()) * m.num_kv_heads *
                               seq_->stream(0, 0).PagesFor(p.tokens()) * L.page_bytes;
-        if (p.page_data().size() != want) {
+        if (msg_.page_data_size() != want) {
           return absl::InvalidArgumentError(absl::StrCat("chunk.pages.page_data has ",
-                                                         p.page_data().size(), " bytes, expected ",
-                                                         want));
+                                                         msg_.page_data_size(),
+                                                         " bytes, expected ", want));
         }
-        RawPagesKv raw{c.layer_begin(), p.layers(), p.tokens(),
-                       reinterpret_cast<const uint8_t*>(p.page_data().data())};
+        RawPagesKv raw{c.layer_begin(), p.layers(), p.tokens(), msg_.page_data()};
         KVQ_RETURN_IF_ERROR(
             service_->store()->WithEviction(&*seq_, [&] { return seq_->AppendRaw(raw); }));
       }
     }
-    if (req_.token_ids_size() > 0) {
+    if (req.token_ids_size() > 0) {
       std::vector<int32_t>& ids = seq_->token_ids();
       if (static_cast<int>(ids.size()) != before) {
         return absl::InvalidArgumentError(absl::StrCat(
             "token_ids must continue the sequence's known ids: ", ids.size(),
             " ids are known for ", before, " stored tokens"));
       }
-      ids.insert(ids.end(), req_.token_ids().begin(), req_.token_ids().end());
+      ids.insert(ids.end(), req.token_ids().begin(), req.token_ids().end());
     }
     return absl::OkStatus();
   }
@@ -395,8 +403,11 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<v1::AppendReque
     seq_->Commit();
     committed_ = true;
     service_->store()->RegisterPrefixBlocks(seq_.shared());
-    resp_->set_num_tokens(seq_->num_tokens());
-    resp_->set_bytes_stored(seq_->Bytes().total());
+    v1::AppendResponse resp;
+    resp.set_num_tokens(seq_->num_tokens());
+    resp.set_bytes_stored(seq_->Bytes().total());
+    grpc::Slice bytes(resp.SerializeAsString());
+    *resp_ = grpc::ByteBuffer(&bytes, 1);
     return absl::OkStatus();
   }
 
@@ -412,15 +423,16 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<v1::AppendReque
 
   KvqService* service_;
   grpc::CallbackServerContext* ctx_;
-  v1::AppendResponse* resp_;
+  grpc::ByteBuffer* resp_;
   RpcTimer timer_;
-  v1::AppendRequest req_;
+  grpc::ByteBuffer in_;  // The message read.
+  AppendMessage msg_;    // in_ decoded.
   SequenceStore::Handle seq_;
   bool committed_ = false;
 };
 
-grpc::ServerReadReactor<v1::AppendRequest>* KvqService::Append(grpc::CallbackServerContext* ctx,
-                                                               v1::AppendResponse* resp) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvqService::Append(grpc::CallbackServerContext* ctx,
+                                                              grpc::ByteBuffer* resp) {
   return new AppendReactor(this, ctx, resp);
 }
 
@@ -428,7 +440,7 @@ grpc::ServerReadReactor<v1::AppendRequest>* KvqService::Append(grpc::CallbackSer
 
 // Raw method (ByteBuffer in and out): dense pieces are encoded by
 // DenseFetchMessage and dequantized straight into the message buffer; raw
-// pages are built as a proto and serialized.
+// pages go out as slices of the pages themselves (RawFetchMessage).
 class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   FetchReactor(KvqService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req)
@@ -540,14 +552,24 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     if (req_.raw()) {
       const KvStream& s0 = seq_->stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
-      // The pages go straight into the message buffer.
-      RawFetchMessage msg(p.layer, p.begin, 1, n, static_cast<int64_t>(s0.layout().page_bytes),
+      const size_t page_bytes = s0.layout().page_bytes;
+      RawFetchMessage msg(p.layer, p.begin, 1, n, static_cast<int64_t>(page_bytes),
                           s0.layout().page_tokens, per_stream * m.num_kv_heads, range_layers,
                           range_tokens);
+      // Full pages of the pool travel as themselves, referenced until gRPC
+      // has sent them; a partial last page is copied (it may gain rows).
+      const std::shared_ptr<PagePool>& pool = service_->store()->shared_pool();
       for (int h = 0; h < m.num_kv_heads; ++h) {
         const KvStream& s = seq_->stream(p.layer, h);
-        KVQ_RETURN_IF_ERROR(s.CopyPages(p.begin - s.page_base(), p.end - s.page_base(),
-                                        msg.page_data() + h * per_stream));
+        const bool pooled = s.allocator() == pool.get();
+        KVQ_RETURN_IF_ERROR(s.VisitPages(
+            p.begin - s.page_base(), p.end - s.page_base(), [&](const uint8_t* page, bool full) {
+              if (full && pooled) {
+                msg.AddShared(pool, page, page_bytes);
+              } else {
+                msg.AddCopy(page, page_bytes);
+              }
+            }));
       }
       out_ = msg.Release();
       return absl::OkStatus();

@@ -30,10 +30,13 @@ struct ServiceOptions {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
-// FetchDequant is a raw method (grpc::ByteBuffer): its messages are encoded
-// by hand around the dequantized tensors (service/fetch_encoder.h).
+// FetchDequant and Append are raw methods (grpc::ByteBuffer): FetchDequant's
+// messages are encoded by hand around the dequantized tensors or the pages
+// (service/fetch_encoder.h), and Append reads raw pages from the received
+// slices (service/append_decoder.h).
 class KvqService final
-    : public v1::KvCache::WithRawCallbackMethod_FetchDequant<v1::KvCache::CallbackService> {
+    : public v1::KvCache::WithRawCallbackMethod_Append<
+          v1::KvCache::WithRawCallbackMethod_FetchDequant<v1::KvCache::CallbackService>> {
  public:
   KvqService(SequenceStore* store, Metrics* metrics, const ServiceOptions& options);
 
@@ -43,8 +46,8 @@ class KvqService final
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
                                            const v1::CreateSequenceRequest* req,
                                            v1::CreateSequenceResponse* resp) override;
-  grpc::ServerReadReactor<v1::AppendRequest>* Append(grpc::CallbackServerContext* ctx,
-                                                     v1::AppendResponse* resp) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
+                                                    grpc::ByteBuffer* resp) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchDequant(grpc::CallbackServerContext* ctx,
                                                            const grpc::ByteBuffer* req) override;
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
@@ -72,6 +75,7 @@ class KvqService final
   Metrics* metrics() { return metrics_; }
   const ServiceOptions& options() const { return options_; }
   absl::Status CheckSize(const google::protobuf::Message& m) const;
+  absl::Status CheckSize(size_t message_bytes) const;
 
  private:
   class AppendReactor;

@@ -146,11 +146,12 @@ absl::Status Sequence::AppendRaw(const RawPagesKv& raw) {
   const KvStream& first = stream(raw.layer_begin, 0);
   const size_t per_stream = static_cast<size_t>(first.PagesFor(raw.tokens)) * first.layout().page_bytes;
   return Atomically(raw.layer_begin, raw.layer_begin + raw.layers, true, [&] {
+    ByteReader data = raw.data;  // Streams in order: [layer][kv_head].
     for (int l = 0; l < raw.layers; ++l) {
       for (int head = 0; head < h; ++head) {
-        absl::Status st = stream(raw.layer_begin + l, head)
-                              .AppendPages(raw.data + (static_cast<size_t>(l) * h + head) * per_stream,
-                                           raw.tokens);
+        ByteReader pages = data;
+        if (data.remaining() >= per_stream) data.Skip(per_stream);
+        absl::Status st = stream(raw.layer_begin + l, head).AppendPages(pages, raw.tokens);
         if (!st.ok()) {
           return absl::Status(st.code(), absl::StrCat("layer ", raw.layer_begin + l, " kv_head ",
                                                       head, ": ", st.message()));

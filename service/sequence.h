@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/backend.h"
+#include "kernels/byte_reader.h"
 #include "kernels/kv_stream.h"
 
 namespace kvq {
@@ -43,12 +44,13 @@ struct DenseKv {
   const uint8_t* v = nullptr;
 };
 
-// Raw pages of a contiguous range of layers ([layer][kv_head][page]).
+// Raw pages of a contiguous range of layers ([layer][kv_head][page]), read
+// from `data` (which may be cut anywhere: a received message's slices).
 struct RawPagesKv {
   int layer_begin = 0;
   int layers = 0;
   int tokens = 0;
-  const uint8_t* data = nullptr;
+  ByteReader data;
 };
 
 class Sequence {

@@ -117,6 +117,10 @@ class SequenceStore {
 
   StoreStats Stats() const;
   PagePool& pool() { return *pool_; }
+  // The pool, for a reader that keeps pages past the store's lifetime
+  // (FetchDequant's messages hold references until gRPC drops them, which
+  // may be after the server and the store are gone).
+  const std::shared_ptr<PagePool>& shared_pool() const { return pool_; }
   const KernelBackend* backend() const { return backend_; }
   const StoreOptions& options() const { return options_; }
 
@@ -138,7 +142,7 @@ class SequenceStore {
 
   const StoreOptions options_;
   const KernelBackend* backend_;
-  std::unique_ptr<PagePool> pool_;
+  std::shared_ptr<PagePool> pool_;
   StoreEvents events_;
 
   mutable absl::Mutex mu_;

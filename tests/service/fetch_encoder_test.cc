@@ -1,14 +1,20 @@
 // DenseFetchMessage and RawFetchMessage write exactly the bytes protobuf
-// serializes for the same FetchResponse, so clients parse them as one.
+// serializes for the same FetchResponse, so clients parse them as one; the
+// pages RawFetchMessage shares stay referenced exactly as long as its
+// buffer.
 #include "service/fetch_encoder.h"
 
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "service/page_pool.h"
 
 namespace kvq {
 namespace {
@@ -90,18 +96,67 @@ struct RawCase {
   int32_t page_tokens, pages, range_layer_end, range_token_end;
 };
 
-class RawFetchEncoderTest : public ::testing::TestWithParam<RawCase> {};
+// Counts the references RawFetchMessage takes and drops on blocks it
+// shares; the blocks live in the test's own buffer.
+class CountingAllocator final : public PageAllocator {
+ public:
+  absl::StatusOr<uint8_t*> Allocate(size_t) override {
+    return absl::UnimplementedError("not used");
+  }
+  void Retain(uint8_t* block, size_t bytes) override {
+    ++refs[block];
+    EXPECT_EQ(bytes, expected_bytes);
+  }
+  void Free(uint8_t* block, size_t bytes) override {
+    EXPECT_GT(refs[block]--, 0) << "a reference dropped twice";
+    EXPECT_EQ(bytes, expected_bytes);
+  }
+  int live() const {
+    int n = 0;
+    for (const auto& [block, count] : refs) n += count;
+    return n;
+  }
+
+  std::map<const uint8_t*, int> refs;
+  size_t expected_bytes = 0;
+};
+
+// How page_data is given: all copied, all shared (adjacent pages, one run),
+// or alternating (every shared page its own run).
+enum class Add { kCopy, kShare, kAlternate };
+
+class RawFetchEncoderTest
+    : public ::testing::TestWithParam<std::tuple<RawCase, Add>> {};
 
 TEST_P(RawFetchEncoderTest, BytesEqualProtobufSerialization) {
-  const RawCase& c = GetParam();
+  const auto& [c, add] = GetParam();
   const size_t n = static_cast<size_t>(c.pages) * static_cast<size_t>(c.page_bytes);
   std::string data(n, '\0');
   for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>(i * 11 + 3);
-  RawFetchMessage m(c.layer, c.token_begin, c.layers, c.tokens, c.page_bytes, c.page_tokens, n,
-                    c.range_layer_end, c.range_token_end);
-  if (n > 0) std::memcpy(m.page_data(), data.data(), n);
-  const size_t size = m.size();
-  const std::string ours = Bytes(m.Release());
+  auto owner = std::make_shared<CountingAllocator>();
+  owner->expected_bytes = static_cast<size_t>(c.page_bytes);
+  std::string ours;
+  size_t size = 0;
+  {
+    RawFetchMessage m(c.layer, c.token_begin, c.layers, c.tokens, c.page_bytes, c.page_tokens, n,
+                      c.range_layer_end, c.range_token_end);
+    for (int i = 0; i < c.pages; ++i) {
+      const auto* page = reinterpret_cast<const uint8_t*>(data.data()) + i * c.page_bytes;
+      if (add == Add::kCopy || (add == Add::kAlternate && i % 2 == 1)) {
+        m.AddCopy(page, c.page_bytes);
+      } else {
+        m.AddShared(owner, page, c.page_bytes);
+      }
+    }
+    EXPECT_EQ(m.data_added(), n);
+    size = m.size();
+    grpc::ByteBuffer buf = m.Release();
+    const int shared = add == Add::kCopy ? 0 : add == Add::kShare ? c.pages : (c.pages + 1) / 2;
+    EXPECT_EQ(owner->live(), shared) << "one reference per shared page while the buffer lives";
+    ours = Bytes(buf);
+    EXPECT_EQ(owner->live(), shared);
+  }
+  EXPECT_EQ(owner->live(), 0) << "the buffer's last slice dropped every reference";
 
   v1::FetchResponse r = Header(c.layer, c.token_begin, c.range_layer_end, c.range_token_end);
   v1::QuantizedPages* p = r.mutable_pages();
@@ -119,14 +174,65 @@ TEST_P(RawFetchEncoderTest, BytesEqualProtobufSerialization) {
   EXPECT_EQ(parsed.pages().page_bytes(), c.page_bytes);
 }
 
+TEST(RawFetchMessageTest, AnAbandonedMessageDropsItsReferences) {
+  std::string data(3 * 64, 'x');
+  auto owner = std::make_shared<CountingAllocator>();
+  owner->expected_bytes = 64;
+  {
+    RawFetchMessage m(0, 0, 1, 96, 64, 32, data.size());
+    const auto* base = reinterpret_cast<const uint8_t*>(data.data());
+    m.AddShared(owner, base, 64);
+    m.AddCopy(base + 64, 64);
+    m.AddShared(owner, base + 128, 64);  // Still an open run when dropped.
+    EXPECT_EQ(owner->live(), 2);
+  }
+  EXPECT_EQ(owner->live(), 0);
+}
+
+// A page shared into a message outlives the stream that dropped it, and
+// the pool outlives its last other owner, until gRPC drops the buffer: what
+// lets FetchDequant send pages of a sequence released (or evicted) while
+// its messages are in flight, and a server stop before the transport lets
+// go of them.
+TEST(RawFetchMessageTest, SharedPagesOutliveTheirStreamAndThePool) {
+  absl::StatusOr<std::unique_ptr<PagePool>> made = PagePool::Create({size_t{4} << 20, size_t{1} << 20});
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::shared_ptr<PagePool> pool = std::move(*made);
+  constexpr size_t kPage = 2304;
+  std::string want;
+  grpc::ByteBuffer buf;
+  {
+    RawFetchMessage m(0, 0, 1, 64, kPage, 32, 2 * kPage);
+    for (int i = 0; i < 2; ++i) {
+      absl::StatusOr<uint8_t*> page = pool->Allocate(kPage);
+      ASSERT_TRUE(page.ok());
+      std::memset(*page, 'a' + i, kPage);
+      want.append(kPage, static_cast<char>('a' + i));
+      m.AddShared(pool, *page, kPage);
+      pool->Free(*page, kPage);  // The stream's reference goes: the message's stays.
+    }
+    buf = m.Release();
+  }
+  EXPECT_EQ(pool->Stats().blocks_used, 2u);
+  std::weak_ptr<PagePool> watch = pool;
+  pool.reset();
+  ASSERT_FALSE(watch.expired()) << "the buffer keeps the pool";
+  const std::string bytes = Bytes(buf);
+  EXPECT_EQ(bytes.substr(bytes.size() - want.size()), want);
+  buf.Clear();
+  EXPECT_TRUE(watch.expired()) << "the last slice let the pool go";
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Pages, RawFetchEncoderTest,
-    ::testing::Values(
-        RawCase{0, 0, 1, 32, 1728, 32, 1, 0, 0},            // Defaults omitted.
-        RawCase{0, 4, 1, 4096, 2304, 32, 3 * 128, 30, 4100},  // A first message, ~864 KiB.
-        RawCase{29, 4064, 1, 32, 1728, 32, 3, 0, 0},          // Multi-byte varints.
-        RawCase{1, 0, 1, 96, 300000, 32, 4, 0, 0},           // 1.2 MB: 3-byte lengths.
-        RawCase{0, 0, 0, 0, 0, 0, 0, 0, 0}));                  // Empty pages, still present.
+    ::testing::Combine(
+        ::testing::Values(
+            RawCase{0, 0, 1, 32, 1728, 32, 1, 0, 0},              // Defaults omitted.
+            RawCase{0, 4, 1, 4096, 2304, 32, 3 * 128, 30, 4100},  // A first message, ~864 KiB.
+            RawCase{29, 4064, 1, 32, 1728, 32, 3, 0, 0},          // Multi-byte varints.
+            RawCase{1, 0, 1, 96, 300000, 32, 4, 0, 0},            // 1.2 MB: 3-byte lengths.
+            RawCase{0, 0, 0, 0, 0, 0, 0, 0, 0}),                  // Empty pages, still present.
+        ::testing::Values(Add::kCopy, Add::kShare, Add::kAlternate)));
 
 }  // namespace
 }  // namespace kvq

@@ -1,5 +1,7 @@
 // Raw pages: CopyPages on one stream, AppendPages on another, as a client
-// library that quantizes locally and a server that validates would.
+// library that quantizes locally and a server that validates would (the
+// server reading them from the slices they arrived in).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -11,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/byte_reader.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
@@ -94,6 +97,102 @@ TEST_P(RawPagesTest, AppendedPagesAreTheCopiedPages) {
   }
 }
 
+// `bytes` cut into runs at sizes that cycle through `cuts`, each run in a
+// buffer of its own followed by 0xff bytes (a received message's slices
+// fall anywhere, and a read past a run's end must not find the next one).
+struct CutBytes {
+  std::vector<std::vector<uint8_t>> buffers;
+  std::vector<ByteReader::Run> runs;
+};
+CutBytes CutInto(const std::vector<uint8_t>& bytes, const std::vector<size_t>& cuts) {
+  CutBytes out;
+  size_t at = 0;
+  for (size_t i = 0; at < bytes.size(); ++i) {
+    const size_t n = std::min(cuts[i % cuts.size()], bytes.size() - at);
+    std::vector<uint8_t> buffer(n + 64, 0xff);
+    std::memcpy(buffer.data(), bytes.data() + at, n);
+    out.buffers.push_back(std::move(buffer));
+    at += n;
+  }
+  for (const std::vector<uint8_t>& buffer : out.buffers) {
+    out.runs.emplace_back(buffer.data(), buffer.size() - 64);
+  }
+  return out;
+}
+
+// VisitPages visits CopyPages' pages in order, and says which are full:
+// every page of the range but a last one that the quantized tokens fill in
+// part.
+TEST_P(RawPagesTest, VisitedPagesAreTheCopiedPagesAndTheLastMayBePartial) {
+  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  if (!TakesPages(src->spec())) GTEST_SKIP() << "no raw pages";
+  const int d = src->head_dim();
+  const QuantSpec& spec = src->spec();
+  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64) + 5;
+  ASSERT_TRUE(testutil::AppendRows(*src, testutil::MakeKeys(n, d, 41),
+                                   testutil::MakeValues(n, d, 42), 0, n)
+                  .ok());
+  const int q = src->quantized_tokens();
+  const int pt = src->layout().page_tokens;
+  const size_t page_bytes = src->layout().page_bytes;
+  std::vector<uint8_t> copied(static_cast<size_t>(src->PagesFor(q)) * page_bytes);
+  ASSERT_TRUE(src->CopyPages(0, q, copied.data()).ok());
+  std::vector<uint8_t> visited;
+  std::vector<bool> full;
+  ASSERT_TRUE(src->VisitPages(0, q, [&](const uint8_t* page, bool is_full) {
+                    visited.insert(visited.end(), page, page + page_bytes);
+                    full.push_back(is_full);
+                  }).ok());
+  EXPECT_EQ(visited, copied);
+  ASSERT_EQ(full.size(), static_cast<size_t>(src->PagesFor(q)));
+  for (size_t i = 0; i < full.size(); ++i) {
+    EXPECT_EQ(full[i], static_cast<int>(i + 1) * pt <= q) << "page " << i << " of " << q
+                                                          << " tokens, " << pt << " per page";
+  }
+  EXPECT_EQ(src->VisitPages(1, q, [](const uint8_t*, bool) {}).code(),
+            pt == 1 ? absl::StatusCode::kOk : absl::StatusCode::kOutOfRange);
+}
+
+// AppendPages reads pages cut anywhere across runs exactly as it reads them
+// whole; a run set too short for the tokens is refused, nothing stored.
+TEST_P(RawPagesTest, PagesCutAcrossRunsAppendAsWhole) {
+  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
+  if (!TakesPages(src->spec())) GTEST_SKIP() << "no raw pages";
+  const int d = src->head_dim();
+  const QuantSpec& spec = src->spec();
+  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64);
+  std::vector<float> k = testutil::MakeKeys(n, d, 43);
+  std::vector<float> v = testutil::MakeValues(n, d, 44);
+  ASSERT_TRUE(testutil::AppendRows(*src, k, v, 0, n).ok());
+  const int q = src->quantized_tokens();
+  const size_t page_bytes = src->layout().page_bytes;
+  std::vector<uint8_t> wire(static_cast<size_t>(src->PagesFor(q)) * page_bytes);
+  ASSERT_TRUE(src->CopyPages(0, q, wire.data()).ok());
+  for (const std::vector<size_t>& cuts :
+       {std::vector<size_t>{1, 7, 0, page_bytes - 1}, std::vector<size_t>{page_bytes + 3},
+        std::vector<size_t>{page_bytes}, std::vector<size_t>{wire.size()}}) {
+    std::unique_ptr<KvStream> dst = testutil::MakeStream(GetParam());
+    ASSERT_TRUE(testutil::AppendRows(*dst, k, v, 0, spec.sink).ok());
+    const CutBytes cut = CutInto(wire, cuts);
+    absl::Status st = dst->AppendPages(ByteReader(cut.runs), q);
+    ASSERT_TRUE(st.ok()) << st << " with " << cut.runs.size() << " runs";
+    std::vector<uint8_t> stored(wire.size());
+    ASSERT_TRUE(dst->CopyPages(0, q, stored.data()).ok());
+    EXPECT_EQ(stored, wire) << cut.runs.size() << " runs";
+    EXPECT_EQ(dst->num_tokens(), n);
+  }
+  std::unique_ptr<KvStream> dst = testutil::MakeStream(GetParam());
+  ASSERT_TRUE(testutil::AppendRows(*dst, k, v, 0, spec.sink).ok());
+  const ByteBreakdown before = dst->AllocatedBytes();
+  const ByteReader::Run short_run(wire.data(), wire.size() - 1);
+  absl::Status st = dst->AppendPages(ByteReader({&short_run, 1}), q);
+  EXPECT_EQ(st, absl::InvalidArgumentError(absl::StrCat("raw pages: ", q, " tokens take ",
+                                                          wire.size(), " bytes, only ",
+                                                          wire.size() - 1, " given")));
+  EXPECT_EQ(dst->num_tokens(), spec.sink);
+  EXPECT_EQ(dst->AllocatedBytes(), before);
+}
+
 TEST_P(RawPagesTest, CorruptPagesAreRejectedAndNothingIsStored) {
   std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
   const QuantSpec& spec = src->spec();
@@ -122,6 +221,12 @@ TEST_P(RawPagesTest, CorruptPagesAreRejectedAndNothingIsStored) {
   }
   const ByteBreakdown before = dst->AllocatedBytes();
   absl::Status st = dst->AppendPages(wire.data(), q);
+  ExpectPage1ValueScaleNamed(st, L);
+  EXPECT_EQ(dst->num_tokens(), spec.sink);
+  EXPECT_EQ(dst->AllocatedBytes(), before);
+  // The same with the corrupt page cut between two runs: checked in a copy.
+  const CutBytes cut = CutInto(wire, {L.page_bytes + 5});
+  st = dst->AppendPages(ByteReader(cut.runs), q);
   ExpectPage1ValueScaleNamed(st, L);
   EXPECT_EQ(dst->num_tokens(), spec.sink);
   EXPECT_EQ(dst->AllocatedBytes(), before);
