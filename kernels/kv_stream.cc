@@ -669,6 +669,15 @@ absl::Status KvStream::AppendPages(ByteReader data, int tokens) {
 absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int begin, int end,
                                  const ReadOptions& options, TensorView k_out,
                                  TensorView v_out) const {
+  thread_local std::vector<const uint8_t*> pages;
+  pages.resize(PagesFor(std::max(tokens, 0)));
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = data + i * layout_.page_bytes;
+  return ReadPages(pages, tokens, first, begin, end, options, k_out, v_out);
+}
+
+absl::Status KvStream::ReadPages(absl::Span<const uint8_t* const> pages, int tokens, int first,
+                                 int begin, int end, const ReadOptions& options,
+                                 TensorView k_out, TensorView v_out) const {
   if (config_.spec.kind == SchemeKind::kFp8E4m3) {
     return absl::FailedPreconditionError("fp8_e4m3 streams have no raw pages: the scale is per stream");
   }
@@ -678,6 +687,11 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
                                               ") is not inside the pages' [", first, ", ",
                                               int64_t{first} + tokens, ")"));
   }
+  if (static_cast<int64_t>(pages.size()) < PagesFor(tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat("raw pages: ", tokens, " tokens take ",
+                                                   PagesFor(tokens), " pages, only ",
+                                                   pages.size(), " given"));
+  }
   KVQ_RETURN_IF_ERROR(CheckReadOutputs(end - begin, options, k_out, v_out));
   const int pt = layout_.page_tokens;
   if (begin == end) return absl::OkStatus();
@@ -686,7 +700,7 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
   // Only the sides read are checked: a caller may read K and V apart.
   const bool keys = k_out.data != nullptr, values = v_out.data != nullptr;
   for (int i = first_page; i <= last_page && (keys || values); ++i) {
-    const uint8_t* page = data + static_cast<size_t>(i) * layout_.page_bytes;
+    const uint8_t* page = pages[i];
     const int rows = std::min(pt, tokens - i * pt);
     KVQ_RETURN_IF_ERROR(keys && values ? CheckPage(layout_, page, rows, i)
                                        : CheckPage(layout_, page, rows, i,
@@ -696,23 +710,23 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
   for (Side side : {Side::kKey, Side::kValue}) {
     const TensorView& out = side == Side::kKey ? k_out : v_out;
     if (out.data == nullptr) continue;
-    if (options.streaming_output && StreamPageRows(side, data, first, begin, end, options, out)) {
+    if (options.streaming_output && StreamPageRows(side, pages, first, begin, end, options, out)) {
       continue;
     }
     for (int t = begin; t < end;) {
       const int u = t - first;
       const int row = u % pt;
       const int count = std::min(end - t, pt - row);
-      ReadPageRows(side, data + static_cast<size_t>(u / pt) * layout_.page_bytes, row, count, t,
-                   options, out, t - begin, rows.data());
+      ReadPageRows(side, pages[u / pt], row, count, t, options, out, t - begin, rows.data());
       t += count;
     }
   }
   return absl::OkStatus();
 }
 
-bool KvStream::StreamPageRows(Side side, const uint8_t* data, int first, int begin, int end,
-                              const ReadOptions& options, const TensorView& out) const {
+bool KvStream::StreamPageRows(Side side, absl::Span<const uint8_t* const> pages, int first,
+                              int begin, int end, const ReadOptions& options,
+                              const TensorView& out) const {
   const SideLayout& S = layout_.side(side);
   const int d = head_dim();
   if (options.dtype != DType::kFloat16 || !StoredAsRead(side, options) || out.stride() != d) {
@@ -729,7 +743,7 @@ bool KvStream::StreamPageRows(Side side, const uint8_t* data, int first, int beg
     const int u = t - first;
     const int row = u % pt;
     const int count = std::min(end - t, pt - row);
-    const uint8_t* page = data + static_cast<size_t>(u / pt) * layout_.page_bytes;
+    const uint8_t* page = pages[u / pt];
     if (fp16_rows) {
       streamer.Write(PageLayout::CodeRow(page, S, row), count * row_bytes);
     } else if (backend_->DequantizeRowsHalf(*this, side, page, row, count, tile.data(), d)) {

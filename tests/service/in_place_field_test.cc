@@ -1,0 +1,73 @@
+// InPlaceField on the raw fetch's messages (the client's side; the server's
+// Append is append_decoder_test): page_data stays in the slices, the rest
+// parses as protobuf, dense messages parse whole, bad bytes name the type.
+#include "proto/wire/in_place_field.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvq/v1/kvq.pb.h"
+
+namespace kvq {
+namespace {
+
+constexpr uint32_t kPageData[] = {5, 5};  // FetchResponse.pages.page_data.
+
+grpc::ByteBuffer Sliced(const std::string& bytes, size_t cut) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += cut) {
+    slices.emplace_back(bytes.data() + at, std::min(cut, bytes.size() - at));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+TEST(InPlaceFieldTest, RawFetchPagesStayInTheSlices) {
+  v1::FetchResponse want;
+  want.set_layer(7);
+  want.set_token_begin(36);
+  want.mutable_pages()->set_tokens(64);
+  want.mutable_pages()->set_page_bytes(1728);
+  std::string data(3 * 1728 * 2, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 13);
+  want.mutable_pages()->set_page_data(data);
+  want.set_range_token_end(4100);
+  const std::string wire = want.SerializeAsString();
+  for (size_t cut : {size_t{1}, size_t{1000}, wire.size()}) {
+    InPlaceField field;
+    v1::FetchResponse got;
+    ASSERT_TRUE(field.Decode(Sliced(wire, cut), kPageData, "kvq.v1.FetchResponse", &got).ok());
+    ASSERT_TRUE(field.found());
+    EXPECT_EQ(field.wire_bytes(), wire.size());
+    EXPECT_EQ(field.field_size(), data.size());
+    std::string read(data.size(), '\0');
+    field.field().Read(read.size(), reinterpret_cast<uint8_t*>(read.data()));
+    EXPECT_EQ(read, data);
+    v1::FetchResponse rest = want;
+    rest.mutable_pages()->clear_page_data();
+    EXPECT_EQ(got.SerializeAsString(), rest.SerializeAsString()) << cut;
+  }
+}
+
+TEST(InPlaceFieldTest, DenseMessagesParseWholeAndBadBytesNameTheType) {
+  v1::FetchResponse dense;
+  dense.set_layer(1);
+  dense.mutable_k()->set_data(std::string(10000, 'k'));
+  dense.mutable_v()->set_data(std::string(10000, 'v'));
+  const std::string wire = dense.SerializeAsString();
+  InPlaceField field;
+  v1::FetchResponse got;
+  ASSERT_TRUE(field.Decode(Sliced(wire, 777), kPageData, "kvq.v1.FetchResponse", &got).ok());
+  EXPECT_FALSE(field.found());
+  EXPECT_EQ(field.field_size(), 0u);
+  EXPECT_EQ(got.SerializeAsString(), wire);
+  for (const std::string& bad : {wire.substr(0, 100), std::string("\x2a\x05\x2a\x7f", 4)}) {
+    EXPECT_EQ(field.Decode(Sliced(bad, 7), kPageData, "kvq.v1.FetchResponse", &got),
+              absl::InvalidArgumentError("the message is not a kvq.v1.FetchResponse"));
+    EXPECT_FALSE(field.found());
+  }
+}
+
+}  // namespace
+}  // namespace kvq
