@@ -84,13 +84,6 @@ RawPagePlacer::RawPagePlacer(const LocalSequence& local, const ReadOptions& read
       next_(static_cast<size_t>(local.layers()), pages_begin) {}
 
 absl::Status RawPagePlacer::Place(const v1::FetchResponse& m) {
-  const std::string& data = m.pages().page_data();
-  const ByteReader::Run run(reinterpret_cast<const uint8_t*>(data.data()), data.size());
-  return Place(m, ByteReader({&run, 1}));
-}
-
-absl::Status RawPagePlacer::Place(const v1::FetchResponse& m, ByteReader page_data) {
-  const size_t data_bytes = page_data.remaining();
   const int l = m.layer() - local_.layer_begin();
   const int heads = local_.kv_heads();
   const KvStream& s0 = local_.stream(local_.layer_begin(), 0);
@@ -101,12 +94,12 @@ absl::Status RawPagePlacer::Place(const v1::FetchResponse& m, ByteReader page_da
   const bool shape_ok = m.has_pages() && p.layers() == 1 && n > 0 &&
                         p.page_bytes() == static_cast<int64_t>(layout.page_bytes) &&
                         p.page_tokens() == layout.page_tokens &&
-                        data_bytes == per_stream * heads;
+                        p.page_data().size() == per_stream * heads;
   if (!shape_ok || l < 0 || l >= local_.layers() || m.token_begin() != next_[l] ||
       int64_t{m.token_begin()} + n > end_) {
     return absl::DataLossError(absl::StrCat(
         "raw fetch response for layer ", m.layer(), " token ", m.token_begin(), " (", n,
-        " tokens, ", data_bytes, " bytes) does not continue the range: layer ",
+        " tokens, ", p.page_data().size(), " bytes) does not continue the range: layer ",
         m.layer(), " is at token ", l >= 0 && l < local_.layers() ? next_[l] : -1, " of [",
         pages_begin_, ", ", end_, "), ", heads, " kv heads of ", layout.page_tokens, "-token, ",
         layout.page_bytes, "-byte pages"));
@@ -116,14 +109,7 @@ absl::Status RawPagePlacer::Place(const v1::FetchResponse& m, ByteReader page_da
   const int64_t out_tokens = k_->shape[2];
   const int d = s0.head_dim();
   const size_t elem = DTypeBytes(read_.dtype);
-  // Each page where it lies; a page cut between two slices is read from a
-  // copy (the buffer is kept for the next message).
-  const int stream_pages = s0.PagesFor(n);
-  pages_.resize(static_cast<size_t>(heads) * stream_pages);
-  straddling_.resize(data_bytes);
-  for (size_t i = 0; i < pages_.size(); ++i) {
-    pages_[i] = page_data.Next(layout.page_bytes, straddling_.data() + i * layout.page_bytes);
-  }
+  const auto* data = reinterpret_cast<const uint8_t*>(p.page_data().data());
   // K and V of each head are independent, and so are runs of whole pages:
   // about kTasksPerThread tasks per thread. The helper thread wakes tens
   // of microseconds after the caller starts, on a message of a few hundred;
@@ -151,9 +137,8 @@ absl::Status RawPagePlacer::Place(const v1::FetchResponse& m, ByteReader page_da
     const TensorView rows{out->mutable_bytes() + at, read_.dtype, pe - pb, d, 0};
     const TensorView none{nullptr, read_.dtype, pe - pb, d, 0};
     results[i] = local_.stream(m.layer(), h)
-                     .ReadPages(absl::MakeConstSpan(pages_).subspan(
-                                    static_cast<size_t>(h) * stream_pages, stream_pages),
-                                n, t0, pb, pe, read_, keys ? rows : none, keys ? none : rows);
+                     .ReadPages(data + h * per_stream, n, t0, pb, pe, read_, keys ? rows : none,
+                                keys ? none : rows);
   });
   for (size_t i = 0; i < results.size(); ++i) {
     if (!results[i].ok()) {
@@ -164,7 +149,7 @@ absl::Status RawPagePlacer::Place(const v1::FetchResponse& m, ByteReader page_da
     }
   }
   next_[l] = t0 + n;
-  bytes_ += static_cast<int64_t>(data_bytes);
+  bytes_ += static_cast<int64_t>(p.page_data().size());
   return absl::OkStatus();
 }
 

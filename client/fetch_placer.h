@@ -13,7 +13,6 @@
 #include "client/host_tensor.h"
 #include "client/kvq_client.h"
 #include "client/local_sequence.h"
-#include "kernels/byte_reader.h"
 #include "kernels/kv_stream.h"
 #include "kvq/v1/kvq.pb.h"
 
@@ -56,9 +55,6 @@ class RawPagePlacer {
                 int end, int out_begin, HostTensor* k, HostTensor* v, int threads = 0);
 
   absl::Status Place(const v1::FetchResponse& m);
-  // The same message with its pages.page_data read from `page_data` (the
-  // slices it arrived in) instead of from m, where it is empty.
-  absl::Status Place(const v1::FetchResponse& m, ByteReader page_data);
   void Reset();
   absl::Status CheckComplete() const;
   int64_t bytes() const { return bytes_; }
@@ -72,8 +68,6 @@ class RawPagePlacer {
   const int threads_;
   std::vector<int> next_;  // Per layer: the token the next message starts at.
   int64_t bytes_ = 0;
-  std::vector<const uint8_t*> pages_;  // The message's pages, [kv_head][page].
-  std::vector<uint8_t> straddling_;    // Copies of pages cut between slices.
 };
 
 }  // namespace kvq

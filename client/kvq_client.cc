@@ -15,10 +15,8 @@
 #include "client/grpc_status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "grpcpp/support/sync_stream.h"
 #include "kernels/malloc_tuning.h"
 #include "kernels/status_macros.h"
-#include "proto/wire/in_place_field.h"
 
 namespace kvq {
 namespace {
@@ -288,8 +286,10 @@ absl::StatusOr<AppendResult> KvqClient::AppendPromptQuantized(absl::string_view 
   return SendPlan(sequence_id, k, v, plan, options, &config);
 }
 
-v1::FetchRequest KvqClient::FetchRequestFor(absl::string_view sequence_id,
-                                            const FetchOptions& options, bool raw) const {
+absl::Status KvqClient::FetchStream(
+    absl::string_view sequence_id, const FetchOptions& options, bool raw,
+    const std::function<absl::Status(v1::FetchResponse&&)>& on_message,
+    const std::function<void()>& on_restart) {
   v1::FetchRequest request;
   Ref(sequence_id, request.mutable_sequence());
   request.set_layer_begin(options.layer_begin);
@@ -300,14 +300,6 @@ v1::FetchRequest KvqClient::FetchRequestFor(absl::string_view sequence_id,
   request.set_apply_rope(options.apply_rope && !raw);
   request.set_raw(raw);
   request.set_max_chunk_bytes(options.max_chunk_bytes);
-  return request;
-}
-
-absl::Status KvqClient::FetchStream(
-    absl::string_view sequence_id, const FetchOptions& options, bool raw,
-    const std::function<absl::Status(v1::FetchResponse&&)>& on_message,
-    const std::function<void()>& on_restart) {
-  const v1::FetchRequest request = FetchRequestFor(sequence_id, options, raw);
   absl::Status local;
   absl::Status st = Call(true, options.call, [&](grpc::ClientContext* ctx, int attempt) {
     if (attempt > 1) on_restart();
@@ -327,46 +319,6 @@ absl::Status KvqClient::FetchStream(
   return local.ok() ? st : local;
 }
 
-absl::Status KvqClient::FetchPagesStream(
-    absl::string_view sequence_id, const FetchOptions& options,
-    const std::function<absl::Status(const v1::FetchResponse&, ByteReader)>& on_message,
-    const std::function<void()>& on_restart) {
-  // FetchDequant read as bytes (the generated stub would parse each message
-  // into a FetchResponse, copying its pages into page_data).
-  static const grpc::internal::RpcMethod kFetchDequant(
-      "/kvq.v1.KvCache/FetchDequant", grpc::internal::RpcMethod::SERVER_STREAMING);
-  // FetchResponse.pages (5) -> QuantizedPages.page_data (5).
-  static constexpr uint32_t kPageData[] = {5, 5};
-  const v1::FetchRequest request = FetchRequestFor(sequence_id, options, /*raw=*/true);
-  absl::Status local;
-  absl::Status st = Call(true, options.call, [&](grpc::ClientContext* ctx, int attempt) {
-    if (attempt > 1) on_restart();
-    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
-            channel_.get(), kFetchDequant, ctx, request));
-    grpc::ByteBuffer bytes;
-    InPlaceField pages;
-    v1::FetchResponse message;
-    while (reader->Read(&bytes)) {
-      local = pages.Decode(bytes, kPageData, "kvq.v1.FetchResponse", &message);
-      if (!local.ok()) {
-        local = absl::DataLossError(local.message());
-      } else if (pages.found()) {
-        local = on_message(message, pages.field());
-      } else {
-        const std::string& data = message.pages().page_data();
-        const ByteReader::Run run(reinterpret_cast<const uint8_t*>(data.data()), data.size());
-        local = on_message(message, ByteReader({&run, 1}));
-      }
-      if (!local.ok()) {
-        ctx->TryCancel();
-        break;
-      }
-    }
-    return reader->Finish();
-  });
-  return local.ok() ? st : local;
-}
 
 absl::StatusOr<FetchedKv> KvqClient::FetchDequant(absl::string_view sequence_id,
                                                   const FetchOptions& options) {
@@ -474,10 +426,10 @@ absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
   const TokenPlacement place = PlaceTokens(stream_config, num_tokens);
   const int q_begin = place.sink, q_end = place.sink + place.quantized;
   int64_t done = 0;
-  // A dense stream of the fetch, each message placed as it arrives.
-  auto stream_into = [&](const FetchOptions& part, FetchPlacer& placer) -> absl::Status {
+  // One stream of the fetch, each message placed as it arrives.
+  auto stream_into = [&](const FetchOptions& part, bool raw, auto& placer) -> absl::Status {
     KVQ_RETURN_IF_ERROR(FetchStream(
-        sequence_id, part, /*raw=*/false,
+        sequence_id, part, raw,
         [&](v1::FetchResponse&& m) {
           KVQ_RETURN_IF_ERROR(placer.Place(m));
           if (o.progress) o.progress(done + placer.bytes(), -1);
@@ -497,7 +449,7 @@ absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
     part.token_end = end;
     part.progress = nullptr;
     FetchPlacer placer(part, k, v, begin - o.token_begin, end - begin);
-    return stream_into(part, placer);
+    return stream_into(part, /*raw=*/false, placer);
   };
   KVQ_RETURN_IF_ERROR(dense(o.token_begin, std::min(o.token_end, q_begin)));
   // The quantized part as raw pages from the page holding its first token,
@@ -516,16 +468,7 @@ absl::Status KvqClient::FetchLocalInto(absl::string_view sequence_id,
         o.streaming_output_bytes >= 0 &&
         static_cast<int64_t>(k->byte_size() + v->byte_size()) >= o.streaming_output_bytes;
     RawPagePlacer placer(*local, read, part.token_begin, begin, end, o.token_begin, k, v);
-    KVQ_RETURN_IF_ERROR(FetchPagesStream(
-        sequence_id, part,
-        [&](const v1::FetchResponse& m, ByteReader page_data) {
-          KVQ_RETURN_IF_ERROR(placer.Place(m, page_data));
-          if (o.progress) o.progress(done + placer.bytes(), -1);
-          return absl::OkStatus();
-        },
-        [&] { placer.Reset(); }));
-    KVQ_RETURN_IF_ERROR(placer.CheckComplete());
-    done += placer.bytes();
+    KVQ_RETURN_IF_ERROR(stream_into(part, /*raw=*/true, placer));
   }
   return dense(std::max(o.token_begin, q_end), o.token_end);
 }

@@ -42,7 +42,6 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
-#include "kernels/byte_reader.h"
 #include "kernels/page_allocator.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 
@@ -357,20 +356,9 @@ class KvqClient {
                                         const HostTensor& v, const AppendPlan& plan,
                                         const AppendOptions& options,
                                         const SequenceConfig* config);
-  v1::FetchRequest FetchRequestFor(absl::string_view sequence_id, const FetchOptions& options,
-                                   bool raw) const;
   absl::Status FetchStream(absl::string_view sequence_id, const FetchOptions& options, bool raw,
                            const std::function<absl::Status(v1::FetchResponse&&)>& on_message,
                            const std::function<void()>& on_restart);
-  // FetchStream with raw = true, each message decoded from the slices it
-  // arrived in: on_message gets the FetchResponse without pages.page_data
-  // and a reader over page_data (proto/wire/in_place_field.h), so the pages
-  // are not copied before they are read. A message that does not parse
-  // ends the stream with DATA_LOSS, as on_message's errors do.
-  absl::Status FetchPagesStream(
-      absl::string_view sequence_id, const FetchOptions& options,
-      const std::function<absl::Status(const v1::FetchResponse&, ByteReader)>& on_message,
-      const std::function<void()>& on_restart);
   // FetchDequantLocalInto with the range resolved (o.layer_end and
   // o.token_end set, inside the sequence's num_tokens): the sink and tail
   // dequantized by the server, the quantized part as raw pages dequantized

@@ -107,10 +107,12 @@ bool AnyBadParams(const uint16_t* p, int entries, int n) {
     const uint64_t scale_lanes = n == 1 ? 0x0000ffff0000ffffull : 0x00000000ffffffffull;
     size_t i = 0;
     for (; i + 4 <= halves; i += 4) bad |= BadLanes(LoadWord(p + i), scale_lanes);
-    if (i < halves) bad |= BadLanes(uint64_t{p[i]} | uint64_t{p[i + 1]} << 16, 0xffff);
+    if (i < halves) bad |= BadLanes(uint64_t{Load16(p, i)} | uint64_t{Load16(p, i + 1)} << 16, 0xffff);
   } else {  // Other n: a parameter at a time.
     for (size_t e = 0; e < halves; e += 2 * n) {
-      for (int i = 0; i < n; ++i) bad |= BadLanes(p[e + i], 0xffff) | BadLanes(p[e + n + i], 0);
+      for (int i = 0; i < n; ++i) {
+        bad |= BadLanes(Load16(p, e + i), 0xffff) | BadLanes(Load16(p, e + n + i), 0);
+      }
     }
   }
   return bad != 0;
@@ -225,11 +227,11 @@ absl::Status CheckGroupParams(const PageLayout& L, const SideLayout& S, const ui
   for (int e = 0; e < entries; ++e) {
     const uint16_t* p = L.Params(page, S, e);
     for (int i = 0; i < n; ++i) {
-      if (!FiniteHalf(p[i]) || !NonNegativeHalf(p[i])) {
+      if (!FiniteHalf(Load16(p, i)) || !NonNegativeHalf(Load16(p, i))) {
         return absl::InvalidArgumentError(
             absl::StrCat("row ", e, ": scale ", i, " must be finite and >= 0"));
       }
-      if (!FiniteHalf(p[n + i])) {
+      if (!FiniteHalf(Load16(p, n + i))) {
         return absl::InvalidArgumentError(
             absl::StrCat("row ", e, ": zero point ", i, " is not finite"));
       }

@@ -56,7 +56,8 @@ Params8Steps ReadParams8Steps(const uint8_t* block);
 
 // Checks the stored parameters of the first `rows` rows of a page that
 // arrived from outside: scales finite and >= 0, zero points finite. The
-// message names the entry ("row" or "block") and the parameter.
+// message names the entry ("row" or "block") and the parameter. The page
+// may lie at any address (inside a received message).
 absl::Status CheckGroupParams(const PageLayout& L, const SideLayout& S, const uint8_t* page,
                               int rows);
 

@@ -569,7 +569,9 @@ namespace {
 
 bool FiniteHalf(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
 
-// Checks the sides of a page named in `sides` (both by default).
+// Checks the sides of a page named in `sides` (both by default). The page
+// may lie at any address (inside a received message): every 16-bit field
+// is loaded through memcpy.
 absl::Status CheckPage(const PageLayout& L, const uint8_t* page, int rows, int index,
                        std::initializer_list<Side> sides = {Side::kKey, Side::kValue}) {
   auto bad = [&](absl::string_view side, absl::string_view what, int row) {
@@ -601,12 +603,13 @@ absl::Status CheckPage(const PageLayout& L, const uint8_t* page, int rows, int i
     for (int b = 0; b < rows / L.block_tokens && L.outliers_per_block > 0; ++b) {
       const uint16_t* t = L.Outliers(page, S, b);
       for (int e = 0; e < L.outliers_per_block; ++e) {
-        if (t[e] >= L.block_tokens * L.head_dim) {
-          return bad(name, absl::StrCat("outlier ", e, " index ", t[e], " is outside the block of ",
+        const uint16_t at = Load16(t, e);
+        if (at >= L.block_tokens * L.head_dim) {
+          return bad(name, absl::StrCat("outlier ", e, " index ", at, " is outside the block of ",
                                         L.block_tokens * L.head_dim),
                      b * L.block_tokens);
         }
-        if (!FiniteHalf(t[L.outliers_per_block + e])) {
+        if (!FiniteHalf(Load16(t, L.outliers_per_block + e))) {
           return bad(name, absl::StrCat("outlier ", e, " value is not finite"), b * L.block_tokens);
         }
       }
@@ -681,15 +684,6 @@ absl::Status KvStream::AppendPages(ByteReader data, int tokens) {
 absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int begin, int end,
                                  const ReadOptions& options, TensorView k_out,
                                  TensorView v_out) const {
-  thread_local std::vector<const uint8_t*> pages;
-  pages.resize(PagesFor(std::max(tokens, 0)));
-  for (size_t i = 0; i < pages.size(); ++i) pages[i] = data + i * layout_.page_bytes;
-  return ReadPages(pages, tokens, first, begin, end, options, k_out, v_out);
-}
-
-absl::Status KvStream::ReadPages(absl::Span<const uint8_t* const> pages, int tokens, int first,
-                                 int begin, int end, const ReadOptions& options,
-                                 TensorView k_out, TensorView v_out) const {
   if (config_.spec.kind == SchemeKind::kFp8E4m3) {
     return absl::FailedPreconditionError("fp8_e4m3 streams have no raw pages: the scale is per stream");
   }
@@ -699,11 +693,6 @@ absl::Status KvStream::ReadPages(absl::Span<const uint8_t* const> pages, int tok
                                               ") is not inside the pages' [", first, ", ",
                                               int64_t{first} + tokens, ")"));
   }
-  if (static_cast<int64_t>(pages.size()) < PagesFor(tokens)) {
-    return absl::InvalidArgumentError(absl::StrCat("raw pages: ", tokens, " tokens take ",
-                                                   PagesFor(tokens), " pages, only ",
-                                                   pages.size(), " given"));
-  }
   KVQ_RETURN_IF_ERROR(CheckReadOutputs(end - begin, options, k_out, v_out));
   const int pt = layout_.page_tokens;
   if (begin == end) return absl::OkStatus();
@@ -712,7 +701,7 @@ absl::Status KvStream::ReadPages(absl::Span<const uint8_t* const> pages, int tok
   // Only the sides read are checked: a caller may read K and V apart.
   const bool keys = k_out.data != nullptr, values = v_out.data != nullptr;
   for (int i = first_page; i <= last_page && (keys || values); ++i) {
-    const uint8_t* page = pages[i];
+    const uint8_t* page = data + static_cast<size_t>(i) * layout_.page_bytes;
     const int rows = std::min(pt, tokens - i * pt);
     KVQ_RETURN_IF_ERROR(keys && values ? CheckPage(layout_, page, rows, i)
                                        : CheckPage(layout_, page, rows, i,
@@ -722,23 +711,23 @@ absl::Status KvStream::ReadPages(absl::Span<const uint8_t* const> pages, int tok
   for (Side side : {Side::kKey, Side::kValue}) {
     const TensorView& out = side == Side::kKey ? k_out : v_out;
     if (out.data == nullptr) continue;
-    if (options.streaming_output && StreamPageRows(side, pages, first, begin, end, options, out)) {
+    if (options.streaming_output && StreamPageRows(side, data, first, begin, end, options, out)) {
       continue;
     }
     for (int t = begin; t < end;) {
       const int u = t - first;
       const int row = u % pt;
       const int count = std::min(end - t, pt - row);
-      ReadPageRows(side, pages[u / pt], row, count, t, options, out, t - begin, rows.data());
+      ReadPageRows(side, data + static_cast<size_t>(u / pt) * layout_.page_bytes, row, count, t,
+                   options, out, t - begin, rows.data());
       t += count;
     }
   }
   return absl::OkStatus();
 }
 
-bool KvStream::StreamPageRows(Side side, absl::Span<const uint8_t* const> pages, int first,
-                              int begin, int end, const ReadOptions& options,
-                              const TensorView& out) const {
+bool KvStream::StreamPageRows(Side side, const uint8_t* data, int first, int begin, int end,
+                              const ReadOptions& options, const TensorView& out) const {
   const SideLayout& S = layout_.side(side);
   const int d = head_dim();
   if (options.dtype != DType::kFloat16 || !StoredAsRead(side, options) || out.stride() != d) {
@@ -755,7 +744,7 @@ bool KvStream::StreamPageRows(Side side, absl::Span<const uint8_t* const> pages,
     const int u = t - first;
     const int row = u % pt;
     const int count = std::min(end - t, pt - row);
-    const uint8_t* page = pages[u / pt];
+    const uint8_t* page = data + static_cast<size_t>(u / pt) * layout_.page_bytes;
     if (fp16_rows) {
       streamer.Write(PageLayout::CodeRow(page, S, row), count * row_bytes);
     } else if (backend_->DequantizeRowsHalf(*this, side, page, row, count, tile.data(), d)) {

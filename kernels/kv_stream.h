@@ -19,7 +19,6 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
-#include "absl/types/span.h"
 #include "kernels/accounting.h"
 #include "kernels/byte_reader.h"
 #include "kernels/hadamard.h"
@@ -139,12 +138,6 @@ class KvStream {
   // pages.
   absl::Status ReadPages(const uint8_t* data, int tokens, int first, int begin, int end,
                          const ReadOptions& options, TensorView k_out, TensorView v_out) const;
-  // The same with each page where it lies (pages[i] is page i, at least
-  // PagesFor(tokens) of them, else INVALID_ARGUMENT): pages read from the
-  // slices a message arrived in.
-  absl::Status ReadPages(absl::Span<const uint8_t* const> pages, int tokens, int first, int begin,
-                         int end, const ReadOptions& options, TensorView k_out,
-                         TensorView v_out) const;
 
   // Row t of one side in the stored basis (rotated, pre-RoPE), as floats.
   // Slow (one row at a time): for references and tests.
@@ -238,8 +231,8 @@ class KvStream {
   // ReadPages' rows [begin, end) of one side with options.streaming_output:
   // false, writing nothing, where that side's rows do not stream (they need
   // floats, or the output is not contiguous fp16).
-  bool StreamPageRows(Side side, absl::Span<const uint8_t* const> pages, int first, int begin,
-                      int end, const ReadOptions& options, const TensorView& out) const;
+  bool StreamPageRows(Side side, const uint8_t* data, int first, int begin, int end,
+                      const ReadOptions& options, const TensorView& out) const;
 
   StreamConfig config_;
   PageLayout layout_;

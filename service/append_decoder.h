@@ -1,5 +1,5 @@
 // AppendMessage: a kvq.v1.AppendRequest decoded from the slices gRPC
-// received it in, with its raw pages left there (proto/wire/in_place_field.h):
+// received it in, with its raw pages left there (service/in_place_field.h):
 // KvStream::AppendPages reads them from the slices straight into the pool,
 // one copy fewer per byte than parsing them into page_data first. A dense
 // chunk is parsed whole by protobuf, as before.
@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "kernels/byte_reader.h"
 #include "kvq/v1/kvq.pb.h"
-#include "proto/wire/in_place_field.h"
+#include "service/in_place_field.h"
 
 namespace kvq {
 

@@ -2,7 +2,6 @@
 // they arrive (RawPagePlacer) and dense rows at an offset (FetchPlacer).
 #include "client/fetch_placer.h"
 
-#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -117,73 +116,6 @@ TEST_F(RawPagePlacerTest, PlacesWhatTheStoredSequenceReadsOnAnyThreadCount) {
     EXPECT_TRUE(k == want.k) << threads << " threads";
     EXPECT_TRUE(v == want.v) << threads << " threads";
   }
-}
-
-// page_data cut into runs of the sizes in `cuts` (cycled), each in a
-// buffer of its own followed by 0xff bytes, as a message's slices arrive.
-struct Runs {
-  std::vector<std::string> buffers;
-  std::vector<ByteReader::Run> runs;
-};
-Runs Cut(const std::string& data, const std::vector<size_t>& cuts) {
-  Runs out;
-  for (size_t at = 0, i = 0; at < data.size(); ++i) {
-    const size_t n = std::min(cuts[i % cuts.size()], data.size() - at);
-    out.buffers.push_back(data.substr(at, n) + std::string(64, '\xff'));
-    at += n;
-  }
-  for (const std::string& b : out.buffers) {
-    out.runs.emplace_back(reinterpret_cast<const uint8_t*>(b.data()), b.size() - 64);
-  }
-  return out;
-}
-
-// A message whose pages lie in the slices it arrived in places exactly as
-// the same message parsed whole, pages cut between slices or not; a
-// corrupt page cut between two slices is named as it is whole.
-TEST_F(RawPagePlacerTest, PagesReadFromSlicesPlaceAsWhole) {
-  ReadOptions read;
-  read.dtype = DType::kFloat16;
-  const std::vector<v1::FetchResponse> messages = Messages(0, 3);
-  const PageLayout& L = stored_->stream(0, 0).layout();
-  HostTensor k_want = HostTensor::Zeros(read.dtype, {kLayers, kHeads, 256, kDim});
-  HostTensor v_want = HostTensor::Zeros(read.dtype, k_want.shape);
-  {
-    RawPagePlacer placer(*reader_, read, 4, 4, 260, 4, &k_want, &v_want);
-    for (const v1::FetchResponse& m : messages) ASSERT_TRUE(placer.Place(m).ok());
-  }
-  for (const std::vector<size_t>& cuts :
-       {std::vector<size_t>{1, 7, 0, L.page_bytes - 1}, std::vector<size_t>{L.page_bytes + 3},
-        std::vector<size_t>{16384}}) {
-    HostTensor k = HostTensor::Zeros(read.dtype, k_want.shape);
-    HostTensor v = HostTensor::Zeros(read.dtype, k_want.shape);
-    RawPagePlacer placer(*reader_, read, 4, 4, 260, 4, &k, &v);
-    for (const v1::FetchResponse& m : messages) {
-      v1::FetchResponse header = m;
-      header.mutable_pages()->clear_page_data();
-      const Runs runs = Cut(m.pages().page_data(), cuts);
-      const absl::Status st = placer.Place(header, ByteReader(runs.runs));
-      ASSERT_TRUE(st.ok()) << st;
-    }
-    ASSERT_TRUE(placer.CheckComplete().ok());
-    EXPECT_TRUE(k == k_want) << cuts[0];
-    EXPECT_TRUE(v == v_want) << cuts[0];
-    EXPECT_EQ(placer.bytes(), static_cast<int64_t>(kLayers) * kHeads * 8 * L.page_bytes);
-  }
-  // Head 0's second page, an infinite value scale, the page cut in two.
-  v1::FetchResponse bad = messages[0];
-  const uint16_t inf = 0x7c00;
-  std::memcpy(bad.mutable_pages()->mutable_page_data()->data() + L.page_bytes +
-                  L.value.params_offset,
-              &inf, 2);
-  const Runs runs = Cut(bad.pages().page_data(), {L.page_bytes + L.value.params_offset});
-  bad.mutable_pages()->clear_page_data();
-  HostTensor k = HostTensor::Zeros(read.dtype, k_want.shape);
-  HostTensor v = HostTensor::Zeros(read.dtype, k_want.shape);
-  RawPagePlacer placer(*reader_, read, 4, 4, 260, 4, &k, &v);
-  const absl::Status st = placer.Place(bad, ByteReader(runs.runs));
-  EXPECT_EQ(st, absl::InvalidArgumentError("raw fetch of layer 0 kv head 0 from token 4: page 1 "
-                                           "value row 0: scale 0 must be finite and >= 0"));
 }
 
 TEST_F(RawPagePlacerTest, AGapOrACorruptPageIsAnErrorThatNamesIt) {

@@ -1,7 +1,8 @@
-// InPlaceField on the raw fetch's messages (the client's side; the server's
-// Append is append_decoder_test): page_data stays in the slices, the rest
-// parses as protobuf, dense messages parse whole, bad bytes name the type.
-#include "proto/wire/in_place_field.h"
+// InPlaceField on another message and path than the server's Append
+// (append_decoder_test): a raw FetchResponse's page_data stays in the
+// slices, the rest parses as protobuf, dense messages parse whole, bad
+// bytes name the type.
+#include "service/in_place_field.h"
 
 #include <cstdint>
 #include <string>

@@ -1,4 +1,4 @@
-#include "proto/wire/in_place_field.h"
+#include "service/in_place_field.h"
 
 #include <algorithm>
 #include <string>

@@ -1,17 +1,17 @@
 // InPlaceField: a protobuf message decoded from the slices gRPC received it
 // in, with one bytes field left in those slices.
 //
-// The pages of a quantized Append or raw fetch are almost all of a
-// message's bytes (~1 MiB). Parsed as a proto, they are copied out of
-// gRPC's slices into a string before anything reads them; the reader then
-// copies or dequantizes them again. Decoded here, every other field is
-// parsed by protobuf as usual and the field at `path` (a bytes field inside
-// nested messages, e.g. AppendRequest.chunk.pages.page_data) is read from
-// the slices through a ByteReader. A message with a large field off the
-// path (a dense tensor) is parsed whole by protobuf instead, so that field
-// is copied once, as before.
-#ifndef KVQ_PROTO_WIRE_IN_PLACE_FIELD_H_
-#define KVQ_PROTO_WIRE_IN_PLACE_FIELD_H_
+// The pages of a quantized Append are almost all of its bytes (~1 MiB).
+// Parsed as a proto, they are copied out of gRPC's slices into a string
+// before the server copies them again into the pool. Decoded here, every
+// other field is parsed by protobuf as usual and the field at `path` (a
+// bytes field inside nested messages: AppendRequest.chunk.pages.page_data)
+// is read from the slices through a ByteReader. It lies there at any
+// address: its reader must not assume alignment. A message with a large
+// field off the path (a dense tensor) is parsed whole by protobuf instead,
+// so that field is copied once, as before.
+#ifndef KVQ_SERVICE_IN_PLACE_FIELD_H_
+#define KVQ_SERVICE_IN_PLACE_FIELD_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -57,4 +57,4 @@ class InPlaceField {
 
 }  // namespace kvq
 
-#endif  // KVQ_PROTO_WIRE_IN_PLACE_FIELD_H_
+#endif  // KVQ_SERVICE_IN_PLACE_FIELD_H_
