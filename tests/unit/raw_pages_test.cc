@@ -61,17 +61,24 @@ TEST_P(RawPagesTest, CopiedPagesAppendToAnEquivalentStream) {
   EXPECT_EQ(dst->AllocatedBytes(), src->AllocatedBytes());
 }
 
+// A stream of `p` holding the sink, three flush blocks (at least 64 tokens
+// each) and 5 tokens more, of synthetic K/V.
+std::unique_ptr<KvStream> ThreeBlocksAndATail(const StreamParam& p, uint64_t seed) {
+  std::unique_ptr<KvStream> s = testutil::MakeStream(p);
+  const int d = s->head_dim();
+  const QuantSpec& spec = s->spec();
+  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64) + 5;
+  EXPECT_TRUE(testutil::AppendRows(*s, testutil::MakeKeys(n, d, seed),
+                                   testutil::MakeValues(n, d, seed + 1), 0, n)
+                  .ok());
+  return s;
+}
+
 // AppendPagesTo writes CopyPages' bytes after what the string holds, for a
 // whole range and one starting at a later page, and refuses CopyPages'
 // invalid ranges with its message, leaving the string as it was.
 TEST_P(RawPagesTest, AppendedPagesAreTheCopiedPages) {
-  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
-  const int d = src->head_dim();
-  const QuantSpec& spec = src->spec();
-  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64) + 5;
-  ASSERT_TRUE(testutil::AppendRows(*src, testutil::MakeKeys(n, d, 35),
-                                   testutil::MakeValues(n, d, 36), 0, n)
-                  .ok());
+  std::unique_ptr<KvStream> src = ThreeBlocksAndATail(GetParam(), 35);
   const int q = src->quantized_tokens();
   const int pt = src->layout().page_tokens;
   const size_t page_bytes = src->layout().page_bytes;
@@ -125,14 +132,8 @@ CutBytes CutInto(const std::vector<uint8_t>& bytes, const std::vector<size_t>& c
 // every page of the range but a last one that the quantized tokens fill in
 // part.
 TEST_P(RawPagesTest, VisitedPagesAreTheCopiedPagesAndTheLastMayBePartial) {
-  std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
-  if (!TakesPages(src->spec())) GTEST_SKIP() << "no raw pages";
-  const int d = src->head_dim();
-  const QuantSpec& spec = src->spec();
-  const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64) + 5;
-  ASSERT_TRUE(testutil::AppendRows(*src, testutil::MakeKeys(n, d, 41),
-                                   testutil::MakeValues(n, d, 42), 0, n)
-                  .ok());
+  std::unique_ptr<KvStream> src = ThreeBlocksAndATail(GetParam(), 41);
+  if (!TakesPages(src->spec())) GTEST_SKIP() << "fp8_e4m3 streams have no raw pages";
   const int q = src->quantized_tokens();
   const int pt = src->layout().page_tokens;
   const size_t page_bytes = src->layout().page_bytes;
@@ -158,7 +159,7 @@ TEST_P(RawPagesTest, VisitedPagesAreTheCopiedPagesAndTheLastMayBePartial) {
 // whole; a run set too short for the tokens is refused, nothing stored.
 TEST_P(RawPagesTest, PagesCutAcrossRunsAppendAsWhole) {
   std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
-  if (!TakesPages(src->spec())) GTEST_SKIP() << "no raw pages";
+  if (!TakesPages(src->spec())) GTEST_SKIP() << "fp8_e4m3 streams have no raw pages";
   const int d = src->head_dim();
   const QuantSpec& spec = src->spec();
   const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64);
