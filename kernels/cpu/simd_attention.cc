@@ -91,28 +91,6 @@ constexpr int kMaxValueGroups = 32;   // head_dim 256 / the smallest group, 8.
 constexpr int kSLd = kTile + 16;      // Leading dimension of score rows (padding).
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Memory requests issued while the scores of a tile are computed, spread over
-// its tokens: the values of this tile (read next, channel chunk by chunk, a
-// pattern the hardware prefetcher follows poorly) and the keys of the next
-// tile (often in another page: the prefetcher restarts at every 4 KiB).
-struct Prefetch {
-  const uint8_t* a = nullptr;  // Row t of stream a at a + t * stride.
-  const uint8_t* b = nullptr;
-  size_t stride = 0;
-  size_t row_bytes = 0;
-  int rows_a = 0, rows_b = 0;
-  HWY_INLINE void Rows(int t, int n) const {
-    for (int u = t; u < t + n; ++u) {
-      if (u < rows_a) {
-        for (size_t i = 0; i < row_bytes; i += 64) hwy::Prefetch(a + u * stride + i);
-      }
-      if (u < rows_b) {
-        for (size_t i = 0; i < row_bytes; i += 64) hwy::Prefetch(b + u * stride + i);
-      }
-    }
-  }
-};
-
 // Lines [0, lines) from p, requested at once (a burst: at most what the
 // line-fill buffers can take while the work that follows reads nothing).
 HWY_INLINE void PrefetchLines(const uint8_t* p, size_t lines) {
@@ -157,6 +135,21 @@ struct F32Rows {
   using T = float;
   static HWY_INLINE VF Load(DF df, const float* HWY_RESTRICT p) { return hn::LoadU(df, p); }
 };
+
+#if KVQ_X86_AVX3
+// 16 lanes of a row of each type (the AVX-512 tile loops).
+template <class KL>
+HWY_INLINE __m512 Load16(const typename KL::T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<KL, F32Rows>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<KL, F16Rows>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+}
+#endif
 
 // ---------------------------------------------------------------------------
 // Thread-local scratch: nothing is allocated per call once it has grown.
@@ -451,12 +444,13 @@ HWY_INLINE void ReduceParts(const float* HWY_RESTRICT part, int n, float* HWY_RE
 }
 
 #if KVQ_X86_AVX3
-// TileScores' loop for float key rows (the generic path's dequantized and
-// rotated tiles) in 16 lanes: half the FMAs. Each 16-lane sum folds into
-// the 8 lanes of `part` that ReduceParts reads.
-template <int R, int TS>
-HWY_INLINE void TileScoresF32x16(const float* HWY_RESTRICT k, size_t kstride, int n,
-                                 const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part) {
+// TileScores' loop in 16 lanes: half the FMAs of the 8-lane loop, and for
+// 16-bit rows (fp16 / bf16 pages, the sink and the tail) half the
+// conversions. Each 16-lane sum folds into the 8 lanes of `part` that
+// ReduceParts reads.
+template <int R, int TS, class KL>
+HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
+                              const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part) {
   auto fold = [](__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   };
@@ -466,12 +460,12 @@ HWY_INLINE void TileScoresF32x16(const float* HWY_RESTRICT k, size_t kstride, in
     for (int u = 0; u < TS; ++u) {
       for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
     }
-    const float* kt = k + static_cast<size_t>(t) * kstride;
+    const typename KL::T* kt = k + static_cast<size_t>(t) * kstride;
     for (int c = 0; c < d; c += 16) {
       __m512 qv[R];
       for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_ps(q + r * d + c);
       for (int u = 0; u < TS; ++u) {
-        const __m512 kv = _mm512_loadu_ps(kt + u * kstride + c);
+        const __m512 kv = Load16<KL>(kt + u * kstride + c);
         for (int r = 0; r < R; ++r) acc[u][r] = _mm512_fmadd_ps(kv, qv[r], acc[u][r]);
       }
     }
@@ -485,7 +479,7 @@ HWY_INLINE void TileScoresF32x16(const float* HWY_RESTRICT k, size_t kstride, in
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 16) {
-      const __m512 kv = _mm512_loadu_ps(k + static_cast<size_t>(t) * kstride + c);
+      const __m512 kv = Load16<KL>(k + static_cast<size_t>(t) * kstride + c);
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), acc[r]);
       }
@@ -504,20 +498,18 @@ HWY_INLINE void TileScoresF32x16(const float* HWY_RESTRICT k, size_t kstride, in
 template <int R, class KL>
 HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
                            const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part,
-                           float* HWY_RESTRICT S, const Prefetch& pf = Prefetch()) {
-  constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
+                           float* HWY_RESTRICT S) {
 #if KVQ_X86_AVX3
-  if constexpr (std::is_same_v<KL, F32Rows>) {  // (fp16 rows are bound by memory.)
-    TileScoresF32x16<R, TS>(k, kstride, n, q, d, part);
-    ReduceParts<R>(part, n, S);
-    return;
-  }
-#endif
+  // 32 registers: R * TS16 accumulators, R query chunks, the key chunks.
+  constexpr int TS16 = R <= 4 ? 4 : 2;
+  TileScoresX16<R, TS16, KL>(k, kstride, n, q, d, part);
+  ReduceParts<R>(part, n, S);
+#else
+  constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   int t = 0;
   for (; t + TS <= n; t += TS) {
-    pf.Rows(t, TS);
     VF acc[TS][R];
     for (int u = 0; u < TS; ++u) {
       for (int r = 0; r < R; ++r) acc[u][r] = hn::Zero(df);
@@ -545,6 +537,7 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
     for (int r = 0; r < R; ++r) hn::StoreU(acc[r], df, part + (static_cast<size_t>(t) * R + r) * N);
   }
   ReduceParts<R>(part, n, S);
+#endif
 }
 
 // acc[r][:] += sum_t P[r][t] v_t for t < n. W vectors per channel chunk keep
@@ -552,6 +545,33 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
 template <int R, class VL>
 HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vstride, int n,
                                const float* HWY_RESTRICT P, float* HWY_RESTRICT acc, int d) {
+#if KVQ_X86_AVX3
+  // 16 lanes, W vectors per channel block so that R * W = 16 accumulators
+  // stay in registers over the tile: each weight broadcast feeds W FMAs and
+  // each converted row chunk R of them.
+  constexpr int W = R >= 8 ? 2 : 16 / R;
+  int c = 0;
+  auto block = [&](auto w_tag) {
+    constexpr int WB = decltype(w_tag)::value;
+    __m512 a[R][WB];
+    for (int r = 0; r < R; ++r) {
+      for (int w = 0; w < WB; ++w) a[r][w] = _mm512_loadu_ps(acc + r * d + c + 16 * w);
+    }
+    for (int t = 0; t < n; ++t) {
+      __m512 x[WB];
+      for (int w = 0; w < WB; ++w) x[w] = Load16<VL>(v + static_cast<size_t>(t) * vstride + c + 16 * w);
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(P[r * kSLd + t]);
+        for (int w = 0; w < WB; ++w) a[r][w] = _mm512_fmadd_ps(p, x[w], a[r][w]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int w = 0; w < WB; ++w) _mm512_storeu_ps(acc + r * d + c + 16 * w, a[r][w]);
+    }
+  };
+  for (; c + 16 * W <= d; c += 16 * W) block(std::integral_constant<int, W>());
+  for (; c < d; c += 16) block(std::integral_constant<int, 1>());
+#else
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   constexpr int W = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
@@ -582,6 +602,7 @@ HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vs
     }
     for (int r = 0; r < R; ++r) hn::StoreU(a[r], df, acc + r * d + c);
   }
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -2216,7 +2237,11 @@ class RowPass {
 
  private:
   // Requests the value rows (codes, per-token parameters) of tile rows
-  // [row, row + m) and the key rows of the next tile (see Prefetch).
+  // [row, row + m) and the key rows of the next tile (often in another page:
+  // the hardware prefetcher restarts at every 4 KiB) while the keys of this
+  // tile dequantize. fp16 / bf16 pages issue no such requests: their rows
+  // are read straight, and on the machine of KERNELS.md 4x the requests
+  // made the fp16 path slower, not faster.
   void PrefetchTile(const uint8_t* page, int row, int m, int n_left) {
     const PageLayout& L = s_.layout();
     auto lines = [](const void* p, size_t bytes) {
@@ -2291,21 +2316,10 @@ class RowPass {
         const int m = std::min(kTile, n - i);
         const auto* k = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.key, row + i));
         const auto* v = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.value, row + i));
-        Prefetch pf;
-        pf.a = reinterpret_cast<const uint8_t*>(v);
-        pf.rows_a = m;
-        pf.stride = pf.row_bytes = L.key.code_row_bytes;
-        if (i + m < n) {
-          pf.b = PageLayout::CodeRow(page, L.key, row + i + m);
-          pf.rows_b = std::min(kTile, n - i - m);
-        } else if (next_page_ != nullptr) {
-          pf.b = PageLayout::CodeRow(next_page_, L.key, 0);
-          pf.rows_b = kTile;
-        }
         if (bf) {
-          TileScores<R, Bf16Rows>(k, stride, m, q_, d_, sc_.part.data(), S, pf);
+          TileScores<R, Bf16Rows>(k, stride, m, q_, d_, sc_.part.data(), S);
         } else {
-          TileScores<R, F16Rows>(k, stride, m, q_, d_, sc_.part.data(), S, pf);
+          TileScores<R, F16Rows>(k, stride, m, q_, d_, sc_.part.data(), S);
         }
         if (!SoftmaxTile(R, m, t0 + i, vis_, S, st_, sc_.acc.data(), d_)) continue;
         if (bf) {
