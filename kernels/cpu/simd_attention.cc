@@ -28,9 +28,9 @@
 //    KiviKeyTileToFloat on AVX2, else simd_dequant-inl.h, bit-identical to
 //    the reference), applies RoPE to keys, and runs the float tile kernel.
 // The AVX2 paths also run on AVX3 (AVX-512), where the integer key scores,
-// the value accumulation and the scores of float key tiles use 512-bit
-// registers (KVQ_X86_AVX3 blocks); every other loop keeps 8 float lanes
-// there (simd_targets.h). AVX3_DL adds VNNI: 2- and 4-bit key scores run
+// the value accumulation and the float tile kernel (fp16, bf16 and float
+// rows) use 512-bit registers (KVQ_X86_AVX3 blocks); every other loop keeps
+// 8 float lanes there (simd_targets.h). AVX3_DL adds VNNI: 2- and 4-bit key scores run
 // with 16 tokens in the lanes of a vector (KiviKeyScoresLanes, vpdpbusd, no
 // per-token reduction), other key widths multiply-add in one instruction
 // (vpdpwssd), and the values of uniform kivi run as integer dot products too
