@@ -266,6 +266,28 @@ TEST(CpuBackendTest, ArbitraryRangesOverSinkPagesAndTail) {
   }
 }
 
+// The float tile kernel (16-bit pages, float rows of the generic path) at
+// every number of query rows a pass takes (1 .. kMaxRows, and more rows
+// than one pass) and at head dims whose channel count leaves a remainder
+// for each row count's channel blocks (on AVX-512: 16 * W channels, W =
+// 16 / rows).
+TEST(CpuBackendTest, FloatTileKernelAtEveryRowCountAndOddHeadDims) {
+  for (const char* spec : {"fp16", "bf16", "fp8_e4m3"}) {
+    for (int d : {16, 48, 80, 112}) {
+      const StreamConfig c = Config(spec, d);
+      std::unique_ptr<KvStream> s = Filled(c, 300, 95 + d);
+      ASSERT_NE(s, nullptr);
+      for (auto [group, queries] : {std::pair<int, int>{1, 1}, {2, 1}, {3, 1}, {4, 1}, {5, 1},
+                                    {3, 2}, {7, 1}, {8, 1}, {4, 3}}) {
+        Call call(1, group, queries, d, 96 + group);
+        call.Set(0, s.get(), 0, -1);
+        ExpectMatchesRef(call, c,
+                         absl::StrCat(spec, " d", d, " GQA ", group, " x ", queries, " queries"));
+      }
+    }
+  }
+}
+
 // head_dim 256 through every specialised path: nuq levels (2 and 3 bits),
 // pre_rope keys with outliers and a sink, mixed widths, p8, int8 values.
 // (ctest also runs this suite pinned to AVX2 and to the portable target.)
