@@ -30,11 +30,11 @@
 // The AVX2 paths also run on AVX3 (AVX-512), where the integer key scores,
 // the value accumulation and the float tile kernel (fp16, bf16 and float
 // rows) use 512-bit registers (KVQ_X86_AVX3 blocks); every other loop keeps
-// 8 float lanes there (simd_targets.h). AVX3_DL adds VNNI: 2- and 4-bit key scores run
-// with 16 tokens in the lanes of a vector (KiviKeyScoresLanes, vpdpbusd, no
-// per-token reduction), other key widths multiply-add in one instruction
-// (vpdpwssd), and the values of uniform kivi run as integer dot products too
-// (KiviValueDot, vpdpbusd).
+// 8 float lanes there (simd_targets.h). AVX3_DL adds VNNI: 2- and 4-bit key
+// scores run with 16 tokens in the lanes of a vector (KiviKeyScoresLanes,
+// vpdpbusd, no per-token reduction), other key widths multiply-add in one
+// instruction (vpdpwssd), and the values of uniform kivi run as integer dot
+// products too (KiviValueDot, vpdpbusd).
 // Keys and values may have different code widths (vN): each side's kernel
 // is instantiated for its own width (KiviSegment<key bits, value bits, D>).
 // Only the integer paths round anything beyond float arithmetic (the key
@@ -117,12 +117,18 @@ class SpreadPrefetch {
 // ---------------------------------------------------------------------------
 // Row loaders of the float tile kernel.
 
+// Load: 8 lanes (DF); Load16: 16 lanes, for the AVX-512 tile loops.
 struct F16Rows {
   using T = uint16_t;
   static HWY_INLINE VF Load(DF df, const uint16_t* HWY_RESTRICT p) {
     return hn::PromoteTo(df, hn::LoadU(hn::Rebind<hwy::float16_t, DF>(),
                                        reinterpret_cast<const hwy::float16_t*>(p)));
   }
+#if KVQ_X86_AVX3
+  static HWY_INLINE __m512 Load16(const uint16_t* HWY_RESTRICT p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+#endif
 };
 struct Bf16Rows {
   using T = uint16_t;
@@ -130,26 +136,21 @@ struct Bf16Rows {
     return hn::PromoteTo(df, hn::LoadU(hn::Rebind<hwy::bfloat16_t, DF>(),
                                        reinterpret_cast<const hwy::bfloat16_t*>(p)));
   }
+#if KVQ_X86_AVX3
+  static HWY_INLINE __m512 Load16(const uint16_t* HWY_RESTRICT p) {  // bf16: the high half.
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+#endif
 };
 struct F32Rows {
   using T = float;
   static HWY_INLINE VF Load(DF df, const float* HWY_RESTRICT p) { return hn::LoadU(df, p); }
+#if KVQ_X86_AVX3
+  static HWY_INLINE __m512 Load16(const float* HWY_RESTRICT p) { return _mm512_loadu_ps(p); }
+#endif
 };
 
-#if KVQ_X86_AVX3
-// 16 lanes of a row of each type (the AVX-512 tile loops).
-template <class KL>
-HWY_INLINE __m512 Load16(const typename KL::T* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<KL, F32Rows>) {
-    return _mm512_loadu_ps(p);
-  } else if constexpr (std::is_same_v<KL, F16Rows>) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  } else {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  }
-}
-#endif
 
 // ---------------------------------------------------------------------------
 // Thread-local scratch: nothing is allocated per call once it has grown.
@@ -465,7 +466,7 @@ HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstri
       __m512 qv[R];
       for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_ps(q + r * d + c);
       for (int u = 0; u < TS; ++u) {
-        const __m512 kv = Load16<KL>(kt + u * kstride + c);
+        const __m512 kv = KL::Load16(kt + u * kstride + c);
         for (int r = 0; r < R; ++r) acc[u][r] = _mm512_fmadd_ps(kv, qv[r], acc[u][r]);
       }
     }
@@ -479,7 +480,7 @@ HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstri
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 16) {
-      const __m512 kv = Load16<KL>(k + static_cast<size_t>(t) * kstride + c);
+      const __m512 kv = KL::Load16(k + static_cast<size_t>(t) * kstride + c);
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), acc[r]);
       }
@@ -559,7 +560,7 @@ HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vs
     }
     for (int t = 0; t < n; ++t) {
       __m512 x[WB];
-      for (int w = 0; w < WB; ++w) x[w] = Load16<VL>(v + static_cast<size_t>(t) * vstride + c + 16 * w);
+      for (int w = 0; w < WB; ++w) x[w] = VL::Load16(v + static_cast<size_t>(t) * vstride + c + 16 * w);
       for (int r = 0; r < R; ++r) {
         const __m512 p = _mm512_set1_ps(P[r * kSLd + t]);
         for (int w = 0; w < WB; ++w) a[r][w] = _mm512_fmadd_ps(p, x[w], a[r][w]);
@@ -2291,16 +2292,23 @@ class RowPass {
     return sc_.qrot.data();
   }
 
+  // A tile of n 16-bit key and value rows, `stride` elements apart, scored
+  // against the queries as they are (no RoPE to apply).
+  template <class RL>
+  void RowsTile(const uint16_t* k, const uint16_t* v, size_t stride, int n, int t0) {
+    float* S = sc_.S.data();
+    TileScores<R, RL>(k, stride, n, q_, d_, sc_.part.data(), S);
+    if (!SoftmaxTile(R, n, t0, vis_, S, st_, sc_.acc.data(), d_)) return;
+    TileAccumulate<R, RL>(v, stride, n, S, sc_.acc.data(), d_);
+  }
+
   // Keys and values as fp16 rows (the sink, the tail).
   void Fp16Tile(const uint16_t* k, const uint16_t* v, int n, int t0) {
+    if (!rope_) return RowsTile<F16Rows>(k, v, d_, n, t0);
     float* S = sc_.S.data();
-    if (rope_) {
-      for (int j = 0; j < n; ++j) HalfRowToFloat(k + static_cast<size_t>(j) * d_, d_, sc_.kbuf.data() + static_cast<size_t>(j) * d_);
-      RopeTileKeys(*rope_, sc_.rope, sc_.kbuf.data(), n, d_);
-      TileScores<R, F32Rows>(sc_.kbuf.data(), d_, n, TileQueries(t0), d_, sc_.part.data(), S);
-    } else {
-      TileScores<R, F16Rows>(k, d_, n, q_, d_, sc_.part.data(), S);
-    }
+    for (int j = 0; j < n; ++j) HalfRowToFloat(k + static_cast<size_t>(j) * d_, d_, sc_.kbuf.data() + static_cast<size_t>(j) * d_);
+    RopeTileKeys(*rope_, sc_.rope, sc_.kbuf.data(), n, d_);
+    TileScores<R, F32Rows>(sc_.kbuf.data(), d_, n, TileQueries(t0), d_, sc_.part.data(), S);
     if (!SoftmaxTile(R, n, t0, vis_, S, st_, sc_.acc.data(), d_)) return;
     TileAccumulate<R, F16Rows>(v, d_, n, S, sc_.acc.data(), d_);
   }
@@ -2317,15 +2325,9 @@ class RowPass {
         const auto* k = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.key, row + i));
         const auto* v = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.value, row + i));
         if (bf) {
-          TileScores<R, Bf16Rows>(k, stride, m, q_, d_, sc_.part.data(), S);
+          RowsTile<Bf16Rows>(k, v, stride, m, t0 + i);
         } else {
-          TileScores<R, F16Rows>(k, stride, m, q_, d_, sc_.part.data(), S);
-        }
-        if (!SoftmaxTile(R, m, t0 + i, vis_, S, st_, sc_.acc.data(), d_)) continue;
-        if (bf) {
-          TileAccumulate<R, Bf16Rows>(v, stride, m, S, sc_.acc.data(), d_);
-        } else {
-          TileAccumulate<R, F16Rows>(v, stride, m, S, sc_.acc.data(), d_);
+          RowsTile<F16Rows>(k, v, stride, m, t0 + i);
         }
       }
       return;
