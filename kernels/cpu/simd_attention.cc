@@ -114,6 +114,17 @@ class SpreadPrefetch {
   size_t lines_, per_, next_ = 0;
 };
 
+// The lines of [p, p + bytes) requested into L2 only (prefetcht1 on x86):
+// the 16-bit rows of the next tile, a few per step of the loops that read
+// this one. On the Zen 4 machine of KERNELS.md 4z the same requests into
+// L1 (prefetcht0) changed nothing, as a burst at the tile's start did,
+// while these made the fp16 path 1.8-2.2x faster at 32k: a tile's 16 KiB
+// of keys and values plus the next one's is all of L1.
+HWY_INLINE void PrefetchToL2(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
 // ---------------------------------------------------------------------------
 // Row loaders of the float tile kernel.
 
@@ -451,7 +462,9 @@ HWY_INLINE void ReduceParts(const float* HWY_RESTRICT part, int n, float* HWY_RE
 // ReduceParts reads.
 template <int R, int TS, class KL>
 HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
-                              const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part) {
+                              const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part,
+                              const uint8_t* ahead) {
+  const size_t row_bytes = kstride * sizeof(typename KL::T);
   auto fold = [](__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   };
@@ -462,6 +475,7 @@ HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstri
       for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
     }
     const typename KL::T* kt = k + static_cast<size_t>(t) * kstride;
+    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, TS * row_bytes);
     for (int c = 0; c < d; c += 16) {
       __m512 qv[R];
       for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_ps(q + r * d + c);
@@ -477,6 +491,7 @@ HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstri
     }
   }
   for (; t < n; ++t) {
+    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 16) {
@@ -495,15 +510,17 @@ HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstri
 // S[r][t] = q_r . k_t for t < n. TS tokens per step keep several
 // independent FMA chains in flight, and with R <= 4 the chunk of each query
 // row stays in a register across the TS tokens (loads, not FMAs, are the
-// limit when every FMA reads q from memory).
+// limit when every FMA reads q from memory). `ahead` (or nullptr): rows of
+// kstride elements to request into L2 as these are read, row t with row t.
 template <int R, class KL>
 HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
                            const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part,
-                           float* HWY_RESTRICT S) {
+                           float* HWY_RESTRICT S, const uint8_t* ahead = nullptr) {
+  const size_t row_bytes = kstride * sizeof(typename KL::T);
 #if KVQ_X86_AVX3
   // 32 registers: R * TS16 accumulators, R query chunks, the key chunks.
   constexpr int TS16 = R <= 4 ? 4 : 2;
-  TileScoresX16<R, TS16, KL>(k, kstride, n, q, d, part);
+  TileScoresX16<R, TS16, KL>(k, kstride, n, q, d, part, ahead);
   ReduceParts<R>(part, n, S);
 #else
   constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
@@ -516,6 +533,7 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
       for (int r = 0; r < R; ++r) acc[u][r] = hn::Zero(df);
     }
     const typename KL::T* kt = k + static_cast<size_t>(t) * kstride;
+    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, TS * row_bytes);
     for (int c = 0; c < d; c += N) {
       VF qv[R];
       for (int r = 0; r < R; ++r) qv[r] = hn::LoadU(df, q + r * d + c);
@@ -529,6 +547,7 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
     }
   }
   for (; t < n; ++t) {
+    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
     VF acc[R];
     for (int r = 0; r < R; ++r) acc[r] = hn::Zero(df);
     for (int c = 0; c < d; c += N) {
@@ -542,10 +561,13 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
 }
 
 // acc[r][:] += sum_t P[r][t] v_t for t < n. W vectors per channel chunk keep
-// R*W accumulators in registers.
+// R*W accumulators in registers. `ahead` as in TileScores, requested in the
+// first pass over the tokens.
 template <int R, class VL>
 HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vstride, int n,
-                               const float* HWY_RESTRICT P, float* HWY_RESTRICT acc, int d) {
+                               const float* HWY_RESTRICT P, float* HWY_RESTRICT acc, int d,
+                               const uint8_t* ahead = nullptr) {
+  const size_t row_bytes = vstride * sizeof(typename VL::T);
 #if KVQ_X86_AVX3
   // 16 lanes, W vectors per channel block so that R * W = 16 accumulators
   // stay in registers over the tile: each weight broadcast feeds W FMAs and
@@ -559,6 +581,7 @@ HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vs
       for (int w = 0; w < WB; ++w) a[r][w] = _mm512_loadu_ps(acc + r * d + c + 16 * w);
     }
     for (int t = 0; t < n; ++t) {
+      if (c == 0 && ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
       __m512 x[WB];
       for (int w = 0; w < WB; ++w) x[w] = VL::Load16(v + static_cast<size_t>(t) * vstride + c + 16 * w);
       for (int r = 0; r < R; ++r) {
@@ -583,6 +606,7 @@ HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vs
       for (int w = 0; w < W; ++w) a[r][w] = hn::LoadU(df, acc + r * d + c + w * N);
     }
     for (int t = 0; t < n; ++t) {
+      if (c == 0 && ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
       VF x[W];
       for (int w = 0; w < W; ++w) x[w] = VL::Load(df, v + static_cast<size_t>(t) * vstride + c + w * N);
       for (int r = 0; r < R; ++r) {
@@ -2240,9 +2264,8 @@ class RowPass {
   // Requests the value rows (codes, per-token parameters) of tile rows
   // [row, row + m) and the key rows of the next tile (often in another page:
   // the hardware prefetcher restarts at every 4 KiB) while the keys of this
-  // tile dequantize. fp16 / bf16 pages issue no such requests: their rows
-  // are read straight, and on the machine of KERNELS.md 4x the requests
-  // made the fp16 path slower, not faster.
+  // tile dequantize. fp16 / bf16 pages request the next tile's rows into
+  // L2 from the tile loops instead (PrefetchToL2).
   void PrefetchTile(const uint8_t* page, int row, int m, int n_left) {
     const PageLayout& L = s_.layout();
     auto lines = [](const void* p, size_t bytes) {
@@ -2293,13 +2316,15 @@ class RowPass {
   }
 
   // A tile of n 16-bit key and value rows, `stride` elements apart, scored
-  // against the queries as they are (no RoPE to apply).
+  // against the queries as they are (no RoPE to apply); k_ahead / v_ahead:
+  // the next tile's rows, requested into L2 meanwhile (or nullptr).
   template <class RL>
-  void RowsTile(const uint16_t* k, const uint16_t* v, size_t stride, int n, int t0) {
+  void RowsTile(const uint16_t* k, const uint16_t* v, size_t stride, int n, int t0,
+                const uint8_t* k_ahead = nullptr, const uint8_t* v_ahead = nullptr) {
     float* S = sc_.S.data();
-    TileScores<R, RL>(k, stride, n, q_, d_, sc_.part.data(), S);
+    TileScores<R, RL>(k, stride, n, q_, d_, sc_.part.data(), S, k_ahead);
     if (!SoftmaxTile(R, n, t0, vis_, S, st_, sc_.acc.data(), d_)) return;
-    TileAccumulate<R, RL>(v, stride, n, S, sc_.acc.data(), d_);
+    TileAccumulate<R, RL>(v, stride, n, S, sc_.acc.data(), d_, v_ahead);
   }
 
   // Keys and values as fp16 rows (the sink, the tail).
@@ -2324,10 +2349,20 @@ class RowPass {
         const int m = std::min(kTile, n - i);
         const auto* k = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.key, row + i));
         const auto* v = reinterpret_cast<const uint16_t*>(PageLayout::CodeRow(page, L.value, row + i));
+        // The next tile: further rows of this page, or the next page's first.
+        const uint8_t* k_ahead = nullptr;
+        const uint8_t* v_ahead = nullptr;
+        if (i + m < n) {
+          k_ahead = PageLayout::CodeRow(page, L.key, row + i + m);
+          v_ahead = PageLayout::CodeRow(page, L.value, row + i + m);
+        } else if (next_page_ != nullptr) {
+          k_ahead = PageLayout::CodeRow(next_page_, L.key, 0);
+          v_ahead = PageLayout::CodeRow(next_page_, L.value, 0);
+        }
         if (bf) {
-          RowsTile<Bf16Rows>(k, v, stride, m, t0 + i);
+          RowsTile<Bf16Rows>(k, v, stride, m, t0 + i, k_ahead, v_ahead);
         } else {
-          RowsTile<F16Rows>(k, v, stride, m, t0 + i);
+          RowsTile<F16Rows>(k, v, stride, m, t0 + i, k_ahead, v_ahead);
         }
       }
       return;
