@@ -13,7 +13,8 @@
 //
 // Paths, chosen per side of a page:
 //  * fp16 / bf16 pages and the fp16 sink and tail rows: the float tile kernel
-//    reads the 16-bit rows directly (F16C / shift conversion + FMA).
+//    reads the 16-bit rows directly (F16C / shift conversion + FMA), and
+//    requests a page's next tile into L2 while it reads one (PrefetchToL2).
 //  * keys of kivi with per-channel groups, uniform levels, post-RoPE (AVX2):
 //    the per-channel scales fold into the query, which is quantized to int16
 //    per block; integer dot products on the codes (see "kivi fast path").
