@@ -117,10 +117,10 @@ class SpreadPrefetch {
 
 // The lines of [p, p + bytes) requested into L2 only (prefetcht1 on x86):
 // the 16-bit rows of the next tile, a few per step of the loops that read
-// this one. On the Zen 4 machine of KERNELS.md 4z the same requests into
-// L1 (prefetcht0) changed nothing, as a burst at the tile's start did,
-// while these made the fp16 path 1.8-2.2x faster at 32k: a tile's 16 KiB
-// of keys and values plus the next one's is all of L1.
+// this one. On the Zen 4 machine of KERNELS.md 4z these made the fp16 path
+// 1.8-2.2x faster at 32k. The same requests into L1 (prefetcht0) gained
+// about a tenth (a tile's 16 KiB of keys and values plus the next one's is
+// all of L1), and a burst at the tile's start kept less than half the gain.
 HWY_INLINE void PrefetchToL2(const void* p, size_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
