@@ -14,7 +14,7 @@
 // Paths, chosen per side of a page:
 //  * fp16 / bf16 pages and the fp16 sink and tail rows: the float tile kernel
 //    reads the 16-bit rows directly (F16C / shift conversion + FMA), and
-//    requests a page's next tile into L2 while it reads one (PrefetchToL2).
+//    requests a page's next tile into L2 while it reads one (PrefetchRowsToL2).
 //  * keys of kivi with per-channel groups, uniform levels, post-RoPE (AVX2):
 //    the per-channel scales fold into the query, which is quantized to int16
 //    per block; integer dot products on the codes (see "kivi fast path").
@@ -115,15 +115,17 @@ class SpreadPrefetch {
   size_t lines_, per_, next_ = 0;
 };
 
-// The lines of [p, p + bytes) requested into L2 only (prefetcht1 on x86):
-// the 16-bit rows of the next tile, a few per step of the loops that read
-// this one. On the Zen 4 machine of KERNELS.md 4z these made the fp16 path
+// Rows [t, t + n) of `rows` (row_bytes apart) requested into L2 only
+// (prefetcht1 on x86), nothing when `rows` is nullptr: the 16-bit rows of
+// the next tile, a few per step of the loops that read this one. On the Zen 4 machine of KERNELS.md 4z these made the fp16 path
 // 1.8-2.2x faster at 32k. The same requests into L1 (prefetcht0) gained
 // about a tenth (a tile's 16 KiB of keys and values plus the next one's is
 // all of L1), and a burst at the tile's start kept less than half the gain.
-HWY_INLINE void PrefetchToL2(const void* p, size_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+HWY_INLINE void PrefetchRowsToL2(const uint8_t* rows, size_t row_bytes, int t, int n) {
+  if (rows == nullptr) return;
+  const uint8_t* p = rows + static_cast<size_t>(t) * row_bytes;
+  const size_t bytes = static_cast<size_t>(n) * row_bytes;
+  for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
 // ---------------------------------------------------------------------------
@@ -162,7 +164,6 @@ struct F32Rows {
   static HWY_INLINE __m512 Load16(const float* HWY_RESTRICT p) { return _mm512_loadu_ps(p); }
 #endif
 };
-
 
 // ---------------------------------------------------------------------------
 // Thread-local scratch: nothing is allocated per call once it has grown.
@@ -476,7 +477,7 @@ HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstri
       for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
     }
     const typename KL::T* kt = k + static_cast<size_t>(t) * kstride;
-    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, TS * row_bytes);
+    PrefetchRowsToL2(ahead, row_bytes, t, TS);
     for (int c = 0; c < d; c += 16) {
       __m512 qv[R];
       for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_ps(q + r * d + c);
@@ -492,7 +493,7 @@ HWY_INLINE void TileScoresX16(const typename KL::T* HWY_RESTRICT k, size_t kstri
     }
   }
   for (; t < n; ++t) {
-    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
+    PrefetchRowsToL2(ahead, row_bytes, t, 1);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 16) {
@@ -517,7 +518,6 @@ template <int R, class KL>
 HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstride, int n,
                            const float* HWY_RESTRICT q, int d, float* HWY_RESTRICT part,
                            float* HWY_RESTRICT S, const uint8_t* ahead = nullptr) {
-  const size_t row_bytes = kstride * sizeof(typename KL::T);
 #if KVQ_X86_AVX3
   // 32 registers: R * TS16 accumulators, R query chunks, the key chunks.
   constexpr int TS16 = R <= 4 ? 4 : 2;
@@ -525,6 +525,7 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
   ReduceParts<R>(part, n, S);
 #else
   constexpr int TS = R == 1 ? 4 : (R <= 2 ? 4 : (R <= 4 ? 2 : 1));
+  const size_t row_bytes = kstride * sizeof(typename KL::T);
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   int t = 0;
@@ -534,7 +535,7 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
       for (int r = 0; r < R; ++r) acc[u][r] = hn::Zero(df);
     }
     const typename KL::T* kt = k + static_cast<size_t>(t) * kstride;
-    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, TS * row_bytes);
+    PrefetchRowsToL2(ahead, row_bytes, t, TS);
     for (int c = 0; c < d; c += N) {
       VF qv[R];
       for (int r = 0; r < R; ++r) qv[r] = hn::LoadU(df, q + r * d + c);
@@ -548,7 +549,7 @@ HWY_NOINLINE void TileScores(const typename KL::T* HWY_RESTRICT k, size_t kstrid
     }
   }
   for (; t < n; ++t) {
-    if (ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
+    PrefetchRowsToL2(ahead, row_bytes, t, 1);
     VF acc[R];
     for (int r = 0; r < R; ++r) acc[r] = hn::Zero(df);
     for (int c = 0; c < d; c += N) {
@@ -582,7 +583,7 @@ HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vs
       for (int w = 0; w < WB; ++w) a[r][w] = _mm512_loadu_ps(acc + r * d + c + 16 * w);
     }
     for (int t = 0; t < n; ++t) {
-      if (c == 0 && ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
+      if (c == 0) PrefetchRowsToL2(ahead, row_bytes, t, 1);
       __m512 x[WB];
       for (int w = 0; w < WB; ++w) x[w] = VL::Load16(v + static_cast<size_t>(t) * vstride + c + 16 * w);
       for (int r = 0; r < R; ++r) {
@@ -607,7 +608,7 @@ HWY_NOINLINE void TileAccumulate(const typename VL::T* HWY_RESTRICT v, size_t vs
       for (int w = 0; w < W; ++w) a[r][w] = hn::LoadU(df, acc + r * d + c + w * N);
     }
     for (int t = 0; t < n; ++t) {
-      if (c == 0 && ahead != nullptr) PrefetchToL2(ahead + t * row_bytes, row_bytes);
+      if (c == 0) PrefetchRowsToL2(ahead, row_bytes, t, 1);
       VF x[W];
       for (int w = 0; w < W; ++w) x[w] = VL::Load(df, v + static_cast<size_t>(t) * vstride + c + w * N);
       for (int r = 0; r < R; ++r) {
@@ -2266,7 +2267,7 @@ class RowPass {
   // [row, row + m) and the key rows of the next tile (often in another page:
   // the hardware prefetcher restarts at every 4 KiB) while the keys of this
   // tile dequantize. fp16 / bf16 pages request the next tile's rows into
-  // L2 from the tile loops instead (PrefetchToL2).
+  // L2 from the tile loops instead (PrefetchRowsToL2).
   void PrefetchTile(const uint8_t* page, int row, int m, int n_left) {
     const PageLayout& L = s_.layout();
     auto lines = [](const void* p, size_t bytes) {
