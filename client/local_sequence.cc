@@ -11,6 +11,22 @@
 
 namespace kvq {
 
+namespace {
+
+// Raw pages are only meaningful in the layout that wrote them: the same page
+// size and tokens per page as this sequence's streams.
+absl::Status CheckPageGeometry(const v1::QuantizedPages& pages, const PageLayout& L) {
+  if (pages.page_bytes() != static_cast<int64_t>(L.page_bytes) ||
+      pages.page_tokens() != L.page_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pages are ", pages.page_bytes(), " bytes of ", pages.page_tokens(),
+        " tokens; this sequence's pages are ", L.page_bytes, " bytes of ", L.page_tokens));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 TokenPlacement PlaceTokens(const StreamConfig& config, int num_tokens) {
   TokenPlacement p;
   p.sink = std::clamp(config.spec.sink, 0, std::max(num_tokens, 0));
@@ -115,12 +131,7 @@ absl::Status LocalSequence::AppendPages(int layer, const v1::QuantizedPages& pag
   KVQ_RETURN_IF_ERROR(CheckLayers(layer, layers));
   const KvStream& first = stream(layer, 0);
   const PageLayout& L = first.layout();
-  if (pages.page_bytes() != static_cast<int64_t>(L.page_bytes) ||
-      pages.page_tokens() != L.page_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pages are ", pages.page_bytes(), " bytes of ", pages.page_tokens(),
-        " tokens; this sequence's pages are ", L.page_bytes, " bytes of ", L.page_tokens));
-  }
+  KVQ_RETURN_IF_ERROR(CheckPageGeometry(pages, L));
   if (pages.tokens() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("pages.tokens = ", pages.tokens(), " < 0"));
   }
@@ -159,12 +170,7 @@ absl::Status LocalSequence::ApplyChunk(const v1::KvChunk& chunk) {
 absl::Status LocalSequence::HoldPages(int layer, const v1::QuantizedPages& pages) {
   const KvStream& first = stream(layer, 0);
   const PageLayout& L = first.layout();
-  if (pages.page_bytes() != static_cast<int64_t>(L.page_bytes) ||
-      pages.page_tokens() != L.page_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pages are ", pages.page_bytes(), " bytes of ", pages.page_tokens(),
-        " tokens; this sequence's pages are ", L.page_bytes, " bytes of ", L.page_tokens));
-  }
+  KVQ_RETURN_IF_ERROR(CheckPageGeometry(pages, L));
   if (pages.tokens() < 1 || std::max(pages.layers(), 1) != 1) {
     return absl::InvalidArgumentError(absl::StrCat("fetched pages of layer ", layer,
                                                    " must hold >= 1 token of 1 layer"));

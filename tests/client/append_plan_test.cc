@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/local_sequence.h"
 #include "gtest/gtest.h"
 #include "kernels/numeric.h"
@@ -430,6 +432,57 @@ TEST(LocalSequenceTest, ReadIntoMatchesReadAndNamesABadTensor) {
     EXPECT_EQ((*local)->ReadInto(10, 501, read, &k, &v).code(), absl::StatusCode::kOutOfRange);
   }
   EXPECT_GT(pages.cached_bytes(), 0u);
+}
+
+// Raw pages in another page geometry (a different page size or tokens per
+// page) are refused by name on both the append and the fetch paths, and
+// nothing of them is stored.
+TEST(LocalSequenceTest, PagesOfAnotherGeometryAreRefusedAndNothingIsStored) {
+  const Prompt p = MakePrompt(1, 2, 128, 64, 9);
+  SequenceConfig seq;
+  seq.scheme = "kivi2:g32:r128";
+  seq.layout = {1, 2, 2, 64, {}};
+  PlanOptions options;
+  absl::StatusOr<AppendPlan> plan =
+      PlanQuantizedAppend(p.k, p.v, *seq.ToStreamConfig(), 0, 0, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ChunkBuilder builder(p.k, p.v, *plan, options, &seq);
+  std::optional<v1::KvChunk> paged;
+  for (const PlannedChunk& c : plan->chunks) {
+    if (c.kind != PlannedChunk::Kind::kPages) continue;
+    absl::StatusOr<v1::KvChunk> chunk = builder.Build(c);
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    paged = *std::move(chunk);
+  }
+  ASSERT_TRUE(paged.has_value());
+  const int64_t page_bytes = paged->pages().page_bytes();
+  const int page_tokens = paged->pages().page_tokens();
+  absl::StatusOr<std::unique_ptr<LocalSequence>> local = LocalSequence::Create(seq);
+  ASSERT_TRUE(local.ok()) << local.status();
+
+  v1::KvChunk wrong_size = *paged;
+  wrong_size.mutable_pages()->set_page_bytes(page_bytes + 64);
+  absl::Status st = (*local)->ApplyChunk(wrong_size);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), absl::StrCat("pages are ", page_bytes + 64, " bytes of ", page_tokens,
+                                       " tokens; this sequence's pages are ", page_bytes,
+                                       " bytes of ", page_tokens));
+
+  v1::FetchResponse fetched;
+  fetched.set_layer(0);
+  fetched.set_token_begin(0);
+  *fetched.mutable_pages() = paged->pages();
+  fetched.mutable_pages()->set_page_tokens(page_tokens * 2);
+  st = (*local)->ApplyFetched(fetched);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), absl::StrCat("pages are ", page_bytes, " bytes of ", page_tokens * 2,
+                                       " tokens; this sequence's pages are ", page_bytes,
+                                       " bytes of ", page_tokens));
+  EXPECT_EQ((*local)->num_tokens(), 0);
+
+  // The same pages in the right geometry are taken.
+  ASSERT_TRUE((*local)->ApplyChunk(*paged).ok());
+  EXPECT_EQ((*local)->num_tokens(), paged->pages().tokens());
 }
 
 TEST(QuantizedAppendTest, KiviPagesCarryTwoToFiveBitsPerElement) {
