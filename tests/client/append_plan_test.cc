@@ -164,6 +164,15 @@ TEST(DensePlanTest, RejectsMismatchedTensors) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A sequence of `layers` x `heads` KV heads (as many query heads) at
+// head_dim 64.
+SequenceConfig SequenceOf(const std::string& scheme, int layers, int heads) {
+  SequenceConfig seq;
+  seq.scheme = scheme;
+  seq.layout = {layers, heads, heads, 64, {}};
+  return seq;
+}
+
 StreamConfig ConfigOf(const std::string& scheme, int head_dim) {
   SequenceConfig s;
   s.scheme = scheme;
@@ -354,9 +363,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(QuantizedAppendTest, ChunksDoNotDependOnTheThreadCount) {
   const Prompt p = MakePrompt(3, 3, 700, 64, 5);
-  SequenceConfig seq;
-  seq.scheme = "kivi2:g32:r128:outliers=1:sink=4";
-  seq.layout = {3, 3, 3, 64, {}};
+  const SequenceConfig seq = SequenceOf("kivi2:g32:r128:outliers=1:sink=4", 3, 3);
   std::vector<std::string> wire[2];
   for (int i = 0; i < 2; ++i) {
     PlanOptions options;
@@ -378,9 +385,7 @@ TEST(QuantizedAppendTest, ChunksDoNotDependOnTheThreadCount) {
 // bytes for any count, including a large read that does use them.
 TEST(LocalSequenceTest, ReadDoesNotDependOnTheThreadCount) {
   const Prompt p = MakePrompt(3, 3, 1000, 64, 6);  // 576k elements per side.
-  SequenceConfig seq;
-  seq.scheme = "kivi4:g32:r128:pre_rope:sink=4";
-  seq.layout = {3, 3, 3, 64, {}};
+  const SequenceConfig seq = SequenceOf("kivi4:g32:r128:pre_rope:sink=4", 3, 3);
   absl::StatusOr<std::unique_ptr<LocalSequence>> local = LocalSequence::Create(seq);
   ASSERT_TRUE(local.ok()) << local.status();
   ASSERT_TRUE((*local)->ApplyChunk(DenseChunk(p, 0, 1000)).ok());
@@ -402,9 +407,7 @@ TEST(LocalSequenceTest, ReadDoesNotDependOnTheThreadCount) {
 // the wrong shape or dtype is named.
 TEST(LocalSequenceTest, ReadIntoMatchesReadAndNamesABadTensor) {
   const Prompt p = MakePrompt(2, 3, 500, 64, 8);
-  SequenceConfig seq;
-  seq.scheme = "kivi2:g32:r128:sink=4";
-  seq.layout = {2, 3, 3, 64, {}};
+  const SequenceConfig seq = SequenceOf("kivi2:g32:r128:sink=4", 2, 3);
   RecyclingPageAllocator pages;
   for (int round = 0; round < 2; ++round) {  // The second reuses the first's pages.
     absl::StatusOr<std::unique_ptr<LocalSequence>> local =
@@ -439,9 +442,7 @@ TEST(LocalSequenceTest, ReadIntoMatchesReadAndNamesABadTensor) {
 // nothing of them is stored.
 TEST(LocalSequenceTest, PagesOfAnotherGeometryAreRefusedAndNothingIsStored) {
   const Prompt p = MakePrompt(1, 2, 128, 64, 9);
-  SequenceConfig seq;
-  seq.scheme = "kivi2:g32:r128";
-  seq.layout = {1, 2, 2, 64, {}};
+  const SequenceConfig seq = SequenceOf("kivi2:g32:r128", 1, 2);
   PlanOptions options;
   absl::StatusOr<AppendPlan> plan =
       PlanQuantizedAppend(p.k, p.v, *seq.ToStreamConfig(), 0, 0, options);
@@ -502,9 +503,7 @@ TEST(QuantizedAppendTest, LocalQuantizationErrorsNameLayerAndHead) {
   std::vector<float> k = p.k.ToFloats();
   k[((1 * 2 + 1) * 300 + 200) * 64 + 5] = std::nanf("");  // Layer 1, head 1, token 200.
   p.k = *HostTensor::FromFloats(k, p.k.shape);
-  SequenceConfig seq;
-  seq.scheme = "kivi2:g32:r128";
-  seq.layout = {2, 2, 2, 64, {}};
+  const SequenceConfig seq = SequenceOf("kivi2:g32:r128", 2, 2);
   PlanOptions options;
   absl::StatusOr<AppendPlan> plan =
       PlanQuantizedAppend(p.k, p.v, *seq.ToStreamConfig(), 0, 0, options);
