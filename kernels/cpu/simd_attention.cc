@@ -117,8 +117,9 @@ class SpreadPrefetch {
 
 // Rows [t, t + n) of `rows` (row_bytes apart) requested into L2 only
 // (prefetcht1 on x86), nothing when `rows` is nullptr: the 16-bit rows of
-// the next tile, a few per step of the loops that read this one. On the Zen 4 machine of KERNELS.md 4z these made the fp16 path
-// 1.8-2.2x faster at 32k. The same requests into L1 (prefetcht0) gained
+// the next tile, a few per step of the loops that read this one. On the
+// Zen 4 machine of KERNELS.md 4z these made the fp16 path 1.8-2.2x faster
+// at 32k. The same requests into L1 (prefetcht0) gained
 // about a tenth (a tile's 16 KiB of keys and values plus the next one's is
 // all of L1), and a burst at the tile's start kept less than half the gain.
 HWY_INLINE void PrefetchRowsToL2(const uint8_t* rows, size_t row_bytes, int t, int n) {

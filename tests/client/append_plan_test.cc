@@ -164,20 +164,16 @@ TEST(DensePlanTest, RejectsMismatchedTensors) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// A sequence of `layers` x `heads` KV heads (as many query heads) at
-// head_dim 64.
-SequenceConfig SequenceOf(const std::string& scheme, int layers, int heads) {
+// A sequence of `layers` x `heads` KV heads (as many query heads).
+SequenceConfig SequenceOf(const std::string& scheme, int layers, int heads, int head_dim = 64) {
   SequenceConfig seq;
   seq.scheme = scheme;
-  seq.layout = {layers, heads, heads, 64, {}};
+  seq.layout = {layers, heads, heads, head_dim, {}};
   return seq;
 }
 
 StreamConfig ConfigOf(const std::string& scheme, int head_dim) {
-  SequenceConfig s;
-  s.scheme = scheme;
-  s.layout = {1, 1, 1, head_dim, {}};
-  absl::StatusOr<StreamConfig> c = s.ToStreamConfig();
+  absl::StatusOr<StreamConfig> c = SequenceOf(scheme, 1, 1, head_dim).ToStreamConfig();
   EXPECT_TRUE(c.ok()) << scheme << ": " << c.status();
   return *c;
 }
