@@ -18,12 +18,18 @@
 namespace kvq {
 namespace {
 
-std::vector<float> ChannelLevels(const KvStream& s, Side side, int c) {
+// The nuq codebook of every channel of one side as floats, levels[c][code];
+// empty for uniform codes.
+std::vector<std::vector<float>> ChannelLevels(const KvStream& s, Side side) {
+  std::vector<std::vector<float>> levels;
+  if (!s.spec().nuq) return levels;
   const int n = 1 << s.spec().bits;
-  std::vector<float> l(n);
-  const uint16_t* h = s.levels(side, c);
-  for (int i = 0; i < n; ++i) l[i] = HalfToFloat(h[i]);
-  return l;
+  for (int c = 0; c < s.layout().head_dim; ++c) {
+    const uint16_t* h = s.levels(side, c);
+    std::vector<float>& l = levels.emplace_back(n);
+    for (int i = 0; i < n; ++i) l[i] = HalfToFloat(h[i]);
+  }
+  return levels;
 }
 
 void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
@@ -33,10 +39,7 @@ void QuantizeAffineRef(const KvStream& s, Side side, const float* rows, int n, u
   const int d = L.head_dim;
   const int bits = S.bits;
   const bool nuq = s.spec().nuq;
-  std::vector<std::vector<float>> levels;
-  if (nuq) {
-    for (int c = 0; c < d; ++c) levels.push_back(ChannelLevels(s, side, c));
-  }
+  const std::vector<std::vector<float>> levels = ChannelLevels(s, side);
   auto code_of = [&](float x, const GroupParams& p, int c) {
     return nuq ? NearestLevel(x, p, levels[c].data(), 1 << bits) : UniformCode(x, p, bits);
   };
@@ -135,10 +138,7 @@ void DequantizeAffineRef(const KvStream& s, Side side, const uint8_t* page, int 
   const int d = L.head_dim;
   const int bits = S.bits;
   const bool nuq = s.spec().nuq;
-  std::vector<std::vector<float>> levels;
-  if (nuq) {
-    for (int c = 0; c < d; ++c) levels.push_back(ChannelLevels(s, side, c));
-  }
+  const std::vector<std::vector<float>> levels = ChannelLevels(s, side);
   const int g = L.block_tokens;
   const bool channels = S.axis == ParamAxis::kChannelGroups;
   const int np = L.ParamsPerEntry(S);
