@@ -56,6 +56,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -90,6 +91,9 @@ using VF = hn::Vec<DF>;
 constexpr int kTile = 32;             // Tokens per tile.
 constexpr int kMaxValueGroups = 32;   // head_dim 256 / the smallest group, 8.
 constexpr int kSLd = kTile + 16;      // Leading dimension of score rows (padding).
+// Token stride of the per-group rows of a tile's value scales and zero points
+// (Scratch::vparams), which KiviValueAccumulate fills and ValueOutliers reads.
+constexpr int kValueParamsLd = kTile + 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Lines [0, lines) from p, requested at once (a burst: at most what the
@@ -199,8 +203,8 @@ struct Scratch {
   std::vector<int16_t> qi;      // [kMaxRows][d]
   std::vector<uint8_t> qb;      // [kMaxRows][2][d]: (qi + 128) >> 8, then qi's low byte.
   std::vector<int32_t> ipart;   // [kTile][kMaxRows][8]
-  std::vector<float> vparams;   // [2][ng][kTile + 2]: scale then zero, token-major per group.
-  std::vector<float> wf;        // [kMaxRows][ng][kTile + 2]
+  std::vector<float> vparams;   // [2][ng][kValueParamsLd]: scale then zero, per group over tokens.
+  std::vector<float> wf;        // [kMaxRows][ng][kValueParamsLd]
   std::vector<float> zsum;      // [kMaxRows][ng]
   // KiviValueDot (AVX3_DL).
   std::vector<uint8_t> vcodes;  // [kTile / 4][16-byte plane block][64]: codes of 4 tokens.
@@ -229,8 +233,8 @@ struct Scratch {
     qi.assign(kMaxRows * D, 0);
     qb.assign(kMaxRows * 2 * D, 0);
     ipart.assign(static_cast<size_t>(kTile) * kMaxRows * 8, 0);
-    vparams.assign(2 * D * (kTile + 2), 0.0f);
-    wf.assign(kMaxRows * D * (kTile + 2), 0.0f);
+    vparams.assign(2 * D * kValueParamsLd, 0.0f);
+    wf.assign(kMaxRows * D * kValueParamsLd, 0.0f);
     zsum.assign(kMaxRows * D, 0.0f);
     vcodes.assign(static_cast<size_t>(kTile / 4) * D * 4, 0);
     wq.assign(kMaxRows * D * 64, 0);
@@ -2046,7 +2050,7 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
   const SideLayout& V = L.value;
   const int gc = V.group_channels;
   const int ng = D / gc;
-  const int ld = kTile + 2;  // Token stride of the per-group arrays.
+  const int ld = kValueParamsLd;
   float* vs = sc.vparams.data();                  // [ng][ld] scales
   float* vz = vs + static_cast<size_t>(ng) * ld;  // [ng][ld] zeros
   // The tile's parameters are contiguous, [t][scale[ng], zero[ng]]: convert
@@ -2510,35 +2514,41 @@ class RowPass {
     const float* scale = sc_.kparams.data();
     const float* zero = scale + D;
     for (int e = 0; e < k; ++e) {
-      const int tt = tab[e] / D - first;
-      if (tt < 0 || tt >= m) continue;
+      // Unsigned, one compare tells whether the entry's token is in the tile.
+      const unsigned tt = static_cast<unsigned>(tab[e] / D - first);
+      if (tt >= static_cast<unsigned>(m)) continue;
       const int c = tab[e] % D;
       const float deq = zero[c] + scale[c] * static_cast<float>(CodeAt<kBits, D>(PageLayout::CodeRow(page, L.key, row + tt), c));
-      const float diff = HalfToFloat(tab[k + e]) - deq;
+      const float diff = _cvtsh_ss(tab[k + e]) - deq;  // F16C: exact, as HalfToFloat.
       for (int r = 0; r < R; ++r) S[r * kSLd + tt] += q_[r * D + c] * diff;
     }
   }
+  // Runs after KiviValueAccumulate over the same tile, so it reads the
+  // tile's scales and zero points from Scratch::vparams instead of decoding
+  // each entry's row again (which with a division per entry was a fifth of a
+  // kivi2:outliers=1 decode: KERNELS.md 4zc).
   template <int kBits, int D>
   void ValueOutliers(const uint8_t* page, int block, int row, int m, const float* P) {
     const PageLayout& L = s_.layout();
     const int k = L.outliers_per_block;
     const uint16_t* tab = L.Outliers(page, L.value, block);
     const int first = row - block * L.block_tokens;
-    const int gc = L.value.group_channels;
-    const int ng = D / gc;
+    const int gc_shift = std::countr_zero(static_cast<unsigned>(L.value.group_channels));
+    const int ng = D >> gc_shift;
+    const float* vs = sc_.vparams.data();                          // [ng][ld] scales
+    const float* vz = vs + static_cast<size_t>(ng) * kValueParamsLd;  // [ng][ld] zeros
     const bool nuq = s_.spec().nuq;
     float* acc = sc_.acc.data();
     for (int e = 0; e < k; ++e) {
-      const int tt = tab[e] / D - first;
-      if (tt < 0 || tt >= m) continue;
+      const unsigned tt = static_cast<unsigned>(tab[e] / D - first);
+      if (tt >= static_cast<unsigned>(m)) continue;
       const int c = tab[e] % D;
-      float p[2 * kMaxValueGroups];  // scale[ng] then zero[ng] of the row.
-      LoadParams(L, L.value, page, row + tt, 1, p);
       const int code = CodeAt<kBits, D>(PageLayout::CodeRow(page, L.value, row + tt), c);
       const float level = nuq ? sc_.vctx.level_table[static_cast<size_t>(c) * sc_.vctx.levels + code]
                               : static_cast<float>(code);
-      const float deq = p[ng + c / gc] + p[c / gc] * level;
-      const float diff = HalfToFloat(tab[k + e]) - deq;
+      const int at = (c >> gc_shift) * kValueParamsLd + tt;
+      const float deq = vz[at] + vs[at] * level;
+      const float diff = _cvtsh_ss(tab[k + e]) - deq;
       for (int r = 0; r < R; ++r) acc[r * D + c] += P[r * kSLd + tt] * diff;
     }
   }
