@@ -915,6 +915,76 @@ HWY_INLINE int CodeAt(const uint8_t* HWY_RESTRICT row, int c) {
 }
 
 #if KVQ_X86_AVX3
+// Entries [e, e + 16) of a block's outlier table (k entries: positions
+// token * D + channel, then their fp16 values), decoded 16 at a time for the
+// tile of m tokens that starts `first` tokens into the block, whose code
+// rows start at `codes` (row_bytes apart): each entry's token in the tile,
+// channel, code and exact value; `in` marks the entries of the tile.
+struct OutlierLanes {
+  __m512i tt, c, code;
+  __m512 value;
+  __mmask16 in;
+};
+template <int kBits, int D>
+HWY_INLINE OutlierLanes LoadOutlierLanes(const uint16_t* HWY_RESTRICT tab, int k, int e,
+                                         int first, int m, const uint8_t* codes,
+                                         size_t row_bytes) {
+  constexpr int kShiftD = std::countr_zero(static_cast<unsigned>(D));
+  const __mmask16 live = k - e >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (k - e)) - 1);
+  const __m512i pos = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, tab + e));
+  OutlierLanes o;
+  o.tt = _mm512_sub_epi32(_mm512_srli_epi32(pos, kShiftD), _mm512_set1_epi32(first));
+  o.c = _mm512_and_si512(pos, _mm512_set1_epi32(D - 1));
+  o.in = _mm512_mask_cmplt_epu32_mask(live, o.tt, _mm512_set1_epi32(m));
+  o.value = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, tab + k + e));
+  // The byte that holds the entry's code (CodeAt's layout), read as 32 bits.
+  // The 3 bytes after it are in the page: a page with outliers has its
+  // parameter and outlier tables after the code rows of both sides.
+  const __m512i row_at = _mm512_mullo_epi32(o.tt, _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const auto byte = [&](__m512i offset) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), o.in,
+                                       _mm512_add_epi32(row_at, offset), codes, 1);
+  };
+  if constexpr (kBits == 8) {
+    o.code = _mm512_and_si512(byte(o.c), _mm512_set1_epi32(0xFF));
+  } else {
+    constexpr int kPlane = kBits == 4 ? D / 2 : D / 4;  // Bytes per plane of the row.
+    constexpr int kShiftP = std::countr_zero(static_cast<unsigned>(kPlane));
+    constexpr int kWidth = kBits == 4 ? 4 : 2;
+    const __m512i in_plane = _mm512_and_si512(o.c, _mm512_set1_epi32(kPlane - 1));
+    const __m512i shift = _mm512_mullo_epi32(_mm512_srli_epi32(o.c, kShiftP), _mm512_set1_epi32(kWidth));
+    o.code = _mm512_and_si512(_mm512_srlv_epi32(byte(in_plane), shift),
+                              _mm512_set1_epi32((1 << kWidth) - 1));
+    if constexpr (kBits == 3) {
+      constexpr int kPlane1 = D / 8;
+      constexpr int kShiftP1 = std::countr_zero(static_cast<unsigned>(kPlane1));
+      const __m512i hi_at = _mm512_add_epi32(_mm512_set1_epi32(kPlane),
+                                             _mm512_and_si512(o.c, _mm512_set1_epi32(kPlane1 - 1)));
+      const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(byte(hi_at), _mm512_srli_epi32(o.c, kShiftP1)),
+                                          _mm512_set1_epi32(1));
+      o.code = _mm512_or_si512(o.code, _mm512_slli_epi32(hi, 2));
+    }
+  }
+  return o;
+}
+
+// Calls update(tt, c, diff) for each entry of the tile, in table order (the
+// order of the scalar loops, so the sums are the same).
+template <class Update>
+HWY_INLINE void ForEachOutlierLane(const OutlierLanes& o, __m512 diff, Update&& update) {
+  alignas(64) int32_t tts[16], cs[16];
+  alignas(64) float diffs[16];
+  _mm512_store_si512(tts, o.tt);
+  _mm512_store_si512(cs, o.c);
+  _mm512_store_ps(diffs, diff);
+  for (unsigned bits = o.in; bits != 0; bits &= bits - 1) {
+    const int j = std::countr_zero(bits);
+    update(tts[j], cs[j], diffs[j]);
+  }
+}
+#endif
+
+#if KVQ_X86_AVX3
 // Channels [32j, 32j + 32) of one code row widened to int16 (one zmm): where
 // the 32 channels share one shift of one plane (8 bits; 4 bits; 2 bits at
 // head_dim >= 128), one widening load, a shift and a mask instead of two
@@ -2513,7 +2583,23 @@ class RowPass {
     const int first = row - block * L.block_tokens;  // Tile start within the block.
     const float* scale = sc_.kparams.data();
     const float* zero = scale + D;
-    for (int e = 0; e < k; ++e) {
+    int e = 0;
+#if KVQ_X86_AVX3
+    // 16 entries decoded at once (gathers), then updated one at a time with
+    // the arithmetic of the scalar loop below, which takes the other targets.
+    for (; e < k; e += 16) {
+      const OutlierLanes o = LoadOutlierLanes<kBits, D>(tab, k, e, first, m,
+                                                        PageLayout::CodeRow(page, L.key, row),
+                                                        L.key.code_row_bytes);
+      const __m512 sg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, o.c, scale, 4);
+      const __m512 zg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, o.c, zero, 4);
+      const __m512 deq = _mm512_add_ps(zg, _mm512_mul_ps(sg, _mm512_cvtepi32_ps(o.code)));
+      ForEachOutlierLane(o, _mm512_sub_ps(o.value, deq), [&](int tt, int c, float diff) {
+        for (int r = 0; r < R; ++r) S[r * kSLd + tt] += q_[r * D + c] * diff;
+      });
+    }
+#endif
+    for (; e < k; ++e) {
       // Unsigned, one compare tells whether the entry's token is in the tile.
       const unsigned tt = static_cast<unsigned>(tab[e] / D - first);
       if (tt >= static_cast<unsigned>(m)) continue;
@@ -2539,7 +2625,32 @@ class RowPass {
     const float* vz = vs + static_cast<size_t>(ng) * kValueParamsLd;  // [ng][ld] zeros
     const bool nuq = s_.spec().nuq;
     float* acc = sc_.acc.data();
-    for (int e = 0; e < k; ++e) {
+    int e = 0;
+#if KVQ_X86_AVX3
+    for (; e < k; e += 16) {  // As in KeyOutliers.
+      const OutlierLanes o = LoadOutlierLanes<kBits, D>(tab, k, e, first, m,
+                                                        PageLayout::CodeRow(page, L.value, row),
+                                                        L.value.code_row_bytes);
+      const __m512 level =
+          nuq ? _mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), o.in,
+                    _mm512_add_epi32(_mm512_mullo_epi32(o.c, _mm512_set1_epi32(sc_.vctx.levels)),
+                                     o.code),
+                    sc_.vctx.level_table.data(), 4)
+              : _mm512_cvtepi32_ps(o.code);
+      const __m512i at_lanes = _mm512_add_epi32(
+          _mm512_mullo_epi32(_mm512_srlv_epi32(o.c, _mm512_set1_epi32(gc_shift)),
+                             _mm512_set1_epi32(kValueParamsLd)),
+          o.tt);
+      const __m512 sg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, at_lanes, vs, 4);
+      const __m512 zg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, at_lanes, vz, 4);
+      const __m512 deq = _mm512_add_ps(zg, _mm512_mul_ps(sg, level));
+      ForEachOutlierLane(o, _mm512_sub_ps(o.value, deq), [&](int tt, int c, float diff) {
+        for (int r = 0; r < R; ++r) acc[r * D + c] += P[r * kSLd + tt] * diff;
+      });
+    }
+#endif
+    for (; e < k; ++e) {
       const unsigned tt = static_cast<unsigned>(tab[e] / D - first);
       if (tt >= static_cast<unsigned>(m)) continue;
       const int c = tab[e] % D;
