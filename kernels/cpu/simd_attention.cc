@@ -930,7 +930,8 @@ HWY_INLINE OutlierLanes LoadOutlierLanes(const uint16_t* HWY_RESTRICT tab, int k
                                          int first, int m, const uint8_t* codes,
                                          size_t row_bytes) {
   constexpr int kShiftD = std::countr_zero(static_cast<unsigned>(D));
-  const __mmask16 live = k - e >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (k - e)) - 1);
+  const __mmask16 live =
+      k - e >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (k - e)) - 1);
   const __m512i pos = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, tab + e));
   OutlierLanes o;
   o.tt = _mm512_sub_epi32(_mm512_srli_epi32(pos, kShiftD), _mm512_set1_epi32(first));
@@ -952,7 +953,8 @@ HWY_INLINE OutlierLanes LoadOutlierLanes(const uint16_t* HWY_RESTRICT tab, int k
     constexpr int kShiftP = std::countr_zero(static_cast<unsigned>(kPlane));
     constexpr int kWidth = kBits == 4 ? 4 : 2;
     const __m512i in_plane = _mm512_and_si512(o.c, _mm512_set1_epi32(kPlane - 1));
-    const __m512i shift = _mm512_mullo_epi32(_mm512_srli_epi32(o.c, kShiftP), _mm512_set1_epi32(kWidth));
+    const __m512i shift =
+        _mm512_mullo_epi32(_mm512_srli_epi32(o.c, kShiftP), _mm512_set1_epi32(kWidth));
     o.code = _mm512_and_si512(_mm512_srlv_epi32(byte(in_plane), shift),
                               _mm512_set1_epi32((1 << kWidth) - 1));
     if constexpr (kBits == 3) {
@@ -960,8 +962,8 @@ HWY_INLINE OutlierLanes LoadOutlierLanes(const uint16_t* HWY_RESTRICT tab, int k
       constexpr int kShiftP1 = std::countr_zero(static_cast<unsigned>(kPlane1));
       const __m512i hi_at = _mm512_add_epi32(_mm512_set1_epi32(kPlane),
                                              _mm512_and_si512(o.c, _mm512_set1_epi32(kPlane1 - 1)));
-      const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(byte(hi_at), _mm512_srli_epi32(o.c, kShiftP1)),
-                                          _mm512_set1_epi32(1));
+      const __m512i hi = _mm512_and_si512(
+          _mm512_srlv_epi32(byte(hi_at), _mm512_srli_epi32(o.c, kShiftP1)), _mm512_set1_epi32(1));
       o.code = _mm512_or_si512(o.code, _mm512_slli_epi32(hi, 2));
     }
   }
