@@ -970,6 +970,15 @@ HWY_INLINE OutlierLanes LoadOutlierLanes(const uint16_t* HWY_RESTRICT tab, int k
   return o;
 }
 
+// x - (zero + scale * level) per entry, the scale and zero point gathered
+// from `scale` and `zero` at `at` (as the scalar loops compute it).
+HWY_INLINE __m512 OutlierDiffs(const OutlierLanes& o, __m512i at, const float* scale,
+                               const float* zero, __m512 level) {
+  const __m512 sg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, at, scale, 4);
+  const __m512 zg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, at, zero, 4);
+  return _mm512_sub_ps(o.value, _mm512_add_ps(zg, _mm512_mul_ps(sg, level)));
+}
+
 // Calls update(tt, c, diff) for each entry of the tile, in table order (the
 // order of the scalar loops, so the sums are the same).
 template <class Update>
@@ -2593,10 +2602,8 @@ class RowPass {
       const OutlierLanes o = LoadOutlierLanes<kBits, D>(tab, k, e, first, m,
                                                         PageLayout::CodeRow(page, L.key, row),
                                                         L.key.code_row_bytes);
-      const __m512 sg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, o.c, scale, 4);
-      const __m512 zg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, o.c, zero, 4);
-      const __m512 deq = _mm512_add_ps(zg, _mm512_mul_ps(sg, _mm512_cvtepi32_ps(o.code)));
-      ForEachOutlierLane(o, _mm512_sub_ps(o.value, deq), [&](int tt, int c, float diff) {
+      const __m512 diffs = OutlierDiffs(o, o.c, scale, zero, _mm512_cvtepi32_ps(o.code));
+      ForEachOutlierLane(o, diffs, [&](int tt, int c, float diff) {
         for (int r = 0; r < R; ++r) S[r * kSLd + tt] += q_[r * D + c] * diff;
       });
     }
@@ -2644,10 +2651,8 @@ class RowPass {
           _mm512_mullo_epi32(_mm512_srlv_epi32(o.c, _mm512_set1_epi32(gc_shift)),
                              _mm512_set1_epi32(kValueParamsLd)),
           o.tt);
-      const __m512 sg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, at_lanes, vs, 4);
-      const __m512 zg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), o.in, at_lanes, vz, 4);
-      const __m512 deq = _mm512_add_ps(zg, _mm512_mul_ps(sg, level));
-      ForEachOutlierLane(o, _mm512_sub_ps(o.value, deq), [&](int tt, int c, float diff) {
+      const __m512 diffs = OutlierDiffs(o, at_lanes, vs, vz, level);
+      ForEachOutlierLane(o, diffs, [&](int tt, int c, float diff) {
         for (int r = 0; r < R; ++r) acc[r * D + c] += P[r * kSLd + tt] * diff;
       });
     }
