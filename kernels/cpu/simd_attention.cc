@@ -89,7 +89,6 @@ using DF = hn::CappedTag<float, 8>;
 using VF = hn::Vec<DF>;
 
 constexpr int kTile = 32;             // Tokens per tile.
-constexpr int kMaxValueGroups = 32;   // head_dim 256 / the smallest group, 8.
 constexpr int kSLd = kTile + 16;      // Leading dimension of score rows (padding).
 // Token stride of the per-group rows of a tile's value scales and zero points
 // (Scratch::vparams), which KiviValueAccumulate fills and ValueOutliers reads.
@@ -2598,10 +2597,10 @@ class RowPass {
 #if KVQ_X86_AVX3
     // 16 entries decoded at once (gathers), then updated one at a time with
     // the arithmetic of the scalar loop below, which takes the other targets.
+    const uint8_t* codes = PageLayout::CodeRow(page, L.key, row);
     for (; e < k; e += 16) {
-      const OutlierLanes o = LoadOutlierLanes<kBits, D>(tab, k, e, first, m,
-                                                        PageLayout::CodeRow(page, L.key, row),
-                                                        L.key.code_row_bytes);
+      const OutlierLanes o =
+          LoadOutlierLanes<kBits, D>(tab, k, e, first, m, codes, L.key.code_row_bytes);
       const __m512 diffs = OutlierDiffs(o, o.c, scale, zero, _mm512_cvtepi32_ps(o.code));
       ForEachOutlierLane(o, diffs, [&](int tt, int c, float diff) {
         for (int r = 0; r < R; ++r) S[r * kSLd + tt] += q_[r * D + c] * diff;
@@ -2620,8 +2619,8 @@ class RowPass {
   }
   // Runs after KiviValueAccumulate over the same tile, so it reads the
   // tile's scales and zero points from Scratch::vparams instead of decoding
-  // each entry's row again (which with a division per entry was a fifth of a
-  // kivi2:outliers=1 decode: KERNELS.md 4zc).
+  // each entry's row again (that, and a division per entry, was about a fifth
+  // of a kivi2:outliers=1 decode: KERNELS.md 4zc).
   template <int kBits, int D>
   void ValueOutliers(const uint8_t* page, int block, int row, int m, const float* P) {
     const PageLayout& L = s_.layout();
@@ -2636,10 +2635,10 @@ class RowPass {
     float* acc = sc_.acc.data();
     int e = 0;
 #if KVQ_X86_AVX3
+    const uint8_t* codes = PageLayout::CodeRow(page, L.value, row);
     for (; e < k; e += 16) {  // As in KeyOutliers.
-      const OutlierLanes o = LoadOutlierLanes<kBits, D>(tab, k, e, first, m,
-                                                        PageLayout::CodeRow(page, L.value, row),
-                                                        L.value.code_row_bytes);
+      const OutlierLanes o =
+          LoadOutlierLanes<kBits, D>(tab, k, e, first, m, codes, L.value.code_row_bytes);
       const __m512 level =
           nuq ? _mm512_mask_i32gather_ps(
                     _mm512_setzero_ps(), o.in,
