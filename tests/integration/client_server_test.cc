@@ -383,17 +383,9 @@ TEST_F(ClientServerTest, ForkAndReleaseFollowTheProtocol) {
   EXPECT_EQ(client_->Stats("parent").status().code(), absl::StatusCode::kNotFound);
 }
 
-// Runs the kvq CLI; returns its exit code and stdout.
+// Runs the kvq CLI; returns its exit code and what it printed.
 int RunCli(const std::string& args, std::string* out) {
-  const std::string cmd = absl::StrCat(KVQ_CLI_BIN, " ", args, " 2>&1");
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return -1;
-  out->clear();
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return RunCommand(absl::StrCat(KVQ_CLI_BIN, " ", args), out);
 }
 
 std::string Field(const std::string& text, absl::string_view key) {

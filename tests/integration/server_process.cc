@@ -28,6 +28,17 @@ HostTensor Random(std::vector<int64_t> shape, uint32_t seed) {
   for (float& x : v) x = dist(rng);
   return *HostTensor::FromFloats(v, std::move(shape));
 }
+int RunCommand(const std::string& command, std::string* output) {
+  FILE* p = popen(absl::StrCat(command, " 2>&1").c_str(), "r");
+  output->clear();
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
+  const int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 namespace {
 
 std::atomic<int> g_next_instance{0};

@@ -17,6 +17,11 @@ namespace kvq {
 // fp32 N(0, 1) tensor of `shape`, deterministic in `seed`.
 HostTensor Random(std::vector<int64_t> shape, uint32_t seed);
 
+// Runs `command` through the shell with stderr joined to stdout; returns its
+// exit code (-1 when it did not exit normally) and puts what it printed in
+// `output`.
+int RunCommand(const std::string& command, std::string* output);
+
 // Starts `server_bin` on 127.0.0.1:0 (and its metrics endpoint on
 // 127.0.0.1:0) with a 256 MiB CPU pool, learns the gRPC port from
 // --port_file and captures stdout in dir()/stdout. The destructor sends
