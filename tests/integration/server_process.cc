@@ -28,6 +28,7 @@ HostTensor Random(std::vector<int64_t> shape, uint32_t seed) {
   for (float& x : v) x = dist(rng);
   return *HostTensor::FromFloats(v, std::move(shape));
 }
+
 int RunCommand(const std::string& command, std::string* output) {
   FILE* p = popen(absl::StrCat(command, " 2>&1").c_str(), "r");
   output->clear();
