@@ -26,8 +26,8 @@ from tools import find_tool  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 DOCKERFILE = os.path.join(ROOT, "deploy", "Dockerfile")
-BINARIES = {"kvq-server": os.environ.get("KVQ_SERVER_BIN", ""),
-            "kvq": os.environ.get("KVQ_CLI_BIN", "")}
+BINARIES = {name: os.path.abspath(os.environ[var]) if os.environ.get(var) else ""
+            for name, var in (("kvq-server", "KVQ_SERVER_BIN"), ("kvq", "KVQ_CLI_BIN"))}
 
 
 def test_hadolint_finds_nothing():
@@ -48,26 +48,27 @@ def need_binaries_and_dpkg():
         pytest.skip("not a Debian system (no dpkg-query or ldd)")
 
 
-def owner(lib):
-    """The Debian package that owns a shared library file (merged /usr aware)."""
-    for path in (lib, "/usr" + lib, os.path.realpath(lib)):
-        r = subprocess.run(["dpkg-query", "-S", path], capture_output=True, text=True)
-        if r.returncode == 0:
-            return r.stdout.split(":", 1)[0]
-    return None
-
-
 def packages_from_ldd():
+    """The Debian packages owning the libraries the binaries load (merged /usr
+    aware), without the architecture qualifier, as apt takes them."""
     libs = set()
     for path in BINARIES.values():
         out = subprocess.run(["ldd", path], capture_output=True, text=True, check=True).stdout
         assert "not found" not in out, out
         libs |= set(re.findall(r"=>\s+(/\S+)", out))
-    owners = {lib: owner(lib) for lib in sorted(libs)}
+    candidates = {lib: [lib, "/usr" + lib, os.path.realpath(lib)] for lib in sorted(libs)}
+    # One query for all: each dpkg-query reads the whole package database.
+    paths = sorted({p for c in candidates.values() for p in c})
+    out = subprocess.run(["dpkg-query", "-S"] + paths, capture_output=True, text=True).stdout
+    owned = {}
+    for line in out.splitlines():
+        pkg, _, path = line.rpartition(": ")
+        owned[path] = pkg.split(":")[0]
+    owners = {lib: next((owned[p] for p in c if p in owned), None)
+              for lib, c in candidates.items()}
     unowned = [lib for lib, pkg in owners.items() if pkg is None]
     assert not unowned, f"no Debian package owns {unowned}"
-    # The package name without its architecture qualifier, as apt takes it.
-    return {pkg.split(":")[0] for pkg in owners.values()}
+    return set(owners.values())
 
 
 def diff_message(what, want, got):
@@ -106,7 +107,7 @@ def test_documented_bookworm_list_matches_ldd():
     need_binaries_and_dpkg()
     want = packages_from_ldd()
     text = open(DOCKERFILE).read()
-    m = re.search(r"the list is exactly these.*?\n((?:#   .*\n)+)", text, re.S)
+    m = re.search(r"the list is exactly these.*?\n((?:#   [^\n]*\n)+)", text, re.S)
     assert m, "the Dockerfile no longer names the bookworm list"
     got = set(m.group(1).replace("#", " ").split())
     assert got == want, diff_message("The Dockerfile comment's bookworm list", want, got)
