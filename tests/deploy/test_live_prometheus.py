@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -101,7 +102,7 @@ class Prometheus:
         return self.api("query", query=q)
 
 
-def kvq_load(address, tmp):
+def kvq_load(address):
     """A bounded load over every RPC, with the error paths the rules watch."""
     rng = np.random.default_rng(7)
     kv = lambda n, dt=np.float16: (rng.standard_normal((2, 2, n, 64)).astype(dt),
@@ -172,7 +173,7 @@ def stack():
                 procs.append(subprocess.Popen(
                     [SERVER_BIN, "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
                      f"--port_file={port_file}", f"--capacity_bytes={POOL_BYTES}",
-                     "--backend=cpu", "--evict", "--max_message_bytes=67108864"],
+                     "--backend=cpu", "--evict"],
                     stdout=out, stderr=subprocess.STDOUT))
 
             def metrics_address():
@@ -202,13 +203,16 @@ def stack():
             prom = Prometheus(f"http://127.0.0.1:{prom_port}")
 
             def target_up():
+                if procs[-1].poll() is not None:
+                    raise AssertionError("prometheus exited: " +
+                                         open(os.path.join(tmp, "prom.log")).read()[-2000:])
                 try:  # 503 until Prometheus is ready.
                     return bool(prom.query('up{job="kvq"} == 1')["result"])
                 except (OSError, ValueError, AssertionError):
                     return False
 
             wait_for("Prometheus scrapes kvq-server", target_up)
-            kvq_load(f"127.0.0.1:{grpc_port}", tmp)
+            kvq_load(f"127.0.0.1:{grpc_port}")
             time.sleep(3 * SCRAPE_S)  # A few scrapes after the load.
             yield prom, metrics
         finally:
