@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -41,6 +42,20 @@ double ProcessCpuSeconds() {
   timespec ts;
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+double ThreadCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// The first line of /proc/loadavg: how busy the machine was.
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string line;
+  std::getline(in, line);
+  return line;
 }
 
 double Median(std::vector<double> v) {
@@ -94,8 +109,15 @@ struct Row {
   double off_cpu_s = 0, on_cpu_s = 0;  // Process CPU time, medians.
 };
 
+// What one scheme's run measured besides the rows.
+struct SchemeFacts {
+  double hash_bytes_per_s = 0;  // XXH3 over the sequence's pages, median.
+  size_t page_bytes = 0;
+  PagePoolStats pool;           // With the sequence stored.
+};
+
 absl::StatusOr<std::vector<Row>> RunScheme(const std::string& scheme, int tokens, int reps,
-                                           double* hash_bytes_per_s) {
+                                           SchemeFacts* facts) {
   StoreOptions so;
   so.pool.capacity_bytes = size_t{1} << 30;
   KVQ_ASSIGN_OR_RETURN(std::unique_ptr<SequenceStore> store, SequenceStore::Create(so, &CpuBackend()));
@@ -138,13 +160,14 @@ absl::StatusOr<std::vector<Row>> RunScheme(const std::string& scheme, int tokens
     return static_cast<size_t>(pages) * s.layout().page_bytes * kKvHeads;
   };
 
-  // XXH3's own rate over the same pages (every head, every full page).
+  // XXH3's own rate over the same pages (every head, every full page), in
+  // this thread's CPU time, like the calls' CPU columns.
   {
     std::vector<double> rates;
     for (int r = 0; r < reps; ++r) {
       uint64_t sink = 0;
       size_t bytes = 0;
-      const absl::Time t0 = absl::Now();
+      const double t0 = ThreadCpuSeconds();
       for (int h = 0; h < kKvHeads; ++h) {
         const KvStream& s = seq->stream(0, h);
         const int full = s.quantized_tokens() / s.layout().page_tokens;
@@ -153,11 +176,13 @@ absl::StatusOr<std::vector<Row>> RunScheme(const std::string& scheme, int tokens
           bytes += s.layout().page_bytes;
         }
       }
-      const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+      const double secs = ThreadCpuSeconds() - t0;
       if (sink == 42) std::fprintf(stderr, " ");  // Keeps the loop.
       rates.push_back(bytes / secs);
     }
-    *hash_bytes_per_s = Median(rates);
+    facts->hash_bytes_per_s = Median(rates);
+    facts->page_bytes = seq->stream(0, 0).layout().page_bytes;
+    facts->pool = store->pool().Stats();
   }
 
   Endpoint off(store.get(), metrics.get(), 0.0), on(store.get(), metrics.get(), 1.0);
@@ -225,14 +250,15 @@ int ChecksumsMain(const std::string& command) {
   std::printf("# %s\n# one layer, %d tokens, %d KV / %d query heads, head_dim %d; medians of %d "
               "alternating calls\n# off: --verify_fraction=0, on: 1; times in ms (wall, and CPU "
               "of the whole process); MiB: sealed page bytes a call verifies; xxh3 ms: those "
-              "bytes / XXH3's rate\n",
-              command.c_str(), tokens, kKvHeads, kQHeads, kDim, reps);
+              "bytes / XXH3's rate (CPU time)\n# load average before: %s\n",
+              command.c_str(), tokens, kKvHeads, kQHeads, kDim, reps, LoadAverage().c_str());
   std::printf("%-7s %-32s %6s | %8s %8s %6s | %8s %8s %6s %8s | %8s\n", "scheme", "read",
               "MiB", "wall off", "wall on", "ratio", "cpu off", "cpu on", "ratio", "cpu +",
               "xxh3 ms");
   for (const std::string& scheme : schemes) {
-    double rate = 0;
-    absl::StatusOr<std::vector<Row>> rows = RunScheme(scheme, tokens, reps, &rate);
+    SchemeFacts facts;
+    absl::StatusOr<std::vector<Row>> rows = RunScheme(scheme, tokens, reps, &facts);
+    const double rate = facts.hash_bytes_per_s;
     if (!rows.ok()) {
       std::cerr << "kvq-bench checksums: " << scheme << ": " << rows.status() << "\n";
       return 2;
@@ -244,8 +270,13 @@ int ChecksumsMain(const std::string& command) {
                   r.on_cpu_s / r.off_cpu_s, (r.on_cpu_s - r.off_cpu_s) * 1e3,
                   r.verified_bytes / rate * 1e3);
     }
-    std::printf("%-8s XXH3 over these pages: %.2f GB/s\n", scheme.c_str(), rate / 1e9);
+    std::printf("%-7s XXH3 over these pages: %.2f GB/s; page %zu bytes; checksum words %zu bytes "
+                "for %zu pool bytes in use (%.3f%%), %zu pages sealed\n",
+                scheme.c_str(), rate / 1e9, facts.page_bytes, facts.pool.checksum_bytes,
+                facts.pool.used_bytes, 100.0 * facts.pool.checksum_bytes / facts.pool.used_bytes,
+                facts.pool.sealed_blocks);
   }
+  std::printf("# load average after: %s\n", LoadAverage().c_str());
   return 0;
 }
 
