@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/checksum_bench.h"
 #include "bench/convert_bench.h"
 #include "bench/kernels_bench.h"
 #include "bench/rpc_bench.h"
@@ -155,7 +156,9 @@ int main(int argc, char** argv) {
       "  rpc       kvq over gRPC vs raw gRPC and Redis: transfer, round trip, Attend, decode\n"
       "            e.g. kvq-bench rpc --quick\n"
       "  convert   the client's quantize / dequantize of rpc's round trip, alone\n"
-      "            e.g. kvq-bench convert");
+      "            e.g. kvq-bench convert\n"
+      "  checksums Attend and FetchDequant with page checksums verified vs not\n"
+      "            e.g. kvq-bench checksums --tokens=32768");
   std::vector<std::string> words = {"kvq-bench"};
   for (int i = 1; i < argc; ++i) words.push_back(argv[i]);
   const std::string command = absl::StrJoin(words, " ");
@@ -164,14 +167,15 @@ int main(int argc, char** argv) {
   // Abseil keeps one; the client's page allocator locks once per page).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (args.size() != 2) {
-    std::cerr << "usage: kvq-bench kernels|rpc|convert [flags]   (see --help)\n";
+    std::cerr << "usage: kvq-bench kernels|rpc|convert|checksums [flags]   (see --help)\n";
     return 2;
   }
   const std::string sub = args[1];
   if (sub == "kernels") return kvq::KernelsMain(command);
   if (sub == "rpc") return kvq::RpcMain(command);
   if (sub == "convert") return kvq::ConvertMain(command);
+  if (sub == "checksums") return kvq::ChecksumsMain(command);
   if (sub == "rpc-echo-server") return kvq::RpcEchoServerMain();  // Started by `rpc`.
-  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc, convert\n";
+  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc, convert, checksums\n";
   return 2;
 }

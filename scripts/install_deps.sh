@@ -9,6 +9,7 @@ packages=(
   libabsl-dev libhwy-dev libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
+  libxxhash-dev  # Page checksums (XXH3).
   libopenblas-dev libicu-dev  # kvq-eval: forward-pass BLAS, tokenizer Unicode classes.
   redis-server  # Benchmark only: the Redis baseline of `kvq-bench rpc`.
 )

@@ -92,10 +92,12 @@ struct AttendJob {
 // result per job to `resp`, or with `packed` (jobs of one query and one
 // num_q_heads and head_dim) row i of resp.out and resp.lse for job i.
 // Callers must not hold the sequences' locks.
+// A job whose pages fail their checksum ends the call with DATA_LOSS and
+// is left in `corrupt` (removed by the caller once the locks are released).
 absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_thread,
-                        Metrics* metrics, RpcMethod method, int layer,
+                        Metrics* metrics, PageGuard* guard, RpcMethod method, int layer,
                         std::vector<AttendJob>& jobs, float softmax_scale, bool packed,
-                        v1::AttendResponse* resp) {
+                        v1::AttendResponse* resp, std::shared_ptr<Sequence>* corrupt) {
   float* packed_out = nullptr;
   float* packed_lse = nullptr;
   if (packed) {
@@ -129,6 +131,10 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
       return absl::OutOfRangeError(absl::StrCat(j.field, ": key range [", j.key_begin, ", ", end,
                                                 ") is not inside the ", committed,
                                                 " stored tokens of layer ", layer));
+    }
+    if (absl::Status st = guard->Verify(s, layer, j.key_begin, end); !st.ok()) {
+      *corrupt = j.seq.shared();
+      return st;
     }
     // The kernel writes straight into the response's tensors.
     float* out;
@@ -171,11 +177,13 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
 
 // AttendInto that leaves no partial results behind on an error.
 absl::Status RunAttention(const KernelBackend& backend, KernelThread* kernel_thread,
-                          Metrics* metrics, RpcMethod method, int layer,
+                          Metrics* metrics, PageGuard* guard, RpcMethod method, int layer,
                           std::vector<AttendJob>& jobs, float softmax_scale,
                           v1::AttendResponse* resp, bool packed = false) {
-  absl::Status st = AttendInto(backend, kernel_thread, metrics, method, layer, jobs,
-                               softmax_scale, packed, resp);
+  std::shared_ptr<Sequence> corrupt;
+  absl::Status st = AttendInto(backend, kernel_thread, metrics, guard, method, layer, jobs,
+                               softmax_scale, packed, resp, &corrupt);
+  if (corrupt != nullptr) guard->Remove(*corrupt);
   if (!st.ok()) {
     resp->clear_results();
     resp->clear_out();
@@ -200,7 +208,10 @@ grpc::Status ToGrpc(const absl::Status& s) {
 }
 
 KvqService::KvqService(SequenceStore* store, Metrics* metrics, const ServiceOptions& options)
-    : store_(store), metrics_(metrics), options_(options) {}
+    : store_(store),
+      metrics_(metrics),
+      options_(options),
+      guard_(store, metrics, options.verify_fraction) {}
 
 absl::Status KvqService::CheckSize(const google::protobuf::Message& m) const {
   return CheckSize(m.ByteSizeLong());
@@ -362,6 +373,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
                    k.dtype, k.data, v.data};
         KVQ_RETURN_IF_ERROR(
             service_->store()->WithEviction(&*seq_, [&] { return seq_->AppendDense(kv); }));
+        service_->guard().Seal(*seq_, kv.layer_begin, kv.layer_begin + kv.layers);
       } else {
         const v1::QuantizedPages& p = c.pages();
         const PageLayout& L = seq_->stream(0, 0).layout();
@@ -383,6 +395,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
         RawPagesKv raw{c.layer_begin(), p.layers(), p.tokens(), msg_.page_data()};
         KVQ_RETURN_IF_ERROR(
             service_->store()->WithEviction(&*seq_, [&] { return seq_->AppendRaw(raw); }));
+        service_->guard().Seal(*seq_, raw.layer_begin, raw.layer_begin + raw.layers);
       }
     }
     if (req.token_ids_size() > 0) {
@@ -549,6 +562,10 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     absl::ReaderMutexLock lock(&seq_->mu());
     const ModelShape& m = seq_->shape();
     const int n = p.end - p.begin;
+    if (absl::Status st = service_->guard().Verify(*seq_, p.layer, p.begin, p.end); !st.ok()) {
+      corrupt_ = true;  // Next() removes the sequence once this lock is released.
+      return st;
+    }
     if (req_.raw()) {
       const KvStream& s0 = seq_->stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
@@ -593,6 +610,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     if (next_ == pieces_.size()) return Done(absl::OkStatus());
     const bool first = next_ == 0;
     absl::Status st = Fill(pieces_[next_++], first);
+    if (corrupt_) service_->guard().Remove(*seq_);
     if (!st.ok()) return Done(st);
     service_->metrics()->AddSentBytes(RpcMethod::kFetchDequant, out_.Length());
     StartWrite(&out_);
@@ -611,6 +629,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   DType dtype_ = DType::kFloat16;
   std::vector<Piece> pieces_;
   size_t next_ = 0;
+  bool corrupt_ = false;  // A page of seq_ failed its checksum.
   int32_t range_layer_end_ = 0, range_token_end_ = 0;  // Resolved in Plan().
   grpc::ByteBuffer out_;                               // The message in flight.
 };
@@ -671,8 +690,9 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     j.key_end = it.key_end();
     jobs.push_back(std::move(j));
   }
-  absl::Status st = RunAttention(*store_->backend(), &kernel_thread_, metrics_, RpcMethod::kAttend,
-                                 req.layer(), jobs, req.softmax_scale(), resp, packed);
+  absl::Status st = RunAttention(*store_->backend(), &kernel_thread_, metrics_, &guard_,
+                                 RpcMethod::kAttend, req.layer(), jobs, req.softmax_scale(), resp,
+                                 packed);
   if (st.code() == absl::StatusCode::kInvalidArgument &&
       absl::StartsWith(st.message(), "attention task ")) {
     return absl::InvalidArgumentError(absl::StrCat("q: ", st.message()));
@@ -765,6 +785,7 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
                                      return item.seq->AppendDense(item.kv);
                                    }),
                                    j.field + ": "));
+      guard_.Seal(*item.seq, req.layer(), req.layer() + 1);
       for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before + t);
       j.key_end = before + item.kv.tokens;
     }
@@ -774,8 +795,8 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     j.seq = std::move(item.seq);
     jobs.push_back(std::move(j));
   }
-  return RunAttention(*store_->backend(), &kernel_thread_, metrics_, method, req.layer(), jobs,
-                      req.softmax_scale(), resp, packed);
+  return RunAttention(*store_->backend(), &kernel_thread_, metrics_, &guard_, method, req.layer(),
+                      jobs, req.softmax_scale(), resp, packed);
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,

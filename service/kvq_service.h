@@ -14,6 +14,7 @@
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "service/kernel_thread.h"
 #include "service/metrics.h"
+#include "service/page_guard.h"
 #include "service/sequence_store.h"
 
 namespace kvq {
@@ -26,6 +27,8 @@ struct ServiceOptions {
   int64_t fetch_chunk_bytes = int64_t{1} << 20;
   std::string backend_name = "cpu";
   std::string version = "0.1.0";
+  // Share of reads that verify page checksums (--verify_fraction).
+  double verify_fraction = 1.0;
 };
 
 grpc::Status ToGrpc(const absl::Status& s);
@@ -74,6 +77,7 @@ class KvqService final
   SequenceStore* store() { return store_; }
   Metrics* metrics() { return metrics_; }
   const ServiceOptions& options() const { return options_; }
+  PageGuard& guard() { return guard_; }
   absl::Status CheckSize(const google::protobuf::Message& m) const;
   absl::Status CheckSize(size_t message_bytes) const;
 
@@ -86,6 +90,7 @@ class KvqService final
   Metrics* metrics_;
   ServiceOptions options_;
   KernelThread kernel_thread_;  // Runs the backend's multi-threaded calls.
+  PageGuard guard_;             // Page checksums: sealed on append, verified on read.
 };
 
 }  // namespace kvq

@@ -83,7 +83,14 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     auto pages = Gauge("kvq_pool_pages", "Blocks (pages and per-stream fp16 blocks) by state.");
     Add(pages, st.pool.blocks_used, {{"tier", tier_}, {"state", "used"}});
     Add(pages, st.pool.shared_blocks, {{"tier", tier_}, {"state", "shared"}});
+    Add(pages, st.pool.sealed_blocks, {{"tier", tier_}, {"state", "sealed"}});
     out.push_back(std::move(pages));
+
+    auto checksums = Gauge("kvq_page_checksum_bytes",
+                           "Bytes of page checksums, 8 per slot of every slab in use, kept "
+                           "beside the pool (not in kvq_capacity_bytes).");
+    Add(checksums, st.pool.checksum_bytes, tier);
+    out.push_back(std::move(checksums));
 
     auto seqs = Gauge("kvq_sequences", "Sequences by state.");
     Add(seqs, st.sequences, {{"state", "active"}});
@@ -154,9 +161,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
   }
   auto& gone = prometheus::BuildCounter()
                    .Name("kvq_sequences_removed_total")
-                   .Help("Sequences removed, by reason (released, expired lease, evicted).")
+                   .Help("Sequences removed, by reason (released, expired lease, evicted, "
+                         "corrupted: a page failed its checksum).")
                    .Register(*m->registry_);
-  for (GoneReason r : {GoneReason::kReleased, GoneReason::kExpired, GoneReason::kEvicted}) {
+  for (GoneReason r : {GoneReason::kReleased, GoneReason::kExpired, GoneReason::kEvicted,
+                       GoneReason::kCorrupted}) {
     m->gone_[static_cast<int>(r)] = &gone.Add({{"reason", std::string(GoneReasonName(r))}});
   }
   m->prefix_hits_ = &prometheus::BuildCounter()
@@ -169,6 +178,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                            .Help("Tokens of KV shared instead of stored by prefix reuse.")
                            .Register(*m->registry_)
                            .Add({});
+  m->checksum_failures_ = &prometheus::BuildCounter()
+                               .Name("kvq_page_checksum_failures_total")
+                               .Help("Reads that found a sealed page not matching its checksum "
+                                     "(answered DATA_LOSS; the sequence was removed).")
+                               .Register(*m->registry_)
+                               .Add({});
   if (!bind.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(bind);
@@ -216,6 +231,8 @@ void Metrics::RecordPrefixHit(int tokens) {
   prefix_hits_->Increment();
   prefix_tokens_->Increment(tokens);
 }
+
+void Metrics::RecordChecksumFailure() { checksum_failures_->Increment(); }
 
 RpcTimer::RpcTimer(Metrics* metrics, RpcMethod method)
     : metrics_(metrics), method_(method), start_(absl::Now()) {}

@@ -57,6 +57,8 @@ class Metrics {
   void AddSentBytes(RpcMethod method, size_t bytes);
   void RecordGone(GoneReason reason);
   void RecordPrefixHit(int tokens);
+  // A sealed page that failed its checksum (service/page_checksum.h).
+  void RecordChecksumFailure();
 
  private:
   class StoreCollector;
@@ -70,10 +72,11 @@ class Metrics {
   std::array<prometheus::Histogram*, kNumRpcMethods> latency_{};
   std::array<prometheus::Counter*, kNumRpcMethods> received_{};
   std::array<prometheus::Counter*, kNumRpcMethods> sent_{};
-  std::array<prometheus::Counter*, 3> gone_{};
+  std::array<prometheus::Counter*, 4> gone_{};
   std::array<prometheus::Histogram*, kNumRpcMethods> kernel_{};  // Attention methods only.
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_tokens_ = nullptr;
+  prometheus::Counter* checksum_failures_ = nullptr;
 };
 
 // Times one RPC and records it when destroyed (or when Finish is called).

@@ -39,7 +39,10 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(const PagePoolOptions
 }
 
 PagePool::PagePool(uint8_t* arena, size_t slabs, size_t slab_bytes)
-    : arena_(arena), slab_bytes_(slab_bytes), slabs_(slabs), free_slabs_(slabs) {}
+    : arena_(arena),
+      slab_bytes_(slab_bytes),
+      slabs_(slabs),
+      free_slabs_(slabs) {}
 
 PagePool::~PagePool() { munmap(arena_, slabs_.size() * slab_bytes_); }
 
@@ -81,6 +84,7 @@ absl::StatusOr<uint8_t*> PagePool::Allocate(size_t bytes) {
     slabs_[first].slot_bytes = slot;
     slabs_[first].run_slabs = static_cast<uint32_t>(n);
     slabs_[first].live = 1;
+    SizeChecksums(slabs_[first], 1);
     for (size_t i = 1; i < n; ++i) slabs_[first + i].slot_bytes = kRunContinuation;
     block = SlabBase(first);
   } else {
@@ -93,6 +97,7 @@ absl::StatusOr<uint8_t*> PagePool::Allocate(size_t bytes) {
       const uint32_t slots = static_cast<uint32_t>(slab_bytes_ / slot);
       slab.free.resize(slots);
       for (uint32_t i = 0; i < slots; ++i) slab.free[i] = slots - 1 - i;
+      SizeChecksums(slab, slots);
       open.push_back(s);
     }
     const size_t s = open.back();
@@ -127,7 +132,9 @@ void PagePool::ReleaseBlock(uint8_t* block, size_t slot) {
   Slab& slab = slabs_[s];
   used_bytes_ -= slot;
   --blocks_used_;
+  SetChecksum(block, 0);  // A reused slot starts unsealed.
   if (slab.run_slabs > 0) {
+    SizeChecksums(slab, 0);
     for (size_t i = 0; i < slab.run_slabs; ++i) slabs_[s + i].slot_bytes = 0;
     free_slabs_ += slab.run_slabs;
     slab.run_slabs = 0;
@@ -143,6 +150,7 @@ void PagePool::ReleaseBlock(uint8_t* block, size_t slot) {
     open.erase(std::remove(open.begin(), open.end(), s), open.end());
     slab.free.clear();
     slab.free.shrink_to_fit();
+    SizeChecksums(slab, 0);
     slab.slot_bytes = 0;
     ++free_slabs_;
   } else if (slab.free.size() == 1) {
@@ -173,7 +181,49 @@ PagePoolStats PagePool::Stats() const {
   st.slabs_used = slabs_.size() - free_slabs_;
   st.blocks_used = blocks_used_;
   st.shared_blocks = extra_refs_.size();
+  st.checksum_bytes = checksum_words_ * sizeof(uint64_t);
+  st.sealed_blocks = sealed_blocks_;
   return st;
+}
+
+void PagePool::SizeChecksums(Slab& slab, size_t slots) {
+  checksum_words_ -= slab.checksums.size();
+  if (slots == 0) {
+    slab.checksums.clear();
+    slab.checksums.shrink_to_fit();
+  } else {
+    slab.checksums.assign(slots, 0);
+  }
+  checksum_words_ += slots;
+}
+
+std::pair<size_t, size_t> PagePool::ChecksumSlot(const uint8_t* block) const {
+  const size_t s = SlabOf(block);
+  const Slab& slab = slabs_[s];
+  if (slab.run_slabs > 0) return {s, 0};
+  return {s, static_cast<size_t>(block - SlabBase(s)) / slab.slot_bytes};
+}
+
+void PagePool::SetChecksum(const uint8_t* block, uint64_t sum) {
+  const auto [s, i] = ChecksumSlot(block);
+  uint64_t& word = slabs_[s].checksums[i];
+  sealed_blocks_ += static_cast<size_t>(sum != 0) - static_cast<size_t>(word != 0);
+  word = sum;
+}
+
+void PagePool::SetChecksums(absl::Span<const uint8_t* const> blocks,
+                            absl::Span<const uint64_t> sums) {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < blocks.size(); ++i) SetChecksum(blocks[i], sums[i]);
+}
+
+void PagePool::GetChecksums(absl::Span<const uint8_t* const> blocks,
+                            absl::Span<uint64_t> sums) const {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const auto [s, slot] = ChecksumSlot(blocks[i]);
+    sums[i] = slabs_[s].checksums[slot];
+  }
 }
 
 }  // namespace kvq

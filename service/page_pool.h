@@ -17,11 +17,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "kernels/page_allocator.h"
 
 namespace kvq {
@@ -45,6 +47,10 @@ struct PagePoolStats {
   size_t slabs_used = 0;       // Slabs holding at least one live block.
   size_t blocks_used = 0;      // Live blocks (pages and aux blocks).
   size_t shared_blocks = 0;    // Live blocks with more than one reference.
+  // Page checksums (service/page_checksum.h): 8 bytes per slot of every
+  // slab in use, kept beside the arena (not inside capacity_bytes).
+  size_t checksum_bytes = 0;
+  size_t sealed_blocks = 0;    // Live blocks that carry a checksum.
 };
 
 class PagePool final : public PageAllocator {
@@ -63,12 +69,21 @@ class PagePool final : public PageAllocator {
   bool CanAllocate(size_t bytes, size_t count) const;
   PagePoolStats Stats() const;
 
+  // Checksums of sealed blocks (service/page_checksum.h), kept in the slab
+  // metadata beside each slot, never inside the block: 0 means unsealed. A
+  // block's checksum is cleared when its last reference goes, so a reused
+  // slot starts unsealed. One lock for a whole list; every block must be a
+  // live block of this pool.
+  void SetChecksums(absl::Span<const uint8_t* const> blocks, absl::Span<const uint64_t> sums);
+  void GetChecksums(absl::Span<const uint8_t* const> blocks, absl::Span<uint64_t> sums) const;
+
  private:
   struct Slab {
     size_t slot_bytes = 0;       // 0: free slab. For a large run: the run's bytes.
     uint32_t run_slabs = 0;      // > 0 on the first slab of a large run.
     std::vector<uint32_t> free;  // Free slot indices (small classes).
     uint32_t live = 0;
+    std::vector<uint64_t> checksums;  // Per slot (one for a large run); 0: unsealed.
   };
 
   PagePool(uint8_t* arena, size_t slabs, size_t slab_bytes);
@@ -78,6 +93,12 @@ class PagePool final : public PageAllocator {
   // Takes `n` contiguous free slabs; returns the first or slabs_.size().
   size_t TakeSlabs(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseBlock(uint8_t* block, size_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where a live block's checksum word is: (slab, index in its checksums).
+  std::pair<size_t, size_t> ChecksumSlot(const uint8_t* block) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetChecksum(const uint8_t* block, uint64_t sum) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sizes a slab's checksum words for `slots` slots (0: frees them).
+  void SizeChecksums(Slab& slab, size_t slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   uint8_t* const arena_;
   const size_t slab_bytes_;
@@ -89,6 +110,8 @@ class PagePool final : public PageAllocator {
   size_t free_slabs_ ABSL_GUARDED_BY(mu_) = 0;
   size_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t blocks_used_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t checksum_words_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t sealed_blocks_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvq

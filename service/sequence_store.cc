@@ -39,6 +39,7 @@ absl::string_view GoneReasonName(GoneReason r) {
     case GoneReason::kReleased: return "released";
     case GoneReason::kExpired: return "expired";
     case GoneReason::kEvicted: return "evicted";
+    case GoneReason::kCorrupted: return "corrupted";
   }
   return "gone";
 }
@@ -174,6 +175,9 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, a
               absl::StrCat(Describe(ns, id), " expired: its lease ran out while idle"));
         case GoneReason::kReleased:
           return absl::NotFoundError(absl::StrCat(Describe(ns, id), " was released"));
+        case GoneReason::kCorrupted:
+          return absl::NotFoundError(absl::StrCat(
+              Describe(ns, id), " was removed: a page failed its checksum; append it again"));
       }
     }
     return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
@@ -298,6 +302,36 @@ bool SequenceStore::EvictOne(const Sequence* keep) {
     }
   }
   return true;  // `victim` frees its pages here, outside the store lock.
+}
+
+bool SequenceStore::RemoveCorrupted(const Sequence& seq) {
+  std::shared_ptr<Sequence> victim;  // Freed outside the store lock.
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(seq.ns(), seq.id());
+  auto it = live_.find(key);
+  if (it != live_.end() && it->second.seq.get() == &seq) {
+    victim = std::move(it->second.seq);
+    live_.erase(it);
+    Tombstone(key, GoneReason::kCorrupted);
+  }
+  for (auto c = cached_.begin(); c != cached_.end(); ++c) {
+    if (c->get() == &seq) {
+      victim = std::move(*c);
+      cached_.erase(c);
+      break;
+    }
+  }
+  registered_blocks_.erase(&seq);
+  for (auto p = prefixes_.begin(); p != prefixes_.end();) {
+    const std::shared_ptr<Sequence> s = p->second.seq.lock();
+    if (s == nullptr || s.get() == &seq) {
+      prefixes_.erase(p++);
+    } else {
+      ++p;
+    }
+  }
+  if (victim) victim->released = true;
+  return victim != nullptr;
 }
 
 int SequenceStore::ExpireIdle(absl::Time now) {

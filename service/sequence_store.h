@@ -37,7 +37,8 @@ struct StoreOptions {
 };
 
 // Why a sequence left the store (for NOT_FOUND messages and metrics).
-enum class GoneReason { kReleased, kExpired, kEvicted };
+// kCorrupted: a page failed its checksum (service/page_checksum.h).
+enum class GoneReason { kReleased, kExpired, kEvicted, kCorrupted };
 absl::string_view GoneReasonName(GoneReason r);
 
 struct CreateSequenceArgs {
@@ -111,6 +112,13 @@ class SequenceStore {
 
   // Registers blocks that became complete (call with the sequence locked).
   void RegisterPrefixBlocks(const std::shared_ptr<Sequence>& seq);
+
+  // Removes `seq` after one of its pages failed its checksum: it leaves the
+  // store and the prefix registry (nothing reuses its pages), never stays
+  // as prefix cache, and later calls get NOT_FOUND saying why. Its pages
+  // are freed when the last call using it ends. False if it had already
+  // left the store.
+  bool RemoveCorrupted(const Sequence& seq);
 
   // Drops sequences whose lease ran out; returns how many.
   int ExpireIdle(absl::Time now);

@@ -28,6 +28,9 @@ ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest request message accepte
 ABSL_FLAG(int64_t, fetch_chunk_bytes, 1 << 20, "Default FetchDequant message size");
 ABSL_FLAG(std::string, port_file, "", "Write the bound gRPC port to this file");
 ABSL_FLAG(int32_t, shutdown_grace_seconds, 10, "On SIGTERM, time in-flight RPCs get to finish");
+ABSL_FLAG(double, verify_fraction, 1.0,
+          "Share of page reads that verify the pages' checksums (XXH3, taken when a page is "
+          "sealed): 1 every read, 0 none, in between an evenly spread deterministic sample");
 ABSL_FLAG(bool, retain_message_buffers, true,
           "Keep freed message buffers in the heap for reuse (glibc: no mmap below 32 MiB, "
           "trim above 64 MiB) instead of mapping and unmapping every large message");
@@ -116,6 +119,10 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
       c.service.fetch_chunk_bytes > c.service.max_message_bytes) {
     return bad("fetch_chunk_bytes", c.service.fetch_chunk_bytes,
                "must be in [1 KiB, --max_message_bytes]");
+  }
+  c.service.verify_fraction = absl::GetFlag(FLAGS_verify_fraction);
+  if (!(c.service.verify_fraction >= 0.0 && c.service.verify_fraction <= 1.0)) {
+    return bad("verify_fraction", c.service.verify_fraction, "must be in [0, 1]");
   }
   const int32_t grace = absl::GetFlag(FLAGS_shutdown_grace_seconds);
   if (grace < 0) return bad("shutdown_grace_seconds", grace, "must be >= 0");
