@@ -19,7 +19,7 @@ A worker::
     with ShardedClient(dns="kvq.tenant-a.svc.cluster.local:50051",
                        namespace="tenant-a") as kvq:
         seq = kvq.create_sequence(layout, prompt_token_ids=prompt)
-        kvq.append_prompt(seq.sequence_id, k, v, token_ids=prompt)
+        kvq.append_prompt(seq.sequence_id, k[:, :, seq.num_tokens:], v[:, :, seq.num_tokens:])
         results = kvq.attend_each(layer, queries)   # [(out, lse) or KvqError]
 """
 
