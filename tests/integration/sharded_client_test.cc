@@ -122,12 +122,26 @@ TEST_F(ShardedClientTest, AKilledReplicaCostsOnlyItsOwnSequences) {
     keys[ids.back()] = k.Cast(DType::kFloat16);
   }
   // One query per sequence, attended across all three replicas at once.
+  const HostTensor q_all = Random({kSequences, kQHeads, kDim}, 1000);
+  const size_t q_row = q_all.byte_size() / kSequences;
   std::vector<AttendQuery> queries;
   for (int i = 0; i < kSequences; ++i) {
-    queries.push_back({ids[i], Random({1, kQHeads, kDim}, 1000 + i), {}, 0, 0});
+    HostTensor q = HostTensor::Zeros(DType::kFloat32, {1, kQHeads, kDim});
+    q.data = q_all.data.substr(i * q_row, q_row);
+    queries.push_back({ids[i], q, {}, 0, 0});
   }
   absl::StatusOr<std::vector<AttendOutput>> before = c->Attend(1, queries);
   ASSERT_TRUE(before.ok()) << before.status();
+  // The packed form, split per replica and merged back: the same rows.
+  absl::StatusOr<AttendOutput> packed = c->AttendBatch(1, ids, q_all);
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  ASSERT_EQ(packed->out.shape, (std::vector<int64_t>{kSequences, kQHeads, kDim}));
+  const size_t out_row = packed->out.byte_size() / kSequences;
+  const size_t lse_row = packed->lse.byte_size() / kSequences;
+  for (int i = 0; i < kSequences; ++i) {
+    EXPECT_EQ(packed->out.data.substr(i * out_row, out_row), (*before)[i].out.data) << i;
+    EXPECT_EQ(packed->lse.data.substr(i * lse_row, lse_row), (*before)[i].lse.data) << i;
+  }
 
   const std::string victim = addresses_[1];
   std::vector<std::string> lost, kept;
@@ -164,6 +178,15 @@ TEST_F(ShardedClientTest, AKilledReplicaCostsOnlyItsOwnSequences) {
     }
   }
   EXPECT_EQ(c->Attend(1, queries).status().code(), absl::StatusCode::kUnavailable);
+  absl::StatusOr<PartialBatchOutput> partial = c->AttendBatchEach(1, ids, q_all);
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  for (int i = 0; i < kSequences; ++i) {
+    const bool on_victim = c->ReplicaOf(ids[i]).value() == victim;
+    EXPECT_EQ(partial->status[i].code(),
+              on_victim ? absl::StatusCode::kUnavailable : absl::StatusCode::kOk) << i;
+    EXPECT_EQ(partial->output.out.data.substr(i * out_row, out_row),
+              on_victim ? std::string(out_row, '\0') : (*before)[i].out.data) << i;
+  }
 
   // New sequences go to the survivors, though the victim is still listed.
   const std::map<std::string, int64_t> counts_before = Counts(*c);
