@@ -241,5 +241,41 @@ TEST_F(ShardedClientTest, AReplicaAddedLaterStillFindsEarlierSequences) {
   EXPECT_EQ(Counts(*c).at(addresses_[2]), 0);
 }
 
+TEST_F(ShardedClientTest, CliRoutesIdsLikeTheLibrary) {
+  auto c = Connect(addresses_);
+  const std::string cli = absl::StrCat(KVQ_CLI_BIN, " --namespace=shard --dns=localhost:1 ",
+                                       "--targets=", addresses_[0], ",", addresses_[1], ",",
+                                       addresses_[2]);
+  std::string out;
+  // Both list sources at once is a usage error.
+  EXPECT_EQ(RunCommand(cli + " info", &out), 2) << out;
+  EXPECT_TRUE(absl::StrContains(out, "give --targets or --dns, not both")) << out;
+  const std::string targets = absl::StrCat(KVQ_CLI_BIN, " --namespace=shard --targets=",
+                                           addresses_[0], ",", addresses_[1], ",", addresses_[2]);
+  std::map<std::string, int> where;
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_EQ(RunCommand(targets + " create --layers=2 --kv_heads=1 --head_dim=32 --scheme=fp16",
+                         &out),
+              0)
+        << out;
+    const size_t at = out.find("sequence_id: ");
+    ASSERT_NE(at, std::string::npos) << out;
+    const std::string id = out.substr(at + 13, out.find('\n', at) - at - 13);
+    // The library finds it where the CLI put it, and the CLI finds it too.
+    absl::StatusOr<v1::StatsResponse> s = c->Stats(id);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ++where[c->ReplicaOf(id).value()];
+    ASSERT_EQ(RunCommand(absl::StrCat(targets, " stats --id=", id), &out), 0) << out;
+    EXPECT_TRUE(absl::StrContains(out, "scheme: fp16")) << out;
+  }
+  // Server-wide stats: one block per replica, counting what was placed.
+  ASSERT_EQ(RunCommand(targets + " stats", &out), 0) << out;
+  for (const std::string& a : addresses_) {
+    EXPECT_TRUE(absl::StrContains(out, absl::StrCat("replica: ", a, "\ncapacity_bytes: ")))
+        << out;
+  }
+  EXPECT_EQ(Counts(*c).at(addresses_[0]), where[addresses_[0]]);
+}
+
 }  // namespace
 }  // namespace kvq
