@@ -39,6 +39,9 @@
 // failure (its message names the replica; items[i] in a server's message is
 // renumbered to the caller's index).
 //
+// Decode streams: OpenDecodeSession (client/sharded_decode_session.h) keeps
+// one stream per replica behind one session.
+//
 // Thread-safe, like KvqClient.
 #ifndef KVQ_CLIENT_SHARDED_CLIENT_H_
 #define KVQ_CLIENT_SHARDED_CLIENT_H_
@@ -61,6 +64,8 @@
 #include "client/replica_set.h"
 
 namespace kvq {
+
+class ShardedDecodeSession;  // client/sharded_decode_session.h
 
 struct ShardOptions {
   // Options of each replica's KvqClient (`target` is replaced per replica).
@@ -158,6 +163,11 @@ class ShardedKvqClient {
   absl::StatusOr<PartialBatchOutput> AppendAttendBatchEach(int layer, const DecodeBatch& batch,
                                                            float softmax_scale = 0.0f,
                                                            const CallOptions& call = {});
+
+  // A DecodeStream per replica behind one session; `deadline` covers each
+  // replica's stream (infinite: as long as the decode loop).
+  std::unique_ptr<ShardedDecodeSession> OpenDecodeSession(
+      absl::Duration deadline = absl::InfiniteDuration());
 
   // The fork lives on the source's replica: its id is drawn to win there
   // (a caller-chosen new_sequence_id that does not is INVALID_ARGUMENT).

@@ -14,6 +14,7 @@
 #include "client/kvq_client.h"
 #include "client/replica_set.h"
 #include "client/sharded_client.h"
+#include "client/sharded_decode_session.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
 
@@ -143,6 +144,26 @@ TEST_F(ShardedClientTest, AKilledReplicaCostsOnlyItsOwnSequences) {
     EXPECT_EQ(packed->lse.data.substr(i * lse_row, lse_row), (*before)[i].lse.data) << i;
   }
 
+  // A decode step on one session over all three replicas, items in
+  // reverse order: each result is its own sequence's attention over its
+  // tokens and the new one (as Attend computes it).
+  std::unique_ptr<ShardedDecodeSession> session = c->OpenDecodeSession(absl::Seconds(60));
+  std::vector<AppendAttendItem> step;
+  for (int i = kSequences - 1; i >= 0; --i) {
+    step.push_back({ids[i], Random({kHeads, 1, kDim}, 2000 + i), Random({kHeads, 1, kDim}, 3000 + i),
+                    Random({1, kQHeads, kDim}, 4000 + i)});
+  }
+  absl::StatusOr<std::vector<AttendOutput>> stepped = session->Step(0, step);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  for (size_t j = 0; j < step.size(); ++j) {
+    absl::StatusOr<std::vector<AttendOutput>> ref =
+        c->Attend(0, {{step[j].sequence_id, step[j].q, {kTokens}, 0, 0}});
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    const std::vector<float> got = (*stepped)[j].out.ToFloats(), want = (*ref)[0].out.ToFloats();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t e = 0; e < got.size(); ++e) ASSERT_NEAR(got[e], want[e], 1e-4) << j;
+  }
+
   const std::string victim = addresses_[1];
   std::vector<std::string> lost, kept;
   for (const std::string& id : ids) (c->ReplicaOf(id).value() == victim ? lost : kept).push_back(id);
@@ -187,6 +208,20 @@ TEST_F(ShardedClientTest, AKilledReplicaCostsOnlyItsOwnSequences) {
     EXPECT_EQ(partial->output.out.data.substr(i * out_row, out_row),
               on_victim ? std::string(out_row, '\0') : (*before)[i].out.data) << i;
   }
+
+  // The session: the victim's items fail, the survivors' streams go on,
+  // step after step.
+  for (int round = 0; round < 2; ++round) {
+    std::vector<absl::StatusOr<AttendOutput>> r = session->StepEach(0, step);
+    ASSERT_EQ(r.size(), step.size());
+    for (size_t j = 0; j < step.size(); ++j) {
+      const bool on_victim = c->ReplicaOf(step[j].sequence_id).value() == victim;
+      EXPECT_EQ(r[j].status().code(),
+                on_victim ? absl::StatusCode::kUnavailable : absl::StatusCode::kOk)
+          << round << " " << j << " " << r[j].status();
+    }
+  }
+  EXPECT_EQ(session->Close().code(), absl::StatusCode::kOk);
 
   // New sequences go to the survivors, though the victim is still listed.
   const std::map<std::string, int64_t> counts_before = Counts(*c);
