@@ -113,6 +113,17 @@ def test_a_killed_replica_costs_only_its_own_sequences(servers):
                    for sid in ids]
         before = kvq.attend(1, queries)
 
+        # One decode session over all three replicas, items in reverse order.
+        order = list(reversed(range(len(ids))))
+        sids = [ids[i] for i in order]
+        kk = rng.standard_normal((len(ids), HEADS, DIM)).astype(np.float32)
+        qq = rng.standard_normal((len(ids), QHEADS, DIM)).astype(np.float32)
+        session = kvq.decode_session(deadline=60)
+        out, lse = session.step_batch(0, sids, kk, kk, qq)
+        ref = kvq.attend(0, [AttendQuery(sid, qq[j:j + 1], [TOKENS]) for j, sid in enumerate(sids)])
+        for j in range(len(sids)):
+            np.testing.assert_allclose(out[j], ref[j][0][0], atol=1e-4)
+
         victim_proc, victim = servers[1]
         lost = [s for s in ids if kvq.replica_of(s) == victim]
         kept = [s for s in ids if kvq.replica_of(s) != victim]
@@ -140,6 +151,16 @@ def test_a_killed_replica_costs_only_its_own_sequences(servers):
         with pytest.raises(KvqError) as e:
             kvq.attend(1, queries)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+        for _ in range(2):  # The survivors' streams go on, step after step.
+            out, lse, errors = session.step_batch_each(0, sids, kk, kk, qq)
+            for j, sid in enumerate(sids):
+                if sid in lost:
+                    assert errors[j].code == grpc.StatusCode.UNAVAILABLE
+                    assert not out[j].any()
+                else:
+                    assert errors[j] is None
+        session.close()
 
         # New sequences land on the survivors, though the victim is listed.
         survivors = [addresses[0], addresses[2]]

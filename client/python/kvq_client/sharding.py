@@ -448,6 +448,10 @@ class ShardedClient:
             self._note(replica, e)
             raise self._on_replica(e, replica) from None
 
+    def decode_session(self, deadline=None):
+        """A ShardedDecodeSession: one decode stream per replica behind one session."""
+        return ShardedDecodeSession(self, deadline)
+
     def attend_each(self, layer, items, softmax_scale=0.0, deadline=None):
         """[(out, lse) or KvqError] per AttendQuery, in order."""
         items = [it if isinstance(it, AttendQuery) else AttendQuery(*it) for it in items]
@@ -503,6 +507,148 @@ class ShardedClient:
                                                          softmax_scale, deadline)
         _raise_first(errors)
         return out, lse
+
+
+class ShardedDecodeSession:
+    """Decode streams over several replicas: a step's items are split by
+    replica, each part written to that replica's stream (opened on first
+    use) and the results merged in order. A stream ends at its first failed
+    step, so a failed replica's items get its KvqError and its stream is
+    dropped (its next items open a fresh one) while the other streams go on.
+    The *_each forms give each item its result or KvqError; the plain forms
+    raise the first failure. Steps may be pipelined. Not thread-safe."""
+
+    def __init__(self, sharded, deadline=None):
+        self._sharded, self._deadline = sharded, deadline
+        self._sessions, self._pending = {}, []
+
+    def _session(self, replica):
+        s = self._sessions.get(replica)
+        if s is None:
+            s = self._sessions[replica] = \
+                self._sharded.client_for_replica(replica).decode_session(self._deadline)
+        return s
+
+    def _drop(self, replica, session):
+        if self._sessions.get(replica) is session:
+            del self._sessions[replica]
+            session.cancel()
+
+    def _write(self, ids, write_part, packed):
+        groups = {}
+        for i, sid in enumerate(ids):
+            groups.setdefault(self._sharded.replica_of(sid), []).append(i)
+        parts = []
+        for replica, idx in groups.items():
+            session = self._session(replica)
+            try:
+                write_part(session, idx)
+                parts.append((replica, idx, session, None))
+            except KvqError as e:
+                self._drop(replica, session)
+                parts.append((replica, idx, None, self._sharded._on_replica(_renumber(e, idx),
+                                                                            replica)))
+        self._pending.append((packed, len(ids), parts))
+
+    def _read(self, packed):
+        if not self._pending:
+            raise KvqError(grpc.StatusCode.FAILED_PRECONDITION, "no step written to read")
+        if self._pending[0][0] != packed:
+            raise KvqError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "the next step was written with the other form (write / write_batch)")
+        _, n, parts = self._pending.pop(0)
+        results = [None] * n
+        for replica, idx, session, error in parts:
+            if error is None:
+                try:
+                    if packed:
+                        out, lse = session.read_batch()
+                        got = list(zip(out, lse))
+                    else:
+                        got = session.read()
+                    for i, r in zip(idx, got):
+                        results[i] = r
+                    continue
+                except KvqError as e:
+                    self._drop(replica, session)
+                    error = self._sharded._on_replica(_renumber(e, idx), replica)
+            for i in idx:
+                results[i] = error
+        return results
+
+    def write(self, layer, items, softmax_scale=0.0):
+        items = [it if isinstance(it, DecodeItem) else DecodeItem(*it) for it in items]
+        if not items:
+            raise ValueError("items is empty")
+        self._write([it.sequence_id for it in items],
+                    lambda s, idx: s.write(layer, [items[i] for i in idx], softmax_scale), False)
+
+    def read_each(self):
+        return self._read(False)
+
+    def read(self):
+        return _all_or_raise(self.read_each())
+
+    def step_each(self, layer, items, softmax_scale=0.0):
+        self.write(layer, items, softmax_scale)
+        return self.read_each()
+
+    def step(self, layer, items, softmax_scale=0.0):
+        self.write(layer, items, softmax_scale)
+        return self.read()
+
+    def write_batch(self, layer, sequence_ids, k, v, q, softmax_scale=0.0):
+        ids = list(sequence_ids)
+        k, v, q = np.asarray(k), np.asarray(v), np.asarray(q)
+        for name, a in (("k", k), ("v", v), ("q", q)):
+            if a.ndim != 3 or not ids or a.shape[0] != len(ids):
+                raise ValueError(f"{name} must be [{len(ids)} sequences (at least one), heads, "
+                                 f"head_dim], got {a.shape}")
+        self._write(ids, lambda s, idx: s.write_batch(layer, [ids[i] for i in idx], k[idx],
+                                                      v[idx], q[idx], softmax_scale), True)
+
+    def read_batch_each(self):
+        """(out, lse, errors) as ShardedClient.append_attend_batch_each."""
+        return _packed(self._read(True))
+
+    def read_batch(self):
+        out, lse, errors = self.read_batch_each()
+        _raise_first(errors)
+        return out, lse
+
+    def step_batch_each(self, layer, sequence_ids, k, v, q, softmax_scale=0.0):
+        self.write_batch(layer, sequence_ids, k, v, q, softmax_scale)
+        return self.read_batch_each()
+
+    def step_batch(self, layer, sequence_ids, k, v, q, softmax_scale=0.0):
+        self.write_batch(layer, sequence_ids, k, v, q, softmax_scale)
+        return self.read_batch()
+
+    def close(self):
+        """Closes every stream; raises the first failure."""
+        sessions, self._sessions, self._pending = self._sessions, {}, []
+        first = None
+        for replica, s in sessions.items():
+            try:
+                s.close()
+            except KvqError as e:
+                first = first or self._sharded._on_replica(e, replica)
+        if first is not None:
+            raise first
+
+    def cancel(self):
+        for s in self._sessions.values():
+            s.cancel()
+        self._sessions, self._pending = {}, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
 
 
 def _renumber(error, indexes):
