@@ -155,11 +155,11 @@ absl::StatusOr<std::shared_ptr<KvqClient>> ShardedKvqClient::ClientForReplica(
     // Replicas that left the list: their channels close once no call holds
     // them.
     for (auto it = clients_.begin(); it != clients_.end();) {
-      auto next = std::next(it);
-      if (!std::binary_search(snap->replicas.begin(), snap->replicas.end(), it->first)) {
-        clients_.erase(it);
+      if (std::binary_search(snap->replicas.begin(), snap->replicas.end(), it->first)) {
+        ++it;
+      } else {
+        clients_.erase(it++);  // flat_hash_map: erasing leaves other iterators valid.
       }
-      it = next;
     }
     clients_version_ = snap->version;
   }

@@ -24,6 +24,15 @@ TEST(ShardedClientUnitTest, RoutesEachIdToItsRendezvousWinner) {
   EXPECT_EQ(c->ClientForReplica("127.0.0.1:2").value(), c->ClientForReplica("127.0.0.1:2").value());
 }
 
+TEST(ShardedClientUnitTest, ForgetsTheClientsOfReplicasThatLeft) {
+  auto c = ShardedKvqClient::Connect("127.0.0.1:1,127.0.0.1:2").value();
+  const std::shared_ptr<KvqClient> before = c->ClientForReplica("127.0.0.1:2").value();
+  ASSERT_TRUE(c->replica_set().Set({"127.0.0.1:1"}).ok());
+  EXPECT_EQ(c->ReplicaOf("anything").value(), "127.0.0.1:1");
+  ASSERT_TRUE(c->replica_set().Set({"127.0.0.1:1", "127.0.0.1:2"}).ok());
+  EXPECT_NE(c->ClientForReplica("127.0.0.1:2").value(), before);  // A fresh channel.
+}
+
 TEST(ShardedClientUnitTest, BadOptionsAreNamed) {
   EXPECT_EQ(ShardedKvqClient::Connect("127.0.0.1:1,nope").status(),
             absl::InvalidArgumentError("replica target \"nope\" must be host:port"));

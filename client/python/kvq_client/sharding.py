@@ -187,6 +187,7 @@ class ShardedClient:
     def __init__(self, targets=None, dns=None, namespace="", deadline=30.0, retry=None,
                  prefix_tokens=32, down_cooldown=5.0, probe_deadline=2.0, refresh=5.0,
                  replica_set=None, id_seed=None, **client_kwargs):
+        self._own_set = replica_set is None
         if replica_set is None:
             if isinstance(targets, str):
                 targets = [t for t in targets.split(",") if t.strip()]
@@ -220,7 +221,8 @@ class ShardedClient:
             clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             c.close()
-        self.replica_set.close()
+        if self._own_set:  # A caller's set may serve others: theirs to stop.
+            self.replica_set.close()
 
     def __enter__(self):
         return self
