@@ -29,11 +29,19 @@
 #include "client/kvq_client.h"
 #include "client/npy.h"
 #include "client/progress_bar.h"
+#include "client/sharded_client.h"
 #include "kernels/quant_spec.h"
 #include "kernels/status_macros.h"
 
 // Global flags.
 ABSL_FLAG(std::string, server, "localhost:50051", "kvq server address, host:port.");
+ABSL_FLAG(std::string, targets, "",
+          "Shard over these replicas instead of --server: host:port,host:port; each --id goes "
+          "to its rendezvous winner and create draws an id for one (docs/CLIENTS.md, "
+          "\"Sharding across replicas\").");
+ABSL_FLAG(std::string, dns, "",
+          "Shard over the addresses of this name:port instead of --server (a Kubernetes "
+          "headless Service: kvq.<namespace>.svc.cluster.local:50051).");
 ABSL_FLAG(std::string, namespace, "", "Tenant namespace of the sequence(s); \"\" is the default.");
 ABSL_FLAG(int64_t, deadline_ms, 30000, "Deadline of each RPC attempt, in milliseconds (> 0).");
 ABSL_FLAG(int32_t, retries, 3,
@@ -117,7 +125,7 @@ struct Command {
 
 const std::vector<std::string>& GlobalFlags() {
   static const auto* flags =
-      new std::vector<std::string>{"server", "namespace", "deadline_ms", "retries", "progress"};
+      new std::vector<std::string>{"server", "targets", "dns", "namespace", "deadline_ms", "retries", "progress"};
   return *flags;
 }
 
@@ -137,7 +145,7 @@ absl::Status UsageError(absl::string_view message) {
   return absl::InvalidArgumentError(message);
 }
 
-absl::StatusOr<std::unique_ptr<KvqClient>> MakeClient() {
+absl::StatusOr<ClientOptions> ClientOptionsFromFlags() {
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_server);
   options.ns = absl::GetFlag(FLAGS_namespace);
@@ -147,6 +155,27 @@ absl::StatusOr<std::unique_ptr<KvqClient>> MakeClient() {
   const int retries = absl::GetFlag(FLAGS_retries);
   if (retries < 0) return UsageError("--retries must be >= 0");
   options.retry.max_attempts = retries + 1;
+  return options;
+}
+
+// --targets or --dns: the calls go through a ShardedKvqClient.
+bool Sharded() { return !absl::GetFlag(FLAGS_targets).empty() || !absl::GetFlag(FLAGS_dns).empty(); }
+
+absl::StatusOr<std::unique_ptr<ShardedKvqClient>> MakeShardedClient() {
+  const std::string targets = absl::GetFlag(FLAGS_targets), dns = absl::GetFlag(FLAGS_dns);
+  if (!targets.empty() && !dns.empty()) return UsageError("give --targets or --dns, not both");
+  ShardOptions options;
+  KVQ_ASSIGN_OR_RETURN(options.client, ClientOptionsFromFlags());
+  return ShardedKvqClient::Connect(targets.empty() ? "dns:" + dns : targets, options);
+}
+
+// The client of --server, or with sharding that of `id`'s replica.
+absl::StatusOr<std::shared_ptr<KvqClient>> MakeClient(absl::string_view id = "") {
+  if (Sharded()) {
+    KVQ_ASSIGN_OR_RETURN(std::unique_ptr<ShardedKvqClient> sharded, MakeShardedClient());
+    return sharded->ClientFor(id);
+  }
+  KVQ_ASSIGN_OR_RETURN(const ClientOptions options, ClientOptionsFromFlags());
   return KvqClient::Connect(options);
 }
 
@@ -237,8 +266,15 @@ absl::Status RunCreate() {
     return UsageError("nuq schemes need codebooks, which the CLI cannot send; use the C++ or "
                       "Python client");
   }
-  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
-  KVQ_ASSIGN_OR_RETURN(const SequenceInfo seq, client->CreateSequence(options));
+  absl::StatusOr<SequenceInfo> created;
+  if (Sharded()) {  // The sharded client draws the id (or places the given one).
+    KVQ_ASSIGN_OR_RETURN(auto sharded, MakeShardedClient());
+    created = sharded->CreateSequence(options);
+  } else {
+    KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
+    created = client->CreateSequence(options);
+  }
+  KVQ_ASSIGN_OR_RETURN(const SequenceInfo seq, std::move(created));
   absl::PrintF("sequence_id: %s\nscheme: %s\nnum_tokens: %d\nblock_tokens: %d\n",
                seq.sequence_id, seq.scheme, seq.num_tokens, seq.block_tokens);
   return absl::OkStatus();
@@ -260,7 +296,7 @@ absl::Status RunAppend() {
                                    "head_dim], got ", k.DebugString(), " and ",
                                    v.DebugString()));
   }
-  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
+  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient(id));
   AppendOptions options;
   options.max_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   if (options.max_chunk_bytes <= 0) return UsageError("--chunk_bytes must be > 0");
@@ -315,7 +351,7 @@ absl::Status RunFetch() {
   const int64_t chunk = absl::GetFlag(FLAGS_chunk_bytes);
   if (chunk <= 0 || chunk > (int64_t{1} << 30)) return UsageError("--chunk_bytes must be in (0, 1 GiB]");
   options.max_chunk_bytes = static_cast<int>(chunk);
-  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
+  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient(id));
   ProgressBar bar("fetch", ProgressWanted(), absl::GetFlag(FLAGS_progress));
   options.progress = [&bar](int64_t done, int64_t total) { bar.Update(done, total); };
   absl::StatusOr<FetchedKv> kv;
@@ -359,7 +395,7 @@ absl::Status RunAttend() {
   KVQ_ASSIGN_OR_RETURN(query.q_positions, ParsePositions(absl::GetFlag(FLAGS_q_positions)));
   query.key_begin = absl::GetFlag(FLAGS_key_begin);
   query.key_end = absl::GetFlag(FLAGS_key_end);
-  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
+  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient(query.sequence_id));
   KVQ_ASSIGN_OR_RETURN(std::vector<AttendOutput> results,
                        client->Attend(absl::GetFlag(FLAGS_layer), {query},
                                       static_cast<float>(absl::GetFlag(FLAGS_scale))));
@@ -376,14 +412,11 @@ absl::Status RunAttend() {
   return absl::OkStatus();
 }
 
-absl::Status RunStats() {
-  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
-  const std::string id = absl::GetFlag(FLAGS_id);
-  KVQ_ASSIGN_OR_RETURN(const v1::StatsResponse s, client->Stats(id));
+void PrintStats(const v1::StatsResponse& s, bool per_sequence) {
   absl::PrintF("capacity_bytes: %d\nused_bytes: %d\npages_total: %d\npages_used: %d\n"
                "sequences: %d\n",
                s.capacity_bytes(), s.used_bytes(), s.pages_total(), s.pages_used(), s.sequences());
-  if (!id.empty()) absl::PrintF("num_tokens: %d\nscheme: %s\n", s.num_tokens(), s.scheme());
+  if (per_sequence) absl::PrintF("num_tokens: %d\nscheme: %s\n", s.num_tokens(), s.scheme());
   const v1::ByteBreakdown& b = s.bytes();
   absl::PrintF("bytes: codes=%d scales=%d outliers=%d residual=%d sink=%d codebook=%d "
                "padding=%d total=%d\n",
@@ -391,13 +424,34 @@ absl::Status RunStats() {
                b.padding(), b.total());
   absl::PrintF("bits_per_element: %.3f\ncompression_vs_fp16: %.3f\n", s.bits_per_element(),
                s.compression_vs_fp16());
+}
+
+absl::Status RunStats() {
+  const std::string id = absl::GetFlag(FLAGS_id);
+  if (Sharded() && id.empty()) {  // Server-wide: each replica's, the first failure returned.
+    KVQ_ASSIGN_OR_RETURN(auto sharded, MakeShardedClient());
+    absl::Status first_error;
+    for (const ReplicaStats& r : sharded->StatsAll()) {
+      absl::PrintF("replica: %s\n", r.replica);
+      if (r.stats.ok()) {
+        PrintStats(*r.stats, false);
+      } else {
+        absl::PrintF("error: %s\n", r.stats.status().ToString());
+        if (first_error.ok()) first_error = r.stats.status();
+      }
+    }
+    return first_error;
+  }
+  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient(id));
+  KVQ_ASSIGN_OR_RETURN(const v1::StatsResponse s, client->Stats(id));
+  PrintStats(s, !id.empty());
   return absl::OkStatus();
 }
 
 absl::Status RunRelease() {
   const std::string id = absl::GetFlag(FLAGS_id);
   KVQ_RETURN_IF_ERROR(RequireFlag("id", id));
-  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
+  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient(id));
   KVQ_ASSIGN_OR_RETURN(const int64_t freed, client->Release(id));
   absl::PrintF("bytes_freed: %d\n", freed);
   return absl::OkStatus();
@@ -410,8 +464,15 @@ absl::Status RunFork() {
   options.new_sequence_id = absl::GetFlag(FLAGS_new_id);
   options.num_tokens = absl::GetFlag(FLAGS_tokens);
   options.ttl_seconds = absl::GetFlag(FLAGS_ttl_s);
-  KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
-  KVQ_ASSIGN_OR_RETURN(const ForkResult fork, client->Fork(id, options));
+  absl::StatusOr<ForkResult> forked;
+  if (Sharded()) {  // The fork's id must win the source's replica.
+    KVQ_ASSIGN_OR_RETURN(auto sharded, MakeShardedClient());
+    forked = sharded->Fork(id, options);
+  } else {
+    KVQ_ASSIGN_OR_RETURN(auto client, MakeClient());
+    forked = client->Fork(id, options);
+  }
+  KVQ_ASSIGN_OR_RETURN(const ForkResult fork, std::move(forked));
   absl::PrintF("sequence_id: %s\nnum_tokens: %d\n", fork.sequence_id, fork.num_tokens);
   return absl::OkStatus();
 }
