@@ -11,6 +11,8 @@ packages=(
   prometheus-cpp-dev
   libopenblas-dev libicu-dev  # kvq-eval: forward-pass BLAS, tokenizer Unicode classes.
   redis-server  # Benchmark only: the Redis baseline of `kvq-bench rpc`.
+  libssl-dev  # kvq-server checks its TLS key files with OpenSSL.
+  openssl  # TLS tests: throwaway certificates made at test time.
 )
 
 missing=()

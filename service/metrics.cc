@@ -109,8 +109,7 @@ class Metrics::StoreCollector : public prometheus::Collectable {
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind,
                                                          SequenceStore* store,
-                                                         absl::string_view tier,
-                                                         const MetricsTlsOptions& tls) {
+                                                         absl::string_view tier) {
   std::unique_ptr<Metrics> m(new Metrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
   m->collector_ = std::make_shared<StoreCollector>(store, std::string(tier));
@@ -170,18 +169,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                            .Help("Tokens of KV shared instead of stored by prefix reuse.")
                            .Register(*m->registry_)
                            .Add({});
-  if (!bind.empty() && tls.enabled()) {
-    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> https = StartHttpsExposer(bind, tls);
-    if (!https.ok()) return https.status();
-    m->exposer_ = std::move(*https);
-  } else if (!bind.empty()) {
+  if (!bind.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(bind);
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", bind, ": ", e.what()));
     }
-  }
-  if (m->exposer_ != nullptr) {
     m->exposer_->RegisterCollectable(m->registry_);
     m->exposer_->RegisterCollectable(m->collector_);
     const std::vector<int> ports = m->exposer_->GetListeningPorts();

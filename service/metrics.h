@@ -15,7 +15,6 @@
 #include "prometheus/exposer.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "service/metrics_tls.h"
 #include "service/sequence_store.h"
 
 namespace kvq {
@@ -39,12 +38,10 @@ absl::string_view RpcMethodName(RpcMethod m);
 class Metrics {
  public:
   // Starts the exposer on `bind` ("127.0.0.1:9464"; port 0 picks a free
-  // one); an empty `bind` keeps metrics in memory only (tests). With `tls`
-  // enabled the port serves HTTPS (metrics_tls.h).
+  // one); an empty `bind` keeps metrics in memory only (tests).
   static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& bind,
                                                          SequenceStore* store,
-                                                         absl::string_view tier,
-                                                         const MetricsTlsOptions& tls = {});
+                                                         absl::string_view tier);
   ~Metrics();
 
   // Port the exposer listens on (0 without one).

@@ -31,7 +31,7 @@ ABSL_FLAG(int32_t, shutdown_grace_seconds, 10, "On SIGTERM, time in-flight RPCs 
 ABSL_FLAG(bool, retain_message_buffers, true,
           "Keep freed message buffers in the heap for reuse (glibc: no mmap below 32 MiB, "
           "trim above 64 MiB) instead of mapping and unmapping every large message");
-// TLS (service/tls_config.h, service/metrics_tls.h) and the exposure rule
+// TLS (service/tls_config.h) and the exposure rule
 // (service/exposure_check.h).
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain of the gRPC port; with --tls_key, the port speaks TLS only");
@@ -41,9 +41,6 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(int32_t, tls_refresh_seconds, 60,
           "How often the --tls_* files are re-read; new connections use what was read, open "
           "ones keep theirs");
-ABSL_FLAG(std::string, metrics_tls_cert, "",
-          "PEM certificate chain of the metrics port; with --metrics_tls_key it serves HTTPS");
-ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key (unencrypted) of --metrics_tls_cert");
 ABSL_FLAG(bool, insecure, false,
           "Allow a non-loopback --address without TLS or tokens (plaintext; logs a warning)");
 
@@ -142,9 +139,6 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   c.tls.refresh_interval = absl::Seconds(absl::GetFlag(FLAGS_tls_refresh_seconds));
   if (absl::Status s = ValidateTlsServerOptions(c.tls); !s.ok()) return s;
-  c.metrics_tls.cert_file = absl::GetFlag(FLAGS_metrics_tls_cert);
-  c.metrics_tls.key_file = absl::GetFlag(FLAGS_metrics_tls_key);
-  if (absl::Status s = ValidateMetricsTlsOptions(c.metrics_tls); !s.ok()) return s;
   c.insecure = absl::GetFlag(FLAGS_insecure);
   return c;
 }

@@ -48,8 +48,7 @@ std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsServerOpt
 
 // Checks that `cert_path` holds at least one PEM certificate and `key_path`
 // an unencrypted PEM private key of the first one; errors name `cert_flag`
-// and `key_flag` ("tls_cert", "metrics_tls_key"...). Shared with the
-// metrics port's TLS.
+// and `key_flag` ("tls_cert", "tls_key").
 absl::Status CheckKeyPairFiles(absl::string_view cert_flag, const std::string& cert_path,
                                absl::string_view key_flag, const std::string& key_path);
 

@@ -1,5 +1,5 @@
-// The --tls_* and --metrics_tls_* checks kvq-server runs before it starts
-// (service/tls_config.h, service/metrics_tls.h), on certificates made with
+// The --tls_* checks kvq-server runs before it starts
+// (service/tls_config.h), on certificates made with
 // openssl at test time (tests/integration/make_test_certs.sh).
 #include "service/tls_config.h"
 
@@ -11,7 +11,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "service/metrics_tls.h"
 
 namespace kvq {
 namespace {
@@ -52,7 +51,6 @@ TEST_F(TlsConfigTest, NoFlagsIsPlaintextAndValid) {
   TlsServerOptions o;
   EXPECT_FALSE(o.enabled());
   EXPECT_TRUE(ValidateTlsServerOptions(o).ok());
-  EXPECT_TRUE(ValidateMetricsTlsOptions({}).ok());
 }
 
 TEST_F(TlsConfigTest, MatchingPairAndCaAreValid) {
@@ -60,7 +58,6 @@ TEST_F(TlsConfigTest, MatchingPairAndCaAreValid) {
   TlsServerOptions m = Server("server.pem", "server.key", "ca.pem");
   EXPECT_TRUE(m.mutual());
   EXPECT_TRUE(ValidateTlsServerOptions(m).ok());
-  EXPECT_TRUE(ValidateMetricsTlsOptions({F("server.pem"), F("server.key")}).ok());
 }
 
 TEST_F(TlsConfigTest, HalfAPairIsRefusedNamingTheMissingFlag) {
@@ -71,10 +68,6 @@ TEST_F(TlsConfigTest, HalfAPairIsRefusedNamingTheMissingFlag) {
   ExpectInvalid(ValidateTlsServerOptions(Server("", "", "ca.pem")),
                 "--tls_client_ca is set without --tls_cert and --tls_key: mutual TLS needs the "
                 "server's own certificate too");
-  ExpectInvalid(ValidateMetricsTlsOptions({"", F("server.key")}),
-                "--metrics_tls_key is set without --metrics_tls_cert: HTTPS needs both");
-  ExpectInvalid(ValidateMetricsTlsOptions({F("server.pem"), ""}),
-                "--metrics_tls_cert is set without --metrics_tls_key: HTTPS needs both");
 }
 
 TEST_F(TlsConfigTest, UnreadableOrWrongFilesAreRefusedNamingFlagAndFile) {
@@ -93,10 +86,6 @@ TEST_F(TlsConfigTest, UnreadableOrWrongFilesAreRefusedNamingFlagAndFile) {
   ExpectInvalid(ValidateTlsServerOptions(Server("server.pem", "server.key", "ca.key")),
                 absl::StrCat("--tls_client_ca=", F("ca.key"),
                              ": no PEM certificate (-----BEGIN CERTIFICATE-----) in the file"));
-  ExpectInvalid(ValidateMetricsTlsOptions({F("server.pem"), F("other_server.key")}),
-                absl::StrCat("--metrics_tls_key=", F("other_server.key"),
-                             ": does not match the certificate of --metrics_tls_cert=",
-                             F("server.pem")));
 }
 
 TEST_F(TlsConfigTest, EncryptedKeyIsRefusedWithoutPrompting) {
