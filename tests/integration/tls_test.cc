@@ -218,7 +218,9 @@ TEST_F(TlsTest, RotatedCertificateServesNewConnectionsAndKeepsOpenStreams) {
 }
 
 TEST_F(TlsTest, StartupRefusesBadTlsFlagsNamingTheFlag) {
-  const std::string base = absl::StrCat(KVQ_SERVER_BIN,
+  // Under `timeout`: a server that wrongly starts is killed (exit 124)
+  // instead of hanging the test.
+  const std::string base = absl::StrCat("timeout 60 ", KVQ_SERVER_BIN,
                                         " --address=127.0.0.1:0 --metrics_address= --backend=cpu "
                                         "--capacity_bytes=16777216");
   std::string out;
@@ -234,7 +236,7 @@ TEST_F(TlsTest, StartupRefusesBadTlsFlagsNamingTheFlag) {
 
 TEST_F(TlsTest, NetworkAddressWithoutTlsNeedsInsecure) {
   std::string out;
-  EXPECT_EQ(RunCommand(absl::StrCat(KVQ_SERVER_BIN,
+  EXPECT_EQ(RunCommand(absl::StrCat("timeout 60 ", KVQ_SERVER_BIN,
                                     " --address=0.0.0.0:0 --metrics_address= --backend=cpu "
                                     "--capacity_bytes=16777216"),
                        &out),
