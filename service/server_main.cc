@@ -1,7 +1,11 @@
 // kvq-server: the quantized KV-cache service.
 //
 //   kvq-server --address=0.0.0.0:50051 --metrics_address=0.0.0.0:9464 \
-//              --capacity_bytes=$((8 << 30)) --backend=auto --evict
+//              --capacity_bytes=$((8 << 30)) --backend=auto --evict \
+//              --tls_cert=server.pem --tls_key=server.key
+//
+// A non-loopback --address needs TLS (or tokens) or an explicit --insecure
+// (service/exposure_check.h).
 //
 // SIGTERM or SIGINT: stop accepting, let in-flight RPCs finish (up to
 // --shutdown_grace_seconds), exit 0.
