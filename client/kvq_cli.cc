@@ -30,6 +30,7 @@
 #include "client/npy.h"
 #include "client/progress_bar.h"
 #include "client/sharded_client.h"
+#include "client/tls_flags.h"
 #include "kernels/quant_spec.h"
 #include "kernels/status_macros.h"
 
@@ -125,7 +126,9 @@ struct Command {
 
 const std::vector<std::string>& GlobalFlags() {
   static const auto* flags =
-      new std::vector<std::string>{"server", "targets", "dns", "namespace", "deadline_ms", "retries", "progress"};
+      new std::vector<std::string>{"server",   "targets", "dns",     "namespace", "deadline_ms",
+                                   "retries",  "progress", "tls_ca", "tls_cert",  "tls_key",
+                                   "tls_server_name"};  // The last four: tls_flags.cc.
   return *flags;
 }
 
@@ -155,6 +158,7 @@ absl::StatusOr<ClientOptions> ClientOptionsFromFlags() {
   const int retries = absl::GetFlag(FLAGS_retries);
   if (retries < 0) return UsageError("--retries must be >= 0");
   options.retry.max_attempts = retries + 1;
+  if (absl::Status s = ApplyTlsFlags(&options); !s.ok()) return UsageError(s.message());
   return options;
 }
 

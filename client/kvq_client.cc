@@ -141,6 +141,7 @@ absl::StatusOr<std::unique_ptr<KvqClient>> KvqClient::Connect(const ClientOption
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   auto creds = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   return std::make_unique<KvqClient>(grpc::CreateCustomChannel(options.target, creds, args),
                                      options);

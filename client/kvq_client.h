@@ -66,8 +66,12 @@ struct ClientOptions {
   // Channel send/receive message limit (the server has its own:
   // ServerInfo.max_message_bytes).
   int max_message_bytes = 64 << 20;
-  // Insecure when null.
+  // Insecure when null. TLS / mutual TLS from PEM files:
+  // TlsCredentialsFromFiles (client/tls_credentials.h).
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // TLS: the name checked against the server's certificate instead of the
+  // target's host (e.g. a certificate for "kvq.internal" reached by IP).
+  std::string tls_server_name;
   // Freed memory of FetchDequantLocal's local streams (their sink and tail
   // buffers) kept for the next call (fresh memory costs a page fault per
   // 4 KiB); 0 keeps none.

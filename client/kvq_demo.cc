@@ -23,6 +23,7 @@
 #include "bench/synthetic_kv.h"
 #include "client/kvq_client.h"
 #include "client/parallel_for.h"
+#include "client/tls_flags.h"
 #include "kernels/tensor.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "kvq-server address");
@@ -112,6 +113,9 @@ int Run() {
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_server);
   options.ns = "demo";
+  if (absl::Status s = ApplyTlsFlags(&options); !s.ok()) {
+    return std::fprintf(stderr, "kvq-demo: %s\n", std::string(s.message()).c_str()), 1;
+  }
   absl::StatusOr<std::unique_ptr<KvqClient>> client = KvqClient::Connect(options);
   if (!client.ok()) return std::fprintf(stderr, "%s\n", client.status().ToString().c_str()), 1;
   absl::StatusOr<v1::ServerInfo> info = (*client)->GetServerInfo();

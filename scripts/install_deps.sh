@@ -12,6 +12,8 @@ packages=(
   libxxhash-dev  # Page checksums (XXH3).
   libopenblas-dev libicu-dev  # kvq-eval: forward-pass BLAS, tokenizer Unicode classes.
   redis-server  # Benchmark only: the Redis baseline of `kvq-bench rpc`.
+  libssl-dev  # kvq-server checks its TLS key files with OpenSSL.
+  openssl  # TLS tests: throwaway certificates made at test time.
 )
 # The deploy checks (tests/deploy): a live Prometheus and promtool. The image
 # build (deploy/Dockerfile) sets KVQ_DEPLOY_TOOLS=0 to skip them.

@@ -34,6 +34,18 @@ ABSL_FLAG(double, verify_fraction, 1.0,
 ABSL_FLAG(bool, retain_message_buffers, true,
           "Keep freed message buffers in the heap for reuse (glibc: no mmap below 32 MiB, "
           "trim above 64 MiB) instead of mapping and unmapping every large message");
+// TLS (service/tls_config.h) and the exposure rule
+// (service/exposure_check.h).
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of the gRPC port; with --tls_key, the port speaks TLS only");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key (unencrypted) of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mutual TLS)");
+ABSL_FLAG(int32_t, tls_refresh_seconds, 60,
+          "How often the --tls_* files are re-read; new connections use what was read, open "
+          "ones keep theirs");
+ABSL_FLAG(bool, insecure, false,
+          "Allow a non-loopback --address without TLS or tokens (plaintext; logs a warning)");
 
 namespace kvq {
 
@@ -128,6 +140,13 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   if (grace < 0) return bad("shutdown_grace_seconds", grace, "must be >= 0");
   c.shutdown_grace = absl::Seconds(grace);
   c.retain_message_buffers = absl::GetFlag(FLAGS_retain_message_buffers);
+
+  c.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  c.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  c.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  c.tls.refresh_interval = absl::Seconds(absl::GetFlag(FLAGS_tls_refresh_seconds));
+  if (absl::Status s = ValidateTlsServerOptions(c.tls); !s.ok()) return s;
+  c.insecure = absl::GetFlag(FLAGS_insecure);
   return c;
 }
 

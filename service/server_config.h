@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "service/kvq_service.h"
 #include "service/sequence_store.h"
+#include "service/tls_config.h"
 
 namespace kvq {
 
@@ -21,6 +22,8 @@ struct ServerConfig {
   bool retain_message_buffers = true;  // RetainMessageBuffers() at start.
   StoreOptions store;
   ServiceOptions service;
+  TlsServerOptions tls;           // --tls_cert, --tls_key, --tls_client_ca.
+  bool insecure = false;          // --insecure (exposure_check.h).
 };
 
 // Reads the flags defined in server_config.cc.

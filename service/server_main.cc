@@ -1,7 +1,11 @@
 // kvq-server: the quantized KV-cache service.
 //
 //   kvq-server --address=0.0.0.0:50051 --metrics_address=0.0.0.0:9464 \
-//              --capacity_bytes=$((8 << 30)) --backend=auto --evict
+//              --capacity_bytes=$((8 << 30)) --backend=auto --evict \
+//              --tls_cert=server.pem --tls_key=server.key
+//
+// A non-loopback --address needs TLS (or tokens) or an explicit --insecure
+// (service/exposure_check.h).
 //
 // SIGTERM or SIGINT: stop accepting, let in-flight RPCs finish (up to
 // --shutdown_grace_seconds), exit 0.
@@ -22,6 +26,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/simd_dispatch.h"
 #include "kernels/malloc_tuning.h"
+#include "service/exposure_check.h"
 #include "service/server_config.h"
 
 namespace {
@@ -46,6 +51,14 @@ int main(int argc, char** argv) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::StatusOr<kvq::ServerConfig> config = kvq::ConfigFromFlags();
   if (!config.ok()) return Fail(config.status());
+  // Tenant tokens (--tokens_file) are not wired here yet: tokens_enabled
+  // stays false until they are.
+  absl::StatusOr<kvq::ExposureVerdict> exposure = kvq::CheckExposure(
+      {config->address, config->tls.enabled(), /*tokens_enabled=*/false, config->insecure});
+  if (!exposure.ok()) return Fail(exposure.status());
+  if (!exposure->warning.empty()) {
+    std::fprintf(stderr, "kvq-server: %s\n", exposure->warning.c_str());
+  }
   if (config->retain_message_buffers) {
     if (absl::Status s = kvq::RetainMessageBuffers(); !s.ok()) {
       std::fprintf(stderr, "kvq-server: --retain_message_buffers: %s\n",
@@ -77,7 +90,7 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config->address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(config->address, kvq::ServerCredentialsFor(config->tls), &port);
   // Twice the limit, so an oversized message reaches the handler's check
   // (which names the limit) instead of failing in the transport.
   const int64_t transport_limit = std::min<int64_t>(2 * config->service.max_message_bytes, INT32_MAX);
@@ -96,9 +109,10 @@ int main(int argc, char** argv) {
     std::ofstream(config->port_file) << port << "\n";
   }
   const std::string host = config->address.substr(0, config->address.rfind(':'));
-  std::printf("kvq-server: listening on %s:%d (backend %s, SIMD %s, pool %zu MiB)\n", host.c_str(),
+  std::printf("kvq-server: listening on %s:%d (backend %s, SIMD %s, pool %zu MiB%s)\n", host.c_str(),
               port, backend_name.c_str(), kvq::cpu::ActiveSimdTarget().c_str(),
-              config->store.pool.capacity_bytes >> 20);
+              config->store.pool.capacity_bytes >> 20,
+              config->tls.mutual() ? ", mutual TLS" : config->tls.enabled() ? ", TLS" : "");
   if (m->port() != 0) {
     const std::string mhost = config->metrics_address.substr(0, config->metrics_address.rfind(':'));
     std::printf("kvq-server: metrics at http://%s:%d/metrics\n", mhost.c_str(), m->port());

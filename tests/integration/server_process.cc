@@ -71,6 +71,13 @@ absl::Status ServerProcess::Start(const std::vector<std::string>& extra_flags) {
       dup2(fd, STDOUT_FILENO);
       close(fd);
     }
+    if (capture_stderr_) {
+      const int err = open((dir_ + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (err >= 0) {
+        dup2(err, STDERR_FILENO);
+        close(err);
+      }
+    }
     std::vector<char*> argv;
     for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -127,6 +134,13 @@ absl::StatusOr<int> ServerProcess::Terminate() {
 
 std::string ServerProcess::Stdout() const {
   std::ifstream in(dir_ + "/stdout");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string ServerProcess::Stderr() const {
+  std::ifstream in(dir_ + "/stderr");
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();

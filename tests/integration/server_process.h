@@ -47,6 +47,10 @@ class ServerProcess {
 
   // What the server printed on stdout so far.
   std::string Stdout() const;
+  // Call before Start: stderr goes to dir()/stderr instead of the test's
+  // own stderr, for Stderr().
+  void set_capture_stderr(bool capture) { capture_stderr_ = capture; }
+  std::string Stderr() const;
 
   const std::string& address() const { return address_; }
   const std::string& dir() const { return dir_; }
@@ -57,6 +61,7 @@ class ServerProcess {
   pid_t pid_ = -1;
   std::string address_;
   std::string dir_;
+  bool capture_stderr_ = false;
 };
 
 }  // namespace kvq

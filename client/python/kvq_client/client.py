@@ -35,6 +35,11 @@ per step, many sequences batched per request)::
         for seq_id in batch:
             kvq.release(seq_id)
 
+TLS and mutual TLS: ``KvqClient("kvq:50051", tls_ca="ca.pem")`` trusts that
+CA bundle; add ``tls_cert=`` and ``tls_key=`` for a server that requires
+client certificates, ``tls_server_name=`` when the target's host is not a name
+the server's certificate holds, and ``tls=True`` alone for the system roots.
+
 Client-side quantization (raw pages) needs the C++ kernels: use the C++
 client (kvq::KvqClient::AppendPromptQuantized) or `kvq append --quantize`.
 """
@@ -279,18 +284,52 @@ def _place_fetch(messages, K, V, layer_begin, token_begin, progress):
                            f"fetch stream ended with {f} of {tokens} tokens of layer "
                            f"{layer_begin + l}")
 
+def _read_pem(name, path):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{name}={path}: cannot read ({e.strerror})") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{name}={path}: no PEM block in the file")
+    return data
+
+
+def _tls_credentials(tls, ca, cert, key, server_name):
+    """grpc.ssl_channel_credentials from PEM files; None for plaintext."""
+    if bool(cert) != bool(key):
+        raise ValueError("tls_cert and tls_key go together: a client certificate needs both")
+    if not (tls or ca or cert):
+        if server_name:
+            raise ValueError("tls_server_name is set without TLS (tls, tls_ca or tls_cert)")
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem("tls_ca", ca) if ca else None,
+        private_key=_read_pem("tls_key", key) if key else None,
+        certificate_chain=_read_pem("tls_cert", cert) if cert else None)
+
+
 class KvqClient:
     """Client of one kvq server and one namespace. Thread-safe."""
 
     def __init__(self, target="localhost:50051", namespace="", deadline=30.0,
-                 retry=None, max_message_bytes=64 << 20, channel=None):
+                 retry=None, max_message_bytes=64 << 20, channel=None, tls=False,
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None):
         self.namespace = namespace
         self.deadline = deadline
         self.retry = retry or RetryPolicy()
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         self._own_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=options)
+        if channel is None:
+            creds = _tls_credentials(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+            if creds is None:
+                channel = grpc.insecure_channel(target, options=options)
+            else:
+                if tls_server_name:
+                    options.append(("grpc.ssl_target_name_override", tls_server_name))
+                channel = grpc.secure_channel(target, creds, options=options)
+        self._channel = channel
         self._stub = pb_grpc.KvCacheStub(self._channel)
         self._rng = random.Random()
         self._rng_lock = threading.Lock()
