@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -25,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/kvq_client.h"
 #include "client/npy.h"
@@ -35,6 +38,11 @@
 // Global flags.
 ABSL_FLAG(std::string, server, "localhost:50051", "kvq server address, host:port.");
 ABSL_FLAG(std::string, namespace, "", "Tenant namespace of the sequence(s); \"\" is the default.");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token of the tenant (a server with --tokens_file); prefer --token_file, which "
+          "keeps it out of the process list.");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the bearer token (surrounding whitespace ignored).");
 ABSL_FLAG(int64_t, deadline_ms, 30000, "Deadline of each RPC attempt, in milliseconds (> 0).");
 ABSL_FLAG(int32_t, retries, 3,
           "Retries of idempotent calls (info, fetch, attend, stats, release) on UNAVAILABLE or "
@@ -117,7 +125,8 @@ struct Command {
 
 const std::vector<std::string>& GlobalFlags() {
   static const auto* flags =
-      new std::vector<std::string>{"server", "namespace", "deadline_ms", "retries", "progress"};
+      new std::vector<std::string>{"server",      "namespace", "token",   "token_file",
+                                   "deadline_ms", "retries",   "progress"};
   return *flags;
 }
 
@@ -141,6 +150,16 @@ absl::StatusOr<std::unique_ptr<KvqClient>> MakeClient() {
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_server);
   options.ns = absl::GetFlag(FLAGS_namespace);
+  options.token = absl::GetFlag(FLAGS_token);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    if (!options.token.empty()) return UsageError("give --token or --token_file, not both");
+    std::ifstream in(path);
+    if (!in) return UsageError(absl::StrCat("--token_file=", path, ": cannot be read"));
+    std::ostringstream text;
+    text << in.rdbuf();
+    options.token = std::string(absl::StripAsciiWhitespace(text.str()));
+    if (options.token.empty()) return UsageError(absl::StrCat("--token_file=", path, " is empty"));
+  }
   const int64_t deadline_ms = absl::GetFlag(FLAGS_deadline_ms);
   if (deadline_ms <= 0) return UsageError("--deadline_ms must be > 0");
   options.deadline = absl::Milliseconds(deadline_ms);

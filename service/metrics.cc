@@ -7,6 +7,7 @@
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
+#include "service/tenants.h"
 
 namespace kvq {
 namespace {
@@ -99,6 +100,19 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     Add(ratio, st.bytes.total() ? static_cast<double>(st.fp16_equivalent_bytes) / st.bytes.total()
                                 : 0.0);
     out.push_back(std::move(ratio));
+    // Per tenant (tokens file): never sequence ids or tokens.
+    const std::vector<SequenceStore::TenantUsage> tenants = store_->TenantUsages();
+    if (!tenants.empty()) {
+      auto used = Gauge("kvq_tenant_used_bytes",
+                        "Bytes of pool blocks a tenant's sequences hold (shared pages once).");
+      auto quota = Gauge("kvq_tenant_quota_bytes", "A tenant's quota in bytes (0: none).");
+      for (const SequenceStore::TenantUsage& t : tenants) {
+        Add(used, static_cast<double>(t.used_bytes), {{"tenant", t.tenant}});
+        Add(quota, static_cast<double>(t.quota_bytes), {{"tenant", t.tenant}});
+      }
+      out.push_back(std::move(used));
+      out.push_back(std::move(quota));
+    }
     return out;
   }
 
@@ -169,6 +183,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                            .Help("Tokens of KV shared instead of stored by prefix reuse.")
                            .Register(*m->registry_)
                            .Add({});
+  m->tenant_requests_ = &prometheus::BuildCounter()
+                             .Name("kvq_tenant_requests_total")
+                             .Help("RPCs of each tenant (tokens file), by status code.")
+                             .Register(*m->registry_);
   if (!bind.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(bind);
@@ -211,6 +229,26 @@ void Metrics::AddSentBytes(RpcMethod method, size_t bytes) {
 }
 
 void Metrics::RecordGone(GoneReason reason) { gone_[static_cast<int>(reason)]->Increment(); }
+
+void Metrics::RecordTenantRpc(Tenant* tenant, int status_code) {
+  if (tenant == nullptr) return;
+  if (status_code < 0 || status_code >= kNumStatusCodes) status_code = 2;  // UNKNOWN
+  TenantMetrics* h = tenant->metrics.load(std::memory_order_acquire);
+  if (h == nullptr) {
+    // A tenant's first call: its handles are added once and kept.
+    absl::MutexLock lock(&tenant_mu_);
+    auto [it, added] = tenant_handles_.try_emplace(tenant->name());
+    if (added) {
+      for (int c = 0; c < kNumStatusCodes; ++c) {
+        it->second.requests[c] =
+            &tenant_requests_->Add({{"tenant", tenant->name()}, {"code", kCodeNames[c]}});
+      }
+    }
+    h = &it->second;
+    tenant->metrics.store(h, std::memory_order_release);
+  }
+  h->requests[status_code]->Increment();
+}
 
 void Metrics::RecordPrefixHit(int tokens) {
   prefix_hits_->Increment();

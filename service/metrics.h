@@ -10,7 +10,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/histogram.h"
@@ -35,6 +37,12 @@ inline constexpr int kNumRpcMethods = 10;
 inline constexpr int kNumStatusCodes = 17;  // grpc::StatusCode 0..16.
 absl::string_view RpcMethodName(RpcMethod m);
 
+class Tenant;  // service/tenants.h
+// One tenant's handles of kvq_tenant_requests_total, added once per tenant.
+struct TenantMetrics {
+  std::array<prometheus::Counter*, kNumStatusCodes> requests{};
+};
+
 class Metrics {
  public:
   // Starts the exposer on `bind` ("127.0.0.1:9464"; port 0 picks a free
@@ -57,6 +65,8 @@ class Metrics {
   void AddSentBytes(RpcMethod method, size_t bytes);
   void RecordGone(GoneReason reason);
   void RecordPrefixHit(int tokens);
+  // One call of a tenant (none for the default tenant: null).
+  void RecordTenantRpc(Tenant* tenant, int status_code);
 
  private:
   class StoreCollector;
@@ -74,6 +84,9 @@ class Metrics {
   std::array<prometheus::Histogram*, kNumRpcMethods> kernel_{};  // Attention methods only.
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_tokens_ = nullptr;
+  prometheus::Family<prometheus::Counter>* tenant_requests_ = nullptr;
+  absl::Mutex tenant_mu_;
+  absl::node_hash_map<std::string, TenantMetrics> tenant_handles_ ABSL_GUARDED_BY(tenant_mu_);
 };
 
 // Times one RPC and records it when destroyed (or when Finish is called).

@@ -31,6 +31,11 @@ ABSL_FLAG(int32_t, shutdown_grace_seconds, 10, "On SIGTERM, time in-flight RPCs 
 ABSL_FLAG(bool, retain_message_buffers, true,
           "Keep freed message buffers in the heap for reuse (glibc: no mmap below 32 MiB, "
           "trim above 64 MiB) instead of mapping and unmapping every large message");
+ABSL_FLAG(std::string, tokens_file, "",
+          "Bearer tokens of the tenants, their quotas and rate limits (docs/DEPLOY.md); "
+          "empty: no authentication, every call is the default tenant");
+ABSL_FLAG(int32_t, tokens_reload_ms, 1000,
+          "How often the tokens file is checked for changes (modification time and size)");
 
 namespace kvq {
 
@@ -121,6 +126,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   if (grace < 0) return bad("shutdown_grace_seconds", grace, "must be >= 0");
   c.shutdown_grace = absl::Seconds(grace);
   c.retain_message_buffers = absl::GetFlag(FLAGS_retain_message_buffers);
+  c.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  const int32_t reload_ms = absl::GetFlag(FLAGS_tokens_reload_ms);
+  if (reload_ms < 10 || reload_ms > 3600000) {
+    return bad("tokens_reload_ms", reload_ms, "must be in [10, 3600000]");
+  }
+  c.tokens_reload_interval = absl::Milliseconds(reload_ms);
   return c;
 }
 

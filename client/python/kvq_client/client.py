@@ -51,6 +51,7 @@ import grpc
 import numpy as np
 
 from . import _proto
+from .auth import with_token
 from .tensors import assemble_fetch, from_tensor, plan_chunks, to_tensor
 from .tensors import wire_dtype as _wire_dtype
 
@@ -283,7 +284,9 @@ class KvqClient:
     """Client of one kvq server and one namespace. Thread-safe."""
 
     def __init__(self, target="localhost:50051", namespace="", deadline=30.0,
-                 retry=None, max_message_bytes=64 << 20, channel=None):
+                 retry=None, max_message_bytes=64 << 20, channel=None, token=None):
+        """`token`: the tenant's bearer token (a server with --tokens_file),
+        sent on every call, stream and retry."""
         self.namespace = namespace
         self.deadline = deadline
         self.retry = retry or RetryPolicy()
@@ -291,7 +294,7 @@ class KvqClient:
                    ("grpc.max_receive_message_length", max_message_bytes)]
         self._own_channel = channel is None
         self._channel = channel or grpc.insecure_channel(target, options=options)
-        self._stub = pb_grpc.KvCacheStub(self._channel)
+        self._stub = pb_grpc.KvCacheStub(with_token(self._channel, token))
         self._rng = random.Random()
         self._rng_lock = threading.Lock()
 
