@@ -85,6 +85,13 @@ def test_token_on_every_call_and_stream(address):
         assert b.stats("s").num_tokens == 0
 
 
+def test_health_stays_open(address):
+    import grpc
+    with grpc.insecure_channel(address) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        assert check(b"", timeout=30) == b"\x08\x01"  # HealthCheckResponse{status: SERVING}
+
+
 def test_missing_or_bad_token(address):
     with KvqClient(address) as none:
         with pytest.raises(KvqError) as e:
