@@ -85,11 +85,16 @@ def test_token_on_every_call_and_stream(address):
         assert b.stats("s").num_tokens == 0
 
 
-def test_health_stays_open(address):
+def test_health_and_reflection_stay_open(address):
     import grpc
     with grpc.insecure_channel(address) as channel:
         check = channel.unary_unary("/grpc.health.v1.Health/Check")
         assert check(b"", timeout=30) == b"\x08\x01"  # HealthCheckResponse{status: SERVING}
+        # Reflection too: ServerReflectionRequest{list_services: ""} lists the API.
+        reflect = channel.stream_stream(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        reply = next(iter(reflect(iter([b"\x3a\x00"]), timeout=30)))
+        assert b"kvq.v1.KvCache" in reply
 
 
 def test_missing_or_bad_token(address):

@@ -191,6 +191,28 @@ TEST(TenantStoreTest, QuotaRefusesAnAppendWholeAndCountsSharedPagesOnce) {
   EXPECT_EQ(store->pool().Stats().used_bytes, 0u);
 }
 
+TEST(TenantStoreTest, ForkAndCreateOverQuotaLeaveNothingBehind) {
+  auto store = MakeStore();
+  Kv kv = MakeKv(300, 5);
+  absl::StatusOr<SequenceStore::Handle> h = store->Create(Args("a", "s"));
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(Append(*store, *h, kv, 300).ok());
+  const int64_t used = store->TenantUsages()[0].used_bytes;
+  store->SetTenantQuota("a", used);
+  // A fork copies the fp16 blocks and the partial page: more bytes.
+  const absl::Status fork = store->Fork("ns", "s", "f", 0, absl::ZeroDuration(), "a").status();
+  EXPECT_EQ(fork.code(), absl::StatusCode::kResourceExhausted) << fork;
+  EXPECT_TRUE(absl::StartsWith(fork.message(), "tenant \"a\" is over its quota")) << fork;
+  EXPECT_EQ(store->Get("ns", "f", "a").status().message(),
+            "sequence \"f\" in namespace \"ns\" does not exist");
+  const absl::Status create = store->Create(Args("a", "c")).status();
+  EXPECT_EQ(create.code(), absl::StatusCode::kResourceExhausted) << create;
+  EXPECT_EQ(store->Get("ns", "c", "a").status().message(),
+            "sequence \"c\" in namespace \"ns\" does not exist");
+  EXPECT_EQ(store->TenantUsages()[0].used_bytes, used);
+  EXPECT_EQ(store->TenantStats("a").sequences, 1);
+}
+
 TEST(TenantStoreTest, QuotaNeverEvictsAnotherTenant) {
   auto store = MakeStore(/*evict=*/true);
   Kv kv = MakeKv(512, 4);
