@@ -397,10 +397,10 @@ int SequenceStore::ExpireIdle(absl::Time now) {
 
 uint64_t SequenceStore::Fingerprint(const Sequence& seq) const {
   const ModelShape& m = seq.shape();
-  uint64_t h = absl::HashOf(seq.tenant, seq.ns(), seq.config().spec.ToString(), m.num_layers, m.num_kv_heads,
-                            m.num_q_heads, m.head_dim, m.rope.theta, m.rope.rotary_dim,
-                            static_cast<int>(m.rope.pairing), static_cast<int>(m.rope.scaling),
-                            m.rope.factor);
+  uint64_t h = absl::HashOf(seq.tenant, seq.ns(), seq.config().spec.ToString(), m.num_layers,
+                            m.num_kv_heads, m.num_q_heads, m.head_dim, m.rope.theta,
+                            m.rope.rotary_dim, static_cast<int>(m.rope.pairing),
+                            static_cast<int>(m.rope.scaling), m.rope.factor);
   if (seq.config().spec.nuq) {
     // Sequences with different codebooks store different codes.
     for (int l = 0; l < m.num_layers; ++l) {
@@ -468,7 +468,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const Creat
     }
     absl::MutexLock lock(&source->mu());
     const std::vector<int32_t>& ids = source->token_ids();
-    if (source->tenant != fresh.tenant || source->in_transaction() || source->num_tokens() < tokens ||
+    if (source->tenant != fresh.tenant || source->in_transaction() ||
+        source->num_tokens() < tokens ||
         static_cast<int>(ids.size()) < tokens ||
         !std::equal(ids.begin(), ids.begin() + tokens, args.prompt_token_ids.begin())) {
       continue;  // A hash collision or a source that changed: never serve wrong KV.

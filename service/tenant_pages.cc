@@ -18,9 +18,9 @@ TenantPages::TenantPages(std::string tenant, std::shared_ptr<PagePool> pool)
     : tenant_(std::move(tenant)), pool_(std::move(pool)) {}
 
 absl::Status TenantPages::QuotaError(int64_t used, int64_t more) const {
-  absl::Status st = absl::ResourceExhaustedError(absl::StrCat(
-      "tenant \"", tenant_, "\" is over its quota: quota_bytes = ", quota_bytes(), ", used ", used,
-      " bytes, this needs ", more, " more"));
+  absl::Status st = absl::ResourceExhaustedError(
+      absl::StrCat("tenant \"", tenant_, "\" is over its quota: quota_bytes = ", quota_bytes(),
+                   ", used ", used, " bytes, this needs ", more, " more"));
   st.SetPayload(kQuotaPayload, absl::Cord(tenant_));
   return st;
 }
@@ -43,7 +43,8 @@ absl::StatusOr<uint8_t*> TenantPages::Allocate(size_t bytes) {
 void TenantPages::Retain(uint8_t* block, size_t bytes) { pool_->Retain(block, bytes); }
 
 void TenantPages::Free(uint8_t* block, size_t bytes) {
-  if (pool_->FreeLast(block, bytes)) used_.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  if (pool_->FreeLast(block, bytes))
+    used_.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
 }
 
 }  // namespace kvq

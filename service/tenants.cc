@@ -150,8 +150,7 @@ absl::StatusOr<std::shared_ptr<Tenant>> Tenants::Authenticate(
   constexpr absl::string_view kScheme = "Bearer ";
   if (authorization.size() <= kScheme.size() ||
       !absl::EqualsIgnoreCase(authorization.substr(0, kScheme.size()), kScheme)) {
-    return absl::UnauthenticatedError(
-        "the authorization metadata must be \"Bearer <token>\"");
+    return absl::UnauthenticatedError("the authorization metadata must be \"Bearer <token>\"");
   }
   const absl::string_view token = authorization.substr(kScheme.size());
   std::shared_ptr<Tenant> found;

@@ -62,8 +62,8 @@ absl::StatusOr<TenantSpec> ParseLine(int line, absl::string_view text) {
   spec.token = it->second;
   if (spec.token.size() < kMinTokenChars || spec.token.size() > kMaxTokenChars) {
     // Never echo the token itself.
-    return LineError(line, absl::StrCat("token must have ", kMinTokenChars, " to ",
-                                        kMaxTokenChars, " characters, got ", spec.token.size()));
+    return LineError(line, absl::StrCat("token must have ", kMinTokenChars, " to ", kMaxTokenChars,
+                                        " characters, got ", spec.token.size()));
   }
   for (char c : spec.token) {
     if (c < 0x21 || c > 0x7e) return LineError(line, "token may hold only printable ASCII");

@@ -46,11 +46,10 @@ bool PollUntil(F done, absl::Duration bound = absl::Seconds(15)) {
 }
 
 std::string TokensText(const std::string& extra = "") {
-  return absl::StrCat("# the tenants of this test\n",
-                      "tenant=a token=", kTokenA, "\n",
-                      "tenant=b token=", kTokenB, "\n",
-                      "tenant=small token=", kTokenSmall, " quota_bytes=1048576\n",
-                      "tenant=slow token=", kTokenSlow, " rate_rps=0.001 burst=3\n", extra);
+  return absl::StrCat("# the tenants of this test\n", "tenant=a token=", kTokenA, "\n",
+                      "tenant=b token=", kTokenB, "\n", "tenant=small token=", kTokenSmall,
+                      " quota_bytes=1048576\n", "tenant=slow token=", kTokenSlow,
+                      " rate_rps=0.001 burst=3\n", extra);
 }
 
 class TenantServerTest : public ::testing::Test {
@@ -104,8 +103,9 @@ TEST_F(TenantServerTest, MissingOrBadTokenIsUnauthenticated) {
                 .status(),
             missing);
   std::unique_ptr<DecodeSession> session = *none->OpenDecodeSession(absl::Seconds(30));
-  EXPECT_EQ(session->Step(0, {{"x", Random({kHeads, 1, kDim}, 3), Random({kHeads, 1, kDim}, 4),
-                               Random({1, kQHeads, kDim}, 5)}})
+  EXPECT_EQ(session
+                ->Step(0, {{"x", Random({kHeads, 1, kDim}, 3), Random({kHeads, 1, kDim}, 4),
+                            Random({1, kQHeads, kDim}, 5)}})
                 .status(),
             missing);
 
@@ -118,7 +118,8 @@ TEST_F(TenantServerTest, MissingOrBadTokenIsUnauthenticated) {
 TEST_F(TenantServerTest, CliSendsItsTokenFromAFileOrAFlag) {
   const std::string token_file = dir_ + "/a.token";
   std::ofstream(token_file) << "  " << kTokenA << "\n";
-  const std::string cli = absl::StrCat(KVQ_CLI_BIN, " --server=", server_->address(), " --retries=0");
+  const std::string cli =
+      absl::StrCat(KVQ_CLI_BIN, " --server=", server_->address(), " --retries=0");
   std::string out;
   EXPECT_EQ(RunCommand(absl::StrCat(cli, " --token_file=", token_file, " stats"), &out), 0) << out;
   EXPECT_EQ(RunCommand(absl::StrCat(cli, " --token=", kTokenA, " info"), &out), 0) << out;
@@ -149,8 +150,9 @@ TEST_F(TenantServerTest, QuotaRefusesAWholeAppendAndNamesTheTenantQuotaAndUse) {
   EXPECT_GE(used, 256 * 1024);
   EXPECT_EQ(small->Stats()->capacity_bytes(), 1048576);
 
-  const absl::Status st = small->AppendPrompt("s", Random({kLayers, kHeads, 1024, kDim}, 12),
-                                              Random({kLayers, kHeads, 1024, kDim}, 13))
+  const absl::Status st = small
+                              ->AppendPrompt("s", Random({kLayers, kHeads, 1024, kDim}, 12),
+                                             Random({kLayers, kHeads, 1024, kDim}, 13))
                               .status();
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
   EXPECT_TRUE(std::regex_match(
@@ -231,7 +233,8 @@ TEST_F(TenantServerTest, MetricsCarryTheTenantButNeverTokensOrSequenceIds) {
       << body;
   EXPECT_TRUE(absl::StrContains(body, "kvq_tenant_requests_total{code=\"OK\",tenant=\"a\"} 2"))
       << body;
-  EXPECT_TRUE(absl::StrContains(body, "kvq_tenant_requests_total{code=\"NOT_FOUND\",tenant=\"a\"} 1"))
+  EXPECT_TRUE(
+      absl::StrContains(body, "kvq_tenant_requests_total{code=\"NOT_FOUND\",tenant=\"a\"} 1"))
       << body;
   EXPECT_TRUE(std::regex_search(body, std::regex("kvq_tenant_used_bytes\\{tenant=\"a\"\\} [1-9]")))
       << body;
@@ -284,7 +287,8 @@ TEST_F(TenantServerTest, AnotherTenantsIdsAnswerLikeIdsNeverUsed) {
   const HostTensor k1 = Random({kHeads, 1, kDim}, 31);
   const HostTensor v1 = Random({kHeads, 1, kDim}, 32);
   const std::vector<std::pair<std::string, Probe>> probes = {
-      {"FetchDequant", [](KvqClient& c, const std::string& id) { return c.FetchDequant(id).status(); }},
+      {"FetchDequant",
+       [](KvqClient& c, const std::string& id) { return c.FetchDequant(id).status(); }},
       {"FetchRaw", [](KvqClient& c, const std::string& id) { return c.FetchRaw(id).status(); }},
       {"Attend",
        [&](KvqClient& c, const std::string& id) {
@@ -302,8 +306,9 @@ TEST_F(TenantServerTest, AnotherTenantsIdsAnswerLikeIdsNeverUsed) {
        }},
       {"Append",
        [](KvqClient& c, const std::string& id) {
-         return c.AppendPrompt(id, Random({kLayers, kHeads, 8, kDim}, 40),
-                               Random({kLayers, kHeads, 8, kDim}, 41))
+         return c
+             .AppendPrompt(id, Random({kLayers, kHeads, 8, kDim}, 40),
+                           Random({kLayers, kHeads, 8, kDim}, 41))
              .status();
        }},
       {"Fork",
@@ -324,8 +329,7 @@ TEST_F(TenantServerTest, AnotherTenantsIdsAnswerLikeIdsNeverUsed) {
       const absl::Status never = probe(*b, never_id);
       EXPECT_EQ(never.code(), absl::StatusCode::kNotFound) << never;
       EXPECT_EQ(foreign.code(), never.code()) << foreign;
-      EXPECT_EQ(foreign.message(),
-                absl::StrReplaceAll(never.message(), {{never_id, id}}));
+      EXPECT_EQ(foreign.message(), absl::StrReplaceAll(never.message(), {{never_id, id}}));
       ++probed;
     }
   }

@@ -44,7 +44,11 @@ CreateSequenceArgs Args(const std::string& tenant, const std::string& id) {
 struct Kv {
   std::vector<float> k, v;
   DenseKv view(int tokens) const {
-    return DenseKv{0, kLayers, tokens, DType::kFloat32, reinterpret_cast<const uint8_t*>(k.data()),
+    return DenseKv{0,
+                   kLayers,
+                   tokens,
+                   DType::kFloat32,
+                   reinterpret_cast<const uint8_t*>(k.data()),
                    reinterpret_cast<const uint8_t*>(v.data())};
   }
 };
@@ -78,7 +82,8 @@ TEST(TenantStoreTest, AForeignIdAnswersExactlyLikeANeverKnownOne) {
   for (const char* id : {"s", "gone"}) {
     SCOPED_TRACE(id);
     const absl::Status never = store->Get("ns", "never", "b").status();
-    const std::string want = absl::StrCat("sequence \"", id, "\" in namespace \"ns\" does not exist");
+    const std::string want =
+        absl::StrCat("sequence \"", id, "\" in namespace \"ns\" does not exist");
     EXPECT_EQ(never.code(), absl::StatusCode::kNotFound);
     EXPECT_EQ(store->Get("ns", id, "b").status(), absl::NotFoundError(want));
     EXPECT_EQ(store->Release("ns", id, "b").status(), absl::NotFoundError(want));
@@ -164,8 +169,8 @@ TEST(TenantStoreTest, QuotaRefusesAnAppendWholeAndCountsSharedPagesOnce) {
   const absl::Status st = Append(*store, *h, kv, 512);
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
   EXPECT_TRUE(absl::StartsWith(
-      st.message(), absl::StrCat("tenant \"a\" is over its quota: quota_bytes = ", used + 1,
-                                 ", used ")))
+      st.message(),
+      absl::StrCat("tenant \"a\" is over its quota: quota_bytes = ", used + 1, ", used ")))
       << st;
   EXPECT_EQ(QuotaTenant(st), "a");
   {

@@ -32,16 +32,18 @@ TEST(TokenBucketTest, AllowsTheBurstThenTheRate) {
 }
 
 TEST(TenantsTest, AuthenticatesBearerTokens) {
-  std::unique_ptr<Tenants> t = Tenants::FromSpecs(
-      {{"a", kTokenA, 100, 0, 0}, {"b", kTokenB, 0, 0, 0}});
-  absl::StatusOr<std::shared_ptr<Tenant>> a = t->Authenticate(true, absl::StrCat("Bearer ", kTokenA));
+  std::unique_ptr<Tenants> t =
+      Tenants::FromSpecs({{"a", kTokenA, 100, 0, 0}, {"b", kTokenB, 0, 0, 0}});
+  absl::StatusOr<std::shared_ptr<Tenant>> a =
+      t->Authenticate(true, absl::StrCat("Bearer ", kTokenA));
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ((*a)->name(), "a");
   EXPECT_EQ((*t->Authenticate(true, absl::StrCat("bearer ", kTokenB)))->name(), "b");
   EXPECT_EQ(t->Authenticate(false, "").status(),
             absl::UnauthenticatedError(
                 "this server needs \"authorization: Bearer <token>\" metadata on every call"));
-  for (const std::string bad : {std::string(kTokenA), std::string("Basic abc"), std::string("Bearer ")}) {
+  for (const std::string bad :
+       {std::string(kTokenA), std::string("Basic abc"), std::string("Bearer ")}) {
     EXPECT_EQ(t->Authenticate(true, bad).status(),
               absl::UnauthenticatedError("the authorization metadata must be \"Bearer <token>\""))
         << bad;
@@ -70,9 +72,8 @@ TEST(TenantsTest, RateLimitNamesTheLimit) {
   const absl::Time now = absl::Now();
   EXPECT_TRUE(a->Admit(now).ok());
   EXPECT_TRUE(a->Admit(now).ok());
-  EXPECT_EQ(a->Admit(now),
-            absl::ResourceExhaustedError(
-                "tenant \"a\" is over its rate limit: rate_rps = 1, burst = 2"));
+  EXPECT_EQ(a->Admit(now), absl::ResourceExhaustedError(
+                               "tenant \"a\" is over its rate limit: rate_rps = 1, burst = 2"));
 }
 
 class TenantsFileTest : public testing::Test {
@@ -100,8 +101,8 @@ TEST_F(TenantsFileTest, ReloadsWhenTheFileChangesAndKeepsTheTableOnABadFile) {
   EXPECT_TRUE(a->Admit(absl::Now()).ok());
 
   // b added, a unchanged: a keeps its state (its bucket stays empty).
-  Write(absl::StrCat("tenant=a token=", kTokenA, " rate_rps=0.001 burst=1\ntenant=b token=", kTokenB,
-                     "\n"));
+  Write(absl::StrCat("tenant=a token=", kTokenA,
+                     " rate_rps=0.001 burst=1\ntenant=b token=", kTokenB, "\n"));
   EXPECT_EQ(*(*t)->ReloadIfChanged(), true);
   EXPECT_EQ((*(*t)->Authenticate(true, absl::StrCat("Bearer ", kTokenB)))->name(), "b");
   EXPECT_EQ(*(*t)->Authenticate(true, absl::StrCat("Bearer ", kTokenA)), a);

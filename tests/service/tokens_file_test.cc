@@ -13,10 +13,11 @@ constexpr char kTokenA[] = "token-of-tenant-a-0123";
 constexpr char kTokenB[] = "token-of-tenant-b-4567";
 
 TEST(TokensFileTest, ParsesTenantsCommentsAndDefaults) {
-  absl::StatusOr<std::vector<TenantSpec>> specs = ParseTokensFile(absl::StrCat(
-      "# tenants\n\n  tenant=team-a token=", kTokenA,
-      " quota_bytes=1048576 rate_rps=5 burst=10\n"
-      "\ttoken=", kTokenB, "\ttenant=b.2 rate_rps=2.5  \n   # indented comment\n"));
+  absl::StatusOr<std::vector<TenantSpec>> specs = ParseTokensFile(
+      absl::StrCat("# tenants\n\n  tenant=team-a token=", kTokenA,
+                   " quota_bytes=1048576 rate_rps=5 burst=10\n"
+                   "\ttoken=",
+                   kTokenB, "\ttenant=b.2 rate_rps=2.5  \n   # indented comment\n"));
   ASSERT_TRUE(specs.ok()) << specs.status();
   ASSERT_EQ(specs->size(), 2u);
   EXPECT_EQ((*specs)[0], (TenantSpec{"team-a", kTokenA, 1048576, 5, 10}));
@@ -54,10 +55,12 @@ TEST(TokensFileTest, ErrorsNameTheLineAndTheKeyAndNeverTheToken) {
        "tokens file line 1: burst needs rate_rps > 0"},
       {absl::StrCat("tenant=a token=", kTokenA, " rate_rps=1 burst=0.5"),
        "tokens file line 1: burst = \"0.5\" is not a finite number >= 1"},
-      {absl::StrCat("tenant=a token=", kTokenA, " tenant=b"), "tokens file line 1: tenant is given twice"},
+      {absl::StrCat("tenant=a token=", kTokenA, " tenant=b"),
+       "tokens file line 1: tenant is given twice"},
       {absl::StrCat("tenant=a token=", kTokenA, " stray"),
        "tokens file line 1: \"stray\" is not key=value"},
-      {absl::StrCat(a, "tenant=a token=", kTokenB), "tokens file line 2: tenant \"a\" is given twice"},
+      {absl::StrCat(a, "tenant=a token=", kTokenB),
+       "tokens file line 2: tenant \"a\" is given twice"},
       {absl::StrCat(a, "tenant=b token=", kTokenA),
        "tokens file line 2: token is the same as another tenant's"},
   };
