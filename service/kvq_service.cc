@@ -243,11 +243,11 @@ absl::Status KvqService::AdmitStep(Tenant* tenant) {
     std::shared_ptr<Tenant> tenant;                                              \
     absl::Status kvq_st = Admit(ctx, &tenant);                                   \
     const std::string tenant_name = tenant ? tenant->name() : std::string();     \
+    timer.set_tenant(tenant.get());                                              \
     if (kvq_st.ok()) kvq_st = CheckSize(*(req));                                 \
     if (kvq_st.ok()) kvq_st = [&]() -> absl::Status body();                      \
     if (kvq_st.ok()) metrics_->AddSentBytes(RpcMethod::method, (resp)->ByteSizeLong()); \
     timer.Finish(static_cast<int>(kvq_st.code()));                               \
-    metrics_->RecordTenantRpc(tenant.get(), static_cast<int>(kvq_st.code()));    \
     auto* reactor = (ctx)->DefaultReactor();                                     \
     reactor->Finish(ToGrpc(kvq_st));                                             \
     return reactor;                                                              \
@@ -329,6 +329,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
       return;
     }
     if (tenant_ != nullptr) tenant_name_ = tenant_->name();
+    timer_.set_tenant(tenant_.get());
     StartRead(&in_);
   }
 
@@ -449,7 +450,6 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
       committed_ = true;  // Nothing left to undo.
     }
     timer_.Finish(static_cast<int>(st.code()));
-    service_->metrics()->RecordTenantRpc(tenant_.get(), static_cast<int>(st.code()));
     Finish(ToGrpc(st));
   }
 
@@ -485,6 +485,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       return;
     }
     if (tenant_ != nullptr) tenant_name_ = tenant_->name();
+    timer_.set_tenant(tenant_.get());
     grpc::ByteBuffer in(*req);  // Deserialize consumes its buffer; this shares the slices.
     if (!grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&in, &req_).ok()) {
       Done(absl::InvalidArgumentError("request is not a kvq.v1.FetchRequest"));
@@ -643,7 +644,6 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
 
   void Done(const absl::Status& st) {
     timer_.Finish(static_cast<int>(st.code()));
-    service_->metrics()->RecordTenantRpc(tenant_.get(), static_cast<int>(st.code()));
     Finish(ToGrpc(st));
   }
 
@@ -843,7 +843,6 @@ class KvqService::DecodeReactor
     // The stream's tenant is settled once; every step is one request of
     // its rate.
     if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
-      service_->metrics()->RecordTenantRpc(tenant_.get(), static_cast<int>(st.code()));
       Finish(ToGrpc(st));
       return;
     }
@@ -855,6 +854,7 @@ class KvqService::DecodeReactor
   void OnReadDone(bool ok) override {
     if (!ok) return Finish(grpc::Status::OK);  // Client closed (or cancelled).
     RpcTimer timer(service_->metrics(), RpcMethod::kDecodeStream);
+    timer.set_tenant(tenant_.get());
     service_->metrics()->AddReceivedBytes(RpcMethod::kDecodeStream, req_.ByteSizeLong());
     resp_.Clear();
     absl::Status st = admitted_ ? absl::OkStatus() : service_->AdmitStep(tenant_.get());
@@ -865,7 +865,6 @@ class KvqService::DecodeReactor
                                     tenant_name_);
     }
     timer.Finish(static_cast<int>(st.code()));
-    service_->metrics()->RecordTenantRpc(tenant_.get(), static_cast<int>(st.code()));
     if (!st.ok()) return Finish(ToGrpc(st));
     service_->metrics()->AddSentBytes(RpcMethod::kDecodeStream, resp_.ByteSizeLong());
     StartWrite(&resp_);

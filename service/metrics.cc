@@ -19,6 +19,9 @@ const char* const kCodeNames[kNumStatusCodes] = {
     "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
     "UNAUTHENTICATED"};
 
+const prometheus::Histogram::BucketBoundaries kRpcBuckets = {
+    1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30};
+
 prometheus::MetricFamily Gauge(std::string name, std::string help) {
   prometheus::MetricFamily f;
   f.name = std::move(name);
@@ -144,8 +147,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                    .Name("kvq_rpc_sent_bytes_total")
                    .Help("Response message bytes sent, by method.")
                    .Register(*m->registry_);
-  const prometheus::Histogram::BucketBoundaries buckets = {
-      1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30};
+  const prometheus::Histogram::BucketBoundaries& buckets = kRpcBuckets;
   for (int i = 0; i < kNumRpcMethods; ++i) {
     const std::string method(RpcMethodName(static_cast<RpcMethod>(i)));
     for (int c = 0; c < kNumStatusCodes; ++c) {
@@ -186,6 +188,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
   m->tenant_requests_ = &prometheus::BuildCounter()
                              .Name("kvq_tenant_requests_total")
                              .Help("RPCs of each tenant (tokens file), by status code.")
+                             .Register(*m->registry_);
+  m->tenant_duration_ = &prometheus::BuildHistogram()
+                             .Name("kvq_tenant_rpc_duration_seconds")
+                             .Help("RPC handling time of each tenant (tokens file), all methods.")
                              .Register(*m->registry_);
   if (!bind.empty()) {
     try {
@@ -230,7 +236,7 @@ void Metrics::AddSentBytes(RpcMethod method, size_t bytes) {
 
 void Metrics::RecordGone(GoneReason reason) { gone_[static_cast<int>(reason)]->Increment(); }
 
-void Metrics::RecordTenantRpc(Tenant* tenant, int status_code) {
+void Metrics::RecordTenantRpc(Tenant* tenant, int status_code, double seconds) {
   if (tenant == nullptr) return;
   if (status_code < 0 || status_code >= kNumStatusCodes) status_code = 2;  // UNKNOWN
   TenantMetrics* h = tenant->metrics.load(std::memory_order_acquire);
@@ -243,11 +249,13 @@ void Metrics::RecordTenantRpc(Tenant* tenant, int status_code) {
         it->second.requests[c] =
             &tenant_requests_->Add({{"tenant", tenant->name()}, {"code", kCodeNames[c]}});
       }
+      it->second.duration = &tenant_duration_->Add({{"tenant", tenant->name()}}, kRpcBuckets);
     }
     h = &it->second;
     tenant->metrics.store(h, std::memory_order_release);
   }
   h->requests[status_code]->Increment();
+  h->duration->Observe(seconds);
 }
 
 void Metrics::RecordPrefixHit(int tokens) {
@@ -266,7 +274,9 @@ void RpcTimer::Finish(int status_code) {
   if (done_) return;
   done_ = true;
   if (metrics_ != nullptr) {
-    metrics_->RecordRpc(method_, status_code, absl::ToDoubleSeconds(absl::Now() - start_));
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start_);
+    metrics_->RecordRpc(method_, status_code, seconds);
+    if (tenant_ != nullptr) metrics_->RecordTenantRpc(tenant_, status_code, seconds);
   }
 }
 

@@ -38,9 +38,11 @@ inline constexpr int kNumStatusCodes = 17;  // grpc::StatusCode 0..16.
 absl::string_view RpcMethodName(RpcMethod m);
 
 class Tenant;  // service/tenants.h
-// One tenant's handles of kvq_tenant_requests_total, added once per tenant.
+// One tenant's handles of kvq_tenant_requests_total and
+// kvq_tenant_rpc_duration_seconds, added once per tenant.
 struct TenantMetrics {
   std::array<prometheus::Counter*, kNumStatusCodes> requests{};
+  prometheus::Histogram* duration = nullptr;
 };
 
 class Metrics {
@@ -66,7 +68,7 @@ class Metrics {
   void RecordGone(GoneReason reason);
   void RecordPrefixHit(int tokens);
   // One call of a tenant (none for the default tenant: null).
-  void RecordTenantRpc(Tenant* tenant, int status_code);
+  void RecordTenantRpc(Tenant* tenant, int status_code, double seconds);
 
  private:
   class StoreCollector;
@@ -85,6 +87,7 @@ class Metrics {
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_tokens_ = nullptr;
   prometheus::Family<prometheus::Counter>* tenant_requests_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* tenant_duration_ = nullptr;
   absl::Mutex tenant_mu_;
   absl::node_hash_map<std::string, TenantMetrics> tenant_handles_ ABSL_GUARDED_BY(tenant_mu_);
 };
@@ -94,10 +97,14 @@ class RpcTimer {
  public:
   RpcTimer(Metrics* metrics, RpcMethod method);
   ~RpcTimer();
+  // The caller's tenant once known (tokens file): Finish records the call
+  // under it too.
+  void set_tenant(Tenant* tenant) { tenant_ = tenant; }
   void Finish(int status_code);
 
  private:
   Metrics* metrics_;
+  Tenant* tenant_ = nullptr;
   RpcMethod method_;
   absl::Time start_;
   bool done_ = false;

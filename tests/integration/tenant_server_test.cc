@@ -239,6 +239,8 @@ TEST_F(TenantServerTest, MetricsCarryTheTenantButNeverTokensOrSequenceIds) {
   EXPECT_TRUE(std::regex_search(body, std::regex("kvq_tenant_used_bytes\\{tenant=\"a\"\\} [1-9]")))
       << body;
   EXPECT_TRUE(absl::StrContains(body, "kvq_tenant_quota_bytes{tenant=\"small\"} 1048576")) << body;
+  EXPECT_TRUE(absl::StrContains(body, "kvq_tenant_rpc_duration_seconds_count{tenant=\"a\"} 3"))
+      << body;
   EXPECT_FALSE(absl::StrContains(body, "metrics-secret-id"));
   for (const char* token : {kTokenA, kTokenB, kTokenSmall, kTokenSlow}) {
     EXPECT_FALSE(absl::StrContains(body, token));
