@@ -368,5 +368,34 @@ TEST_F(TenantServerTest, AnotherTenantsIdsAnswerLikeIdsNeverUsed) {
             "sequence \"a-released\" in namespace \"ns\" was already released");
 }
 
+TEST_F(TenantServerTest, RawFetchOfATenantsPagesGivesEveryByteBackOnRelease) {
+  // Raw fetch messages reference the tenant's pages until gRPC has sent
+  // them; the last reference, wherever it goes, uncharges the tenant.
+  std::unique_ptr<KvqClient> a = Client(kTokenA);
+  CreateOptions create;
+  create.sequence_id = "raw";
+  create.config = Config();
+  ASSERT_TRUE(a->CreateSequence(create).ok());
+  ASSERT_TRUE(a->AppendPrompt("raw", Random({kLayers, kHeads, 640, kDim}, 50),
+                              Random({kLayers, kHeads, 640, kDim}, 51))
+                  .ok());
+  ForkOptions fork;
+  fork.new_sequence_id = "raw-fork";
+  ASSERT_TRUE(a->Fork("raw", fork).ok());
+  for (const char* id : {"raw", "raw-fork"}) {
+    absl::StatusOr<RawFetch> raw = a->FetchRaw(id);
+    ASSERT_TRUE(raw.ok()) << raw.status();
+    EXPECT_GT(raw->wire_bytes, 0);
+  }
+  EXPECT_GT(a->Stats()->used_bytes(), 0);
+  ASSERT_TRUE(a->Release("raw").ok());
+  ASSERT_TRUE(a->Release("raw-fork").ok());
+  int64_t used = -1;
+  EXPECT_TRUE(PollUntil([&] {
+    used = a->Stats()->used_bytes();
+    return used == 0;
+  })) << used;
+}
+
 }  // namespace
 }  // namespace kvq
