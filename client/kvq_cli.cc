@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -25,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/kvq_client.h"
 #include "client/npy.h"
@@ -44,6 +47,11 @@ ABSL_FLAG(std::string, dns, "",
           "Shard over the addresses of this name:port instead of --server (a Kubernetes "
           "headless Service: kvq.<namespace>.svc.cluster.local:50051).");
 ABSL_FLAG(std::string, namespace, "", "Tenant namespace of the sequence(s); \"\" is the default.");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token of the tenant (a server with --tokens_file); prefer --token_file, which "
+          "keeps it out of the process list.");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the bearer token (surrounding whitespace ignored).");
 ABSL_FLAG(int64_t, deadline_ms, 30000, "Deadline of each RPC attempt, in milliseconds (> 0).");
 ABSL_FLAG(int32_t, retries, 3,
           "Retries of idempotent calls (info, fetch, attend, stats, release) on UNAVAILABLE or "
@@ -126,9 +134,10 @@ struct Command {
 
 const std::vector<std::string>& GlobalFlags() {
   static const auto* flags =
-      new std::vector<std::string>{"server",   "targets", "dns",     "namespace", "deadline_ms",
-                                   "retries",  "progress", "tls_ca", "tls_cert",  "tls_key",
-                                   "tls_server_name"};  // The last four: tls_flags.cc.
+      new std::vector<std::string>{"server",      "targets",  "dns",    "namespace", "token",
+                                   "token_file",  "deadline_ms", "retries", "progress",
+                                   "tls_ca",      "tls_cert", "tls_key", "tls_server_name"};
+                                   // tls_*: tls_flags.cc.
   return *flags;
 }
 
@@ -152,6 +161,16 @@ absl::StatusOr<ClientOptions> ClientOptionsFromFlags() {
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_server);
   options.ns = absl::GetFlag(FLAGS_namespace);
+  options.token = absl::GetFlag(FLAGS_token);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    if (!options.token.empty()) return UsageError("give --token or --token_file, not both");
+    std::ifstream in(path);
+    if (!in) return UsageError(absl::StrCat("--token_file=", path, ": cannot be read"));
+    std::ostringstream text;
+    text << in.rdbuf();
+    options.token = std::string(absl::StripAsciiWhitespace(text.str()));
+    if (options.token.empty()) return UsageError(absl::StrCat("--token_file=", path, " is empty"));
+  }
   const int64_t deadline_ms = absl::GetFlag(FLAGS_deadline_ms);
   if (deadline_ms <= 0) return UsageError("--deadline_ms must be > 0");
   options.deadline = absl::Milliseconds(deadline_ms);

@@ -160,6 +160,10 @@ void KvqClient::SetDeadline(grpc::ClientContext* context, const CallOptions& cal
   context->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d));
 }
 
+void KvqClient::AddToken(grpc::ClientContext* context) const {
+  if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
+}
+
 void KvqClient::Ref(absl::string_view sequence_id, v1::SequenceRef* out) const {
   out->set_namespace_(options_.ns);
   out->set_sequence_id(std::string(sequence_id));
@@ -176,6 +180,7 @@ absl::Status KvqClient::Call(
     }
     grpc::ClientContext context;
     SetDeadline(&context, call);
+    AddToken(&context);
     status = FromGrpcStatus(attempt(&context, i));
     if (status.ok() || !IsRetryableCode(status.code())) return status;
   }
@@ -615,6 +620,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> KvqClient::OpenDecodeSession(
     s->context_.set_deadline(std::chrono::system_clock::now() +
                              absl::ToChronoMilliseconds(deadline));
   }
+  AddToken(&s->context_);
   s->stream_ = stub_->DecodeStream(&s->context_);
   if (s->stream_ == nullptr) return absl::InternalError("DecodeStream returned no stream");
   return s;

@@ -61,6 +61,10 @@ struct RetryPolicy {
 struct ClientOptions {
   std::string target = "localhost:50051";
   std::string ns;  // Namespace of every sequence this client names.
+  // Bearer token of this client's tenant (a server with --tokens_file):
+  // sent as "authorization: Bearer <token>" on every call, stream and
+  // retry. Empty: none.
+  std::string token;
   absl::Duration deadline = absl::Seconds(30);  // Per attempt.
   RetryPolicy retry;
   // Channel send/receive message limit (the server has its own:
@@ -352,6 +356,7 @@ class KvqClient {
   absl::Status Call(bool idempotent, const CallOptions& call,
                     const std::function<grpc::Status(grpc::ClientContext*, int attempt)>& attempt);
   void SetDeadline(grpc::ClientContext* context, const CallOptions& call) const;
+  void AddToken(grpc::ClientContext* context) const;
   // AppendAttend, either form (never retried).
   absl::StatusOr<v1::AttendResponse> CallAppendAttend(const v1::AppendAttendRequest& request,
                                                       const CallOptions& call);

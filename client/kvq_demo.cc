@@ -27,6 +27,7 @@
 #include "kernels/tensor.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "kvq-server address");
+ABSL_FLAG(std::string, token, "", "Bearer token of the tenant (a server with --tokens_file)");
 ABSL_FLAG(int32_t, tokens, 4096, "Prompt length");
 ABSL_FLAG(int32_t, steps, 16, "Decode steps (each appends and attends all 30 layers)");
 ABSL_FLAG(std::string, schemes,
@@ -116,6 +117,7 @@ int Run() {
   if (absl::Status s = ApplyTlsFlags(&options); !s.ok()) {
     return std::fprintf(stderr, "kvq-demo: %s\n", std::string(s.message()).c_str()), 1;
   }
+  options.token = absl::GetFlag(FLAGS_token);
   absl::StatusOr<std::unique_ptr<KvqClient>> client = KvqClient::Connect(options);
   if (!client.ok()) return std::fprintf(stderr, "%s\n", client.status().ToString().c_str()), 1;
   absl::StatusOr<v1::ServerInfo> info = (*client)->GetServerInfo();

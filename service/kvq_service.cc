@@ -226,12 +226,36 @@ absl::Status KvqService::CheckSize(size_t bytes) const {
   return absl::OkStatus();
 }
 
-// A unary handler: time it, count its bytes, finish with its status.
+absl::Status KvqService::Admit(const grpc::CallbackServerContext* ctx,
+                               std::shared_ptr<Tenant>* tenant) {
+  tenant->reset();
+  if (tenants_ == nullptr) return absl::OkStatus();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  absl::StatusOr<std::shared_ptr<Tenant>> t =
+      it == md.end() ? tenants_->Authenticate(false, {})
+                     : tenants_->Authenticate(true, absl::string_view(it->second.data(),
+                                                                      it->second.size()));
+  if (!t.ok()) return t.status();
+  *tenant = std::move(*t);
+  return AdmitStep(tenant->get());
+}
+
+absl::Status KvqService::AdmitStep(Tenant* tenant) {
+  return tenant == nullptr ? absl::OkStatus() : tenant->Admit(absl::Now());
+}
+
+// A unary handler: admit the caller (its tenant: `tenant`, the name in
+// `tenant_name`), time it, count its bytes, finish with its status.
 #define KVQ_UNARY(method, ctx, req, resp, body)                                  \
   do {                                                                           \
     RpcTimer timer(metrics_, RpcMethod::method);                                 \
     metrics_->AddReceivedBytes(RpcMethod::method, (req)->ByteSizeLong());        \
-    absl::Status kvq_st = CheckSize(*(req));                                     \
+    std::shared_ptr<Tenant> tenant;                                              \
+    absl::Status kvq_st = Admit(ctx, &tenant);                                   \
+    const std::string tenant_name = tenant ? tenant->name() : std::string();     \
+    timer.set_tenant(tenant.get());                                              \
+    if (kvq_st.ok()) kvq_st = CheckSize(*(req));                                 \
     if (kvq_st.ok()) kvq_st = [&]() -> absl::Status body();                      \
     if (kvq_st.ok()) metrics_->AddSentBytes(RpcMethod::method, (resp)->ByteSizeLong()); \
     timer.Finish(static_cast<int>(kvq_st.code()));                               \
@@ -267,6 +291,7 @@ grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext
                                                      v1::CreateSequenceResponse* resp) {
   KVQ_UNARY(kCreateSequence, ctx, req, resp, {
     CreateSequenceArgs args;
+    args.tenant = tenant_name;
     args.ns = req->namespace_();
     args.id = req->sequence_id();
     KVQ_ASSIGN_OR_RETURN(args.shape, ShapeFromWire(req->layout()));
@@ -310,6 +335,12 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
  public:
   AppendReactor(KvqService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : service_(service), ctx_(ctx), resp_(resp), timer_(service->metrics(), RpcMethod::kAppend) {
+    if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
+      Done(st);
+      return;
+    }
+    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
+    timer_.set_tenant(tenant_.get());
     StartRead(&in_);
   }
 
@@ -345,7 +376,8 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
         return absl::InvalidArgumentError("the first message must set sequence.sequence_id");
       }
       KVQ_ASSIGN_OR_RETURN(seq_, service_->store()->Get(req.sequence().namespace_(),
-                                                         req.sequence().sequence_id()));
+                                                         req.sequence().sequence_id(),
+                                                         tenant_name_));
       absl::MutexLock lock(&seq_->mu());
       KVQ_RETURN_IF_ERROR(service_->store()->WithEviction(&*seq_, [&] {
         return seq_->BeginTransaction();
@@ -436,6 +468,8 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
 
   KvqService* service_;
   grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<Tenant> tenant_;
+  std::string tenant_name_;
   grpc::ByteBuffer* resp_;
   RpcTimer timer_;
   grpc::ByteBuffer in_;  // The message read.
@@ -459,6 +493,12 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   FetchReactor(KvqService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req)
       : service_(service), ctx_(ctx), timer_(service->metrics(), RpcMethod::kFetchDequant) {
     service_->metrics()->AddReceivedBytes(RpcMethod::kFetchDequant, req->Length());
+    if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
+      Done(st);
+      return;
+    }
+    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
+    timer_.set_tenant(tenant_.get());
     grpc::ByteBuffer in(*req);  // Deserialize consumes its buffer; this shares the slices.
     if (!grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&in, &req_).ok()) {
       Done(absl::InvalidArgumentError("request is not a kvq.v1.FetchRequest"));
@@ -486,7 +526,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
 
   absl::Status Plan() {
     KVQ_ASSIGN_OR_RETURN(seq_, service_->store()->Get(req_.sequence().namespace_(),
-                                                       req_.sequence().sequence_id()));
+                                                       req_.sequence().sequence_id(),
+                                                       tenant_name_));
     absl::ReaderMutexLock lock(&seq_->mu());
     const ModelShape& m = seq_->shape();
     const int lb = req_.layer_begin();
@@ -575,14 +616,17 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
                           range_tokens);
       // Full pages of the pool travel as themselves, referenced until gRPC
       // has sent them; a partial last page is copied (it may gain rows).
-      const std::shared_ptr<PagePool>& pool = service_->store()->shared_pool();
+      // The owner is the pool, or the tenant's allocator over it (which
+      // must see the last reference go).
+      const std::shared_ptr<PageAllocator> owner =
+          service_->store()->SharedAllocator(s0.allocator());
       for (int h = 0; h < m.num_kv_heads; ++h) {
         const KvStream& s = seq_->stream(p.layer, h);
-        const bool pooled = s.allocator() == pool.get();
+        const bool pooled = owner != nullptr && s.allocator() == owner.get();
         KVQ_RETURN_IF_ERROR(s.VisitPages(
             p.begin - s.page_base(), p.end - s.page_base(), [&](const uint8_t* page, bool full) {
               if (full && pooled) {
-                msg.AddShared(pool, page, page_bytes);
+                msg.AddShared(owner, page, page_bytes);
               } else {
                 msg.AddCopy(page, page_bytes);
               }
@@ -623,6 +667,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
 
   KvqService* service_;
   grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<Tenant> tenant_;
+  std::string tenant_name_;
   v1::FetchRequest req_;
   RpcTimer timer_;
   SequenceStore::Handle seq_;
@@ -641,7 +687,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvqService::FetchDequant(
 
 // ------------------------------------------------------------------ Attend
 
-absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp) {
+absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp,
+                                  absl::string_view tenant) {
   KVQ_RETURN_IF_ERROR(CheckScale(req.softmax_scale()));
   if (req.items_size() == 0) return absl::InvalidArgumentError("items is empty");
   const bool packed = req.has_q();
@@ -658,7 +705,7 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     AttendJob j;
     j.field = absl::StrCat("items[", i, "]");
     absl::StatusOr<SequenceStore::Handle> h =
-        store_->Get(it.sequence().namespace_(), it.sequence().sequence_id());
+        store_->Get(it.sequence().namespace_(), it.sequence().sequence_id(), tenant);
     if (!h.ok()) return Prefixed(h.status(), j.field + ".sequence: ");
     j.seq = std::move(*h);
     const ModelShape& m = j.seq->shape();
@@ -703,11 +750,12 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
 grpc::ServerUnaryReactor* KvqService::Attend(grpc::CallbackServerContext* ctx,
                                              const v1::AttendRequest* req,
                                              v1::AttendResponse* resp) {
-  KVQ_UNARY(kAttend, ctx, req, resp, { return DoAttend(*req, resp); });
+  KVQ_UNARY(kAttend, ctx, req, resp, { return DoAttend(*req, resp, tenant_name); });
 }
 
 absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
-                                        v1::AttendResponse* resp, RpcMethod method) {
+                                        v1::AttendResponse* resp, RpcMethod method,
+                                        absl::string_view tenant) {
   KVQ_RETURN_IF_ERROR(CheckScale(req.softmax_scale()));
   if (req.items_size() == 0) return absl::InvalidArgumentError("items is empty");
   struct Item {
@@ -733,7 +781,7 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     const v1::AppendAttendItem& it = req.items(i);
     const std::string field = absl::StrCat("items[", i, "]");
     absl::StatusOr<SequenceStore::Handle> h =
-        store_->Get(it.sequence().namespace_(), it.sequence().sequence_id());
+        store_->Get(it.sequence().namespace_(), it.sequence().sequence_id(), tenant);
     if (!h.ok()) return Prefixed(h.status(), field + ".sequence: ");
     Item item{std::move(*h), {}, {}};
     const ModelShape& m = item.seq->shape();
@@ -802,7 +850,9 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
 grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,
                                                    const v1::AppendAttendRequest* req,
                                                    v1::AttendResponse* resp) {
-  KVQ_UNARY(kAppendAttend, ctx, req, resp, { return DoAppendAttend(*req, resp); });
+  KVQ_UNARY(kAppendAttend, ctx, req, resp, {
+    return DoAppendAttend(*req, resp, RpcMethod::kAppendAttend, tenant_name);
+  });
 }
 
 // ------------------------------------------------------------ DecodeStream
@@ -810,16 +860,30 @@ grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* 
 class KvqService::DecodeReactor
     : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
  public:
-  DecodeReactor(KvqService* service) : service_(service) { StartRead(&req_); }
+  DecodeReactor(KvqService* service, grpc::CallbackServerContext* ctx) : service_(service) {
+    // The stream's tenant is settled once; every step is one request of
+    // its rate.
+    if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
+      Finish(ToGrpc(st));
+      return;
+    }
+    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
+    admitted_ = true;
+    StartRead(&req_);
+  }
 
   void OnReadDone(bool ok) override {
     if (!ok) return Finish(grpc::Status::OK);  // Client closed (or cancelled).
     RpcTimer timer(service_->metrics(), RpcMethod::kDecodeStream);
+    timer.set_tenant(tenant_.get());
     service_->metrics()->AddReceivedBytes(RpcMethod::kDecodeStream, req_.ByteSizeLong());
     resp_.Clear();
-    absl::Status st = service_->CheckSize(req_);
+    absl::Status st = admitted_ ? absl::OkStatus() : service_->AdmitStep(tenant_.get());
+    admitted_ = false;
+    if (st.ok()) st = service_->CheckSize(req_);
     if (st.ok()) {
-      st = service_->DoAppendAttend(req_.step(), resp_.mutable_result(), RpcMethod::kDecodeStream);
+      st = service_->DoAppendAttend(req_.step(), resp_.mutable_result(), RpcMethod::kDecodeStream,
+                                    tenant_name_);
     }
     timer.Finish(static_cast<int>(st.code()));
     if (!st.ok()) return Finish(ToGrpc(st));
@@ -836,13 +900,16 @@ class KvqService::DecodeReactor
 
  private:
   KvqService* service_;
+  std::shared_ptr<Tenant> tenant_;
+  std::string tenant_name_;
+  bool admitted_ = false;  // The first step was admitted with the stream.
   v1::DecodeRequest req_;
   v1::DecodeResponse resp_;
 };
 
 grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* KvqService::DecodeStream(
-    grpc::CallbackServerContext*) {
-  return new DecodeReactor(this);
+    grpc::CallbackServerContext* ctx) {
+  return new DecodeReactor(this, ctx);
 }
 
 // ------------------------------------------------------ fork, release, stats
@@ -853,7 +920,7 @@ grpc::ServerUnaryReactor* KvqService::Fork(grpc::CallbackServerContext* ctx,
     KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle f,
                          store_->Fork(req->source().namespace_(), req->source().sequence_id(),
                                       req->new_sequence_id(), req->num_tokens(),
-                                      absl::Seconds(req->ttl_seconds())));
+                                      absl::Seconds(req->ttl_seconds()), tenant_name));
     absl::ReaderMutexLock lock(&f->mu());
     resp->set_sequence_id(f->id());
     resp->set_num_tokens(f->num_tokens());
@@ -866,7 +933,8 @@ grpc::ServerUnaryReactor* KvqService::Release(grpc::CallbackServerContext* ctx,
                                               v1::ReleaseResponse* resp) {
   KVQ_UNARY(kRelease, ctx, req, resp, {
     KVQ_ASSIGN_OR_RETURN(int64_t bytes, store_->Release(req->sequence().namespace_(),
-                                                        req->sequence().sequence_id()));
+                                                        req->sequence().sequence_id(),
+                                                        tenant_name));
     resp->set_bytes_freed(bytes);
     return absl::OkStatus();
   });
@@ -876,8 +944,15 @@ grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
                                             const v1::StatsRequest* req,
                                             v1::StatsResponse* resp) {
   KVQ_UNARY(kStats, ctx, req, resp, {
-    const PagePoolStats pool = store_->pool().Stats();
-    resp->set_capacity_bytes(pool.capacity_bytes);
+    // A tenant sees only its own figures: its quota as the capacity (the
+    // pool's without one), its bytes, its sequences; no pool-wide count.
+    const bool scoped = tenant != nullptr;
+    StoreStats scoped_stats;
+    if (scoped) scoped_stats = store_->TenantStats(tenant_name);
+    const PagePoolStats pool = scoped ? scoped_stats.pool : store_->pool().Stats();
+    resp->set_capacity_bytes(scoped && pool.capacity_bytes == 0
+                                 ? store_->pool().Stats().capacity_bytes
+                                 : pool.capacity_bytes);
     resp->set_used_bytes(pool.used_bytes);
     resp->set_pages_total(pool.slabs_total);
     resp->set_pages_used(pool.slabs_used);
@@ -885,14 +960,15 @@ grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
     int64_t fp16 = 0;
     int64_t elements = 0;
     if (req->sequence().sequence_id().empty()) {
-      StoreStats st = store_->Stats();
+      StoreStats st = scoped ? std::move(scoped_stats) : store_->Stats();
       resp->set_sequences(st.sequences);
       bytes = st.bytes;
       fp16 = st.fp16_equivalent_bytes;
       elements = fp16 / 2;
     } else {
       KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Get(req->sequence().namespace_(),
-                                                                  req->sequence().sequence_id()));
+                                                                  req->sequence().sequence_id(),
+                                                                  tenant_name));
       absl::ReaderMutexLock lock(&seq->mu());
       const ModelShape& m = seq->shape();
       resp->set_sequences(1);

@@ -16,6 +16,7 @@
 #include "service/metrics.h"
 #include "service/page_guard.h"
 #include "service/sequence_store.h"
+#include "service/tenants.h"
 
 namespace kvq {
 
@@ -42,6 +43,9 @@ class KvqService final
           v1::KvCache::WithRawCallbackMethod_FetchDequant<v1::KvCache::CallbackService>> {
  public:
   KvqService(SequenceStore* store, Metrics* metrics, const ServiceOptions& options);
+  // With a table every call must carry a tenant's bearer token and runs in
+  // that tenant's namespace; null (the default): the default tenant.
+  void set_tenants(const Tenants* tenants) { tenants_ = tenants; }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* req,
@@ -70,9 +74,18 @@ class KvqService final
 
   // The handler bodies, callable without gRPC (DecodeStream reuses them).
   // `method` labels the kernel time (a DecodeStream step passes its own).
+  // `tenant`: whose sequences the request names (empty: the default tenant).
   absl::Status DoAppendAttend(const v1::AppendAttendRequest& req, v1::AttendResponse* resp,
-                              RpcMethod method = RpcMethod::kAppendAttend);
-  absl::Status DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp);
+                              RpcMethod method = RpcMethod::kAppendAttend,
+                              absl::string_view tenant = {});
+  absl::Status DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp,
+                        absl::string_view tenant = {});
+
+  // The caller's tenant (null for the default tenant) once its token and
+  // its rate allow the call: UNAUTHENTICATED or RESOURCE_EXHAUSTED.
+  absl::Status Admit(const grpc::CallbackServerContext* ctx, std::shared_ptr<Tenant>* tenant);
+  // Admit for one more request of an admitted call (a DecodeStream step).
+  absl::Status AdmitStep(Tenant* tenant);
 
   SequenceStore* store() { return store_; }
   Metrics* metrics() { return metrics_; }
@@ -88,6 +101,7 @@ class KvqService final
 
   SequenceStore* store_;
   Metrics* metrics_;
+  const Tenants* tenants_ = nullptr;
   ServiceOptions options_;
   KernelThread kernel_thread_;  // Runs the backend's multi-threaded calls.
   PageGuard guard_;             // Page checksums: sealed on append, verified on read.

@@ -7,6 +7,7 @@
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
+#include "service/tenants.h"
 
 namespace kvq {
 namespace {
@@ -17,6 +18,9 @@ const char* const kCodeNames[kNumStatusCodes] = {
     "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
     "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
     "UNAUTHENTICATED"};
+
+const prometheus::Histogram::BucketBoundaries kRpcBuckets = {
+    1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30};
 
 prometheus::MetricFamily Gauge(std::string name, std::string help) {
   prometheus::MetricFamily f;
@@ -106,6 +110,19 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     Add(ratio, st.bytes.total() ? static_cast<double>(st.fp16_equivalent_bytes) / st.bytes.total()
                                 : 0.0);
     out.push_back(std::move(ratio));
+    // Per tenant (tokens file): never sequence ids or tokens.
+    const std::vector<SequenceStore::TenantUsage> tenants = store_->TenantUsages();
+    if (!tenants.empty()) {
+      auto used = Gauge("kvq_tenant_used_bytes",
+                        "Bytes of pool blocks a tenant's sequences hold (shared pages once).");
+      auto quota = Gauge("kvq_tenant_quota_bytes", "A tenant's quota in bytes (0: none).");
+      for (const SequenceStore::TenantUsage& t : tenants) {
+        Add(used, static_cast<double>(t.used_bytes), {{"tenant", t.tenant}});
+        Add(quota, static_cast<double>(t.quota_bytes), {{"tenant", t.tenant}});
+      }
+      out.push_back(std::move(used));
+      out.push_back(std::move(quota));
+    }
     return out;
   }
 
@@ -137,8 +154,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                    .Name("kvq_rpc_sent_bytes_total")
                    .Help("Response message bytes sent, by method.")
                    .Register(*m->registry_);
-  const prometheus::Histogram::BucketBoundaries buckets = {
-      1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30};
+  const prometheus::Histogram::BucketBoundaries& buckets = kRpcBuckets;
   for (int i = 0; i < kNumRpcMethods; ++i) {
     const std::string method(RpcMethodName(static_cast<RpcMethod>(i)));
     for (int c = 0; c < kNumStatusCodes; ++c) {
@@ -184,6 +200,14 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                                      "(answered DATA_LOSS; the sequence was removed).")
                                .Register(*m->registry_)
                                .Add({});
+  m->tenant_requests_ = &prometheus::BuildCounter()
+                             .Name("kvq_tenant_requests_total")
+                             .Help("RPCs of each tenant (tokens file), by status code.")
+                             .Register(*m->registry_);
+  m->tenant_duration_ = &prometheus::BuildHistogram()
+                             .Name("kvq_tenant_rpc_duration_seconds")
+                             .Help("RPC handling time of each tenant (tokens file), all methods.")
+                             .Register(*m->registry_);
   if (!bind.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(bind);
@@ -227,6 +251,28 @@ void Metrics::AddSentBytes(RpcMethod method, size_t bytes) {
 
 void Metrics::RecordGone(GoneReason reason) { gone_[static_cast<int>(reason)]->Increment(); }
 
+void Metrics::RecordTenantRpc(Tenant* tenant, int status_code, double seconds) {
+  if (tenant == nullptr) return;
+  if (status_code < 0 || status_code >= kNumStatusCodes) status_code = 2;  // UNKNOWN
+  TenantMetrics* h = tenant->metrics.load(std::memory_order_acquire);
+  if (h == nullptr) {
+    // A tenant's first call: its handles are added once and kept.
+    absl::MutexLock lock(&tenant_mu_);
+    auto [it, added] = tenant_handles_.try_emplace(tenant->name());
+    if (added) {
+      for (int c = 0; c < kNumStatusCodes; ++c) {
+        it->second.requests[c] =
+            &tenant_requests_->Add({{"tenant", tenant->name()}, {"code", kCodeNames[c]}});
+      }
+      it->second.duration = &tenant_duration_->Add({{"tenant", tenant->name()}}, kRpcBuckets);
+    }
+    h = &it->second;
+    tenant->metrics.store(h, std::memory_order_release);
+  }
+  h->requests[status_code]->Increment();
+  h->duration->Observe(seconds);
+}
+
 void Metrics::RecordPrefixHit(int tokens) {
   prefix_hits_->Increment();
   prefix_tokens_->Increment(tokens);
@@ -245,7 +291,9 @@ void RpcTimer::Finish(int status_code) {
   if (done_) return;
   done_ = true;
   if (metrics_ != nullptr) {
-    metrics_->RecordRpc(method_, status_code, absl::ToDoubleSeconds(absl::Now() - start_));
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start_);
+    metrics_->RecordRpc(method_, status_code, seconds);
+    if (tenant_ != nullptr) metrics_->RecordTenantRpc(tenant_, status_code, seconds);
   }
 }
 

@@ -10,7 +10,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/histogram.h"
@@ -34,6 +36,14 @@ enum class RpcMethod {
 inline constexpr int kNumRpcMethods = 10;
 inline constexpr int kNumStatusCodes = 17;  // grpc::StatusCode 0..16.
 absl::string_view RpcMethodName(RpcMethod m);
+
+class Tenant;  // service/tenants.h
+// One tenant's handles of kvq_tenant_requests_total and
+// kvq_tenant_rpc_duration_seconds, added once per tenant.
+struct TenantMetrics {
+  std::array<prometheus::Counter*, kNumStatusCodes> requests{};
+  prometheus::Histogram* duration = nullptr;
+};
 
 class Metrics {
  public:
@@ -59,6 +69,8 @@ class Metrics {
   void RecordPrefixHit(int tokens);
   // A sealed page that failed its checksum (service/page_checksum.h).
   void RecordChecksumFailure();
+  // One call of a tenant (none for the default tenant: null).
+  void RecordTenantRpc(Tenant* tenant, int status_code, double seconds);
 
  private:
   class StoreCollector;
@@ -77,6 +89,10 @@ class Metrics {
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_tokens_ = nullptr;
   prometheus::Counter* checksum_failures_ = nullptr;
+  prometheus::Family<prometheus::Counter>* tenant_requests_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* tenant_duration_ = nullptr;
+  absl::Mutex tenant_mu_;
+  absl::node_hash_map<std::string, TenantMetrics> tenant_handles_ ABSL_GUARDED_BY(tenant_mu_);
 };
 
 // Times one RPC and records it when destroyed (or when Finish is called).
@@ -84,10 +100,14 @@ class RpcTimer {
  public:
   RpcTimer(Metrics* metrics, RpcMethod method);
   ~RpcTimer();
+  // The caller's tenant once known (tokens file): Finish records the call
+  // under it too.
+  void set_tenant(Tenant* tenant) { tenant_ = tenant; }
   void Finish(int status_code);
 
  private:
   Metrics* metrics_;
+  Tenant* tenant_ = nullptr;
   RpcMethod method_;
   absl::Time start_;
   bool done_ = false;

@@ -118,13 +118,16 @@ void PagePool::Retain(uint8_t* block, size_t) {
   ++extra_refs_[block];
 }
 
-void PagePool::Free(uint8_t* block, size_t bytes) {
+void PagePool::Free(uint8_t* block, size_t bytes) { FreeLast(block, bytes); }
+
+bool PagePool::FreeLast(uint8_t* block, size_t bytes) {
   absl::MutexLock lock(&mu_);
   if (auto it = extra_refs_.find(block); it != extra_refs_.end()) {
     if (--it->second == 0) extra_refs_.erase(it);
-    return;
+    return false;
   }
   ReleaseBlock(block, SlotBytes(bytes));
+  return true;
 }
 
 void PagePool::ReleaseBlock(uint8_t* block, size_t slot) {

@@ -64,6 +64,9 @@ class PagePool final : public PageAllocator {
   absl::StatusOr<uint8_t*> Allocate(size_t bytes) override;
   void Retain(uint8_t* block, size_t bytes) override;
   void Free(uint8_t* block, size_t bytes) override;
+  // Free that says whether it dropped the block's last reference (the
+  // memory went back to the pool), for per-tenant accounting.
+  bool FreeLast(uint8_t* block, size_t bytes);
 
   // Whether `count` blocks of `bytes` each could be allocated now.
   bool CanAllocate(size_t bytes, size_t count) const;

@@ -109,6 +109,7 @@ class Sequence {
   std::vector<int32_t>& token_ids() { return token_ids_; }
 
   // Lease bookkeeping, guarded by the store.
+  std::string tenant;  // Set by the store before anyone else sees the sequence.
   absl::Time last_used;
   absl::Duration ttl;
   bool released = false;

@@ -84,8 +84,48 @@ SequenceStore::~SequenceStore() {
   cached_.clear();
 }
 
-std::string SequenceStore::Key(absl::string_view ns, absl::string_view id) {
-  return absl::StrCat(ns, "/", id);
+std::string SequenceStore::Key(absl::string_view tenant, absl::string_view ns,
+                               absl::string_view id) {
+  // Names hold no '/' (CheckName, tokens file), so the key is unambiguous.
+  return absl::StrCat(tenant, "/", ns, "/", id);
+}
+
+std::shared_ptr<TenantPages> SequenceStore::TenantPagesFor(absl::string_view tenant) {
+  std::shared_ptr<TenantPages>& p = tenant_pages_[tenant];
+  if (p == nullptr) p = std::make_shared<TenantPages>(std::string(tenant), pool_);
+  return p;
+}
+
+PageAllocator* SequenceStore::PagesFor(absl::string_view tenant) {
+  if (tenant.empty()) return pool_.get();
+  absl::MutexLock lock(&mu_);
+  return TenantPagesFor(tenant).get();  // Kept by tenant_pages_ for the store's life.
+}
+
+void SequenceStore::SetTenantQuota(absl::string_view tenant, int64_t quota_bytes) {
+  if (tenant.empty()) return;
+  absl::MutexLock lock(&mu_);
+  TenantPagesFor(tenant)->set_quota_bytes(quota_bytes);
+}
+
+std::vector<SequenceStore::TenantUsage> SequenceStore::TenantUsages() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<TenantUsage> out;
+  for (const auto& [name, p] : tenant_pages_) {
+    out.push_back({name, p->used_bytes(), p->quota_bytes()});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const TenantUsage& a, const TenantUsage& b) { return a.tenant < b.tenant; });
+  return out;
+}
+
+std::shared_ptr<PageAllocator> SequenceStore::SharedAllocator(const PageAllocator* a) const {
+  if (a == pool_.get()) return pool_;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, p] : tenant_pages_) {
+    if (p.get() == a) return p;
+  }
+  return nullptr;
 }
 
 void SequenceStore::Unuse(Sequence* seq) {
@@ -124,7 +164,7 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   std::string id = args.id;
   {
     absl::MutexLock lock(&mu_);
-    if (!id.empty() && live_.contains(Key(args.ns, id))) {
+    if (!id.empty() && live_.contains(Key(args.tenant, args.ns, id))) {
       return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
     }
     if (static_cast<int>(live_.size()) >= options_.max_sequences) {
@@ -133,24 +173,29 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
     }
     if (id.empty()) {
       static thread_local std::mt19937_64 rng(std::random_device{}());
-      id = absl::StrFormat("seq-%d-%016x", ++next_id_, rng());
+      id = absl::StrFormat("seq-%d-%016x", ++next_id_[args.tenant], rng());
     }
   }
   std::unique_ptr<Sequence> seq;
+  PageAllocator* pages = PagesFor(args.tenant);
   KVQ_RETURN_IF_ERROR(WithEviction(nullptr, [&]() -> absl::Status {
     KVQ_ASSIGN_OR_RETURN(seq, Sequence::Create(args.ns, id, args.shape, config, args.codebooks,
-                                               backend_, pool_.get()));
+                                               backend_, pages));
     return absl::OkStatus();
   }));
+  seq->tenant = args.tenant;
   if (!args.prompt_token_ids.empty()) {
     absl::StatusOr<std::unique_ptr<Sequence>> reused = ReusePrefix(args, *seq);
-    if (reused.ok() && *reused != nullptr) seq = std::move(*reused);
+    if (reused.ok() && *reused != nullptr) {
+      seq = std::move(*reused);
+      seq->tenant = args.tenant;
+    }
   }
   seq->ttl = args.ttl == absl::ZeroDuration() ? options_.default_ttl : args.ttl;
   seq->last_used = absl::Now();
   std::shared_ptr<Sequence> shared(std::move(seq));
   absl::MutexLock lock(&mu_);
-  const std::string key = Key(args.ns, id);
+  const std::string key = Key(args.tenant, args.ns, id);
   if (live_.contains(key)) {
     return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
   }
@@ -160,9 +205,10 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   return Handle(this, shared);
 }
 
-absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, absl::string_view id) {
+absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, absl::string_view id,
+                                                         absl::string_view tenant) {
   absl::MutexLock lock(&mu_);
-  const std::string key = Key(ns, id);
+  const std::string key = Key(tenant, ns, id);
   auto it = live_.find(key);
   if (it == live_.end()) {
     if (auto g = gone_.find(key); g != gone_.end()) {
@@ -188,11 +234,12 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, a
   return Handle(this, std::move(seq));
 }
 
-absl::StatusOr<int64_t> SequenceStore::Release(absl::string_view ns, absl::string_view id) {
+absl::StatusOr<int64_t> SequenceStore::Release(absl::string_view ns, absl::string_view id,
+                                               absl::string_view tenant) {
   std::shared_ptr<Sequence> seq;
   {
     absl::MutexLock lock(&mu_);
-    const std::string key = Key(ns, id);
+    const std::string key = Key(tenant, ns, id);
     auto it = live_.find(key);
     if (it == live_.end()) {
       if (gone_.contains(key)) {
@@ -219,19 +266,20 @@ absl::StatusOr<int64_t> SequenceStore::Release(absl::string_view ns, absl::strin
 absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
                                                           absl::string_view source,
                                                           absl::string_view new_id, int tokens,
-                                                          absl::Duration ttl) {
+                                                          absl::Duration ttl,
+                                                          absl::string_view tenant) {
   KVQ_RETURN_IF_ERROR(CheckName("new_sequence_id", new_id, /*allow_empty=*/true));
   if (ttl < absl::ZeroDuration() || ttl > options_.max_ttl) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ttl_seconds = ", absl::ToInt64Seconds(ttl), " exceeds the maximum ",
         absl::ToInt64Seconds(options_.max_ttl)));
   }
-  KVQ_ASSIGN_OR_RETURN(Handle src, Get(ns, source));
+  KVQ_ASSIGN_OR_RETURN(Handle src, Get(ns, source, tenant));
   std::string id(new_id);
   {
     absl::MutexLock lock(&mu_);
-    if (id.empty()) id = absl::StrFormat("seq-%d-fork", ++next_id_);
-    if (live_.contains(Key(ns, id))) {
+    if (id.empty()) id = absl::StrFormat("seq-%d-fork", ++next_id_[tenant]);
+    if (live_.contains(Key(tenant, ns, id))) {
       return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
     }
   }
@@ -254,9 +302,10 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
   }
   fork->ttl = ttl == absl::ZeroDuration() ? src->ttl : ttl;
   fork->last_used = absl::Now();
+  fork->tenant = std::string(tenant);
   std::shared_ptr<Sequence> shared(std::move(fork));
   absl::MutexLock lock(&mu_);
-  const std::string key = Key(ns, id);
+  const std::string key = Key(tenant, ns, id);
   if (live_.contains(key)) {
     return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
   }
@@ -270,8 +319,12 @@ absl::Status SequenceStore::WithEviction(const Sequence* user,
                                          const std::function<absl::Status()>& fn) {
   while (true) {
     absl::Status st = fn();
-    if (st.code() != absl::StatusCode::kResourceExhausted || !options_.evict_when_full ||
-        !EvictOne(user)) {
+    if (st.code() != absl::StatusCode::kResourceExhausted || !options_.evict_when_full) return st;
+    // A tenant over its quota frees only its own prefix cache; another
+    // tenant's sequences are not its to evict.
+    if (std::optional<std::string> tenant = QuotaTenant(st)) {
+      if (!EvictCachedOf(*tenant)) return st;
+    } else if (!EvictOne(user)) {
       return st;
     }
   }
@@ -307,7 +360,7 @@ bool SequenceStore::EvictOne(const Sequence* keep) {
 bool SequenceStore::RemoveCorrupted(const Sequence& seq) {
   std::shared_ptr<Sequence> victim;  // Freed outside the store lock.
   absl::MutexLock lock(&mu_);
-  const std::string key = Key(seq.ns(), seq.id());
+  const std::string key = Key(seq.tenant, seq.ns(), seq.id());
   auto it = live_.find(key);
   if (it != live_.end() && it->second.seq.get() == &seq) {
     victim = std::move(it->second.seq);
@@ -332,6 +385,21 @@ bool SequenceStore::RemoveCorrupted(const Sequence& seq) {
   }
   if (victim) victim->released = true;
   return victim != nullptr;
+}
+
+bool SequenceStore::EvictCachedOf(absl::string_view tenant) {
+  std::shared_ptr<Sequence> victim;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = std::find_if(cached_.begin(), cached_.end(),
+                           [&](const std::shared_ptr<Sequence>& s) { return s->tenant == tenant; });
+    if (it == cached_.end()) return false;
+    victim = std::move(*it);
+    cached_.erase(it);
+    registered_blocks_.erase(victim.get());
+    if (events_.on_gone) events_.on_gone(GoneReason::kEvicted);
+  }
+  return true;  // `victim` frees its pages here, outside the store lock.
 }
 
 int SequenceStore::ExpireIdle(absl::Time now) {
@@ -363,10 +431,10 @@ int SequenceStore::ExpireIdle(absl::Time now) {
 
 uint64_t SequenceStore::Fingerprint(const Sequence& seq) const {
   const ModelShape& m = seq.shape();
-  uint64_t h = absl::HashOf(seq.ns(), seq.config().spec.ToString(), m.num_layers, m.num_kv_heads,
-                            m.num_q_heads, m.head_dim, m.rope.theta, m.rope.rotary_dim,
-                            static_cast<int>(m.rope.pairing), static_cast<int>(m.rope.scaling),
-                            m.rope.factor);
+  uint64_t h = absl::HashOf(seq.tenant, seq.ns(), seq.config().spec.ToString(), m.num_layers,
+                            m.num_kv_heads, m.num_q_heads, m.head_dim, m.rope.theta,
+                            m.rope.rotary_dim, static_cast<int>(m.rope.pairing),
+                            static_cast<int>(m.rope.scaling), m.rope.factor);
   if (seq.config().spec.nuq) {
     // Sequences with different codebooks store different codes.
     for (int l = 0; l < m.num_layers; ++l) {
@@ -434,7 +502,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const Creat
     }
     absl::MutexLock lock(&source->mu());
     const std::vector<int32_t>& ids = source->token_ids();
-    if (source->in_transaction() || source->num_tokens() < tokens ||
+    if (source->tenant != fresh.tenant || source->in_transaction() ||
+        source->num_tokens() < tokens ||
         static_cast<int>(ids.size()) < tokens ||
         !std::equal(ids.begin(), ids.begin() + tokens, args.prompt_token_ids.begin())) {
       continue;  // A hash collision or a source that changed: never serve wrong KV.
@@ -453,15 +522,32 @@ absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const Creat
 
 // ------------------------------------------------------------------- stats
 
-StoreStats SequenceStore::Stats() const {
+StoreStats SequenceStore::Stats() const { return CollectStats(nullptr); }
+
+StoreStats SequenceStore::TenantStats(absl::string_view tenant) const {
+  StoreStats st = CollectStats(&tenant);
+  st.pool = PagePoolStats();
+  absl::MutexLock lock(&mu_);
+  if (auto it = tenant_pages_.find(tenant); it != tenant_pages_.end()) {
+    st.pool.capacity_bytes = static_cast<size_t>(it->second->quota_bytes());
+    st.pool.used_bytes = static_cast<size_t>(it->second->used_bytes());
+  }
+  return st;
+}
+
+StoreStats SequenceStore::CollectStats(const absl::string_view* tenant) const {
   StoreStats st;
   std::vector<std::shared_ptr<Sequence>> live;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [key, e] : live_) live.push_back(e.seq);
-    st.cached_sequences = static_cast<int64_t>(cached_.size());
+    for (const auto& [key, e] : live_) {
+      if (tenant == nullptr || e.seq->tenant == *tenant) live.push_back(e.seq);
+    }
+    for (const auto& c : cached_) {
+      if (tenant == nullptr || c->tenant == *tenant) ++st.cached_sequences;
+    }
   }
-  st.pool = pool_->Stats();
+  if (tenant == nullptr) st.pool = pool_->Stats();
   st.sequences = static_cast<int64_t>(live.size());
   for (const auto& seq : live) {
     absl::ReaderMutexLock lock(&seq->mu());

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "service/page_pool.h"
 #include "service/sequence.h"
+#include "service/tenant_pages.h"
 
 namespace kvq {
 
@@ -41,7 +42,13 @@ struct StoreOptions {
 enum class GoneReason { kReleased, kExpired, kEvicted, kCorrupted };
 absl::string_view GoneReasonName(GoneReason r);
 
+// Tenants: every key, tombstone, prefix-registry entry and generated id is
+// per tenant, so a tenant cannot tell another tenant's sequence from one
+// that never existed. The empty tenant is the default one (no tokens file);
+// its sequences draw from the pool directly, every other tenant's through
+// its TenantPages (quota and used bytes).
 struct CreateSequenceArgs {
+  std::string tenant;
   std::string ns;
   std::string id;  // Empty: generated.
   ModelShape shape;
@@ -98,12 +105,15 @@ class SequenceStore {
   absl::StatusOr<Handle> Create(const CreateSequenceArgs& args);
   // NOT_FOUND naming whether the id was never known, released, expired or
   // evicted. Refreshes the lease.
-  absl::StatusOr<Handle> Get(absl::string_view ns, absl::string_view id);
+  absl::StatusOr<Handle> Get(absl::string_view ns, absl::string_view id,
+                             absl::string_view tenant = {});
   // Removes the sequence; returns the bytes it referenced. With eviction
   // enabled its pages stay as prefix cache until evicted.
-  absl::StatusOr<int64_t> Release(absl::string_view ns, absl::string_view id);
+  absl::StatusOr<int64_t> Release(absl::string_view ns, absl::string_view id,
+                                  absl::string_view tenant = {});
   absl::StatusOr<Handle> Fork(absl::string_view ns, absl::string_view source,
-                              absl::string_view new_id, int tokens, absl::Duration ttl);
+                              absl::string_view new_id, int tokens, absl::Duration ttl,
+                              absl::string_view tenant = {});
 
   // Runs `fn` (which allocates from the pool while the caller holds the
   // sequence's lock); on RESOURCE_EXHAUSTED with eviction enabled, evicts
@@ -124,6 +134,24 @@ class SequenceStore {
   int ExpireIdle(absl::Time now);
 
   StoreStats Stats() const;
+  // The figures of one tenant's sequences only; `pool` holds the tenant's
+  // quota as capacity_bytes (0: none) and its used bytes, nothing else.
+  StoreStats TenantStats(absl::string_view tenant) const;
+
+  // Quota of a (non-default) tenant in bytes, 0 for none; applies to the
+  // next allocation.
+  void SetTenantQuota(absl::string_view tenant, int64_t quota_bytes);
+  struct TenantUsage {
+    std::string tenant;
+    int64_t used_bytes = 0;
+    int64_t quota_bytes = 0;
+  };
+  // Every tenant that has stored something since start-up.
+  std::vector<TenantUsage> TenantUsages() const;
+  // The owner of `allocator` (a sequence's streams' allocator) as a
+  // shared_ptr, for readers that keep its pages referenced (raw fetch
+  // messages); null when the store does not know it.
+  std::shared_ptr<PageAllocator> SharedAllocator(const PageAllocator* allocator) const;
   PagePool& pool() { return *pool_; }
   // The pool, for a reader that keeps pages past the store's lifetime
   // (FetchDequant's messages hold references until gRPC drops them, which
@@ -138,7 +166,16 @@ class SequenceStore {
   };
   SequenceStore(const StoreOptions& options, const KernelBackend* backend,
                 std::unique_ptr<PagePool> pool);
-  static std::string Key(absl::string_view ns, absl::string_view id);
+  static std::string Key(absl::string_view tenant, absl::string_view ns, absl::string_view id);
+  // The pool for the default tenant, else the tenant's TenantPages.
+  PageAllocator* PagesFor(absl::string_view tenant);
+  std::shared_ptr<TenantPages> TenantPagesFor(absl::string_view tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stats of every sequence, or only `tenant`'s (pool figures left empty).
+  StoreStats CollectStats(const absl::string_view* tenant) const;
+  // Evicts `tenant`'s oldest released (prefix-cache) sequence; false if it
+  // has none.
+  bool EvictCachedOf(absl::string_view tenant);
   void Unuse(Sequence* seq);
   void Tombstone(const std::string& key, GoneReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts one sequence other than `keep`; false if none is evictable.
@@ -168,7 +205,10 @@ class SequenceStore {
   // Chain hashes of the blocks of `ids` under `seq`'s namespace, layout and
   // scheme: hash k covers tokens [0, sink + k * block).
   std::vector<uint64_t> ChainHashes(const Sequence& seq, absl::Span<const int32_t> ids) const;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per tenant, so that generated ids say nothing about other tenants.
+  absl::flat_hash_map<std::string, uint64_t> next_id_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<TenantPages>> tenant_pages_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvq

@@ -46,6 +46,11 @@ ABSL_FLAG(int32_t, tls_refresh_seconds, 60,
           "ones keep theirs");
 ABSL_FLAG(bool, insecure, false,
           "Allow a non-loopback --address without TLS or tokens (plaintext; logs a warning)");
+ABSL_FLAG(std::string, tokens_file, "",
+          "Bearer tokens of the tenants, their quotas and rate limits (docs/DEPLOY.md); "
+          "empty: no authentication, every call is the default tenant");
+ABSL_FLAG(int32_t, tokens_reload_ms, 1000,
+          "How often the tokens file is checked for changes (modification time and size)");
 
 namespace kvq {
 
@@ -147,6 +152,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls.refresh_interval = absl::Seconds(absl::GetFlag(FLAGS_tls_refresh_seconds));
   if (absl::Status s = ValidateTlsServerOptions(c.tls); !s.ok()) return s;
   c.insecure = absl::GetFlag(FLAGS_insecure);
+  c.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  const int32_t reload_ms = absl::GetFlag(FLAGS_tokens_reload_ms);
+  if (reload_ms < 10 || reload_ms > 3600000) {
+    return bad("tokens_reload_ms", reload_ms, "must be in [10, 3600000]");
+  }
+  c.tokens_reload_interval = absl::Milliseconds(reload_ms);
   return c;
 }
 

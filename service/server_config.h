@@ -20,6 +20,8 @@ struct ServerConfig {
   absl::Duration reaper_interval = absl::Seconds(1);
   absl::Duration shutdown_grace = absl::Seconds(10);
   bool retain_message_buffers = true;  // RetainMessageBuffers() at start.
+  std::string tokens_file;  // Empty: no tenants (every call is the default tenant).
+  absl::Duration tokens_reload_interval = absl::Seconds(1);
   StoreOptions store;
   ServiceOptions service;
   TlsServerOptions tls;           // --tls_cert, --tls_key, --tls_client_ca.

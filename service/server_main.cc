@@ -85,7 +85,15 @@ int main(int argc, char** argv) {
   (*store)->set_events({[m](kvq::GoneReason r) { m->RecordGone(r); },
                         [m](int tokens) { m->RecordPrefixHit(tokens); }});
 
+  std::unique_ptr<kvq::Tenants> tenants;
+  if (!config->tokens_file.empty()) {
+    absl::StatusOr<std::unique_ptr<kvq::Tenants>> t = kvq::Tenants::Load(config->tokens_file);
+    if (!t.ok()) return Fail(t.status());
+    tenants = std::move(*t);
+    tenants->AttachStore(store->get());
+  }
   kvq::KvqService service(store->get(), m, config->service);
+  service.set_tenants(tenants.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -113,6 +121,10 @@ int main(int argc, char** argv) {
               port, backend_name.c_str(), kvq::cpu::ActiveSimdTarget().c_str(),
               config->store.pool.capacity_bytes >> 20,
               config->tls.mutual() ? ", mutual TLS" : config->tls.enabled() ? ", TLS" : "");
+  if (tenants) {
+    std::printf("kvq-server: %zu tenants from %s\n", tenants->Specs().size(),
+                config->tokens_file.c_str());
+  }
   if (m->port() != 0) {
     const std::string mhost = config->metrics_address.substr(0, config->metrics_address.rfind(':'));
     std::printf("kvq-server: metrics at http://%s:%d/metrics\n", mhost.c_str(), m->port());
@@ -120,8 +132,22 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   absl::Time next_reap = absl::Now() + config->reaper_interval;
+  absl::Time next_tokens = absl::Now() + config->tokens_reload_interval;
   while (!g_stop.load()) {
     absl::SleepFor(absl::Milliseconds(50));
+    if (tenants && absl::Now() >= next_tokens) {
+      // A file that does not parse keeps the table in force.
+      absl::StatusOr<bool> reloaded = tenants->ReloadIfChanged();
+      if (!reloaded.ok()) {
+        std::printf("kvq-server: tokens file not reloaded, the previous table stays: %s\n",
+                    std::string(reloaded.status().message()).c_str());
+        std::fflush(stdout);
+      } else if (*reloaded) {
+        std::printf("kvq-server: tokens file reloaded: %zu tenants\n", tenants->Specs().size());
+        std::fflush(stdout);
+      }
+      next_tokens = absl::Now() + config->tokens_reload_interval;
+    }
     if (absl::Now() >= next_reap) {
       (*store)->ExpireIdle(absl::Now());
       next_reap = absl::Now() + config->reaper_interval;

@@ -56,6 +56,7 @@ import grpc
 import numpy as np
 
 from . import _proto
+from .auth import with_token
 from .tensors import assemble_fetch, from_tensor, plan_chunks, to_tensor
 from .tensors import wire_dtype as _wire_dtype
 
@@ -314,7 +315,9 @@ class KvqClient:
 
     def __init__(self, target="localhost:50051", namespace="", deadline=30.0,
                  retry=None, max_message_bytes=64 << 20, channel=None, tls=False,
-                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None, token=None):
+        """`token`: the tenant's bearer token (a server with --tokens_file),
+        sent on every call, stream and retry."""
         self.namespace = namespace
         self.deadline = deadline
         self.retry = retry or RetryPolicy()
@@ -330,7 +333,7 @@ class KvqClient:
                     options.append(("grpc.ssl_target_name_override", tls_server_name))
                 channel = grpc.secure_channel(target, creds, options=options)
         self._channel = channel
-        self._stub = pb_grpc.KvCacheStub(self._channel)
+        self._stub = pb_grpc.KvCacheStub(with_token(self._channel, token))
         self._rng = random.Random()
         self._rng_lock = threading.Lock()
 
