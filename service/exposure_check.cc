@@ -55,16 +55,34 @@ absl::StatusOr<ExposureVerdict> CheckExposure(const ExposureInputs& in) {
   if (!host.ok()) return host.status();
   ExposureVerdict verdict;
   verdict.loopback = IsLoopbackHost(*host);
-  if (verdict.loopback || in.tls_enabled || in.tokens_enabled) return verdict;
+  const bool authenticated = in.tokens_enabled || (in.tls_enabled && in.client_certs_required);
+  if (verdict.loopback || (in.tls_enabled && authenticated)) return verdict;
   if (!in.insecure) {
+    if (!in.tls_enabled) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--address=", in.address,
+          " is reachable from the network in plaintext: set --tls_cert and --tls_key (and "
+          "--tokens_file or --tls_client_ca), or pass --insecure to serve it anyway"));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "--address=", in.address,
-        " is reachable from the network without TLS or tokens: set --tls_cert and --tls_key, "
-        "or --tokens_file, or pass --insecure to serve it in plaintext anyway"));
+        " is reachable from the network without authenticating callers: set --tokens_file or "
+        "--tls_client_ca, or pass --insecure to serve it anyway"));
   }
-  verdict.warning = absl::StrCat(
-      "WARNING: --insecure: serving ", in.address,
-      " in plaintext without tokens; anyone who can reach it can read and change every sequence");
+  if (!in.tls_enabled && !authenticated) {
+    verdict.warning = absl::StrCat(
+        "WARNING: --insecure: serving ", in.address,
+        " in plaintext without tokens; anyone who can reach it can read and change every "
+        "sequence");
+  } else if (!in.tls_enabled) {
+    verdict.warning = absl::StrCat("WARNING: --insecure: serving ", in.address,
+                                   " in plaintext; tokens and KV cross the network unencrypted");
+  } else {
+    verdict.warning = absl::StrCat(
+        "WARNING: --insecure: serving ", in.address,
+        " without authenticating callers; anyone who can reach it can read and change every "
+        "sequence");
+  }
   return verdict;
 }
 

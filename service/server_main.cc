@@ -51,10 +51,12 @@ int main(int argc, char** argv) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::StatusOr<kvq::ServerConfig> config = kvq::ConfigFromFlags();
   if (!config.ok()) return Fail(config.status());
-  // Tenant tokens (--tokens_file) are not wired here yet: tokens_enabled
-  // stays false until they are.
-  absl::StatusOr<kvq::ExposureVerdict> exposure = kvq::CheckExposure(
-      {config->address, config->tls.enabled(), /*tokens_enabled=*/false, config->insecure});
+  absl::StatusOr<kvq::ExposureVerdict> exposure =
+      kvq::CheckExposure({.address = config->address,
+                          .tls_enabled = config->tls.enabled(),
+                          .client_certs_required = config->tls.mutual(),
+                          .tokens_enabled = !config->tokens_file.empty(),
+                          .insecure = config->insecure});
   if (!exposure.ok()) return Fail(exposure.status());
   if (!exposure->warning.empty()) {
     std::fprintf(stderr, "kvq-server: %s\n", exposure->warning.c_str());

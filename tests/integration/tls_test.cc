@@ -242,9 +242,9 @@ TEST_F(TlsTest, NetworkAddressWithoutTlsNeedsInsecure) {
                        &out),
             2);
   EXPECT_EQ(out,
-            "kvq-server: --address=0.0.0.0:0 is reachable from the network without TLS or "
-            "tokens: set --tls_cert and --tls_key, or --tokens_file, or pass --insecure to serve "
-            "it in plaintext anyway\n");
+            "kvq-server: --address=0.0.0.0:0 is reachable from the network in plaintext: set "
+            "--tls_cert and --tls_key (and --tokens_file or --tls_client_ca), or pass --insecure "
+            "to serve it anyway\n");
 
   // With --insecure it starts, warns, and serves (the test's traffic stays
   // on loopback).
@@ -259,13 +259,29 @@ TEST_F(TlsTest, NetworkAddressWithoutTlsNeedsInsecure) {
   EXPECT_EQ(InfoCode(Client(server.address(), nullptr).get()), absl::StatusCode::kOk);
 }
 
-TEST_F(TlsTest, NetworkAddressWithTlsStartsWithoutInsecureOrWarning) {
+TEST_F(TlsTest, NetworkAddressWithTlsAlonePassesOnlyWithInsecure) {
+  std::string out;
+  EXPECT_EQ(RunCommand(absl::StrCat("timeout 60 ", KVQ_SERVER_BIN,
+                                    " --address=0.0.0.0:0 --metrics_address= --backend=cpu "
+                                    "--capacity_bytes=16777216 --tls_cert=",
+                                    F("server.pem"), " --tls_key=", F("server.key")),
+                       &out),
+            2);
+  EXPECT_EQ(out,
+            "kvq-server: --address=0.0.0.0:0 is reachable from the network without "
+            "authenticating callers: set --tokens_file or --tls_client_ca, or pass --insecure "
+            "to serve it anyway\n");
+}
+
+TEST_F(TlsTest, NetworkAddressWithMutualTlsStartsWithoutInsecureOrWarning) {
   ServerProcess server(KVQ_SERVER_BIN);
   server.set_capture_stderr(true);
   std::vector<std::string> flags = TlsFlags();
+  flags.push_back("--tls_client_ca=" + F("ca.pem"));
   flags.push_back("--address=0.0.0.0:0");
   ASSERT_TRUE(server.Start(flags).ok());
-  TlsClientFiles files{.ca_file = F("ca.pem")};
+  TlsClientFiles files{
+      .ca_file = F("ca.pem"), .cert_file = F("client.pem"), .key_file = F("client.key")};
   EXPECT_EQ(InfoCode(Client(server.address(), &files).get()), absl::StatusCode::kOk);
   EXPECT_FALSE(absl::StrContains(server.Stderr(), "WARNING")) << server.Stderr();
 }

@@ -6,9 +6,12 @@
 namespace kvq {
 namespace {
 
-constexpr char kRefusal[] =
-    " is reachable from the network without TLS or tokens: set --tls_cert and --tls_key, "
-    "or --tokens_file, or pass --insecure to serve it in plaintext anyway";
+constexpr char kPlaintextRefusal[] =
+    " is reachable from the network in plaintext: set --tls_cert and --tls_key (and "
+    "--tokens_file or --tls_client_ca), or pass --insecure to serve it anyway";
+constexpr char kUnauthenticatedRefusal[] =
+    " is reachable from the network without authenticating callers: set --tokens_file or "
+    "--tls_client_ca, or pass --insecure to serve it anyway";
 
 TEST(IsLoopbackHostTest, OnlyThisMachinesAddressesAndLocalhost) {
   for (const char* host : {"127.0.0.1", "127.255.0.9", "::1", "0:0:0:0:0:0:0:1", "localhost",
@@ -30,21 +33,36 @@ TEST(CheckExposureTest, LoopbackNeedsNothing) {
   }
 }
 
-TEST(CheckExposureTest, NetworkAddressWithoutTlsOrTokensIsRefusedNamingTheFlags) {
+TEST(CheckExposureTest, NetworkAddressWithoutTlsIsRefusedNamingTheFlags) {
   for (const char* address : {"0.0.0.0:50051", "[::]:50051", "10.1.2.3:0", "kvq.internal:50051",
                               ":50051"}) {
-    absl::StatusOr<ExposureVerdict> v = CheckExposure({.address = address});
-    ASSERT_FALSE(v.ok()) << address;
-    EXPECT_EQ(v.status().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_EQ(v.status().message(), std::string("--address=") + address + kRefusal);
+    for (bool tokens : {false, true}) {  // Tokens alone would cross in clear text.
+      absl::StatusOr<ExposureVerdict> v =
+          CheckExposure({.address = address, .tokens_enabled = tokens});
+      ASSERT_FALSE(v.ok()) << address;
+      EXPECT_EQ(v.status().code(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(v.status().message(), std::string("--address=") + address + kPlaintextRefusal);
+    }
   }
 }
 
-TEST(CheckExposureTest, TlsOrTokensMakeANetworkAddressFineWithoutAWarning) {
+TEST(CheckExposureTest, TlsWithoutAuthenticationIsRefusedNamingTheFlags) {
+  absl::StatusOr<ExposureVerdict> v =
+      CheckExposure({.address = "0.0.0.0:50051", .tls_enabled = true});
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(v.status().message(), std::string("--address=0.0.0.0:50051") + kUnauthenticatedRefusal);
+}
+
+TEST(CheckExposureTest, TlsWithTokensOrClientCertsMakeANetworkAddressFineWithoutAWarning) {
   for (const ExposureInputs& in :
-       {ExposureInputs{.address = "0.0.0.0:50051", .tls_enabled = true},
-        ExposureInputs{.address = "0.0.0.0:50051", .tokens_enabled = true},
-        ExposureInputs{.address = "[::]:1", .tls_enabled = true, .insecure = true}}) {
+       {ExposureInputs{.address = "0.0.0.0:50051", .tls_enabled = true, .tokens_enabled = true},
+        ExposureInputs{
+            .address = "0.0.0.0:50051", .tls_enabled = true, .client_certs_required = true},
+        ExposureInputs{.address = "[::]:1",
+                       .tls_enabled = true,
+                       .client_certs_required = true,
+                       .insecure = true}}) {
     absl::StatusOr<ExposureVerdict> v = CheckExposure(in);
     ASSERT_TRUE(v.ok()) << v.status();
     EXPECT_FALSE(v->loopback);
@@ -60,6 +78,16 @@ TEST(CheckExposureTest, InsecureAllowsPlaintextOnTheNetworkWithAWarning) {
   EXPECT_EQ(v->warning,
             "WARNING: --insecure: serving 0.0.0.0:50051 in plaintext without tokens; anyone who "
             "can reach it can read and change every sequence");
+  v = CheckExposure({.address = "0.0.0.0:50051", .tokens_enabled = true, .insecure = true});
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->warning,
+            "WARNING: --insecure: serving 0.0.0.0:50051 in plaintext; tokens and KV cross the "
+            "network unencrypted");
+  v = CheckExposure({.address = "0.0.0.0:50051", .tls_enabled = true, .insecure = true});
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->warning,
+            "WARNING: --insecure: serving 0.0.0.0:50051 without authenticating callers; anyone "
+            "who can reach it can read and change every sequence");
   // On loopback --insecure changes nothing and warns of nothing.
   v = CheckExposure({.address = "127.0.0.1:50051", .insecure = true});
   ASSERT_TRUE(v.ok());
