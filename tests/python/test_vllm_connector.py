@@ -260,3 +260,47 @@ def test_replay_prefill_saves_and_second_engine_loads_the_shared_prefix(
     for scheduler, worker, _ in engines.values():
         scheduler.shutdown()
         worker.shutdown()
+
+
+def unreachable_address():
+    """A loopback port nothing listens on (bound, then closed)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_requests_whose_tokens_do_not_determine_kv_bypass_kvq(address, model_dir):
+    scheduler, worker, _ = engine(model_dir, address, "bypass", "fp16", "e")
+    prompt = list(range(10, 300))
+    salted = Request(request_id="salted", prompt_token_ids=prompt,
+                     sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                     cache_salt="tenant-1")
+    assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
+    assert not scheduler._planner.known("salted")
+    plain = Request(request_id="plain", prompt_token_ids=prompt,
+                    sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    assert scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert scheduler._planner.known("plain")  # The same prompt unsalted does use kvq.
+    scheduler.request_finished(plain, [])
+    scheduler.shutdown()
+    worker.shutdown()
+
+
+def test_unreachable_kvq_means_no_hit_and_no_saves(model_dir):
+    scheduler, worker, _ = engine(model_dir, unreachable_address(), "down", "fp16", "e")
+    request = Request(request_id="r", prompt_token_ids=list(range(10, 300)),
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
+    meta = scheduler.build_connector_meta(scheduler_output({
+        "scheduled_new_reqs": [{"req_id": "r", "prompt_token_ids": request.prompt_token_ids,
+                                "block_ids": [list(range(19))], "num_computed_tokens": 0}],
+        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
+                                  "num_computed_tokens": []},
+        "num_scheduled_tokens": {"r": 290}, "finished_req_ids": [],
+        "has_sync_kv_loads": False}))
+    assert meta.loads == [] and meta.saves == []
+    assert scheduler.request_finished(request, list(range(19))) == (False, None)
+    scheduler.shutdown()
+    worker.shutdown()

@@ -101,6 +101,16 @@ def model_layout(vllm_config: "VllmConfig") -> ModelLayout:
                        m.get_num_attention_heads(parallel), m.get_head_size())
 
 
+def keyed_by_tokens_alone(request: "Request") -> bool:
+    """Whether the prompt's token ids determine its KV. kvq keys a prefix by
+    token ids only: images (placeholder tokens), a LoRA adapter or a cache
+    salt (vLLM's per-tenant prefix-cache isolation) make the same ids mean
+    other KV, so such requests bypass the connector."""
+    return (not getattr(request, "mm_features", None)
+            and getattr(request, "lora_request", None) is None
+            and not getattr(request, "cache_salt", None))
+
+
 def layer_order(names: List[str]) -> List[str]:
     """Attention layer names in model order: by the layer number in the name
     ("model.layers.3.self_attn.attn"), else as given."""
@@ -139,8 +149,8 @@ class KvqConnector(KVConnectorBase_V1):
         rid = request.request_id
         if not self._planner.known(rid):
             prompt = request.prompt_token_ids
-            if not prompt:
-                return 0, False  # Prompt embeddings: nothing to key the cache by.
+            if not prompt or not keyed_by_tokens_alone(request):
+                return 0, False
             try:
                 info = self._create_sequence(self._id_prefix + rid, list(prompt))
             except KvqError as e:
