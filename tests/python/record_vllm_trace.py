@@ -22,7 +22,10 @@ pos % block_size for each scheduled position.
 
 Engine engine-a (kv_both) serves a 300-token prompt in chunks of at most 128
 tokens and decodes 3 tokens; engine engine-b (kv_both, separate scheduler and
-cache) then serves a prompt sharing A's first 270 tokens.
+cache) then serves a prompt sharing A's first 270 tokens; engine engine-c
+serves two 150-token prompts at once in a cache too small for both to decode
+24 tokens, with vLLM's own prefix cache off, so vLLM preempts one and resumes
+it later, loading its prompt back from kvq.
 """
 
 import json
@@ -53,7 +56,8 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from kvq_client.vllm_connector import KvqConnector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, EVENTS, HEAD_DIM, KV_HEADS, LAYERS,  # noqa: E402
-                              MODEL_CONFIG, NUM_BLOCKS, PagedCache, SCHEME, layer_names,
+                              MODEL_CONFIG, NUM_BLOCKS, PREEMPT_BLOCKS, PagedCache, SCHEME,
+                              layer_names,
                               run_worker_event)
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "data", "vllm_trace.json")
@@ -177,15 +181,15 @@ def run_worker(engine, so, worker, cache):
         EVENTS.append(call)
 
 
-RUNNING = {"engine-a": {}, "engine-b": {}}
+RUNNING = {}
 
 
-def make_config(address, engine_id, model_dir):
+def make_config(address, engine_id, model_dir, prefix_caching=True):
     model = ModelConfig(model=model_dir, dtype="float16", skip_tokenizer_init=True, seed=0)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=4096,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
     cache = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9,
-                        enable_prefix_caching=True)
+                        enable_prefix_caching=prefix_caching)
     transfer = KVTransferConfig(
         kv_connector="RecordingKvqConnector", kv_connector_module_path="record_vllm_trace",
         kv_role="kv_both", engine_id=engine_id,
@@ -195,29 +199,33 @@ def make_config(address, engine_id, model_dir):
                       kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
 
 
-def run_engine(engine, config, request_id, prompt, max_tokens):
+def run_engine(engine, config, requests, num_blocks=NUM_BLOCKS):
+    """Runs `requests` [(request_id, prompt, max_tokens)], all added at once,
+    to completion on a fresh engine of `num_blocks` cache blocks."""
     kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+        num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(layer_names(), FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
             dtype=torch.float16))])
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    config.cache_config.num_gpu_blocks = num_blocks
     scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
                           structured_output_manager=StructuredOutputManager(config),
                           block_size=BLOCK_SIZE)
     worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config)
-    cache = PagedCache(torch.float16)
+    cache = PagedCache(torch.float16, num_blocks)
     worker.register_kv_caches(cache.views)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                      pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_SIZE,
-                                                                                  sha256))
-    RUNNING[engine][request_id] = {"tokens": list(prompt)}
-    EVENTS.append({"side": "engine", "engine": engine, "call": "add_request",
-                   "request_id": request_id, "prompt_token_ids": list(prompt),
-                   "max_tokens": max_tokens})
-    scheduler.add_request(request)
-    for step in range(64):  # Bounded: a 300-token prompt needs a handful of steps.
+    RUNNING[engine] = {}
+    for request_id, prompt, max_tokens in requests:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(request_id=request_id, prompt_token_ids=prompt,
+                          sampling_params=params, pooling_params=None,
+                          block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+        RUNNING[engine][request_id] = {"tokens": list(prompt)}
+        EVENTS.append({"side": "engine", "engine": engine, "call": "add_request",
+                       "request_id": request_id, "prompt_token_ids": list(prompt),
+                       "max_tokens": max_tokens, "num_blocks": num_blocks})
+        scheduler.add_request(request)
+    for step in range(64):  # Bounded: these requests need at most a few dozen steps.
         if not scheduler.has_unfinished_requests():
             break
         so = scheduler.schedule()
@@ -274,8 +282,18 @@ def main():
             address = f"127.0.0.1:{port}"
             prompt_a = [(7 * i + 3) % 5000 + 10 for i in range(300)]
             prompt_b = prompt_a[:270] + [(11 * i + 5) % 5000 + 10 for i in range(50)]
-            run_engine("engine-a", make_config(address, "engine-a", tmp), "req-a", prompt_a, 3)
-            run_engine("engine-b", make_config(address, "engine-b", tmp), "req-b", prompt_b, 2)
+            run_engine("engine-a", make_config(address, "engine-a", tmp),
+                       [("req-a", prompt_a, 3)])
+            run_engine("engine-b", make_config(address, "engine-b", tmp),
+                       [("req-b", prompt_b, 2)])
+            # Two requests that outgrow a small cache while decoding: vLLM
+            # preempts one, then resumes it. vLLM's own prefix cache is off,
+            # so the resumed request loads its prompt back from kvq.
+            prompt_c1 = [(13 * i + 1) % 5000 + 10 for i in range(150)]
+            prompt_c2 = [(17 * i + 2) % 5000 + 10 for i in range(150)]
+            run_engine("engine-c", make_config(address, "engine-c", tmp, prefix_caching=False),
+                       [("req-c1", prompt_c1, 24), ("req-c2", prompt_c2, 24)],
+                       num_blocks=PREEMPT_BLOCKS)
         finally:
             proc.terminate()
             proc.wait()

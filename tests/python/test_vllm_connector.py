@@ -113,7 +113,7 @@ def model_dir():
         yield tmp
 
 
-def engine(model_dir, address, namespace, scheme, engine_id):
+def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS):
     """A scheduler-side and a worker-side connector of one vLLM engine, and
     the worker's paged cache, configured as the recording was."""
     config = VllmConfig(
@@ -130,13 +130,13 @@ def engine(model_dir, address, namespace, scheme, engine_id):
                                        "kvq_scheme": scheme}),
         device_config=DeviceConfig("cpu"))
     kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+        num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(layer_names(), FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
             dtype=torch.float16))])
     scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config)
-    cache = PagedCache(torch.float16)
+    cache = PagedCache(torch.float16, num_blocks)
     worker.register_kv_caches(cache.views)
     return scheduler, worker, cache
 
@@ -186,20 +186,22 @@ def check_kv(got_k, got_v, want_k, want_v, exact):
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "kivi4:g32:r128"])
-def test_replay_prefill_saves_and_second_engine_loads_the_shared_prefix(
+def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
         address, model_dir, scheme):
     with open(TRACE) as f:
         trace = json.load(f)
     assert trace["model"]["layer_names"] == layer_names()
     namespace = f"replay-{scheme}"
-    engines, requests, prompts, blocks, loads = {}, {}, {}, {}, []
-    meta, forward, checked = None, None, 0
+    engines, requests, prompts, last_load, loaded = {}, {}, {}, {}, {}
+    meta, forward = None, None
     for event in trace["events"]:
         call = event["call"]
         name = event.get("engine")
         if event["side"] == "engine":
             if call == "add_request":
-                engines[name] = engine(model_dir, address, namespace, scheme, name)
+                if name not in engines:
+                    engines[name] = engine(model_dir, address, namespace, scheme, name,
+                                           event["num_blocks"])
                 rid = event["request_id"]
                 prompts[rid] = event["prompt_token_ids"]
                 requests[rid] = Request(request_id=rid, prompt_token_ids=prompts[rid],
@@ -217,6 +219,9 @@ def test_replay_prefill_saves_and_second_engine_loads_the_shared_prefix(
             continue
         request = requests.get(event.get("request_id"))
         if call == "get_num_new_matched_tokens":
+            # vLLM appends each sampled token to its Request (update_from_output).
+            while request.num_tokens < event["num_tokens"]:
+                request.append_output_token_ids(1000 + request.num_tokens)
             assert request.num_tokens == event["num_tokens"]
             got = scheduler.get_num_new_matched_tokens(request, event["num_computed_tokens"])
             assert list(got) == event["returned"], event["request_id"]
@@ -229,9 +234,9 @@ def test_replay_prefill_saves_and_second_engine_loads_the_shared_prefix(
             meta = scheduler.build_connector_meta(scheduler_output(event["scheduler_output"]))
             assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == \
                 event["returned"]
-            loads += meta.loads
-            for r in meta.loads + meta.saves:
-                blocks[r.request_id] = r.block_ids
+            # A request's last load (earlier ones' blocks may have been
+            # preempted and reused).
+            last_load.update((r.request_id, r) for r in meta.loads)
         elif call == "request_finished":
             rid = event["request_id"]
             prompt = prompts[rid]
@@ -244,19 +249,21 @@ def test_replay_prefill_saves_and_second_engine_loads_the_shared_prefix(
                 want_k, want_v = token_kv(layer, range(len(prompt)), prompt)
                 check_kv(K[layer], V[layer], want_k, want_v, scheme == "fp16")
             # What this engine loaded sits in its paged cache, every layer.
-            for r in (r for r in loads if r.request_id == rid):
+            r = last_load.get(rid)
+            if r is not None:
                 positions = range(r.begin, r.end)
                 for layer, lname in enumerate(layer_names()):
-                    got_k, got_v = cache.read(lname, slots_of(blocks[rid], positions))
+                    got_k, got_v = cache.read(lname, slots_of(r.block_ids, positions))
                     want_k, want_v = token_kv(layer, positions, prompt[r.begin:r.end])
                     check_kv(got_k, got_v, want_k, want_v, scheme == "fp16")
-                checked += r.end - r.begin
+                loaded[rid] = (r.begin, r.end)
             assert list(scheduler.request_finished(request, event["block_ids"])) == \
                 event["returned"]
         else:
             raise AssertionError(f"unknown scheduler call {call!r}")
-    # The trace's second engine loaded its 256-token shared prefix.
-    assert checked == 256
+    # engine-b loaded the 256-token prefix it shares with engine-a's prompt;
+    # engine-c's preempted request loaded its own prompt back when resumed.
+    assert loaded == {"req-b": (0, 256), "req-c2": (0, 150)}
     for scheduler, worker, _ in engines.values():
         scheduler.shutdown()
         worker.shutdown()

@@ -97,3 +97,21 @@ def test_finish_forgets_the_request():
     assert not p.known("r") and p.finish("r") is None
     plan = plan_step(p, ("r", [1], True, 0, 10))
     assert plan.loads == [] and plan.saves == []
+
+
+def test_preempted_request_may_load_what_it_saved():
+    p = StepPlanner(save=True, load=True)
+    p.add_request("r", "s", prompt_len=150, stored_tokens=0)
+    assert not p.saved_past_match("r")  # Nothing planned yet: no need to ask kvq.
+    p.after_alloc("r", 0)
+    plan_step(p, ("r", list(range(10)), True, 0, 150))
+    assert p.saved_past_match("r")
+    p.refresh("r", 300)  # Never more than this request's planned saves.
+    assert p.matched_tokens("r", num_tokens=160, num_computed=32) == 118
+    p.refresh("r", 100)  # Never less than known before.
+    assert p.matched_tokens("r", num_tokens=160, num_computed=0) == 150
+    assert not p.saved_past_match("r")
+    p.after_alloc("r", 150)
+    s = plan_step(p, ("r", list(range(20, 30)), True, 150, 10))
+    assert s.loads == [TokenRange("r", "s", 0, 150, list(range(20, 30)))]
+    assert s.saves == []

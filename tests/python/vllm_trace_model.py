@@ -9,6 +9,7 @@ import numpy as np
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 24, 14, 2, 64
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
+PREEMPT_BLOCKS = 22  # engine-c: 21 usable blocks, two 150-token prompts decoding.
 SCHEME = os.environ.get("KVQ_TRACE_SCHEME", "kivi4:g32:r128")
 
 MODEL_CONFIG = {
@@ -50,11 +51,11 @@ class PagedCache:
     block_size, kv_heads, 2 * head_dim] (vLLM's LBNHC layout), so the view is
     not contiguous, as on a GPU."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, num_blocks=NUM_BLOCKS):
         import torch
         self.views = {}
         for name in layer_names():
-            raw = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, 2 * HEAD_DIM, dtype=dtype)
+            raw = torch.zeros(num_blocks, BLOCK_SIZE, KV_HEADS, 2 * HEAD_DIM, dtype=dtype)
             self.views[name] = raw.permute(0, 2, 1, 3)
 
     def forward_layer(self, layer, name, slots, positions, token_ids):

@@ -158,6 +158,14 @@ class KvqConnector(KVConnectorBase_V1):
                                "the cache", rid, e)
                 return 0, False
             self._planner.add_request(rid, info[0], len(prompt), info[1])
+        elif self._planner.saved_past_match(rid):
+            # Looked up again (preempted and back in the queue): what this
+            # request saved itself can be loaded instead of recomputed.
+            try:
+                self._planner.refresh(rid, self._client.stats(self._planner.sequence_id(rid))
+                                      .num_tokens)
+            except KvqError as e:
+                logger.warning("kvq: stats of request %s failed: %s", rid, e)
         return self._planner.matched_tokens(rid, request.num_tokens, num_computed_tokens), False
 
     def _create_sequence(self, sequence_id: str, prompt: List[int]) -> Tuple[str, int]:

@@ -70,6 +70,20 @@ class StepPlanner:
         self._requests[request_id] = _Request(sequence_id, prompt_len, stored_tokens,
                                               stored_tokens)
 
+    def saved_past_match(self, request_id: str) -> bool:
+        """Whether saves were planned past the tokens kvq held at creation: a
+        request looked up again (after a preemption) may then load more; the
+        caller asks kvq how many it holds and calls refresh()."""
+        r = self._requests.get(request_id)
+        return r is not None and self.load and r.stored > r.matched
+
+    def refresh(self, request_id: str, stored_tokens: int) -> None:
+        """kvq now holds `stored_tokens` of the request (Stats): up to the
+        saves planned so far, that is what a later load may take."""
+        r = self._requests.get(request_id)
+        if r is not None:
+            r.matched = max(r.matched, min(stored_tokens, r.stored))
+
     def matched_tokens(self, request_id: str, num_tokens: int, num_computed: int) -> int:
         """Tokens past vLLM's local hit `num_computed` that kvq can supply.
         vLLM must compute at least one token of the request itself (its
