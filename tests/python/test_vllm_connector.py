@@ -65,6 +65,10 @@ def test_subclasses_the_real_base_class_with_its_signatures():
                [(p.name, p.kind, p.default) for p in theirs.values()], name
 
 
+def test_asks_for_piecewise_cuda_graphs_so_layer_saves_run():
+    assert KvqConnector.requires_piecewise_for_cudagraph({}) is True
+
+
 def test_settings_reject_unknown_keys_and_pre_rope():
     with pytest.raises(ValueError, match=r"unknown keys \['kvq_adress'\]"):
         KvqSettings.from_extra_config({"kvq_adress": "x"}, "m")

@@ -142,6 +142,12 @@ class KvqConnector(KVConnectorBase_V1):
         self._saved: Dict[str, int] = {}       # Sequence -> tokens committed (-1: broken).
         self._load_errors: Set[int] = set()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # save_kv_layer runs in every attention layer: a full CUDA graph
+        # replay would skip it and lose the saves.
+        return True
+
     # ------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request",
