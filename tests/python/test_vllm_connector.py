@@ -8,6 +8,7 @@ replay also needs a kvq-server binary ($KVQ_SERVER_BIN, ctest sets it).
 import inspect
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -238,6 +239,8 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
             meta = scheduler.build_connector_meta(scheduler_output(event["scheduler_output"]))
             assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == \
                 event["returned"]
+            # vLLM pickles the scheduler output to its worker processes.
+            meta = pickle.loads(pickle.dumps(meta))
             # A request's last load (earlier ones' blocks may have been
             # preempted and reused).
             last_load.update((r.request_id, r) for r in meta.loads)
