@@ -34,7 +34,7 @@ fi
 # installed.
 python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest
                  gguf:gguf tokenizers:tokenizers)  # The last two: kvq-eval cross-checks.
-# KVQ_WITH_VLLM=1: vLLM (with CUDA torch: ~9.5 GB, ~3.5 min; docs/VLLM.md),
+# KVQ_WITH_VLLM=1: vLLM (with CUDA torch: 9.5 GB, minutes to install; docs/VLLM.md),
 # for the vLLM connector's tests, which skip without it. Pinned: the recorded
 # call sequence (tests/python/data/vllm_trace.json) is from this version.
 if [[ "${KVQ_WITH_VLLM:-0}" == 1 ]]; then python_packages+=(vllm:vllm==0.33.0); fi
