@@ -118,7 +118,8 @@ def model_dir():
         yield tmp
 
 
-def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS):
+def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS,
+           extra=None):
     """A scheduler-side and a worker-side connector of one vLLM engine, and
     the worker's paged cache, configured as the recording was."""
     config = VllmConfig(
@@ -132,7 +133,7 @@ def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOC
             kv_connector="KvqConnector", kv_connector_module_path="kvq_client.vllm_connector",
             kv_role="kv_both", engine_id=engine_id,
             kv_connector_extra_config={"kvq_address": address, "kvq_namespace": namespace,
-                                       "kvq_scheme": scheme}),
+                                       "kvq_scheme": scheme, **(extra or {})}),
         device_config=DeviceConfig("cpu"))
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
@@ -318,3 +319,26 @@ def test_unreachable_kvq_means_no_hit_and_no_saves(model_dir):
     assert scheduler.request_finished(request, list(range(19))) == (False, None)
     scheduler.shutdown()
     worker.shutdown()
+
+
+def test_a_silent_kvq_costs_the_scheduler_its_own_deadline_not_the_workers(model_dir,
+                                                                           caplog):
+    # A listener that never answers: connections open, gRPC never hears back.
+    import socket
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        config_address = f"127.0.0.1:{silent.getsockname()[1]}"
+        scheduler, worker, _ = engine(model_dir, config_address, "silent", "fp16", "e",
+                                      extra={"kvq_deadline_seconds": 3600,
+                                             "kvq_scheduler_deadline_seconds": 0.5})
+        request = Request(request_id="r", prompt_token_ids=list(range(10, 100)),
+                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+        with caplog.at_level("WARNING", logger="kvq_client.vllm_connector"):
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        # The scheduler's 0.5 s ran out; with the worker's hour gRPC would
+        # have given up on the connection instead (UNAVAILABLE).
+        assert "no sequence for request r (DEADLINE_EXCEEDED" in caplog.text
+        assert not scheduler._planner.known("r")
+        scheduler.shutdown()
+        worker.shutdown()

@@ -69,7 +69,10 @@ class KvqSettings:
     namespace: str = ""                # kvq_namespace; "" -> "vllm/<model>"
     scheme: str = DEFAULT_SCHEME       # kvq_scheme
     ttl_seconds: int = 0               # kvq_ttl_seconds; 0: the server's default
-    deadline_seconds: float = 30.0     # kvq_deadline_seconds, per call
+    deadline_seconds: float = 30.0     # kvq_deadline_seconds, per worker call
+    # kvq_scheduler_deadline_seconds: per scheduler-side call (create, stats,
+    # release), which vLLM's scheduler loop waits for.
+    scheduler_deadline_seconds: float = 5.0
     max_chunk_bytes: int = 1 << 20     # kvq_max_chunk_bytes, per Append message
     release_on_finish: bool = True     # kvq_release_on_finish
 
@@ -131,6 +134,7 @@ class KvqConnector(KVConnectorBase_V1):
         self._layout = model_layout(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
         self._id_prefix = f"vllm-{transfer.engine_id}-"
+        self._scheduler_deadline = self._settings.scheduler_deadline_seconds
         self._client = KvqClient(self._settings.address, namespace=self._settings.namespace,
                                  deadline=self._settings.deadline_seconds)
         # Scheduler side.
@@ -168,8 +172,9 @@ class KvqConnector(KVConnectorBase_V1):
             # Looked up again (preempted and back in the queue): what this
             # request saved itself can be loaded instead of recomputed.
             try:
-                self._planner.refresh(rid, self._client.stats(self._planner.sequence_id(rid))
-                                      .num_tokens)
+                stats = self._client.stats(self._planner.sequence_id(rid),
+                                           deadline=self._scheduler_deadline)
+                self._planner.refresh(rid, stats.num_tokens)
             except KvqError as e:
                 logger.warning("kvq: stats of request %s failed: %s", rid, e)
         return self._planner.matched_tokens(rid, request.num_tokens, num_computed_tokens), False
@@ -179,13 +184,15 @@ class KvqConnector(KVConnectorBase_V1):
             info = self._client.create_sequence(self._layout, scheme=self._settings.scheme,
                                                 sequence_id=sequence_id,
                                                 ttl_seconds=self._settings.ttl_seconds,
-                                                prompt_token_ids=prompt)
+                                                prompt_token_ids=prompt,
+                                                deadline=self._scheduler_deadline)
             return info.sequence_id, info.num_tokens
         except KvqError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise
             # An earlier create whose reply was lost: take the sequence as it is.
-            return sequence_id, self._client.stats(sequence_id).num_tokens
+            return sequence_id, self._client.stats(sequence_id,
+                                                   deadline=self._scheduler_deadline).num_tokens
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
@@ -210,7 +217,7 @@ class KvqConnector(KVConnectorBase_V1):
         sequence_id = self._planner.finish(request.request_id)
         if sequence_id is not None and self._settings.release_on_finish:
             try:
-                self._client.release(sequence_id)
+                self._client.release(sequence_id, deadline=self._scheduler_deadline)
             except KvqError as e:  # Its lease expires it anyway.
                 logger.warning("kvq: release of %s failed: %s", sequence_id, e)
         return False, None  # Saves finish within their step: vLLM may free the blocks.
