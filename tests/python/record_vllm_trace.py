@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
                          SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -54,7 +55,6 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvq_client.vllm_connector import KvqConnector  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, EVENTS, HEAD_DIM, KV_HEADS, LAYERS,  # noqa: E402
                               MODEL_CONFIG, NUM_BLOCKS, PREEMPT_BLOCKS, PagedCache, SCHEME,
                               layer_names,
@@ -181,7 +181,7 @@ def run_worker(engine, so, worker, cache):
         EVENTS.append(call)
 
 
-RUNNING = {}
+RUNNING = {}  # engine -> request id -> {"tokens", "block_ids", "computed"}, as its worker sees it.
 
 
 def make_config(address, engine_id, model_dir, prefix_caching=True):

@@ -25,7 +25,7 @@ This module imports vLLM and torch; the rest of kvq_client does not.
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Set, Tuple
 
 import grpc
 import torch
