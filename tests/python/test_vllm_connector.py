@@ -206,8 +206,11 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
         if event["side"] == "engine":
             if call == "add_request":
                 if name not in engines:
+                    # A 1 MiB load buffer: loads go a few layers at a time
+                    # (8 of 24 for 256 tokens, 13 then 11 for 150).
                     engines[name] = engine(model_dir, address, namespace, scheme, name,
-                                           event["num_blocks"])
+                                           event["num_blocks"],
+                                           extra={"kvq_load_buffer_bytes": 1 << 20})
                 rid = event["request_id"]
                 prompts[rid] = event["prompt_token_ids"]
                 requests[rid] = Request(request_id=rid, prompt_token_ids=prompts[rid],

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Set, Tuple
 
 import grpc
+import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -73,7 +74,8 @@ class KvqSettings:
     # kvq_scheduler_deadline_seconds: per scheduler-side call (create, stats,
     # release), which vLLM's scheduler loop waits for.
     scheduler_deadline_seconds: float = 5.0
-    max_chunk_bytes: int = 1 << 20     # kvq_max_chunk_bytes, per Append message
+    max_chunk_bytes: int = 1 << 20     # kvq_max_chunk_bytes, per Append / fetch message
+    load_buffer_bytes: int = 64 << 20  # kvq_load_buffer_bytes: host buffer of a load
     release_on_finish: bool = True     # kvq_release_on_finish
 
     @classmethod
@@ -254,14 +256,28 @@ class KvqConnector(KVConnectorBase_V1):
                                r.begin, r.end, e)
 
     def _load(self, r: TokenRange) -> None:
-        first = next(iter(self._caches.values()))
+        """Fetches the range a group of layers at a time into one reused host
+        buffer of at most kvq_load_buffer_bytes (one layer if a layer is
+        larger) and writes each layer into its paged cache."""
+        names = list(self._caches)
+        first = self._caches[names[0]]
         wire = _WIRE[first.dtype]
-        K, V = self._client.fetch(r.sequence_id, token_begin=r.begin, token_end=r.end,
-                                  dtype=wire, max_chunk_bytes=self._settings.max_chunk_bytes)
+        host = np.float16 if wire == "fp16" else np.float32  # bf16 arrives as float32.
+        tokens = r.end - r.begin
+        layer_bytes = 2 * self._layout.num_kv_heads * tokens * self._layout.head_dim * \
+            np.dtype(host).itemsize
+        group = max(1, min(len(names), self._settings.load_buffer_bytes // max(layer_bytes, 1)))
+        shape = (group, self._layout.num_kv_heads, tokens, self._layout.head_dim)
+        K, V = np.empty(shape, host), np.empty(shape, host)
         block, offset = self._slots(r, first)
-        for name, cache in self._caches.items():
-            i = self._layer_index[name]
-            scatter(cache, block, offset, torch.from_numpy(K[i]), torch.from_numpy(V[i]))
+        for begin in range(0, len(names), group):
+            n = min(group, len(names) - begin)
+            self._client.fetch(r.sequence_id, layer_begin=begin, token_begin=r.begin,
+                               dtype=wire, max_chunk_bytes=self._settings.max_chunk_bytes,
+                               out=(K[:n], V[:n]))
+            for i in range(n):
+                scatter(self._caches[names[begin + i]], block, offset, torch.from_numpy(K[i]),
+                        torch.from_numpy(V[i]))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer before the forward pass.
