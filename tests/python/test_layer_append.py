@@ -1,0 +1,79 @@
+"""LayerAppend (kvq_client/layer_append.py) against the real kvq-server:
+one Append stream fed a layer at a time. Needs $KVQ_SERVER_BIN (ctest sets
+it), else skipped."""
+
+import grpc
+import numpy as np
+import pytest
+
+from kvq_client import KvqClient, KvqError, ModelLayout
+from kvq_client.layer_append import LayerAppend
+
+from test_client_server import SERVER_BIN, address  # noqa: F401  (the server fixture)
+
+pytestmark = pytest.mark.skipif(not SERVER_BIN, reason="KVQ_SERVER_BIN is not set")
+
+LAYERS, HEADS, DIM = 3, 2, 64
+
+
+@pytest.fixture
+def kvq(address):  # noqa: F811
+    with KvqClient(address, namespace="layer-append") as c:
+        yield c
+
+
+def kv(tokens, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((LAYERS, HEADS, tokens, DIM)).astype(np.float16),
+            rng.standard_normal((LAYERS, HEADS, tokens, DIM)).astype(np.float16))
+
+
+def test_layers_added_one_by_one_commit_as_one_append(kvq):
+    kvq.create_sequence(ModelLayout(LAYERS, HEADS, HEADS, DIM), scheme="fp16",
+                        sequence_id="la1")
+    k, v = kv(70, 0)
+    first = LayerAppend(kvq, "la1", max_chunk_bytes=4096)  # Several messages per layer.
+    for layer in range(LAYERS):
+        first.add_layer(layer, k[layer, :, :40], v[layer, :, :40])
+    assert first.finish() == 40
+    assert first.wire_bytes == LAYERS * 2 * HEADS * 40 * DIM * 2
+    second = LayerAppend(kvq, "la1")
+    for layer in reversed(range(LAYERS)):  # Any layer order.
+        second.add_layer(layer, k[layer, :, 40:], v[layer, :, 40:])
+    assert second.finish() == 70
+    K, V = kvq.fetch("la1")
+    np.testing.assert_array_equal(K, k)
+    np.testing.assert_array_equal(V, v)
+
+
+def test_cancelled_or_failed_stream_stores_nothing(kvq):
+    kvq.create_sequence(ModelLayout(LAYERS, HEADS, HEADS, DIM), scheme="fp16",
+                        sequence_id="la2")
+    k, v = kv(16, 1)
+    cancelled = LayerAppend(kvq, "la2")
+    cancelled.add_layer(0, k[0], v[0])
+    cancelled.cancel()
+    with pytest.raises(KvqError) as e:
+        cancelled.finish()
+    assert e.value.code == grpc.StatusCode.CANCELLED
+    bad = LayerAppend(kvq, "la2")
+    bad.add_layer(0, k[0], v[0])
+    bad.add_layer(LAYERS, k[1], v[1])  # No such layer.
+    with pytest.raises(KvqError) as e:
+        bad.finish()
+    assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert e.value.details == f"layers [{LAYERS}, {LAYERS + 1}) are not inside [0, {LAYERS})"
+    assert kvq.stats("la2").num_tokens == 0
+    with pytest.raises(KvqError) as e:
+        bad.add_layer(0, k[0], v[0])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_rejects_mismatched_shapes(kvq):
+    stream = LayerAppend(kvq, "never-created")
+    with pytest.raises(ValueError, match=r"k \(2, 4, 64\) and v \(2, 5, 64\) must both be"):
+        stream.add_layer(0, np.zeros((2, 4, 64), np.float16), np.zeros((2, 5, 64), np.float16))
+    with pytest.raises(KvqError) as e:
+        stream.finish()  # Names the sequence even with no layer added.
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert e.value.details == 'sequence "never-created" in namespace "layer-append" does not exist'

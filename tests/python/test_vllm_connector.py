@@ -1,0 +1,347 @@
+"""KvqConnector against vLLM's real connector interface and a recorded call
+sequence (tests/python/data/vllm_trace.json, see record_vllm_trace.py).
+
+Runs only where vllm imports (KVQ_WITH_VLLM=1 scripts/install_deps.sh); the
+replay also needs a kvq-server binary ($KVQ_SERVER_BIN, ctest sets it).
+"""
+
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (KVQ_WITH_VLLM=1)")
+torch = pytest.importorskip("torch")
+
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+                         SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import (CachedRequestData, NewRequestData,  # noqa: E402
+                                       SchedulerOutput)
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec)
+from vllm.v1.request import Request  # noqa: E402
+
+from kvq_client import KvqClient  # noqa: E402
+from kvq_client.vllm_connector import (KvqConnector, KvqConnectorMetadata,  # noqa: E402
+                                       KvqSettings)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, MODEL_CONFIG,  # noqa: E402
+                              NUM_BLOCKS, PagedCache, layer_names, run_worker_event,
+                              token_kv)
+
+TRACE = os.path.join(os.path.dirname(__file__), "data", "vllm_trace.json")
+SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
+
+# ------------------------------------------------------------- interface
+
+
+def test_subclasses_the_real_base_class_with_its_signatures():
+    assert issubclass(KvqConnector, KVConnectorBase_V1)
+    assert issubclass(KvqConnectorMetadata, KVConnectorMetadata)
+    assert not KvqConnector.__abstractmethods__
+    abstract = KVConnectorBase_V1.__abstractmethods__
+    assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+            "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+            "wait_for_save"} <= set(abstract)
+    overridden = [n for n, f in vars(KvqConnector).items()
+                  if callable(f) and not n.startswith("_") and hasattr(KVConnectorBase_V1, n)]
+    assert set(abstract) <= set(overridden)
+    for name in overridden + ["__init__"]:
+        ours = inspect.signature(getattr(KvqConnector, name)).parameters
+        theirs = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
+        assert [(p.name, p.kind, p.default) for p in ours.values()] == \
+               [(p.name, p.kind, p.default) for p in theirs.values()], name
+
+
+def test_asks_for_piecewise_cuda_graphs_so_layer_saves_run():
+    assert KvqConnector.requires_piecewise_for_cudagraph({}) is True
+
+
+def test_settings_reject_unknown_keys_and_pre_rope():
+    with pytest.raises(ValueError, match=r"unknown keys \['kvq_adress'\]"):
+        KvqSettings.from_extra_config({"kvq_adress": "x"}, "m")
+    with pytest.raises(ValueError, match="kvq_scheme 'kivi2:pre_rope'.*after RoPE"):
+        KvqSettings.from_extra_config({"kvq_scheme": "kivi2:pre_rope"}, "m")
+    s = KvqSettings.from_extra_config({"kvq_address": "127.0.0.1:1", "other": 1}, "org/model")
+    assert (s.address, s.namespace, s.scheme) == ("127.0.0.1:1", "vllm/org/model",
+                                                  "kivi4:g32:r128:sink=4")
+
+
+# ---------------------------------------------------------------- replay
+
+
+@pytest.fixture(scope="module")
+def address():
+    if not os.access(SERVER_BIN, os.X_OK):
+        pytest.skip("KVQ_SERVER_BIN does not name a kvq-server binary")
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = os.path.join(tmp, "port")
+        # --evict: a released sequence's pages stay as prefix cache.
+        proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0",
+                                 "--metrics_address=127.0.0.1:0", f"--port_file={port_file}",
+                                 "--capacity_bytes=268435456", "--backend=cpu", "--evict"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            port, give_up = 0, time.monotonic() + 60  # Start-up bound, not a timing check.
+            while not port and time.monotonic() < give_up and proc.poll() is None:
+                time.sleep(0.02)
+                try:
+                    with open(port_file) as f:
+                        port = int(f.read().strip() or 0)
+                except (OSError, ValueError):
+                    port = 0
+            assert port > 0, "kvq-server did not start"
+            yield f"127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(MODEL_CONFIG, f)
+        yield tmp
+
+
+def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS,
+           extra=None):
+    """A scheduler-side and a worker-side connector of one vLLM engine, and
+    the worker's paged cache, configured as the recording was."""
+    config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype="float16", skip_tokenizer_init=True,
+                                 seed=0),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
+                                         max_model_len=4096, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvqConnector", kv_connector_module_path="kvq_client.vllm_connector",
+            kv_role="kv_both", engine_id=engine_id,
+            kv_connector_extra_config={"kvq_address": address, "kvq_namespace": namespace,
+                                       "kvq_scheme": scheme, **(extra or {})}),
+        device_config=DeviceConfig("cpu"))
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names(), FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+            dtype=torch.float16))])
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    cache = PagedCache(torch.float16, num_blocks)
+    worker.register_kv_caches(cache.views)
+    return scheduler, worker, cache
+
+
+def scheduler_output(j):
+    new = [NewRequestData(req_id=n["req_id"], prompt_token_ids=n["prompt_token_ids"],
+                          mm_features=[], sampling_params=None, pooling_params=None,
+                          block_ids=tuple(n["block_ids"]),
+                          num_computed_tokens=n["num_computed_tokens"], lora_request=None)
+           for n in j["scheduled_new_reqs"]]
+    c = j["scheduled_cached_reqs"]
+    cached = CachedRequestData(
+        req_ids=c["req_ids"], resumed_req_ids=set(c["resumed_req_ids"]),
+        new_token_ids=[[] for _ in c["req_ids"]], all_token_ids={},
+        new_block_ids=[None if b is None else tuple(b) for b in c["new_block_ids"]],
+        num_computed_tokens=c["num_computed_tokens"], num_output_tokens=[0] * len(c["req_ids"]))
+    return SchedulerOutput(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+        num_scheduled_tokens=j["num_scheduled_tokens"],
+        total_num_scheduled_tokens=sum(j["num_scheduled_tokens"].values()),
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(j["finished_req_ids"]), free_encoder_mm_hashes=[],
+        has_sync_kv_loads=j["has_sync_kv_loads"])
+
+
+def ranges(rs):
+    return [{"request_id": r.request_id, "sequence_id": r.sequence_id, "begin": r.begin,
+             "end": r.end, "block_ids": list(r.block_ids)} for r in rs]
+
+
+def slots_of(block_ids, positions):
+    return [block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+
+def check_kv(got_k, got_v, want_k, want_v, exact):
+    """fp16: the fp16 rounding of the model's values, exactly. kivi4 (4-bit,
+    groups of 32 with fp16 scale and zero): within half a quantization step
+    of each value's range (K spans 4.0, V 2.0: steps 4/15 and 2/15), plus 1%
+    for the fp16 scale."""
+    if exact:
+        np.testing.assert_array_equal(got_k, want_k.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(got_v, want_v.astype(np.float16).astype(np.float32))
+    else:
+        assert np.abs(got_k - want_k).max() <= 4.0 / 15 / 2 * 1.01
+        assert np.abs(got_v - want_v).max() <= 2.0 / 15 / 2 * 1.01
+        assert np.abs(got_k - want_k).max() > 0  # The scheme did quantize.
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "kivi4:g32:r128"])
+def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
+        address, model_dir, scheme):
+    with open(TRACE) as f:
+        trace = json.load(f)
+    assert trace["model"]["layer_names"] == layer_names()
+    namespace = f"replay-{scheme}"
+    engines, requests, prompts, last_load, loaded = {}, {}, {}, {}, {}
+    meta, forward = None, None
+    for event in trace["events"]:
+        call = event["call"]
+        name = event.get("engine")
+        if event["side"] == "engine":
+            if call == "add_request":
+                if name not in engines:
+                    # A 1 MiB load buffer: loads go a few layers at a time
+                    # (8 of 24 for 256 tokens, 13 then 11 for 150).
+                    engines[name] = engine(model_dir, address, namespace, scheme, name,
+                                           event["num_blocks"],
+                                           extra={"kvq_load_buffer_bytes": 1 << 20})
+                rid = event["request_id"]
+                prompts[rid] = event["prompt_token_ids"]
+                requests[rid] = Request(request_id=rid, prompt_token_ids=prompts[rid],
+                                        sampling_params=SamplingParams(
+                                            max_tokens=event["max_tokens"]),
+                                        pooling_params=None)
+            elif call == "forward":
+                forward = event
+            continue
+        scheduler, worker, cache = engines[name]
+        if event["side"] == "worker":
+            result = run_worker_event(worker, cache, meta, event, forward)
+            if "returned" in event:
+                assert sorted(result) == event["returned"], event
+            continue
+        request = requests.get(event.get("request_id"))
+        if call == "get_num_new_matched_tokens":
+            # vLLM appends each sampled token to its Request (update_from_output).
+            while request.num_tokens < event["num_tokens"]:
+                request.append_output_token_ids(1000 + request.num_tokens)
+            assert request.num_tokens == event["num_tokens"]
+            got = scheduler.get_num_new_matched_tokens(request, event["num_computed_tokens"])
+            assert list(got) == event["returned"], event["request_id"]
+        elif call == "update_state_after_alloc":
+            kv_blocks = KVCacheBlocks(tuple([KVCacheBlock(block_id=b) for b in group]
+                                            for group in event["block_ids"]))
+            scheduler.update_state_after_alloc(request, kv_blocks,
+                                               event["num_external_tokens"])
+        elif call == "build_connector_meta":
+            meta = scheduler.build_connector_meta(scheduler_output(event["scheduler_output"]))
+            assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == \
+                event["returned"]
+            # vLLM pickles the scheduler output to its worker processes.
+            meta = pickle.loads(pickle.dumps(meta))
+            # A request's last load (earlier ones' blocks may have been
+            # preempted and reused).
+            last_load.update((r.request_id, r) for r in meta.loads)
+        elif call == "request_finished":
+            rid = event["request_id"]
+            prompt = prompts[rid]
+            # kvq holds the whole prompt, every layer: the reused prefix
+            # plus what this engine saved.
+            with KvqClient(address, namespace=namespace) as kvq:
+                K, V = kvq.fetch(scheduler._planner.sequence_id(rid), dtype="fp32")
+            assert K.shape == (len(layer_names()), KV_HEADS, len(prompt), HEAD_DIM)
+            for layer in (0, len(layer_names()) - 1):
+                want_k, want_v = token_kv(layer, range(len(prompt)), prompt)
+                check_kv(K[layer], V[layer], want_k, want_v, scheme == "fp16")
+            # What this engine loaded sits in its paged cache, every layer.
+            r = last_load.get(rid)
+            if r is not None:
+                positions = range(r.begin, r.end)
+                for layer, lname in enumerate(layer_names()):
+                    got_k, got_v = cache.read(lname, slots_of(r.block_ids, positions))
+                    want_k, want_v = token_kv(layer, positions, prompt[r.begin:r.end])
+                    check_kv(got_k, got_v, want_k, want_v, scheme == "fp16")
+                loaded[rid] = (r.begin, r.end)
+            assert list(scheduler.request_finished(request, event["block_ids"])) == \
+                event["returned"]
+        else:
+            raise AssertionError(f"unknown scheduler call {call!r}")
+    # engine-b loaded the 256-token prefix it shares with engine-a's prompt;
+    # engine-c's preempted request loaded its own prompt back when resumed.
+    assert loaded == {"req-b": (0, 256), "req-c2": (0, 150)}
+    for scheduler, worker, _ in engines.values():
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def unreachable_address():
+    """A loopback port nothing listens on (bound, then closed)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_requests_whose_tokens_do_not_determine_kv_bypass_kvq(address, model_dir):
+    scheduler, worker, _ = engine(model_dir, address, "bypass", "fp16", "e")
+    prompt = list(range(10, 300))
+    salted = Request(request_id="salted", prompt_token_ids=prompt,
+                     sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                     cache_salt="tenant-1")
+    assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
+    assert not scheduler._planner.known("salted")
+    plain = Request(request_id="plain", prompt_token_ids=prompt,
+                    sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    assert scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert scheduler._planner.known("plain")  # The same prompt unsalted does use kvq.
+    scheduler.request_finished(plain, [])
+    scheduler.shutdown()
+    worker.shutdown()
+
+
+def test_unreachable_kvq_means_no_hit_and_no_saves(model_dir):
+    scheduler, worker, _ = engine(model_dir, unreachable_address(), "down", "fp16", "e")
+    request = Request(request_id="r", prompt_token_ids=list(range(10, 300)),
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
+    meta = scheduler.build_connector_meta(scheduler_output({
+        "scheduled_new_reqs": [{"req_id": "r", "prompt_token_ids": request.prompt_token_ids,
+                                "block_ids": [list(range(19))], "num_computed_tokens": 0}],
+        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
+                                  "num_computed_tokens": []},
+        "num_scheduled_tokens": {"r": 290}, "finished_req_ids": [],
+        "has_sync_kv_loads": False}))
+    assert meta.loads == [] and meta.saves == []
+    assert scheduler.request_finished(request, list(range(19))) == (False, None)
+    scheduler.shutdown()
+    worker.shutdown()
+
+
+def test_a_silent_kvq_costs_the_scheduler_its_own_deadline_not_the_workers(model_dir,
+                                                                           caplog):
+    # A listener that never answers: connections open, gRPC never hears back.
+    import socket
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        config_address = f"127.0.0.1:{silent.getsockname()[1]}"
+        scheduler, worker, _ = engine(model_dir, config_address, "silent", "fp16", "e",
+                                      extra={"kvq_deadline_seconds": 3600,
+                                             "kvq_scheduler_deadline_seconds": 0.5})
+        request = Request(request_id="r", prompt_token_ids=list(range(10, 100)),
+                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+        with caplog.at_level("WARNING", logger="kvq_client.vllm_connector"):
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        # The scheduler's 0.5 s ran out; with the worker's hour gRPC would
+        # have given up on the connection instead (UNAVAILABLE).
+        assert "no sequence for request r (DEADLINE_EXCEEDED" in caplog.text
+        assert not scheduler._planner.known("r")
+        scheduler.shutdown()
+        worker.shutdown()
