@@ -66,7 +66,8 @@ absl::StatusOr<std::shared_ptr<KeyPair>> ParseKeyPair(const std::string& cert_pe
   int rc = gnutls_pcert_list_import_x509_raw(certs, &n, &cert_datum, GNUTLS_X509_FMT_PEM, 0);
   if (rc < 0 || n == 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--", kCertFlag, ": no usable PEM certificate chain (", gnutls_strerror(rc), ")"));
+        absl::StrCat("--", kCertFlag, ": no usable PEM certificate chain (",
+                     gnutls_strerror(rc), ")"));
   }
   pair->chain.assign(certs, certs + n);
   if ((rc = gnutls_privkey_init(&pair->key)) < 0) {
