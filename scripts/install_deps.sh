@@ -14,6 +14,8 @@ packages=(
   redis-server  # Benchmark only: the Redis baseline of `kvq-bench rpc`.
   libssl-dev  # kvq-server checks its TLS key files with OpenSSL.
   openssl  # TLS tests: throwaway certificates made at test time.
+  curl  # Metrics TLS test: scrapes the HTTPS metrics port.
+  libmicrohttpd-dev libgnutls28-dev  # HTTPS on the metrics port (--metrics_tls_*).
 )
 # The deploy checks (tests/deploy): a live Prometheus and promtool. The image
 # build (deploy/Dockerfile) sets KVQ_DEPLOY_TOOLS=0 to skip them.

@@ -133,7 +133,8 @@ class Metrics::StoreCollector : public prometheus::Collectable {
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind,
                                                          SequenceStore* store,
-                                                         absl::string_view tier) {
+                                                         absl::string_view tier,
+                                                         const MetricsTlsOptions& tls) {
   std::unique_ptr<Metrics> m(new Metrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
   m->collector_ = std::make_shared<StoreCollector>(store, std::string(tier));
@@ -208,7 +209,14 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                              .Name("kvq_tenant_rpc_duration_seconds")
                              .Help("RPC handling time of each tenant (tokens file), all methods.")
                              .Register(*m->registry_);
-  if (!bind.empty()) {
+  if (!bind.empty() && tls.enabled()) {
+    Metrics* raw = m.get();
+    absl::StatusOr<std::unique_ptr<MetricsHttpsServer>> https =
+        MetricsHttpsServer::Start(bind, tls, [raw] { return raw->Scrape(); });
+    if (!https.ok()) return https.status();
+    m->https_ = *std::move(https);
+    m->port_ = m->https_->port();
+  } else if (!bind.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(bind);
     } catch (const std::exception& e) {

@@ -17,6 +17,7 @@
 #include "prometheus/exposer.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "service/metrics_https_server.h"
 #include "service/sequence_store.h"
 
 namespace kvq {
@@ -48,10 +49,12 @@ struct TenantMetrics {
 class Metrics {
  public:
   // Starts the exposer on `bind` ("127.0.0.1:9464"; port 0 picks a free
-  // one); an empty `bind` keeps metrics in memory only (tests).
+  // one); an empty `bind` keeps metrics in memory only (tests). With `tls`
+  // enabled the port speaks HTTPS (service/metrics_https_server.h) instead.
   static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& bind,
                                                          SequenceStore* store,
-                                                         absl::string_view tier);
+                                                         absl::string_view tier,
+                                                         const MetricsTlsOptions& tls = {});
   ~Metrics();
 
   // Port the exposer listens on (0 without one).
@@ -79,6 +82,7 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<StoreCollector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpsServer> https_;  // Instead of exposer_ with --metrics_tls_*.
   int port_ = 0;
   std::array<std::array<prometheus::Counter*, kNumStatusCodes>, kNumRpcMethods> requests_{};
   std::array<prometheus::Histogram*, kNumRpcMethods> latency_{};

@@ -44,6 +44,10 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(int32_t, tls_refresh_seconds, 60,
           "How often the --tls_* files are re-read; new connections use what was read, open "
           "ones keep theirs");
+ABSL_FLAG(std::string, metrics_tls_cert, "",
+          "PEM certificate chain of the metrics port; with --metrics_tls_key, /metrics is "
+          "served over HTTPS only (re-read every --tls_refresh_seconds)");
+ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key (unencrypted) of --metrics_tls_cert");
 ABSL_FLAG(bool, insecure, false,
           "Allow a non-loopback --address without TLS or tokens (plaintext; logs a warning)");
 ABSL_FLAG(std::string, tokens_file, "",
@@ -151,6 +155,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   c.tls.refresh_interval = absl::Seconds(absl::GetFlag(FLAGS_tls_refresh_seconds));
   if (absl::Status s = ValidateTlsServerOptions(c.tls); !s.ok()) return s;
+  c.metrics_tls.cert_file = absl::GetFlag(FLAGS_metrics_tls_cert);
+  c.metrics_tls.key_file = absl::GetFlag(FLAGS_metrics_tls_key);
+  c.metrics_tls.refresh_interval = c.tls.refresh_interval;
+  if (absl::Status s = ValidateMetricsTlsOptions(c.metrics_tls, c.metrics_address); !s.ok()) {
+    return s;
+  }
   c.insecure = absl::GetFlag(FLAGS_insecure);
   c.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   const int32_t reload_ms = absl::GetFlag(FLAGS_tokens_reload_ms);

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "service/kvq_service.h"
+#include "service/metrics_https_server.h"
 #include "service/sequence_store.h"
 #include "service/tls_config.h"
 
@@ -25,6 +26,7 @@ struct ServerConfig {
   StoreOptions store;
   ServiceOptions service;
   TlsServerOptions tls;           // --tls_cert, --tls_key, --tls_client_ca.
+  MetricsTlsOptions metrics_tls;  // --metrics_tls_cert, --metrics_tls_key.
   bool insecure = false;          // --insecure (exposure_check.h).
 };
 

@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
       kvq::SequenceStore::Create(config->store, *backend);
   if (!store.ok()) return Fail(store.status());
   absl::StatusOr<std::unique_ptr<kvq::Metrics>> metrics =
-      kvq::Metrics::Create(config->metrics_address, store->get(), "host");
+      kvq::Metrics::Create(config->metrics_address, store->get(), "host", config->metrics_tls);
   if (!metrics.ok()) return Fail(metrics.status());
   kvq::Metrics* m = metrics->get();
   (*store)->set_events({[m](kvq::GoneReason r) { m->RecordGone(r); },
@@ -129,7 +129,8 @@ int main(int argc, char** argv) {
   }
   if (m->port() != 0) {
     const std::string mhost = config->metrics_address.substr(0, config->metrics_address.rfind(':'));
-    std::printf("kvq-server: metrics at http://%s:%d/metrics\n", mhost.c_str(), m->port());
+    std::printf("kvq-server: metrics at %s://%s:%d/metrics\n",
+                config->metrics_tls.enabled() ? "https" : "http", mhost.c_str(), m->port());
   }
   std::fflush(stdout);
 

@@ -106,13 +106,14 @@ absl::Status ServerProcess::Start(const std::vector<std::string>& extra_flags) {
 }
 
 absl::StatusOr<std::string> ServerProcess::MetricsAddress() const {
-  const std::string prefix = "metrics at http://";
+  const std::string prefix = "metrics at http";  // http:// or https://
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
   while (absl::Now() < give_up) {
     const std::string out = Stdout();
     const size_t at = out.find(prefix);
-    if (at != std::string::npos) {
-      const size_t begin = at + prefix.size();
+    const size_t scheme_end = at == std::string::npos ? at : out.find("://", at);
+    if (scheme_end != std::string::npos) {
+      const size_t begin = scheme_end + 3;
       const size_t end = out.find("/metrics", begin);
       if (end != std::string::npos) return out.substr(begin, end - begin);
     }

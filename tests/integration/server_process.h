@@ -38,7 +38,7 @@ class ServerProcess {
   absl::Status Start(const std::vector<std::string>& extra_flags = {});
 
   // "HOST:PORT" of the metrics endpoint, parsed from the server's
-  // "metrics at http://HOST:PORT/metrics" line (waits for it, bounded).
+  // "metrics at http[s]://HOST:PORT/metrics" line (waits for it, bounded).
   absl::StatusOr<std::string> MetricsAddress() const;
 
   // Sends SIGTERM and waits; returns the waitpid status. FAILED_PRECONDITION
