@@ -18,6 +18,13 @@
 // `convert` times the client's side of rpc's quantized round trip in this
 // process alone: quantizing the prompt, dequantizing raw pages
 // (bench/convert_bench.h).
+//
+//   kvq-bench soak [--json] [--duration=10m] [--target=HOST:PORT]
+//                  [--prefill_clients=2] [--decode_clients=2]
+//
+// `soak` drives prefill and decode clients against one kvq-server for the
+// duration and checks for failed calls, growth and leaked pages
+// (bench/soak_bench.h).
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -34,6 +41,7 @@
 #include "bench/convert_bench.h"
 #include "bench/kernels_bench.h"
 #include "bench/rpc_bench.h"
+#include "bench/soak_bench.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON document instead of the table.");
 ABSL_FLAG(bool, quick, false,
@@ -155,7 +163,9 @@ int main(int argc, char** argv) {
       "  rpc       kvq over gRPC vs raw gRPC and Redis: transfer, round trip, Attend, decode\n"
       "            e.g. kvq-bench rpc --quick\n"
       "  convert   the client's quantize / dequantize of rpc's round trip, alone\n"
-      "            e.g. kvq-bench convert");
+      "            e.g. kvq-bench convert\n"
+      "  soak      bounded load: prefill + decode clients, errors, p50/p99, RSS and pool growth\n"
+      "            e.g. kvq-bench soak --duration=2m");
   std::vector<std::string> words = {"kvq-bench"};
   for (int i = 1; i < argc; ++i) words.push_back(argv[i]);
   const std::string command = absl::StrJoin(words, " ");
@@ -164,14 +174,15 @@ int main(int argc, char** argv) {
   // Abseil keeps one; the client's page allocator locks once per page).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (args.size() != 2) {
-    std::cerr << "usage: kvq-bench kernels|rpc|convert [flags]   (see --help)\n";
+    std::cerr << "usage: kvq-bench kernels|rpc|convert|soak [flags]   (see --help)\n";
     return 2;
   }
   const std::string sub = args[1];
   if (sub == "kernels") return kvq::KernelsMain(command);
   if (sub == "rpc") return kvq::RpcMain(command);
   if (sub == "convert") return kvq::ConvertMain(command);
+  if (sub == "soak") return kvq::SoakMain(command);
   if (sub == "rpc-echo-server") return kvq::RpcEchoServerMain();  // Started by `rpc`.
-  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc, convert\n";
+  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc, convert, soak\n";
   return 2;
 }
