@@ -452,7 +452,7 @@ TEST_F(FaultTest, CancelAndDisconnectStormsReturnThePoolToItsStartingFigure) {
   ExpectBackTo(start);
   std::printf("storm: %d streams abandoned by %d threads and one killed client process; pool "
               "back to %s\n",
-              kThreads * kRounds, kThreads, Describe(start).c_str());
+              kThreads * kRounds, kThreads, Describe(Now()).c_str());
   for (int t = 0; t < kThreads; ++t) ExpectHolds(absl::StrCat("a", t), before[t]);
   absl::StatusOr<v1::StatsResponse> big = client_->Stats("big");
   ASSERT_TRUE(big.ok()) << big.status();
