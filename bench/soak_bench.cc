@@ -98,7 +98,7 @@ const char* OpName(int op) {
   return names[op];
 }
 
-const absl::Status& StatusOf(const absl::Status& s) { return s; }
+[[maybe_unused]] const absl::Status& StatusOf(const absl::Status& s) { return s; }
 template <typename T>
 const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
   return s.status();
