@@ -62,10 +62,13 @@ constexpr int kStepVariants = 8;  // Pre-generated decode-step tensors per clien
 constexpr int kMaxExamples = 5;
 
 const std::vector<std::string>& Schemes() {
-  static const std::vector<std::string> schemes = {
-      "fp16",          "int8",           "fp8_e4m3",
-      "kivi4:g32:r128:sink=4", "kivi2:g32:r128", "kivi4:v2:g64:r64:p8",
-      "kivi2:g32:r128:pre_rope:outliers=1:sink=4"};
+  static const std::vector<std::string> schemes = {"fp16",
+                                                   "int8",
+                                                   "fp8_e4m3",
+                                                   "kivi4:g32:r128:sink=4",
+                                                   "kivi2:g32:r128",
+                                                   "kivi4:v2:g64:r64:p8",
+                                                   "kivi2:g32:r128:pre_rope:outliers=1:sink=4"};
   return schemes;
 }
 
@@ -89,12 +92,21 @@ enum Op {
 };
 
 const char* OpName(int op) {
-  static constexpr std::array<const char*, kNumOps> names = {
-      "CreateSequence",         "Append (quantized)",  "Append (dense)",
-      "FetchDequant (1 layer)", "FetchDequantLocal",   "Fork",
-      "Release",                "Stats (sequence)",    "DecodeStream step",
-      "DecodeStream packed",    "AppendAttend",        "AppendAttend packed",
-      "Attend",                 "Attend packed",       "Stats (server)"};
+  static constexpr std::array<const char*, kNumOps> names = {"CreateSequence",
+                                                             "Append (quantized)",
+                                                             "Append (dense)",
+                                                             "FetchDequant (1 layer)",
+                                                             "FetchDequantLocal",
+                                                             "Fork",
+                                                             "Release",
+                                                             "Stats (sequence)",
+                                                             "DecodeStream step",
+                                                             "DecodeStream packed",
+                                                             "AppendAttend",
+                                                             "AppendAttend packed",
+                                                             "Attend",
+                                                             "Attend packed",
+                                                             "Stats (server)"};
   return names[op];
 }
 
@@ -280,12 +292,12 @@ absl::Status Soak::StartServer() {
   KVQ_ASSIGN_OR_RETURN(
       server_, ChildProcess::Start(
                    "kvq-server",
-                   {path, "--address=127.0.0.1:0", "--metrics_address=",
-                    "--port_file=" + port_file,
+                   {path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
                     absl::StrCat("--capacity_bytes=", options_.capacity_bytes), "--backend=cpu",
                     "--shutdown_grace_seconds=1"},
                    dir_->File("kvq-server.log")));
-  KVQ_ASSIGN_OR_RETURN(const int port, WaitForPortFile(port_file, server_.get(), absl::Seconds(60)));
+  KVQ_ASSIGN_OR_RETURN(const int port,
+                       WaitForPortFile(port_file, server_.get(), absl::Seconds(60)));
   result_.target = absl::StrCat("127.0.0.1:", port);
   result_.started_server = true;
   return absl::OkStatus();
@@ -304,8 +316,8 @@ void Soak::PrefillClient(int index, Recorder* r) {
     std::vector<int32_t> ids;
     if (shared_prefix) {
       for (int t = 0; t < tokens; ++t) {
-        ids.push_back(t < kSharedPrefix ? t
-                                        : std::uniform_int_distribution<int32_t>(1000, 1 << 30)(rng));
+        ids.push_back(
+            t < kSharedPrefix ? t : std::uniform_int_distribution<int32_t>(1000, 1 << 30)(rng));
       }
     }
     CreateOptions create;
@@ -449,7 +461,8 @@ void Soak::DecodeOne(const Live& live, int serial, std::mt19937* rng, Recorder* 
         outs = Timed(r, kDecodeStreamStep, [&] { return session->Step(layer, {item}); });
         if (outs.ok()) lse = &(*outs)[0].lse;
       } else if (mode == 1) {
-        outs = Timed(r, kAppendAttend, [&] { return client_->AppendAttend(layer, {item}, 0, Call()); });
+        outs = Timed(r, kAppendAttend,
+                     [&] { return client_->AppendAttend(layer, {item}, 0, Call()); });
         if (outs.ok()) lse = &(*outs)[0].lse;
       } else if (step % 2 == 0) {
         out = Timed(r, kDecodeStreamPackedStep,
@@ -559,8 +572,8 @@ absl::StatusOr<SoakResult> Soak::Run() {
   Recorder sampler;
   result_.start = Sample(0, &sampler);
   if (result_.start.used_bytes < 0) {
-    return absl::UnavailableError(absl::StrCat("Stats failed before the run: ",
-                                               sampler.examples.empty() ? "" : sampler.examples[0]));
+    return absl::UnavailableError(absl::StrCat(
+        "Stats failed before the run: ", sampler.examples.empty() ? "" : sampler.examples[0]));
   }
   absl::StatusOr<v1::StatsResponse> stats = client_->Stats("", Call());
   if (stats.ok()) result_.capacity_bytes = stats->capacity_bytes();
@@ -589,8 +602,8 @@ absl::StatusOr<SoakResult> Soak::Run() {
         result_.stopped_early = absl::StrCat("--max_calls=", options_.max_calls, " reached");
         stop_ = true;
       } else if (failed_.load() > options_.max_errors) {
-        result_.stopped_early = absl::StrCat("more than --max_errors=", options_.max_errors,
-                                             " failed calls");
+        result_.stopped_early =
+            absl::StrCat("more than --max_errors=", options_.max_errors, " failed calls");
         stop_ = true;
       } else if (server_ != nullptr && !server_->Running()) {
         result_.stopped_early = absl::StrCat("kvq-server exited: ", server_->LogTail(500));
@@ -605,9 +618,8 @@ absl::StatusOr<SoakResult> Soak::Run() {
       *progress_ << absl::StrFormat(
           "soak: %4.0f / %.0f s, %d calls, %d failed, server RSS %.1f MiB, pool %.1f MiB in %d "
           "slabs, %d sequences\n",
-          s.t_s, duration_s, calls_.load(), failed_.load(),
-          s.server_rss_bytes / double(1 << 20), s.used_bytes / double(1 << 20), s.slabs_used,
-          s.sequences);
+          s.t_s, duration_s, calls_.load(), failed_.load(), s.server_rss_bytes / double(1 << 20),
+          s.used_bytes / double(1 << 20), s.slabs_used, s.sequences);
       progress_->flush();
     }
   }

@@ -96,7 +96,7 @@ struct SoakResult {
   int64_t capacity_bytes = 0;
 
   std::vector<LatencySummary> ops;
-  std::map<std::string, int64_t> errors;  // Code name -> count (all unexpected).
+  std::map<std::string, int64_t> errors;    // Code name -> count (all unexpected).
   std::vector<std::string> error_examples;  // The first few, with the operation.
   int64_t sequences_created = 0, prefix_tokens_reused = 0, prefix_hits = 0, forks = 0,
           decode_tokens = 0, handed_over = 0;

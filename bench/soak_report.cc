@@ -101,8 +101,8 @@ std::string FormatSoakTable(const SoakResult& r, const std::string& command) {
                         r.started_server ? " (started by the soak)" : "", MiB(r.capacity_bytes),
                         r.prefill_clients, r.decode_clients, r.duration_s,
                         absl::StrJoin(r.schemes, ", "));
-  absl::StrAppendFormat(&out, "| %-26s | %9s | %9s | %9s | %9s |\n", "operation", "calls",
-                        "p50 ms", "p99 ms", "max ms");
+  absl::StrAppendFormat(&out, "| %-26s | %9s | %9s | %9s | %9s |\n", "operation", "calls", "p50 ms",
+                        "p99 ms", "max ms");
   absl::StrAppend(&out, "|", std::string(28, '-'), "|", std::string(11, '-'), "|",
                   std::string(11, '-'), "|", std::string(11, '-'), "|", std::string(11, '-'),
                   "|\n");
@@ -138,13 +138,13 @@ std::string FormatSoakTable(const SoakResult& r, const std::string& command) {
     absl::StrAppendFormat(&out, "  %-17s middle %s, last %s, limit %s: %s\n", c.figure,
                           figure(static_cast<int64_t>(c.middle_max), bytes),
                           figure(static_cast<int64_t>(c.last_max), bytes),
-                          figure(static_cast<int64_t>(c.limit), bytes),
-                          c.pass ? "PASS" : "FAIL");
+                          figure(static_cast<int64_t>(c.limit), bytes), c.pass ? "PASS" : "FAIL");
   }
   if (r.flat.empty()) absl::StrAppend(&out, "  (too few samples)\n");
   // The RSS / pool curve, a line per tenth of the run.
-  absl::StrAppend(&out, "samples (every tenth of the run): t s, server RSS, client RSS, pool "
-                        "used, slabs, sequences\n");
+  absl::StrAppend(&out,
+                  "samples (every tenth of the run): t s, server RSS, client RSS, pool "
+                  "used, slabs, sequences\n");
   const size_t step = std::max<size_t>(1, r.samples.size() / 10);
   for (size_t i = 0; i < r.samples.size(); i += step) {
     const SoakSample& s = r.samples[i];
@@ -181,22 +181,22 @@ std::string FormatSoakJson(const SoakResult& r, const std::string& command) {
   }
   absl::StrAppend(&out, "  ],\n  \"errors\": {");
   std::vector<std::string> errors;
-  for (const auto& [code, count] : r.errors) errors.push_back(absl::StrCat(JsonString(code), ": ", count));
+  for (const auto& [code, count] : r.errors)
+    errors.push_back(absl::StrCat(JsonString(code), ": ", count));
   absl::StrAppend(&out, absl::StrJoin(errors, ", "), "},\n");
   std::vector<std::string> examples;
   for (const std::string& e : r.error_examples) examples.push_back(JsonString(e));
   absl::StrAppend(&out, "  \"error_examples\": [", absl::StrJoin(examples, ", "), "],\n");
   absl::StrAppend(&out, "  \"stopped_early\": ", JsonString(r.stopped_early), ",\n");
-  absl::StrAppend(&out, "  \"sequences_created\": ", r.sequences_created,
-                  ", \"prefix_hits\": ", r.prefix_hits,
-                  ", \"prefix_tokens_reused\": ", r.prefix_tokens_reused, ", \"forks\": ", r.forks,
-                  ", \"handed_over\": ", r.handed_over, ", \"decode_tokens\": ", r.decode_tokens,
-                  ",\n");
+  absl::StrAppend(
+      &out, "  \"sequences_created\": ", r.sequences_created, ", \"prefix_hits\": ", r.prefix_hits,
+      ", \"prefix_tokens_reused\": ", r.prefix_tokens_reused, ", \"forks\": ", r.forks,
+      ", \"handed_over\": ", r.handed_over, ", \"decode_tokens\": ", r.decode_tokens, ",\n");
   auto sample = [](const SoakSample& s) {
-    return absl::StrCat("{\"t_s\": ", JsonNumber(s.t_s), ", \"server_rss_bytes\": ",
-                        s.server_rss_bytes, ", \"client_rss_bytes\": ", s.client_rss_bytes,
-                        ", \"used_bytes\": ", s.used_bytes, ", \"slabs_used\": ", s.slabs_used,
-                        ", \"sequences\": ", s.sequences, "}");
+    return absl::StrCat(
+        "{\"t_s\": ", JsonNumber(s.t_s), ", \"server_rss_bytes\": ", s.server_rss_bytes,
+        ", \"client_rss_bytes\": ", s.client_rss_bytes, ", \"used_bytes\": ", s.used_bytes,
+        ", \"slabs_used\": ", s.slabs_used, ", \"sequences\": ", s.sequences, "}");
   };
   absl::StrAppend(&out, "  \"start\": ", sample(r.start), ",\n  \"end\": ", sample(r.end),
                   ",\n  \"returned_to_start\": ", r.returned_to_start ? "true" : "false", ",\n");

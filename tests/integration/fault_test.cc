@@ -146,8 +146,8 @@ int FaultChildMain(int argc, char** argv) {
   v1::AppendRequest request;
   request.mutable_sequence()->set_namespace_(ns);
   request.mutable_sequence()->set_sequence_id(absl::StrCat(prefix, "_own0"));
-  *request.mutable_chunk() = Chunk(Random({kLayers, kHeads, 64, kDim}, 920),
-                                   Random({kLayers, kHeads, 64, kDim}, 921));
+  *request.mutable_chunk() =
+      Chunk(Random({kLayers, kHeads, 64, kDim}, 920), Random({kLayers, kHeads, 64, kDim}, 921));
   if (!writer->Write(request)) return fail("append stream", absl::UnavailableError("write"));
 
   grpc::ClientContext fetch_ctx;
@@ -163,10 +163,9 @@ int FaultChildMain(int argc, char** argv) {
 
   absl::StatusOr<std::unique_ptr<DecodeSession>> session = (*client)->OpenDecodeSession();
   if (!session.ok()) return fail("decode stream", session.status());
-  AppendAttendItem item{absl::StrCat(prefix, "_own1"),
-                        Random({kHeads, 1, kDim}, 930).Cast(DType::kFloat16),
-                        Random({kHeads, 1, kDim}, 931).Cast(DType::kFloat16),
-                        Random({1, kQHeads, kDim}, 932)};
+  AppendAttendItem item{
+      absl::StrCat(prefix, "_own1"), Random({kHeads, 1, kDim}, 930).Cast(DType::kFloat16),
+      Random({kHeads, 1, kDim}, 931).Cast(DType::kFloat16), Random({1, kQHeads, kDim}, 932)};
   absl::StatusOr<std::vector<AttendOutput>> step = (*session)->Step(0, {item});
   if (!step.ok()) return fail("decode step", step.status());
   absl::Status written = (*session)->Write(1, {item});
@@ -350,8 +349,8 @@ TEST_F(FaultTest, CancelAndDisconnectStormsReturnThePoolToItsStartingFigure) {
         grpc::ClientContext ctx;
         if (kind == 0 || kind == 1) {
           // Append: two chunks, then cancelled (0) or left past a deadline (1).
-          if (kind == 1) ctx.set_deadline(std::chrono::system_clock::now() +
-                                          std::chrono::milliseconds(300));
+          if (kind == 1)
+            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
           v1::AppendResponse resp;
           std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> w = stub_->Append(&ctx, &resp);
           for (int c = 0; c < 2; ++c) {
@@ -367,7 +366,8 @@ TEST_F(FaultTest, CancelAndDisconnectStormsReturnThePoolToItsStartingFigure) {
           } else {
             absl::SleepFor(absl::Milliseconds(500));
           }
-          expect(kind, kind == 0 ? grpc::StatusCode::CANCELLED : grpc::StatusCode::DEADLINE_EXCEEDED,
+          expect(kind,
+                 kind == 0 ? grpc::StatusCode::CANCELLED : grpc::StatusCode::DEADLINE_EXCEEDED,
                  w->Finish());
         } else if (kind == 2 || kind == 3) {
           // Fetch of the big sequence, cancelled after one message: dense
@@ -417,8 +417,9 @@ TEST_F(FaultTest, CancelAndDisconnectStormsReturnThePoolToItsStartingFigure) {
           create.config = Config();
           absl::Status st = client_->CreateSequence(create).status();
           if (st.ok()) {
-            st = client_->AppendPrompt(id, Random({kLayers, kHeads, 40, kDim}, 60 + r),
-                                       Random({kLayers, kHeads, 40, kDim}, 70 + r))
+            st = client_
+                     ->AppendPrompt(id, Random({kLayers, kHeads, 40, kDim}, 60 + r),
+                                    Random({kLayers, kHeads, 40, kDim}, 70 + r))
                      .status();
           }
           absl::StatusOr<std::unique_ptr<DecodeSession>> session = client_->OpenDecodeSession();
@@ -457,17 +458,19 @@ TEST_F(FaultTest, CancelAndDisconnectStormsReturnThePoolToItsStartingFigure) {
   }
 
   ExpectBackTo(start);
-  std::printf("storm: %d streams abandoned by %d threads and one killed client process; pool "
-              "back to %s\n",
-              kThreads * kRounds, kThreads, Describe(Now()).c_str());
+  std::printf(
+      "storm: %d streams abandoned by %d threads and one killed client process; pool "
+      "back to %s\n",
+      kThreads * kRounds, kThreads, Describe(Now()).c_str());
   for (int t = 0; t < kThreads; ++t) ExpectHolds(absl::StrCat("a", t), before[t]);
   absl::StatusOr<v1::StatsResponse> big = client_->Stats("big");
   ASSERT_TRUE(big.ok()) << big.status();
   EXPECT_EQ(big->num_tokens(), kBigTokens);
   // And the storm's sequences take appends again.
   AppendOptions options;
-  EXPECT_TRUE(client_->AppendPrompt("a0", Random({kLayers, kHeads, 8, kDim}, 5),
-                                    Random({kLayers, kHeads, 8, kDim}, 6), options)
+  EXPECT_TRUE(client_
+                  ->AppendPrompt("a0", Random({kLayers, kHeads, 8, kDim}, 5),
+                                 Random({kLayers, kHeads, 8, kDim}, 6), options)
                   .ok());
 }
 
@@ -501,8 +504,9 @@ TEST_F(FaultTest, ClientsKilledWithoutReleaseAreFreedByTheirLeases) {
     const absl::Status st = client_->Stats(id).status();
     EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
     EXPECT_TRUE(absl::StrContains(
-        st.message(), absl::StrCat("sequence \"", id,
-                                   "\" in namespace \"lease\" expired: its lease ran out while idle")))
+        st.message(),
+        absl::StrCat("sequence \"", id,
+                     "\" in namespace \"lease\" expired: its lease ran out while idle")))
         << st;
   }
   absl::StatusOr<v1::StatsResponse> big = client_->Stats("big");
@@ -616,10 +620,11 @@ TEST_F(FaultTest, KilledServerFailsEveryCallWithUnavailableAndARestartServes) {
     EXPECT_GT(after, 0) << "thread " << t << " made no call after the kill";
     after_all += after;
   }
-  std::printf("kill -9: %d calls in flight at the kill and %d after it; the slowest took %.0f ms "
-              "(deadline %.0f ms)\n",
-              in_flight, after_all, absl::ToDoubleMilliseconds(slowest),
-              absl::ToDoubleMilliseconds(deadline));
+  std::printf(
+      "kill -9: %d calls in flight at the kill and %d after it; the slowest took %.0f ms "
+      "(deadline %.0f ms)\n",
+      in_flight, after_all, absl::ToDoubleMilliseconds(slowest),
+      absl::ToDoubleMilliseconds(deadline));
 
   // The same port, the same client: the channel reconnects (bounded wait).
   const std::string old_address = server_->address();
@@ -653,8 +658,7 @@ TEST_F(FaultTest, KilledServerFailsEveryCallWithUnavailableAndARestartServes) {
 // it was; releasing everything empties the pool, which then takes a full
 // sequence again.
 TEST_F(FaultTest, FullPoolUnderConcurrentAppendsIsAllOrNothing) {
-  ASSERT_NO_FATAL_FAILURE(
-      StartServer({"--capacity_bytes=6291456"}, "full"));
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--capacity_bytes=6291456"}, "full"));
   const Figure empty = Now();
   constexpr int kSeqs = 24, kThreads = 6, kFirst = 64, kMore = 2048;
   std::vector<std::pair<HostTensor, HostTensor>> first, more;
@@ -676,11 +680,12 @@ TEST_F(FaultTest, FullPoolUnderConcurrentAppendsIsAllOrNothing) {
         options.max_chunk_bytes = 64 << 10;
         options.start_tokens = kFirst;
         options.quantize_threads = 1;
-        results[i] = i % 2 == 0
-                         ? client_->AppendPrompt(id, more[i].first, more[i].second, options).status()
-                         : client_->AppendPromptQuantized(id, Config(), more[i].first,
-                                                          more[i].second, options)
-                               .status();
+        results[i] =
+            i % 2 == 0
+                ? client_->AppendPrompt(id, more[i].first, more[i].second, options).status()
+                : client_
+                      ->AppendPromptQuantized(id, Config(), more[i].first, more[i].second, options)
+                      .status();
       }
     });
   }
