@@ -41,6 +41,8 @@ class ChildProcess {
   // The last `bytes` of the log, for error messages.
   std::string LogTail(size_t bytes = 2000) const;
   const std::string& name() const { return name_; }
+  // -1 before the start; the id stays valid until Stop() or Running() reaped it.
+  pid_t pid() const { return pid_; }
 
  private:
   ChildProcess() = default;

@@ -18,6 +18,13 @@
 // `convert` times the client's side of rpc's quantized round trip in this
 // process alone: quantizing the prompt, dequantizing raw pages
 // (bench/convert_bench.h).
+//
+//   kvq-bench soak [--json] [--duration=10m] [--target=HOST:PORT]
+//                  [--prefill_clients=2] [--decode_clients=2]
+//
+// `soak` drives prefill and decode clients against one kvq-server for the
+// duration and checks for failed calls, growth and leaked pages
+// (bench/soak_bench.h).
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -35,6 +42,7 @@
 #include "bench/convert_bench.h"
 #include "bench/kernels_bench.h"
 #include "bench/rpc_bench.h"
+#include "bench/soak_bench.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON document instead of the table.");
 ABSL_FLAG(bool, quick, false,
@@ -158,7 +166,9 @@ int main(int argc, char** argv) {
       "  convert   the client's quantize / dequantize of rpc's round trip, alone\n"
       "            e.g. kvq-bench convert\n"
       "  checksums Attend and FetchDequant with page checksums verified vs not\n"
-      "            e.g. kvq-bench checksums --tokens=32768");
+      "            e.g. kvq-bench checksums --tokens=32768\n"
+      "  soak      bounded load: prefill + decode clients, errors, p50/p99, RSS and pool growth\n"
+      "            e.g. kvq-bench soak --duration=2m");
   std::vector<std::string> words = {"kvq-bench"};
   for (int i = 1; i < argc; ++i) words.push_back(argv[i]);
   const std::string command = absl::StrJoin(words, " ");
@@ -167,7 +177,7 @@ int main(int argc, char** argv) {
   // Abseil keeps one; the client's page allocator locks once per page).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (args.size() != 2) {
-    std::cerr << "usage: kvq-bench kernels|rpc|convert|checksums [flags]   (see --help)\n";
+    std::cerr << "usage: kvq-bench kernels|rpc|convert|checksums|soak [flags]   (see --help)\n";
     return 2;
   }
   const std::string sub = args[1];
@@ -175,7 +185,9 @@ int main(int argc, char** argv) {
   if (sub == "rpc") return kvq::RpcMain(command);
   if (sub == "convert") return kvq::ConvertMain(command);
   if (sub == "checksums") return kvq::ChecksumsMain(command);
+  if (sub == "soak") return kvq::SoakMain(command);
   if (sub == "rpc-echo-server") return kvq::RpcEchoServerMain();  // Started by `rpc`.
-  std::cerr << "kvq-bench: unknown subcommand \"" << sub << "\"; expected: kernels, rpc, convert, checksums\n";
+  std::cerr << "kvq-bench: unknown subcommand \"" << sub
+            << "\"; expected: kernels, rpc, convert, checksums, soak\n";
   return 2;
 }

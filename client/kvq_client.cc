@@ -136,12 +136,20 @@ absl::StatusOr<std::unique_ptr<KvqClient>> KvqClient::Connect(const ClientOption
   if (options.retry.max_attempts < 1) {
     return absl::InvalidArgumentError("retry.max_attempts must be >= 1");
   }
+  if (options.max_reconnect_backoff <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("max_reconnect_backoff must be > 0");
+  }
   // Best effort: a malloc other than glibc's keeps its own settings.
   if (options.retain_message_buffers) RetainMessageBuffers().IgnoreError();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  const int backoff_ms = static_cast<int>(std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(options.max_reconnect_backoff), 1, 3'600'000));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, backoff_ms);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(backoff_ms, 1000));
+  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, backoff_ms);
   auto creds = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   return std::make_unique<KvqClient>(grpc::CreateCustomChannel(options.target, creds, args),
                                      options);

@@ -67,6 +67,12 @@ struct ClientOptions {
   std::string token;
   absl::Duration deadline = absl::Seconds(30);  // Per attempt.
   RetryPolicy retry;
+  // Longest wait between the channel's attempts to reconnect to a server
+  // that went away, and between its re-resolutions of the target, so a
+  // restarted server is reached within a few of these (gRPC's defaults,
+  // up to 120 s of backoff and 30 s between resolutions, took 8-13 s after
+  // a 2-second outage: docs/RELIABILITY.md, "Faults").
+  absl::Duration max_reconnect_backoff = absl::Seconds(1);
   // Channel send/receive message limit (the server has its own:
   // ServerInfo.max_message_bytes).
   int max_message_bytes = 64 << 20;

@@ -481,6 +481,16 @@ void SequenceStore::RegisterPrefixBlocks(const std::shared_ptr<Sequence>& seq) {
     if (e.seq.expired()) e = PrefixEntry{seq, sink + (k + 1) * block};
   }
   done = static_cast<int>(hashes.size());
+  if (prefixes_.size() > prefix_sweep_at_) {
+    for (auto it = prefixes_.begin(); it != prefixes_.end();) {
+      if (it->second.seq.expired()) {
+        prefixes_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    prefix_sweep_at_ = std::max(kMinPrefixSweep, 2 * prefixes_.size());
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const CreateSequenceArgs& args,
@@ -546,6 +556,7 @@ StoreStats SequenceStore::CollectStats(const absl::string_view* tenant) const {
     for (const auto& c : cached_) {
       if (tenant == nullptr || c->tenant == *tenant) ++st.cached_sequences;
     }
+    st.prefix_entries = static_cast<int64_t>(prefixes_.size());
   }
   if (tenant == nullptr) st.pool = pool_->Stats();
   st.sequences = static_cast<int64_t>(live.size());

@@ -62,6 +62,7 @@ struct StoreStats {
   PagePoolStats pool;
   int64_t sequences = 0;        // Live (not released) sequences.
   int64_t cached_sequences = 0; // Released, kept as prefix cache.
+  int64_t prefix_entries = 0;   // Registered prefix blocks (some of gone sequences).
   ByteBreakdown bytes;          // Referenced bytes of live sequences by component.
   // Tokens stored per canonical scheme (live sequences).
   absl::flat_hash_map<std::string, int64_t> tokens_by_scheme;
@@ -202,6 +203,12 @@ class SequenceStore {
   };
   absl::flat_hash_map<uint64_t, PrefixEntry> prefixes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<const Sequence*, int> registered_blocks_ ABSL_GUARDED_BY(mu_);
+  // prefixes_ is swept of entries whose sequence is gone once it grows past
+  // this (then set to twice what is left, at least kMinPrefixSweep): a
+  // registered block is otherwise dropped only when a lookup finds it dead,
+  // and prompts that are never repeated would grow the map without bound.
+  static constexpr size_t kMinPrefixSweep = 1024;
+  size_t prefix_sweep_at_ ABSL_GUARDED_BY(mu_) = kMinPrefixSweep;
   // Chain hashes of the blocks of `ids` under `seq`'s namespace, layout and
   // scheme: hash k covers tokens [0, sink + k * block).
   std::vector<uint64_t> ChainHashes(const Sequence& seq, absl::Span<const int32_t> ids) const;

@@ -123,9 +123,11 @@ absl::StatusOr<std::string> ServerProcess::MetricsAddress() const {
                                           Stdout()));
 }
 
-absl::StatusOr<int> ServerProcess::Terminate() {
+absl::StatusOr<int> ServerProcess::Terminate() { return Kill(SIGTERM); }
+
+absl::StatusOr<int> ServerProcess::Kill(int signal) {
   if (pid_ <= 0) return absl::FailedPreconditionError("the server is not running");
-  kill(pid_, SIGTERM);
+  kill(pid_, signal);
   int status = 0;
   const pid_t reaped = waitpid(pid_, &status, 0);
   pid_ = -1;

@@ -45,6 +45,11 @@ class ServerProcess {
   // when the server is not running.
   absl::StatusOr<int> Terminate();
 
+  // Sends `signal` (e.g. SIGKILL: no shutdown at all) and reaps the
+  // process; returns the waitpid status. FAILED_PRECONDITION when the
+  // server is not running. Start() may then run it again.
+  absl::StatusOr<int> Kill(int signal);
+
   // What the server printed on stdout so far.
   std::string Stdout() const;
   // Call before Start: stderr goes to dir()/stderr instead of the test's

@@ -3,6 +3,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 
@@ -223,6 +224,33 @@ TEST(SequenceStoreTest, PrefixReuseSharesPagesOfTheSameTokens) {
   absl::ReaderMutexLock lock3(&(*third)->mu());
   EXPECT_EQ((*third)->num_tokens(), 0);
   EXPECT_TRUE((*third)->token_ids().empty());
+}
+
+// Prompts that are never repeated register blocks whose sequences are then
+// released: the registry must not keep an entry per block ever stored (as
+// kvq-bench soak's shared-prefix prompts, each with its own suffix, did:
+// server memory grew with every such prompt for as long as it ran).
+TEST(SequenceStoreTest, ReleasedSequencesDoNotGrowThePrefixRegistry) {
+  auto store = MakeStore(16 << 20, false);
+  Kv kv = MakeKv(600, 8);
+  constexpr int kSequences = 400;  // 4 blocks of 128 each: 1600 registrations.
+  for (int i = 0; i < kSequences; ++i) {
+    absl::StatusOr<SequenceStore::Handle> h = store->Create(Args(absl::StrCat("s", i)));
+    ASSERT_TRUE(h.ok()) << h.status();
+    {
+      absl::MutexLock lock(&(*h)->mu());
+      ASSERT_TRUE((*h)->AppendDense(kv.view(600)).ok());
+      std::vector<int32_t> ids(600);
+      for (int t = 0; t < 600; ++t) ids[t] = i * 1000 + t;
+      (*h)->token_ids() = ids;
+      store->RegisterPrefixBlocks(h->shared());
+    }
+    if (i == 0) ASSERT_EQ(store->Stats().prefix_entries, 4);
+    *h = SequenceStore::Handle();
+    ASSERT_TRUE(store->Release("tenant", absl::StrCat("s", i)).ok());
+  }
+  EXPECT_LE(store->Stats().prefix_entries, 1024);
+  EXPECT_EQ(store->Stats().pool.used_bytes, 0u);
 }
 
 }  // namespace
