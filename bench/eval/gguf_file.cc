@@ -349,6 +349,22 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   }
   // From here the destructor unmaps on every error path.
   std::unique_ptr<GgufFile> file(new GgufFile(static_cast<const uint8_t*>(map), size));
+  KVQ_RETURN_IF_ERROR(file->Parse(path));
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::FromBytes(absl::Span<const uint8_t> bytes,
+                                                              const std::string& name) {
+  if (bytes.empty()) return absl::DataLossError(absl::StrFormat("%s: empty file, not GGUF", name));
+  std::unique_ptr<GgufFile> file(new GgufFile(bytes.data(), bytes.size()));
+  file->owns_map_ = false;
+  KVQ_RETURN_IF_ERROR(file->Parse(name));
+  return file;
+}
+
+absl::Status GgufFile::Parse(const std::string& path) {
+  GgufFile* file = this;
+  const size_t size = size_;
   Parser p(path, file->map_, size);
 
   // --- Header ---
@@ -501,11 +517,11 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
     }
     t.data = file->map_ + file->data_offset_ + offset;
   }
-  return file;
+  return absl::OkStatus();
 }
 
 GgufFile::~GgufFile() {
-  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), size_);
+  if (map_ != nullptr && owns_map_) ::munmap(const_cast<uint8_t*>(map_), size_);
 }
 
 bool GgufFile::Has(absl::string_view key) const { return values_.contains(key); }
