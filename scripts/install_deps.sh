@@ -11,6 +11,7 @@ packages=(
   prometheus-cpp-dev
   libopenblas-dev libicu-dev  # kvq-eval: forward-pass BLAS, tokenizer Unicode classes.
   redis-server  # Benchmark only: the Redis baseline of `kvq-bench rpc`.
+  clang libclang-rt-14-dev libomp-dev  # scripts/fuzz.sh: libFuzzer and clang's OpenMP.
 )
 
 missing=()
