@@ -504,6 +504,14 @@ absl::Status GgufFile::Parse(const std::string& path) {
   // --- Data section ---
   const uint64_t a = file->alignment_;
   file->data_offset_ = (p.pos() + a - 1) / a * a;
+  // Even a tensor of no bytes points into the data section, which must
+  // then start inside the file (a truncated file can lose its padding).
+  if (!file->tensors_.empty() && file->data_offset_ > size) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the data section starts at offset %d (the tensor directory ends at %d, aligned to "
+        "%d), past the end of the %d-byte file (truncated?)",
+        path, file->data_offset_, p.pos(), a, size));
+  }
   for (size_t i = 0; i < file->tensors_.size(); ++i) {
     GgufTensor& t = file->tensors_[i];
     const uint64_t offset = pending[i].offset;
