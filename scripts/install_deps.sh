@@ -16,6 +16,7 @@ packages=(
   openssl  # TLS tests: throwaway certificates made at test time.
   curl  # Metrics TLS test: scrapes the HTTPS metrics port.
   libmicrohttpd-dev libgnutls28-dev  # HTTPS on the metrics port (--metrics_tls_*).
+  clang libclang-rt-14-dev libomp-dev  # scripts/fuzz.sh: libFuzzer and clang's OpenMP.
 )
 # The deploy checks (tests/deploy): a live Prometheus and promtool. The image
 # build (deploy/Dockerfile) sets KVQ_DEPLOY_TOOLS=0 to skip them.

@@ -9,3 +9,8 @@ source "$(dirname "$0")/env.sh"
 kvq_build
 cd "$KVQ_BUILD"
 ctest -LE gpu --output-on-failure -j "$KVQ_JOBS" "$@"
+# The fuzz smoke (scripts/fuzz.sh, its own clang build); KVQ_SKIP_FUZZ=1
+# skips it in local iterations.
+if [[ "${KVQ_SKIP_FUZZ:-0}" != 1 ]]; then
+  "$KVQ_ROOT/scripts/fuzz.sh" "${KVQ_FUZZ_SECONDS:-15}"
+fi

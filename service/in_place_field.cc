@@ -97,7 +97,14 @@ Split SplitField(Cursor& c, size_t end, absl::Span<const uint32_t> path, std::st
                  std::vector<ByteReader::Run>* taken, bool* found) {
   while (c.pos() < end) {
     uint64_t tag, v;
-    if (!c.ReadVarint(&tag) || c.pos() > end || (tag >> 3) == 0) return Split::kMalformed;
+    const size_t tag_at = c.pos();
+    if (!c.ReadVarint(&tag) || c.pos() > end) return Split::kMalformed;
+    // As protobuf reads a tag: at most five bytes, kept to 32 bits (a longer
+    // one would be re-encoded shorter below, and protobuf would then take
+    // bytes it refuses).
+    if (c.pos() - tag_at > 5) return Split::kMalformed;
+    tag = static_cast<uint32_t>(tag);
+    if ((tag >> 3) == 0) return Split::kMalformed;
     const uint64_t field = tag >> 3;
     switch (tag & 7) {
       case kVarint:

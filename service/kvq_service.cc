@@ -762,6 +762,7 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     SequenceStore::Handle seq;
     DenseKv kv;
     WireTensor q;
+    std::vector<float> q_floats;
   };
   const int n = req.items_size();
   const bool packed = req.has_k() || req.has_v() || req.has_q();
@@ -783,8 +784,15 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     absl::StatusOr<SequenceStore::Handle> h =
         store_->Get(it.sequence().namespace_(), it.sequence().sequence_id(), tenant);
     if (!h.ok()) return Prefixed(h.status(), field + ".sequence: ");
-    Item item{std::move(*h), {}, {}};
+    Item item{std::move(*h), {}, {}, {}};
     const ModelShape& m = item.seq->shape();
+    // Attention runs every item in one call of one GQA group size: checked
+    // here, before any item is appended.
+    if (i > 0 && m.group_size() != items.front().seq->shape().group_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": every item of one call must have the same GQA group size (",
+          items.front().seq->shape().group_size(), "), this sequence has ", m.group_size()));
+    }
     if (packed) {
       if (it.has_k() || it.has_v() || it.has_q()) {
         return absl::InvalidArgumentError(
@@ -812,6 +820,15 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
                                                {k.shape[1], m.num_q_heads, m.head_dim}));
       item.kv = DenseKv{req.layer(), 1, static_cast<int>(k.shape[1]), k.dtype, k.data, v.data};
     }
+    // Attention refuses a non-finite query: found here, before any item is
+    // appended, the call changes nothing.
+    item.q_floats = ToFloats(item.q);
+    for (size_t e = 0; e < item.q_floats.size(); ++e) {
+      if (!std::isfinite(item.q_floats[e])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            packed ? absl::StrCat("q[", i, "]") : field + ".q", ": element ", e, " is not finite"));
+      }
+    }
     {
       absl::ReaderMutexLock lock(&item.seq->mu());
       KVQ_RETURN_IF_ERROR(Prefixed(item.seq->ValidateDense(item.kv), field + ": "));
@@ -837,7 +854,7 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
       for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before + t);
       j.key_end = before + item.kv.tokens;
     }
-    j.q_storage = ToFloats(item.q);
+    j.q_storage = std::move(item.q_floats);
     j.q = j.q_storage.data();
     j.num_queries = item.kv.tokens;
     j.seq = std::move(item.seq);

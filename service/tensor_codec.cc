@@ -47,10 +47,11 @@ absl::StatusOr<WireTensor> CheckTensor(const v1::Tensor& t, absl::string_view fi
   }
   int64_t elements = 1;
   for (int64_t s : out.shape) {
-    elements *= s;
-    if (elements > (int64_t{1} << 40)) {
+    // Checked before multiplying: a product past int64 is undefined.
+    if (s > (int64_t{1} << 40) / elements) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".shape is too large"));
     }
+    elements *= s;
   }
   const uint64_t bytes = static_cast<uint64_t>(elements) * DTypeBytes(out.dtype);
   if (t.data().size() != bytes) {

@@ -349,6 +349,22 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   }
   // From here the destructor unmaps on every error path.
   std::unique_ptr<GgufFile> file(new GgufFile(static_cast<const uint8_t*>(map), size));
+  KVQ_RETURN_IF_ERROR(file->Parse(path));
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::FromBytes(absl::Span<const uint8_t> bytes,
+                                                              const std::string& name) {
+  if (bytes.empty()) return absl::DataLossError(absl::StrFormat("%s: empty file, not GGUF", name));
+  std::unique_ptr<GgufFile> file(new GgufFile(bytes.data(), bytes.size()));
+  file->owns_map_ = false;
+  KVQ_RETURN_IF_ERROR(file->Parse(name));
+  return file;
+}
+
+absl::Status GgufFile::Parse(const std::string& path) {
+  GgufFile* file = this;
+  const size_t size = size_;
   Parser p(path, file->map_, size);
 
   // --- Header ---
@@ -488,6 +504,14 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   // --- Data section ---
   const uint64_t a = file->alignment_;
   file->data_offset_ = (p.pos() + a - 1) / a * a;
+  // Even a tensor of no bytes points into the data section, which must
+  // then start inside the file (a truncated file can lose its padding).
+  if (!file->tensors_.empty() && file->data_offset_ > size) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the data section starts at offset %d (the tensor directory ends at %d, aligned to "
+        "%d), past the end of the %d-byte file (truncated?)",
+        path, file->data_offset_, p.pos(), a, size));
+  }
   for (size_t i = 0; i < file->tensors_.size(); ++i) {
     GgufTensor& t = file->tensors_[i];
     const uint64_t offset = pending[i].offset;
@@ -501,11 +525,11 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
     }
     t.data = file->map_ + file->data_offset_ + offset;
   }
-  return file;
+  return absl::OkStatus();
 }
 
 GgufFile::~GgufFile() {
-  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), size_);
+  if (map_ != nullptr && owns_map_) ::munmap(const_cast<uint8_t*>(map_), size_);
 }
 
 bool GgufFile::Has(absl::string_view key) const { return values_.contains(key); }

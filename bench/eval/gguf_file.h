@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace kvq::eval {
 
@@ -101,6 +102,13 @@ class GgufFile {
   //     the file, or a count cannot fit in it.
   // Messages name the field or tensor, its file offset and the bound.
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);
+  // The same parse of a file's bytes held by the caller, which must outlive
+  // the GgufFile (tensor data points into them); `name` stands for the path
+  // in messages. For tests and the fuzzer (tests/fuzz/gguf_fuzz.cc), where a
+  // buffer of exactly the file's size lets the sanitizer see any read past
+  // its end (a mapping reads zeros up to the end of its last page).
+  static absl::StatusOr<std::unique_ptr<GgufFile>> FromBytes(absl::Span<const uint8_t> bytes,
+                                                             const std::string& name);
 
   GgufFile(const GgufFile&) = delete;
   GgufFile& operator=(const GgufFile&) = delete;
@@ -150,12 +158,15 @@ class GgufFile {
   class Parser;
 
   GgufFile(const uint8_t* map, size_t size) : map_(map), size_(size) {}
+  // Parses header, metadata and tensor directory of map_ (Open's errors).
+  absl::Status Parse(const std::string& path);
   absl::StatusOr<const Value*> Find(absl::string_view key) const;
   // The array at `key`, INVALID_ARGUMENT unless it is an array.
   absl::StatusOr<const Value*> FindArray(absl::string_view key, const char* wanted) const;
 
   const uint8_t* map_;
   size_t size_;
+  bool owns_map_ = true;  // Unmapped by the destructor (Open; not FromBytes).
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   uint64_t data_offset_ = 0;

@@ -73,11 +73,17 @@
 #include "kernels/numeric.h"
 #include "kernels/rope.h"
 
-HWY_BEFORE_NAMESPACE();
-#if HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3_DL && defined(__clang__)
 // Highway's AVX3_DL target string names only the VEX form of VNNI; the
 // 512-bit dot products need avx512vnni (which its CPU check requires).
-#pragma GCC target("avx512vnni")
+// Clang takes one target attribute per function (a nested push is
+// ignored), so it gets Highway's string with avx512vnni added.
+HWY_PUSH_ATTRIBUTES(HWY_TARGET_STR ",avx512vnni")
+#else
+HWY_BEFORE_NAMESPACE();
+#if HWY_TARGET == HWY_AVX3_DL
+#pragma GCC target("avx512vnni")  // As above, for GCC.
+#endif
 #endif
 namespace kvq {
 namespace cpu {
@@ -1016,8 +1022,11 @@ HWY_INLINE __m512i Widen32(const uint8_t* HWY_RESTRICT row, int j) {
     return _mm512_and_si512(_mm512_srl_epi16(zx(row + c0 % P), _mm_cvtsi32_si128(2 * (c0 / P))),
                             _mm512_set1_epi16(0x03));
   } else {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(WidenChunk<kBits, D>(row, 2 * j)),
-                              WidenChunk<kBits, D>(row, 2 * j + 1), 1);
+    // Named first: clang defines _mm512_inserti64x4 as a macro, which would
+    // split the template arguments' comma.
+    const __m256i lo = WidenChunk<kBits, D>(row, 2 * j);
+    const __m256i hi = WidenChunk<kBits, D>(row, 2 * j + 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
 }
 #endif

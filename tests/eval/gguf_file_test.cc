@@ -378,6 +378,33 @@ TEST(GgufFileTest, RejectsTensorOffsetPastTheEnd) {
   EXPECT_EQ(OpenBytes(w.bytes()).status().code(), absl::StatusCode::kDataLoss);
 }
 
+// Found by tests/fuzz/gguf_fuzz: a tensor of no bytes in a file that ends
+// before the data section's alignment padding pointed past the file.
+TEST(GgufFileTest, RejectsDataSectionPastTheEnd) {
+  GgufWriter w;
+  w.Put<uint32_t>(0x46554747);  // "GGUF"
+  w.Put<uint32_t>(3);
+  w.Put<uint64_t>(1);  // One tensor,
+  w.Put<uint64_t>(0);  // no metadata.
+  w.Str("empty");
+  w.Put<uint32_t>(1);  // n_dims
+  w.Put<uint64_t>(0);  // No elements.
+  w.Put<uint32_t>(0);  // F32
+  w.Put<uint64_t>(0);  // offset
+  ASSERT_EQ(w.size(), 61u);  // The padding to 32 is missing.
+  const absl::Status st = OpenBytes(w.bytes()).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(st.message()),
+              AllOf(HasSubstr("data section starts at offset 64"), HasSubstr("ends at 61"),
+                    HasSubstr("61-byte file")));
+  // With the padding the same file opens, its tensor at the end.
+  w.PadTo(32);
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = OpenBytes(w.bytes());
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->tensors()[0].bytes, 0u);
+  EXPECT_EQ((*file)->data_offset(), 64u);
+}
+
 TEST(GgufFileTest, RejectsMisalignedTensorOffset) {
   Synthetic s = MakeSynthetic();
   GgufWriter w;

@@ -502,6 +502,38 @@ TEST_F(ErrorPathTest, RejectedAppendsLeaveTheDataUnchanged) {
     ExpectUnchanged("s", before_);
   }
   {
+    // Found by tests/fuzz/rpc_fuzz: attention refused the query after k and
+    // v had been appended.
+    SCOPED_TRACE("AppendAttend: NaN in q");
+    std::vector<float> q = Random({1, kQHeads, kDim}, 21).ToFloats();
+    q[70] = std::numeric_limits<float>::infinity();
+    AppendAttendItem item{"s", Random({kHeads, 1, kDim}, 22), Random({kHeads, 1, kDim}, 23),
+                          *HostTensor::FromFloats(q, {1, kQHeads, kDim})};
+    ExpectStatus(client_->AppendAttend(0, {item}).status(), absl::StatusCode::kInvalidArgument,
+                 "items[0].q: element 70 is not finite");
+    ExpectUnchanged("s", before_);
+  }
+  {
+    // Found by tests/fuzz/rpc_fuzz: the group sizes were compared after
+    // the first item had been appended.
+    SCOPED_TRACE("AppendAttend: items of two GQA group sizes");
+    CreateOptions create;
+    create.sequence_id = "mha";
+    create.config = Config();
+    create.config.layout.num_q_heads = kHeads;  // Group size 1; "s" has 2.
+    ASSERT_TRUE(client_->CreateSequence(create).ok());
+    AppendAttendItem first{"s", Random({kHeads, 1, kDim}, 24), Random({kHeads, 1, kDim}, 25),
+                           Random({1, kQHeads, kDim}, 26)};
+    AppendAttendItem second{"mha", Random({kHeads, 1, kDim}, 27), Random({kHeads, 1, kDim}, 28),
+                            Random({1, kHeads, kDim}, 29)};
+    ExpectStatus(client_->AppendAttend(0, {first, second}).status(),
+                 absl::StatusCode::kInvalidArgument,
+                 "items[1]: every item of one call must have the same GQA group size (2), this "
+                 "sequence has 1");
+    ExpectUnchanged("s", before_);
+    EXPECT_EQ(client_->Stats("mha")->num_tokens(), 0);
+  }
+  {
     SCOPED_TRACE("AppendAttend: a valid item, then one naming a missing sequence");
     AppendAttendItem ok{"s", Random({kHeads, 1, kDim}, 18), Random({kHeads, 1, kDim}, 19),
                         Random({1, kQHeads, kDim}, 20)};
@@ -573,6 +605,10 @@ TEST_F(ErrorPathTest, PackedAttendChecksItsQueries) {
   ToProto(HostTensor::FromFloats(huge, {2, kQHeads, kDim}).value(), req.mutable_q());
   ExpectStatus(attend(req), grpc::StatusCode::OUT_OF_RANGE,
                "attention task 2, query 0, head 1: the result overflowed float");
+  // Found while writing tests/fuzz/rpc_fuzz: a dimension this large
+  // overflowed int64 in the element count (undefined behaviour).
+  req.mutable_q()->set_shape(1, int64_t{1} << 62);
+  ExpectStatus(attend(req), grpc::StatusCode::INVALID_ARGUMENT, "q.shape is too large");
   // The client library checks the row count before sending.
   ExpectStatus(client_->AttendBatch(0, {"s", "s"}, Random({3, kQHeads, kDim}, 34)).status(),
                absl::StatusCode::kInvalidArgument,

@@ -70,5 +70,36 @@ TEST(InPlaceFieldTest, DenseMessagesParseWholeAndBadBytesNameTheType) {
   }
 }
 
+// Found by tests/fuzz/append_decoder_fuzz: a tag spelled in more than five
+// bytes (protobuf refuses it) was re-encoded shorter, and the rest then
+// parsed, so the decoder took bytes protobuf refuses.
+TEST(InPlaceFieldTest, TagsAreReadAsProtobufReadsThem) {
+  constexpr uint32_t kAppendPageData[] = {2, 4, 5};
+  using namespace std::string_literals;
+  const std::string six_byte_tag = "\xc2\xc2\xc2\xc2\xc2\x00\x00\x12\x00"s;
+  v1::AppendRequest check;
+  ASSERT_FALSE(check.ParseFromString(six_byte_tag));
+  InPlaceField field;
+  v1::AppendRequest got;
+  const absl::Status st =
+      field.Decode(Sliced(six_byte_tag, 4), kAppendPageData, "kvq.v1.AppendRequest", &got);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "the message is not a kvq.v1.AppendRequest");
+
+  // Five bytes whose high bits protobuf drops: field 2 (chunk), as protobuf
+  // reads it, with the pages left in place.
+  v1::AppendRequest inner;
+  inner.mutable_chunk()->mutable_pages()->set_page_data("pages");
+  const std::string chunk = inner.SerializeAsString().substr(1);  // Without chunk's tag.
+  const std::string five_byte_tag = "\x92\x80\x80\x80\x10"s + chunk;
+  v1::AppendRequest want;
+  ASSERT_TRUE(want.ParseFromString(five_byte_tag));
+  ASSERT_EQ(want.chunk().pages().page_data(), "pages");
+  ASSERT_TRUE(field.Decode(Sliced(five_byte_tag, 3), kAppendPageData, "kvq.v1.AppendRequest", &got)
+                  .ok());
+  EXPECT_TRUE(field.found());
+  EXPECT_EQ(field.field_size(), 5u);
+}
+
 }  // namespace
 }  // namespace kvq

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets of tests/fuzz with clang (address and
+# undefined-behaviour sanitizers) into build-fuzz/ and runs each for a
+# bounded time from its seed corpus. Fails on any crash, leak, sanitizer
+# report, timeout or out-of-memory; the input that caused it is left in
+# build-fuzz/artifacts/<target>/.
+#
+#   scripts/fuzz.sh [seconds_per_target]      # default 20
+#
+# KVQ_FUZZ_TARGETS="rpc_fuzz npy_fuzz" runs only those; KVQ_FUZZ_SIMD=ALL
+# builds every SIMD target (default: AVX2 and the baseline, CMakeLists.txt).
+# New inputs the fuzzers find go to build-fuzz/corpus/<target>/ (kept
+# between runs, not committed); tests/fuzz/corpus/<target>/ holds the
+# committed seeds.
+# docs/RELIABILITY.md ("Fuzzing") describes the targets and the long run.
+set -euo pipefail
+seconds="${1:-20}"
+if ! [[ "$seconds" =~ ^[0-9]+$ ]] || ((seconds < 1)); then
+  echo "usage: $0 [seconds_per_target]" >&2
+  exit 2
+fi
+source "$(dirname "$0")/env.sh"
+"$KVQ_ROOT/scripts/install_deps.sh"
+
+build="$KVQ_ROOT/build-fuzz"
+CC=clang CXX=clang++ cmake -S "$KVQ_ROOT" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DKVQ_FUZZ=ON -DKVQ_FUZZ_SIMD="${KVQ_FUZZ_SIMD:-AVX2}" -DKVQ_WITH_CUDA=OFF -DKVQ_BUILD_TESTS=OFF \
+  -DKVQ_BUILD_BENCH=OFF >/dev/null
+cmake --build "$build" -j "$KVQ_JOBS" --target kvq_fuzz
+
+all_targets=(quant_spec_fuzz npy_fuzz gguf_fuzz append_decoder_fuzz raw_page_fuzz rpc_fuzz)
+read -r -a targets <<<"${KVQ_FUZZ_TARGETS:-${all_targets[*]}}"
+
+# Leaks fail a run; UB already aborts (-fno-sanitize-recover).
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:${ASAN_OPTIONS:-}"
+export UBSAN_OPTIONS="print_stacktrace=1:${UBSAN_OPTIONS:-}"
+failed=()
+for t in "${targets[@]}"; do
+  seeds="$KVQ_ROOT/tests/fuzz/corpus/$t"
+  corpus="$build/corpus/$t"
+  artifacts="$build/artifacts/$t"
+  log="$build/logs/$t.log"
+  mkdir -p "$corpus" "$artifacts" "$(dirname "$log")"
+  echo "fuzz: $t for ${seconds}s" >&2
+  # -timeout: one input taking 30 s is a hang; -rss_limit_mb / -malloc_limit_mb:
+  # the memory bound. The run's own time limit is twice its budget plus a
+  # minute, in case a timeout report itself hangs.
+  if timeout --signal=KILL $((2 * seconds + 60)) "$build/tests/fuzz/$t" \
+      -max_total_time="$seconds" -timeout=30 -rss_limit_mb=2048 -malloc_limit_mb=1024 \
+      -max_len=8192 -print_final_stats=1 -artifact_prefix="$artifacts/" \
+      "$corpus" "$seeds" >"$log" 2>&1; then
+    # The last status line: executions, coverage, features, corpus.
+    summary="$(grep -E '^#[0-9]+' "$log" | tail -n 1 || true)"
+    execs="$(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}' || true)"
+    rate="$(grep -E '^stat::average_exec_per_sec' "$log" | awk '{print $2}' || true)"
+    echo "fuzz: $t ok: ${execs:-?} execs, ${rate:-?}/s; ${summary}" >&2
+  else
+    echo "fuzz: $t FAILED (log $log, artifacts $artifacts):" >&2
+    grep -E 'ERROR|runtime error|Fail|deadly signal|rpc_fuzz:|_fuzz:' "$log" | head -n 20 >&2 || true
+    tail -n 40 "$log" >&2
+    failed+=("$t")
+  fi
+done
+if ((${#failed[@]} > 0)); then
+  echo "fuzz: failed: ${failed[*]}" >&2
+  exit 1
+fi
