@@ -624,7 +624,7 @@ TEST_F(ErrorPathTest, PackedAttendChecksItsQueries) {
 // status from the validation codes (never UNKNOWN or INTERNAL), the server
 // keeps answering, a rejected append stores nothing, an accepted one
 // stores finite KV, and once every trial's sequence is released the pool is
-// back where it started. Under the sanitizer build (README) the server's
+// back where it started. Under the sanitizer build (docs/DEVELOPING.md) the server's
 // parsing and checks also run under ASan and UBSan.
 TEST_F(ErrorPathTest, RandomlyCorruptedAppendChunksAreAnsweredAndAtomic) {
   std::vector<v1::KvChunk> raw_chunks;

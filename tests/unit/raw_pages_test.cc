@@ -239,7 +239,7 @@ TEST_P(RawPagesTest, CorruptPagesAreRejectedAndNothingIsStored) {
 // is finite: the dequantized rows, and attention's output and log-sum-exp.
 // Random bit flips anywhere in a valid page set (codes, parameters, p8
 // headers, outlier tables, padding), seeded per case; under the sanitizer
-// build (README) this also checks that no read leaves its page.
+// build (docs/DEVELOPING.md) this also checks that no read leaves its page.
 TEST_P(RawPagesTest, RandomlyCorruptedPagesAreRejectedOrReadFinite) {
   std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
   const QuantSpec& spec = src->spec();
