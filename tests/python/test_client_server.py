@@ -3,49 +3,22 @@
 Needs the server binary: $KVQ_SERVER_BIN (ctest sets it), else the test is
 skipped."""
 
-import os
-import subprocess
-import tempfile
-import time
-
 import numpy as np
 import pytest
 
 from kvq_client import AttendQuery, DecodeItem, KvqClient, KvqError, ModelLayout, RopeParams
+from live_server import needs_server, running_server
 
-SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
-
-pytestmark = pytest.mark.skipif(not os.access(SERVER_BIN, os.X_OK),
-                                reason="KVQ_SERVER_BIN does not name a kvq-server binary")
+pytestmark = needs_server
 
 LAYERS, HEADS, QHEADS, DIM = 2, 2, 4, 64
 
 
 @pytest.fixture(scope="module")
 def address():
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "port")
-        proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-                                 f"--port_file={port_file}", "--capacity_bytes=268435456",
-                                 "--backend=cpu"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            give_up = time.monotonic() + 60  # Start-up bound, not a timing assertion.
-            port = 0
-            while time.monotonic() < give_up and proc.poll() is None:
-                try:
-                    with open(port_file) as f:
-                        port = int(f.read().strip() or 0)
-                except (OSError, ValueError):
-                    port = 0
-                if port > 0:
-                    break
-                time.sleep(0.02)
-            assert port > 0, "kvq-server did not start"
-            yield f"127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait()
+    with running_server("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456",
+                        "--backend=cpu") as addr:
+        yield addr
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import pytest
 from kvq_client import KvqClient, KvqError, ModelLayout
 from kvq_client.layer_append import LayerAppend
 
-from test_client_server import SERVER_BIN, address  # noqa: F401  (the server fixture)
+from live_server import SERVER_BIN
+from test_client_server import address  # noqa: F401  (the server fixture)
 
 pytestmark = pytest.mark.skipif(not SERVER_BIN, reason="KVQ_SERVER_BIN is not set")
 

@@ -6,43 +6,18 @@ Needs the server binary: $KVQ_SERVER_BIN (ctest sets it), else skipped."""
 
 import os
 import signal
-import subprocess
 import tempfile
-import time
 
 import grpc
 import numpy as np
 import pytest
 
 from kvq_client import AttendQuery, KvqError, ModelLayout, RetryPolicy, ShardedClient
+from live_server import needs_server, start_server
 
-SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
-
-pytestmark = pytest.mark.skipif(not os.access(SERVER_BIN, os.X_OK),
-                                reason="KVQ_SERVER_BIN does not name a kvq-server binary")
+pytestmark = needs_server
 
 LAYERS, HEADS, QHEADS, DIM, TOKENS = 2, 1, 2, 32, 40
-
-
-def start_server(tmp, i):
-    port_file = os.path.join(tmp, f"port{i}")
-    proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-                             f"--port_file={port_file}", "--capacity_bytes=67108864",
-                             "--backend=cpu"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    give_up = time.monotonic() + 60  # Start-up bound, not a timing assertion.
-    while time.monotonic() < give_up and proc.poll() is None:
-        try:
-            with open(port_file) as f:
-                port = int(f.read().strip() or 0)
-            if port > 0:
-                return proc, f"127.0.0.1:{port}"
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.02)
-    proc.kill()
-    proc.wait()
-    pytest.fail("kvq-server did not start")
 
 
 @pytest.fixture
@@ -51,7 +26,9 @@ def servers():
         started = []
         try:
             for i in range(3):
-                started.append(start_server(tmp, i))
+                started.append(start_server(os.path.join(tmp, f"port{i}"),
+                                            "--metrics_address=127.0.0.1:0",
+                                            "--capacity_bytes=67108864", "--backend=cpu"))
             yield started
         finally:
             for proc, _ in started:

@@ -5,19 +5,15 @@ it; without it or with another tenant's, the answers of docs/RELIABILITY.md.
 Needs the server binary: $KVQ_SERVER_BIN (ctest sets it), else skipped."""
 
 import os
-import subprocess
 import tempfile
-import time
 
 import numpy as np
 import pytest
 
 from kvq_client import DecodeItem, KvqClient, KvqError, ModelLayout
+from live_server import needs_server, running_server
 
-SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
-
-pytestmark = pytest.mark.skipif(not os.access(SERVER_BIN, os.X_OK),
-                                reason="KVQ_SERVER_BIN does not name a kvq-server binary")
+pytestmark = needs_server
 
 LAYERS, HEADS, QHEADS, DIM = 2, 2, 4, 64
 TOKEN_A = "python-tenant-a-token-01234"
@@ -27,31 +23,12 @@ TOKEN_B = "python-tenant-b-token-56789"
 @pytest.fixture(scope="module")
 def address():
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "port")
         tokens = os.path.join(tmp, "tokens")
         with open(tokens, "w") as f:
             f.write(f"tenant=a token={TOKEN_A}\ntenant=b token={TOKEN_B} quota_bytes=16384\n")
-        proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0", "--metrics_address=",
-                                 f"--port_file={port_file}", "--capacity_bytes=268435456",
-                                 "--backend=cpu", f"--tokens_file={tokens}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            give_up = time.monotonic() + 60  # Start-up bound, not a timing assertion.
-            port = 0
-            while time.monotonic() < give_up and proc.poll() is None:
-                try:
-                    with open(port_file) as f:
-                        port = int(f.read().strip() or 0)
-                except (OSError, ValueError):
-                    port = 0
-                if port > 0:
-                    break
-                time.sleep(0.02)
-            assert port > 0, "kvq-server did not start"
-            yield f"127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait()
+        with running_server("--metrics_address=", "--capacity_bytes=268435456", "--backend=cpu",
+                            f"--tokens_file={tokens}") as addr:
+            yield addr
 
 
 def test_token_on_every_call_and_stream(address):

@@ -9,20 +9,18 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 
 import grpc
 import numpy as np
 import pytest
 
 from kvq_client import KvqClient, KvqError, ModelLayout, RetryPolicy
+from live_server import needs_server, running_server
 
-SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
 MAKE_CERTS = os.path.join(os.path.dirname(__file__), "..", "integration", "make_test_certs.sh")
 
 pytestmark = [
-    pytest.mark.skipif(not os.access(SERVER_BIN, os.X_OK),
-                       reason="KVQ_SERVER_BIN does not name a kvq-server binary"),
+    needs_server,
     pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl tool"),
 ]
 
@@ -36,31 +34,10 @@ def certs():
 
 @pytest.fixture(scope="module")
 def address(certs):
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "port")
-        proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0", "--metrics_address=",
-                                 f"--port_file={port_file}", "--capacity_bytes=67108864",
-                                 "--backend=cpu", f"--tls_cert={certs}/server.pem",
-                                 f"--tls_key={certs}/server.key",
-                                 f"--tls_client_ca={certs}/ca.pem"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            give_up = time.monotonic() + 60  # Start-up bound, not a timing assertion.
-            port = 0
-            while time.monotonic() < give_up and proc.poll() is None:
-                try:
-                    with open(port_file) as f:
-                        port = int(f.read().strip() or 0)
-                except (OSError, ValueError):
-                    port = 0
-                if port > 0:
-                    break
-                time.sleep(0.02)
-            assert port > 0, "kvq-server did not start"
-            yield f"127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait()
+    with running_server("--metrics_address=", "--capacity_bytes=67108864", "--backend=cpu",
+                        f"--tls_cert={certs}/server.pem", f"--tls_key={certs}/server.key",
+                        f"--tls_client_ca={certs}/ca.pem") as addr:
+        yield addr
 
 
 def client(address, **tls):
