@@ -16,16 +16,10 @@ about 15 s.
 import json
 import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 
 import numpy as np
 import pytest
@@ -37,10 +31,10 @@ sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 sys.path.insert(0, HERE)
 
 from kvq_client import AttendQuery, DecodeItem, KvqClient, KvqError, ModelLayout, RopeParams  # noqa: E402
+from prometheus_process import (PROMETHEUS, PROMTOOL, http_get, start_prometheus,  # noqa: E402
+                                stopped_on_exit, wait_for)
 
 SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
-PROMETHEUS = shutil.which("prometheus")
-PROMTOOL = shutil.which("promtool")
 RULES = os.path.join(ROOT, "deploy", "prometheus", "kvq-rules.yaml")
 DASHBOARD = os.path.join(ROOT, "deploy", "grafana", "kvq-dashboard.json")
 
@@ -52,9 +46,8 @@ if PROMETHEUS is None or PROMTOOL is None:
 promql_data = pytest.importorskip(
     "promql_data", reason="promql-parser is not installed (scripts/install_deps.sh installs it)")
 
-# Every wait below is bounded; these are start-up and scrape bounds, not
-# timing assertions.
-START_S = 30
+# Every wait below is bounded (prometheus_process.START_S); this is the
+# scrape interval.
 SCRAPE_S = 1
 POOL_BYTES = 16 << 20  # Small, so that the load can fill it.
 LAYOUT = ModelLayout(2, 2, 4, 64, RopeParams(theta=500000.0))
@@ -62,44 +55,6 @@ LAYOUT = ModelLayout(2, 2, 4, 64, RopeParams(theta=500000.0))
 # scrape interval); for a dashboard over the last hours that is a minute or
 # more, which covers this whole test.
 DASHBOARD_VARS = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h", "job": "kvq"}
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what, probe, limit_s=START_S):
-    give_up = time.monotonic() + limit_s
-    while time.monotonic() < give_up:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {limit_s} s")
-
-
-def http_get(url, timeout=5):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-class Prometheus:
-    def __init__(self, base):
-        self.base = base
-
-    def api(self, path, **params):
-        url = f"{self.base}/api/v1/{path}?" + urllib.parse.urlencode(params, doseq=True)
-        try:
-            body = json.loads(http_get(url))
-        except urllib.error.HTTPError as e:
-            body = json.loads(e.read().decode())
-        assert body.get("status") == "success", f"{path} {params}: {body}"
-        return body["data"]
-
-    def query(self, q):
-        return self.api("query", query=q)
 
 
 def kvq_load(address):
@@ -165,8 +120,7 @@ def kvq_load(address):
 @pytest.fixture(scope="module")
 def stack():
     with tempfile.TemporaryDirectory(prefix="kvq-prom-") as tmp:
-        procs = []
-        try:
+        with stopped_on_exit() as procs:
             out_path = os.path.join(tmp, "server.out")
             port_file = os.path.join(tmp, "port")
             with open(out_path, "w") as out:
@@ -182,48 +136,17 @@ def stack():
 
             metrics = wait_for("kvq-server announces its metrics address", metrics_address)
             grpc_port = int(open(port_file).read())
-            prom_port = free_port()
-            config = os.path.join(tmp, "prometheus.yml")
-            with open(config, "w") as f:
-                yaml.safe_dump({
-                    "global": {"scrape_interval": f"{SCRAPE_S}s", "scrape_timeout": f"{SCRAPE_S}s",
-                               "evaluation_interval": f"{SCRAPE_S}s"},
-                    "rule_files": [RULES],
-                    "scrape_configs": [{"job_name": "kvq",
-                                        "static_configs": [{"targets": [metrics]}]}],
-                }, f)
-            check = subprocess.run([PROMTOOL, "check", "config", config],
-                                   capture_output=True, text=True, timeout=60)
-            assert check.returncode == 0, check.stdout + check.stderr
-            procs.append(subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}",
-                 f"--storage.tsdb.path={os.path.join(tmp, 'tsdb')}",
-                 f"--web.listen-address=127.0.0.1:{prom_port}"],
-                stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "prom.log"), "w")))
-            prom = Prometheus(f"http://127.0.0.1:{prom_port}")
-
-            def target_up():
-                if procs[-1].poll() is not None:
-                    raise AssertionError("prometheus exited: " +
-                                         open(os.path.join(tmp, "prom.log")).read()[-2000:])
-                try:  # 503 until Prometheus is ready.
-                    return bool(prom.query('up{job="kvq"} == 1')["result"])
-                except (OSError, ValueError, AssertionError):
-                    return False
-
-            wait_for("Prometheus scrapes kvq-server", target_up)
+            prom = start_prometheus(procs, tmp, {
+                "global": {"scrape_interval": f"{SCRAPE_S}s", "scrape_timeout": f"{SCRAPE_S}s",
+                           "evaluation_interval": f"{SCRAPE_S}s"},
+                "rule_files": [RULES],
+                "scrape_configs": [{"job_name": "kvq",
+                                    "static_configs": [{"targets": [metrics]}]}],
+            })
+            wait_for("Prometheus scrapes kvq-server", prom.result_probe('up{job="kvq"} == 1'))
             kvq_load(f"127.0.0.1:{grpc_port}")
             time.sleep(3 * SCRAPE_S)  # A few scrapes after the load.
             yield prom, metrics
-        finally:
-            for p in reversed(procs):
-                p.send_signal(signal.SIGTERM)
-            for p in reversed(procs):
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
 
 
 def require_data(prom, where, expr):
