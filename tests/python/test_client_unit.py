@@ -353,6 +353,21 @@ def test_decode_session_steps_in_order_and_surfaces_the_stream_error(fake):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_decode_session_block_closes_when_clean_and_cancels_when_it_raises(fake):
+    _, client = fake
+    item = DecodeItem("s", np.zeros((2, 1, 8), np.float16), np.zeros((2, 1, 8), np.float16),
+                      np.ones((1, 4, 8), np.float32))
+    with pytest.raises(KvqError) as e:  # close() drains the stream and raises its error.
+        with client.decode_session() as session:
+            session.write(-1, [item])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    # cancel(): the block's own exception is the one that comes out.
+    with pytest.raises(RuntimeError, match="^the block's own error$"):
+        with client.decode_session() as session:
+            session.write(-1, [item])
+            raise RuntimeError("the block's own error")
+
+
 def test_model_layout_goes_to_the_wire():
     m = ModelLayout(4, 2, 8, 64, kvq_client.RopeParams(theta=5e5, pairing="adjacent", scaling="ntk",
                                                        factor=4.0)).to_proto()

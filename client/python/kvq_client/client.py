@@ -173,7 +173,22 @@ def _packed(response):
     return from_tensor(response.out, "out"), from_tensor(response.lse, "lse")
 
 
-class DecodeSession:
+class _ClosedOnExit:
+    """Decode sessions as context managers: close() (which raises the
+    stream's error) when the block ends normally, cancel() when it raises,
+    so that the block's own exception is the one that propagates."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
+
+class DecodeSession(_ClosedOnExit):
     """A DecodeStream: write() sends one layer's append+attend for some
     sequences, read() returns the results in write order; step() does both.
     Not thread-safe. Use as a context manager or call close()."""
@@ -245,16 +260,6 @@ class DecodeSession:
         self._closed = True
         self._requests.put(self._END)
         self._responses.cancel()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        else:
-            self.cancel()
-
 
 
 def _place_fetch(messages, K, V, layer_begin, token_begin, progress):

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from .client import AttendQuery, DecodeItem, KvqClient, KvqError
+from .client import AttendQuery, DecodeItem, KvqClient, KvqError, _ClosedOnExit
 
 _M64 = (1 << 64) - 1
 
@@ -511,7 +511,7 @@ class ShardedClient:
         return out, lse
 
 
-class ShardedDecodeSession:
+class ShardedDecodeSession(_ClosedOnExit):
     """Decode streams over several replicas: a step's items are split by
     replica, each part written to that replica's stream (opened on first
     use) and the results merged in order. A stream ends at its first failed
@@ -642,15 +642,6 @@ class ShardedDecodeSession:
         for s in self._sessions.values():
             s.cancel()
         self._sessions, self._pending = {}, []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        else:
-            self.cancel()
 
 
 def _renumber(error, indexes):
