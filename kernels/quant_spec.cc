@@ -182,7 +182,15 @@ std::string QuantSpec::ToString() const {
   if (fit) absl::StrAppend(&out, ":fit");
   if (param_bits == 8) absl::StrAppend(&out, ":p8");
   if (pre_rope) absl::StrAppend(&out, ":pre_rope");
-  if (has_outliers()) absl::StrAppend(&out, ":outliers=", outlier_percent);
+  if (has_outliers()) {
+    // The shortest decimal that reads back as the same double: StrCat's six
+    // significant digits would turn outliers=.522222222222 into another
+    // spec (found by quant_spec_fuzz).
+    char percent[32];
+    const std::to_chars_result r =
+        std::to_chars(percent, percent + sizeof(percent), outlier_percent);
+    absl::StrAppend(&out, ":outliers=", absl::string_view(percent, r.ptr - percent));
+  }
   if (sink > 0) absl::StrAppend(&out, ":sink=", sink);
   if (nuq) absl::StrAppend(&out, ":nuq");
   if (rotate) absl::StrAppend(&out, ":rotate");

@@ -139,6 +139,22 @@ void ExpectParseError(const std::string& text, const std::string& message) {
   EXPECT_EQ(s.status().message(), message) << text;
 }
 
+TEST(QuantSpecTest, OutlierPercentPrintsSoItReadsBackTheSame) {
+  // Six significant digits (StrCat's) would print 0.522222 and read back
+  // another spec; quant_spec_fuzz found it.
+  for (const char* text : {"kivi3:v4:g256:r4096:outliers=.522222222222",
+                           "kivi2:outliers=0.1", "kivi2:outliers=1", "kivi4:outliers=9.999999999"}) {
+    absl::StatusOr<QuantSpec> spec = QuantSpec::Parse(text);
+    ASSERT_TRUE(spec.ok()) << text << ": " << spec.status();
+    absl::StatusOr<QuantSpec> again = QuantSpec::Parse(spec->ToString());
+    ASSERT_TRUE(again.ok()) << spec->ToString() << ": " << again.status();
+    EXPECT_EQ(*again, *spec) << spec->ToString();
+  }
+  EXPECT_EQ(QuantSpec::Parse("kivi2:outliers=1").value().ToString(), "kivi2:g32:r128:outliers=1");
+  EXPECT_EQ(QuantSpec::Parse("kivi2:outliers=0.1").value().ToString(),
+            "kivi2:g32:r128:outliers=0.1");
+}
+
 TEST(QuantSpecTest, RejectsUnknownBase) {
   ExpectParseError("int4", "scheme \"int4\": unknown base scheme \"int4\"; expected one of fp16, "
                            "bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2");
