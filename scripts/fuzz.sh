@@ -7,6 +7,9 @@
 #
 #   scripts/fuzz.sh [seconds_per_target]      # default 20
 #
+# KVQ_FUZZ_SEED=N fixes libFuzzer's random seed (default 0: a new one each
+# run); scripts/test.sh fixes it, so that CI explores the same inputs on
+# every run and fails only for a change, not for an unlucky draw.
 # KVQ_FUZZ_TARGETS="rpc_fuzz npy_fuzz" runs only those; KVQ_FUZZ_SIMD=ALL
 # builds every SIMD target (default: AVX2 and the baseline, CMakeLists.txt).
 # New inputs the fuzzers find go to build-fuzz/corpus/<target>/ (kept
@@ -48,6 +51,7 @@ for t in "${targets[@]}"; do
   if timeout --signal=KILL $((2 * seconds + 60)) "$build/tests/fuzz/$t" \
       -max_total_time="$seconds" -timeout=30 -rss_limit_mb=2048 -malloc_limit_mb=1024 \
       -max_len=8192 -print_final_stats=1 -artifact_prefix="$artifacts/" \
+      -seed="${KVQ_FUZZ_SEED:-0}" \
       "$corpus" "$seeds" >"$log" 2>&1; then
     # The last status line: executions, coverage, features, corpus.
     summary="$(grep -E '^#[0-9]+' "$log" | tail -n 1 || true)"
