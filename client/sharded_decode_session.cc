@@ -1,49 +1,13 @@
 #include "client/sharded_decode_session.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/shard_parts.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
-namespace {
-
-absl::Status OnReplica(const absl::Status& st, absl::string_view replica) {
-  if (st.ok()) return st;
-  return absl::Status(st.code(), absl::StrCat(st.message(), " (replica ", replica, ")"));
-}
-
-HostTensor Rows(const HostTensor& t, const std::vector<int>& indexes) {
-  HostTensor out;
-  out.dtype = t.dtype;
-  out.shape = t.shape;
-  if (t.shape.empty() || t.shape[0] <= 0) return t;
-  const size_t row = t.byte_size() / static_cast<size_t>(t.shape[0]);
-  out.shape[0] = static_cast<int64_t>(indexes.size());
-  out.data.resize(row * indexes.size());
-  for (size_t j = 0; j < indexes.size(); ++j) {
-    std::memcpy(out.data.data() + j * row, t.data.data() + indexes[j] * row, row);
-  }
-  return out;
-}
-
-void Scatter(const HostTensor& part, const std::vector<int>& indexes, int n, HostTensor* whole) {
-  if (part.shape.empty() || part.shape[0] != static_cast<int64_t>(indexes.size())) return;
-  if (whole->shape.empty()) {
-    std::vector<int64_t> shape = part.shape;
-    shape[0] = n;
-    *whole = HostTensor::Zeros(part.dtype, shape);
-  }
-  const size_t row = indexes.empty() ? 0 : part.byte_size() / indexes.size();
-  for (size_t j = 0; j < indexes.size(); ++j) {
-    std::memcpy(whole->data.data() + indexes[j] * row, part.data.data() + j * row, row);
-  }
-}
-
-}  // namespace
-
 std::unique_ptr<ShardedDecodeSession> ShardedKvqClient::OpenDecodeSession(
     absl::Duration deadline) {
   return std::make_unique<ShardedDecodeSession>(this, deadline);
@@ -142,9 +106,9 @@ absl::Status ShardedDecodeSession::WriteBatch(int layer, const DecodeBatch& batc
     p.session = *s;
     DecodeBatch part;
     for (int i : p.indexes) part.sequence_ids.push_back(batch.sequence_ids[i]);
-    part.k = Rows(batch.k, p.indexes);
-    part.v = Rows(batch.v, p.indexes);
-    part.q = Rows(batch.q, p.indexes);
+    part.k = GatherRows(batch.k, p.indexes);
+    part.v = GatherRows(batch.v, p.indexes);
+    part.q = GatherRows(batch.q, p.indexes);
     if (absl::Status st = p.session->WriteBatch(layer, part, softmax_scale); !st.ok()) {
       p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
       Drop(p);
@@ -199,8 +163,8 @@ absl::StatusOr<PartialBatchOutput> ShardedDecodeSession::ReadBatchEach() {
     if (p.status.ok()) {
       absl::StatusOr<AttendOutput> r = p.session->ReadBatch();
       if (r.ok()) {
-        Scatter(r->out, p.indexes, pending.n, &out.output.out);
-        Scatter(r->lse, p.indexes, pending.n, &out.output.lse);
+        ScatterRows(r->out, p.indexes, pending.n, &out.output.out);
+        ScatterRows(r->lse, p.indexes, pending.n, &out.output.lse);
         continue;
       }
       p.status = OnReplica(RenumberItems(r.status(), p.indexes), p.replica);
@@ -212,13 +176,7 @@ absl::StatusOr<PartialBatchOutput> ShardedDecodeSession::ReadBatchEach() {
 }
 
 absl::StatusOr<std::vector<AttendOutput>> ShardedDecodeSession::Read() {
-  std::vector<absl::StatusOr<AttendOutput>> each = ReadEach();
-  std::vector<AttendOutput> out;
-  for (absl::StatusOr<AttendOutput>& r : each) {
-    if (!r.ok()) return r.status();
-    out.push_back(*std::move(r));
-  }
-  return out;
+  return AllOrFirstError(ReadEach());
 }
 
 absl::StatusOr<AttendOutput> ShardedDecodeSession::ReadBatch() {
