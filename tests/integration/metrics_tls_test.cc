@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
+#include "tests/test_certs_fixture.h"
 
 namespace kvq {
 namespace {
@@ -20,23 +21,8 @@ namespace {
 // curl's exit code when the server's certificate does not verify.
 constexpr int kCurlPeerFailedVerification = 60;
 
-class MetricsTlsTest : public ::testing::Test {
+class MetricsTlsTest : public TestCertsFixture {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/kvq_metrics_tls_", getpid()));
-    std::string out;
-    made_ = RunCommand(absl::StrCat("'", KVQ_MAKE_CERTS_SH, "' '", *dir_, "'"), &out) == 0;
-    if (!made_) std::fprintf(stderr, "make_test_certs.sh: %s\n", out.c_str());
-  }
-  static void TearDownTestSuite() {
-    std::string out;
-    RunCommand(absl::StrCat("rm -rf '", *dir_, "'"), &out);
-    delete dir_;
-  }
-  void SetUp() override { ASSERT_TRUE(made_) << "make_test_certs.sh failed"; }
-
-  static std::string F(const std::string& name) { return *dir_ + "/" + name; }
-
   static std::vector<std::string> MetricsTlsFlags() {
     return {"--metrics_tls_cert=" + F("server.pem"), "--metrics_tls_key=" + F("server.key")};
   }
@@ -51,11 +37,7 @@ class MetricsTlsTest : public ::testing::Test {
     return RunCommand(absl::StrCat(command, " '", url, "'"), output);
   }
 
-  static std::string* dir_;
-  static bool made_;
 };
-std::string* MetricsTlsTest::dir_ = nullptr;
-bool MetricsTlsTest::made_ = false;
 
 TEST_F(MetricsTlsTest, ServesTheRegistryOverHttpsAnd404ElsewhereWithTheRightCa) {
   ServerProcess server(KVQ_SERVER_BIN);

@@ -17,29 +17,15 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
+#include "tests/test_certs_fixture.h"
 
 namespace kvq {
 namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64;
 
-class TlsTest : public ::testing::Test {
+class TlsTest : public TestCertsFixture {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/kvq_tls_", getpid()));
-    std::string out;
-    made_ = RunCommand(absl::StrCat("'", KVQ_MAKE_CERTS_SH, "' '", *dir_, "'"), &out) == 0;
-    if (!made_) std::fprintf(stderr, "make_test_certs.sh: %s\n", out.c_str());
-  }
-  static void TearDownTestSuite() {
-    std::string out;
-    RunCommand(absl::StrCat("rm -rf '", *dir_, "'"), &out);
-    delete dir_;
-  }
-  void SetUp() override { ASSERT_TRUE(made_) << "make_test_certs.sh failed"; }
-
-  static std::string F(const std::string& name) { return *dir_ + "/" + name; }
-
   // A client on its own connection (a local subchannel pool: two clients
   // never share one, so each new client makes a fresh TLS handshake), one
   // attempt per call. Null `files`: plaintext.
@@ -83,11 +69,7 @@ class TlsTest : public ::testing::Test {
     return {"--tls_cert=" + F("server.pem"), "--tls_key=" + F("server.key")};
   }
 
-  static std::string* dir_;
-  static bool made_;
 };
-std::string* TlsTest::dir_ = nullptr;
-bool TlsTest::made_ = false;
 
 TEST_F(TlsTest, ClientTrustingTheServersCaStoresAndReads) {
   ServerProcess server(KVQ_SERVER_BIN);
