@@ -413,26 +413,9 @@ class RpcBench {
 absl::Status RpcBench::StartServers() {
   KVQ_ASSIGN_OR_RETURN(dir_, ScratchDir::Create("kvq-bench-rpc-"));
   KVQ_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
-  KVQ_ASSIGN_OR_RETURN(const std::string self_dir, SelfExecutableDir());
   if (options_.server.empty()) {
-    std::string path = options_.kvq_server_path;
-    if (path.empty()) {
-      // Build tree: <build>/bench/kvq-bench and <build>/service/kvq-server;
-      // installed: both in bin/.
-      for (const std::string& candidate :
-           {self_dir + "/../service/kvq-server", self_dir + "/kvq-server"}) {
-        if (FindExecutable(candidate).ok()) {
-          path = candidate;
-          break;
-        }
-      }
-      if (path.empty()) {
-        return absl::NotFoundError(absl::StrCat(
-            "no kvq-server next to kvq-bench (looked in ", self_dir, "/../service and ", self_dir,
-            "); build the kvq_server target, or pass --kvq_server=PATH or --server=HOST:PORT"));
-      }
-    }
-    KVQ_RETURN_IF_ERROR(FindExecutable(path).status());
+    KVQ_ASSIGN_OR_RETURN(const std::string path,
+                         FindKvqServer(options_.kvq_server_path, "--server"));
     const std::string port_file = dir_->File("kvq-server.port");
     KVQ_ASSIGN_OR_RETURN(
         kvq_server_,

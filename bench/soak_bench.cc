@@ -269,25 +269,8 @@ void Soak::Fail(Recorder* r, Op op, const std::string& code, const std::string& 
 
 absl::Status Soak::StartServer() {
   KVQ_ASSIGN_OR_RETURN(dir_, ScratchDir::Create("kvq-bench-soak-"));
-  std::string path = options_.kvq_server_path;
-  if (path.empty()) {
-    KVQ_ASSIGN_OR_RETURN(const std::string self_dir, SelfExecutableDir());
-    // Build tree: <build>/bench/kvq-bench and <build>/service/kvq-server;
-    // installed: both in bin/.
-    for (const std::string& candidate :
-         {self_dir + "/../service/kvq-server", self_dir + "/kvq-server"}) {
-      if (FindExecutable(candidate).ok()) {
-        path = candidate;
-        break;
-      }
-    }
-    if (path.empty()) {
-      return absl::NotFoundError(absl::StrCat(
-          "no kvq-server next to kvq-bench (looked in ", self_dir, "/../service and ", self_dir,
-          "); build the kvq_server target, or pass --kvq_server=PATH or --target=HOST:PORT"));
-    }
-  }
-  KVQ_RETURN_IF_ERROR(FindExecutable(path).status());
+  KVQ_ASSIGN_OR_RETURN(const std::string path,
+                       FindKvqServer(options_.kvq_server_path, "--target"));
   const std::string port_file = dir_->File("kvq-server.port");
   KVQ_ASSIGN_OR_RETURN(
       server_, ChildProcess::Start(
