@@ -55,12 +55,9 @@ void ShardedDecodeSession::Drop(const Part& part) {
   if (it != sessions_.end() && it->second == part.session) sessions_.erase(it);
 }
 
-absl::Status ShardedDecodeSession::Write(int layer, absl::Span<const AppendAttendItem> items,
-                                         float softmax_scale) {
-  if (items.empty()) return absl::InvalidArgumentError("items is empty");
-  std::vector<std::string> ids;
-  for (const AppendAttendItem& it : items) ids.push_back(it.sequence_id);
-  Pending pending{false, static_cast<int>(items.size()), Split(ids)};
+void ShardedDecodeSession::WriteParts(
+    Pending pending,
+    absl::FunctionRef<absl::Status(DecodeSession&, const std::vector<int>&)> write) {
   for (Part& p : pending.parts) {
     if (!p.status.ok()) continue;
     absl::StatusOr<std::shared_ptr<DecodeSession>> s = SessionFor(p.replica);
@@ -69,15 +66,26 @@ absl::Status ShardedDecodeSession::Write(int layer, absl::Span<const AppendAtten
       continue;
     }
     p.session = *s;
-    std::vector<AppendAttendItem> part;
-    for (int i : p.indexes) part.push_back(items[i]);
-    if (absl::Status st = p.session->Write(layer, part, softmax_scale); !st.ok()) {
+    if (absl::Status st = write(*p.session, p.indexes); !st.ok()) {
       p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
       Drop(p);
       p.session = nullptr;
     }
   }
   pending_.push_back(std::move(pending));
+}
+
+absl::Status ShardedDecodeSession::Write(int layer, absl::Span<const AppendAttendItem> items,
+                                         float softmax_scale) {
+  if (items.empty()) return absl::InvalidArgumentError("items is empty");
+  std::vector<std::string> ids;
+  for (const AppendAttendItem& it : items) ids.push_back(it.sequence_id);
+  Pending pending{false, static_cast<int>(items.size()), Split(ids)};
+  WriteParts(std::move(pending), [&](DecodeSession& session, const std::vector<int>& indexes) {
+    std::vector<AppendAttendItem> part;
+    for (int i : indexes) part.push_back(items[i]);
+    return session.Write(layer, part, softmax_scale);
+  });
   return absl::OkStatus();
 }
 
@@ -96,26 +104,14 @@ absl::Status ShardedDecodeSession::WriteBatch(int layer, const DecodeBatch& batc
     }
   }
   Pending pending{true, n, Split(batch.sequence_ids)};
-  for (Part& p : pending.parts) {
-    if (!p.status.ok()) continue;
-    absl::StatusOr<std::shared_ptr<DecodeSession>> s = SessionFor(p.replica);
-    if (!s.ok()) {
-      p.status = OnReplica(s.status(), p.replica);
-      continue;
-    }
-    p.session = *s;
+  WriteParts(std::move(pending), [&](DecodeSession& session, const std::vector<int>& indexes) {
     DecodeBatch part;
-    for (int i : p.indexes) part.sequence_ids.push_back(batch.sequence_ids[i]);
-    part.k = GatherRows(batch.k, p.indexes);
-    part.v = GatherRows(batch.v, p.indexes);
-    part.q = GatherRows(batch.q, p.indexes);
-    if (absl::Status st = p.session->WriteBatch(layer, part, softmax_scale); !st.ok()) {
-      p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
-      Drop(p);
-      p.session = nullptr;
-    }
-  }
-  pending_.push_back(std::move(pending));
+    for (int i : indexes) part.sequence_ids.push_back(batch.sequence_ids[i]);
+    part.k = GatherRows(batch.k, indexes);
+    part.v = GatherRows(batch.v, indexes);
+    part.q = GatherRows(batch.q, indexes);
+    return session.WriteBatch(layer, part, softmax_scale);
+  });
   return absl::OkStatus();
 }
 
@@ -131,27 +127,37 @@ absl::StatusOr<ShardedDecodeSession::Pending> ShardedDecodeSession::Next(bool pa
   return p;
 }
 
+void ShardedDecodeSession::ReadParts(Pending& pending,
+                                     absl::FunctionRef<absl::Status(const Part&)> read,
+                                     absl::FunctionRef<void(int, const absl::Status&)> fail) {
+  for (Part& p : pending.parts) {
+    if (p.status.ok()) {
+      const absl::Status st = read(p);
+      if (st.ok()) continue;
+      p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
+      Drop(p);
+    }
+    for (int i : p.indexes) fail(i, p.status);
+  }
+}
+
 std::vector<absl::StatusOr<AttendOutput>> ShardedDecodeSession::ReadEach() {
   absl::StatusOr<Pending> pending = Next(false);
   if (!pending.ok()) return {pending.status()};
   std::vector<absl::StatusOr<AttendOutput>> out(pending->n,
                                                 absl::InternalError("no result was read"));
-  for (Part& p : pending->parts) {
-    if (p.status.ok()) {
-      absl::StatusOr<std::vector<AttendOutput>> r = p.session->Read();
-      if (r.ok() && r->size() != p.indexes.size()) {
-        r = absl::DataLossError(absl::StrCat("the stream answered ", r->size(), " results for ",
-                                             p.indexes.size(), " items"));
-      }
-      if (r.ok()) {
-        for (size_t j = 0; j < p.indexes.size(); ++j) out[p.indexes[j]] = std::move((*r)[j]);
-        continue;
-      }
-      p.status = OnReplica(RenumberItems(r.status(), p.indexes), p.replica);
-      Drop(p);
-    }
-    for (int i : p.indexes) out[i] = p.status;
-  }
+  ReadParts(
+      *pending,
+      [&](const Part& p) -> absl::Status {
+        KVQ_ASSIGN_OR_RETURN(std::vector<AttendOutput> r, p.session->Read());
+        if (r.size() != p.indexes.size()) {
+          return absl::DataLossError(absl::StrCat("the stream answered ", r.size(),
+                                                  " results for ", p.indexes.size(), " items"));
+        }
+        for (size_t j = 0; j < p.indexes.size(); ++j) out[p.indexes[j]] = std::move(r[j]);
+        return absl::OkStatus();
+      },
+      [&](int i, const absl::Status& st) { out[i] = st; });
   return out;
 }
 
@@ -159,19 +165,15 @@ absl::StatusOr<PartialBatchOutput> ShardedDecodeSession::ReadBatchEach() {
   KVQ_ASSIGN_OR_RETURN(Pending pending, Next(true));
   PartialBatchOutput out;
   out.status.resize(pending.n);
-  for (Part& p : pending.parts) {
-    if (p.status.ok()) {
-      absl::StatusOr<AttendOutput> r = p.session->ReadBatch();
-      if (r.ok()) {
-        ScatterRows(r->out, p.indexes, pending.n, &out.output.out);
-        ScatterRows(r->lse, p.indexes, pending.n, &out.output.lse);
-        continue;
-      }
-      p.status = OnReplica(RenumberItems(r.status(), p.indexes), p.replica);
-      Drop(p);
-    }
-    for (int i : p.indexes) out.status[i] = p.status;
-  }
+  ReadParts(
+      pending,
+      [&](const Part& p) -> absl::Status {
+        KVQ_ASSIGN_OR_RETURN(AttendOutput r, p.session->ReadBatch());
+        ScatterRows(r.out, p.indexes, pending.n, &out.output.out);
+        ScatterRows(r.lse, p.indexes, pending.n, &out.output.lse);
+        return absl::OkStatus();
+      },
+      [&](int i, const absl::Status& st) { out.status[i] = st; });
   return out;
 }
 
