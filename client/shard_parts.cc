@@ -40,6 +40,22 @@ void ScatterRows(const HostTensor& part, const std::vector<int>& indexes, int n,
   }
 }
 
+absl::Status ValidateDecodeBatch(const DecodeBatch& batch) {
+  const int n = static_cast<int>(batch.sequence_ids.size());
+  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"k", &batch.k},
+                                {"v", &batch.v}, {"q", &batch.q}}) {
+    if (n == 0 || t->rank() != 3 || t->shape[0] != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " is ", t->DebugString(), "; it must be [", n,
+          " sequences (one row each, at least one), heads, head_dim]"));
+    }
+    if (absl::Status st = t->Validate(); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": ", st.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<AttendOutput>> AllOrFirstError(
     std::vector<absl::StatusOr<AttendOutput>> each) {
   std::vector<AttendOutput> out;

@@ -26,6 +26,11 @@ HostTensor GatherRows(const HostTensor& t, const std::vector<int>& indexes);
 void ScatterRows(const HostTensor& part, const std::vector<int>& indexes, int n,
                  HostTensor* whole);
 
+// INVALID_ARGUMENT unless k, v and q of `batch` are valid [n, heads,
+// head_dim] tensors, n = its sequence count (at least one): checked before
+// the batch is split, so that the error names the caller's tensors.
+absl::Status ValidateDecodeBatch(const DecodeBatch& batch);
+
 // The outputs of every item when all succeeded, else the first item's error:
 // the all-or-nothing form of the per-item (…Each) calls.
 absl::StatusOr<std::vector<AttendOutput>> AllOrFirstError(

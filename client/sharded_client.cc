@@ -510,18 +510,8 @@ absl::StatusOr<AttendOutput> ShardedKvqClient::AttendBatch(
 
 absl::StatusOr<PartialBatchOutput> ShardedKvqClient::AppendAttendBatchEach(
     int layer, const DecodeBatch& batch, float softmax_scale, const CallOptions& call) {
+  KVQ_RETURN_IF_ERROR(ValidateDecodeBatch(batch));
   const int n = static_cast<int>(batch.sequence_ids.size());
-  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"k", &batch.k},
-                                {"v", &batch.v}, {"q", &batch.q}}) {
-    if (n == 0 || t->rank() != 3 || t->shape[0] != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " is ", t->DebugString(), "; it must be [", n,
-          " sequences (one row each, at least one), heads, head_dim]"));
-    }
-    if (absl::Status st = t->Validate(); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": ", st.message()));
-    }
-  }
   PartialBatchOutput result;
   absl::Mutex merge_mu;
   result.status = ForEachReplica(

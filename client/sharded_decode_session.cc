@@ -91,18 +91,8 @@ absl::Status ShardedDecodeSession::Write(int layer, absl::Span<const AppendAtten
 
 absl::Status ShardedDecodeSession::WriteBatch(int layer, const DecodeBatch& batch,
                                               float softmax_scale) {
+  KVQ_RETURN_IF_ERROR(ValidateDecodeBatch(batch));
   const int n = static_cast<int>(batch.sequence_ids.size());
-  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"k", &batch.k},
-                                {"v", &batch.v}, {"q", &batch.q}}) {
-    if (n == 0 || t->rank() != 3 || t->shape[0] != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " is ", t->DebugString(), "; it must be [", n,
-          " sequences (one row each, at least one), heads, head_dim]"));
-    }
-    if (absl::Status st = t->Validate(); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": ", st.message()));
-    }
-  }
   Pending pending{true, n, Split(batch.sequence_ids)};
   WriteParts(std::move(pending), [&](DecodeSession& session, const std::vector<int>& indexes) {
     DecodeBatch part;
