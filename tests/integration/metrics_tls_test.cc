@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
+#include "tests/integration/test_helpers.h"
 #include "tests/test_certs_fixture.h"
 
 namespace kvq {
@@ -90,16 +91,6 @@ TEST_F(MetricsTlsTest, WithoutTheFlagsTheMetricsPortStaysPlainHttp) {
   std::string out;
   ASSERT_EQ(Curl("http://" + *address + "/metrics", "", &out), 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "\nkvq_used_bytes{tier=\"host\"} 0\n")) << out;
-}
-
-// Replaces `to` with a copy of `from` in one rename.
-void ReplaceFile(const std::string& from, const std::string& to) {
-  std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("cp '", from, "' '", to, ".new' && mv -f '", to, ".new' '", to,
-                                    "'"),
-                       &out),
-            0)
-      << out;
 }
 
 TEST_F(MetricsTlsTest, RotationServesTheNewCertificateAndSkipsAHalfDoneOne) {

@@ -3,17 +3,20 @@
 
 // Helpers that several integration tests share.
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/host_tensor.h"
 #include "client/local_sequence.h"
 #include "client/sequence_config.h"
 #include "gtest/gtest.h"
+#include "tests/integration/server_process.h"
 
 namespace kvq {
 
@@ -49,6 +52,17 @@ inline FetchedKv LocalDequant(const SequenceConfig& config,
   absl::StatusOr<FetchedKv> out = (*local)->Read(0, -1, ro);
   EXPECT_TRUE(out.ok()) << out.status();
   return out.ok() ? *out : FetchedKv();
+}
+
+// Replaces `to` with a copy of `from` in one rename (a server that
+// reloads `to` never sees it half written).
+inline void ReplaceFile(const std::string& from, const std::string& to) {
+  std::string out;
+  ASSERT_EQ(RunCommand(absl::StrCat("cp '", from, "' '", to, ".new' && mv -f '", to, ".new' '", to,
+                                    "'"),
+                       &out),
+            0)
+      << out;
 }
 
 }  // namespace kvq

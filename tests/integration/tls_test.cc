@@ -17,6 +17,7 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
+#include "tests/integration/test_helpers.h"
 #include "tests/test_certs_fixture.h"
 
 namespace kvq {
@@ -136,16 +137,6 @@ TEST_F(TlsTest, MutualTlsAdmitsOnlyClientsWithACertificateOfTheClientCa) {
   absl::StatusOr<v1::StatsResponse> stats = client->Stats("m");
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->num_tokens(), 100);
-}
-
-// Replaces `to` with a copy of `from` in one rename.
-void ReplaceFile(const std::string& from, const std::string& to) {
-  std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("cp '", from, "' '", to, ".new' && mv -f '", to, ".new' '", to,
-                                    "'"),
-                       &out),
-            0)
-      << out;
 }
 
 TEST_F(TlsTest, RotatedCertificateServesNewConnectionsAndKeepsOpenStreams) {
