@@ -198,34 +198,6 @@ absl::StatusOr<std::string> SelfExecutableDir() {
   return std::filesystem::path(*self).parent_path().string();
 }
 
-absl::StatusOr<std::string> FindKvqServer(const std::string& given,
-                                          absl::string_view remote_flag) {
-  std::string path = given;
-  if (path.empty()) {
-    absl::StatusOr<std::string> self_dir = SelfExecutableDir();
-    if (!self_dir.ok()) return self_dir.status();
-    // Build tree: <build>/bench/kvq-bench and <build>/service/kvq-server;
-    // installed: both in bin/.
-    for (const std::string& candidate :
-         {*self_dir + "/../service/kvq-server", *self_dir + "/kvq-server"}) {
-      if (FindExecutable(candidate).ok()) {
-        path = candidate;
-        break;
-      }
-    }
-    if (path.empty()) {
-      return absl::NotFoundError(absl::StrCat(
-          "no kvq-server next to kvq-bench (looked in ", *self_dir, "/../service and ", *self_dir,
-          "); build the kvq_server target, or pass --kvq_server=PATH or ", remote_flag,
-          "=HOST:PORT"));
-    }
-  }
-  if (absl::StatusOr<std::string> found = FindExecutable(path); !found.ok()) {
-    return found.status();
-  }
-  return path;
-}
-
 absl::StatusOr<std::unique_ptr<ScratchDir>> ScratchDir::Create(absl::string_view prefix) {
   const char* tmp = std::getenv("TMPDIR");
   std::string pattern = absl::StrCat(tmp && *tmp ? tmp : "/tmp", "/", prefix, "XXXXXX");

@@ -73,12 +73,6 @@ absl::StatusOr<std::string> FindExecutable(absl::string_view name);
 absl::StatusOr<std::string> SelfExecutable();
 absl::StatusOr<std::string> SelfExecutableDir();
 
-// The kvq-server a kvq-bench command starts: `given` (its --kvq_server) when
-// set, else the one next to kvq-bench; NOT_FOUND, naming `remote_flag` (the
-// command's flag for a server already running), when there is none.
-absl::StatusOr<std::string> FindKvqServer(const std::string& given,
-                                          absl::string_view remote_flag);
-
 // A fresh directory under $TMPDIR (or /tmp), removed with its files by the
 // destructor.
 class ScratchDir {

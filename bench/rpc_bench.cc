@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_kvq_server.h"
 #include "bench/child_process.h"
 #include "bench/raw_echo.grpc.pb.h"
 #include "bench/resp_client.h"
@@ -416,18 +417,10 @@ absl::Status RpcBench::StartServers() {
   if (options_.server.empty()) {
     KVQ_ASSIGN_OR_RETURN(const std::string path,
                          FindKvqServer(options_.kvq_server_path, "--server"));
-    const std::string port_file = dir_->File("kvq-server.port");
-    KVQ_ASSIGN_OR_RETURN(
-        kvq_server_,
-        ChildProcess::Start(
-            "kvq-server",
-            {path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
-             absl::StrCat("--capacity_bytes=", options_.capacity_bytes), "--backend=cpu",
-             "--shutdown_grace_seconds=1"},
-            dir_->File("kvq-server.log")));
-    KVQ_ASSIGN_OR_RETURN(const int port,
-                         WaitForPortFile(port_file, kvq_server_.get(), absl::Seconds(60)));
-    result_.kvq_target = absl::StrCat("127.0.0.1:", port);
+    KVQ_ASSIGN_OR_RETURN(StartedKvqServer started,
+                         StartKvqServer(path, options_.capacity_bytes, *dir_));
+    kvq_server_ = std::move(started.process);
+    result_.kvq_target = absl::StrCat("127.0.0.1:", started.port);
     result_.kvq_started = true;
   } else {
     result_.kvq_target = options_.server;

@@ -44,6 +44,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "bench/bench_kvq_server.h"
 #include "bench/child_process.h"
 #include "client/kvq_client.h"
 #include "kernels/status_macros.h"
@@ -271,17 +272,10 @@ absl::Status Soak::StartServer() {
   KVQ_ASSIGN_OR_RETURN(dir_, ScratchDir::Create("kvq-bench-soak-"));
   KVQ_ASSIGN_OR_RETURN(const std::string path,
                        FindKvqServer(options_.kvq_server_path, "--target"));
-  const std::string port_file = dir_->File("kvq-server.port");
-  KVQ_ASSIGN_OR_RETURN(
-      server_, ChildProcess::Start(
-                   "kvq-server",
-                   {path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
-                    absl::StrCat("--capacity_bytes=", options_.capacity_bytes), "--backend=cpu",
-                    "--shutdown_grace_seconds=1"},
-                   dir_->File("kvq-server.log")));
-  KVQ_ASSIGN_OR_RETURN(const int port,
-                       WaitForPortFile(port_file, server_.get(), absl::Seconds(60)));
-  result_.target = absl::StrCat("127.0.0.1:", port);
+  KVQ_ASSIGN_OR_RETURN(StartedKvqServer started,
+                       StartKvqServer(path, options_.capacity_bytes, *dir_));
+  server_ = std::move(started.process);
+  result_.target = absl::StrCat("127.0.0.1:", started.port);
   result_.started_server = true;
   return absl::OkStatus();
 }
