@@ -30,6 +30,7 @@
 #include "client/local_sequence.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "tests/integration/server_client_fixture.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_helpers.h"
 
@@ -213,25 +214,8 @@ class FaultChild {
 
 // ------------------------------------------------------------ fixture
 
-class FaultTest : public ::testing::Test {
+class FaultTest : public ServerClientFixture {
  protected:
-  void StartServer(const std::vector<std::string>& flags, const std::string& ns,
-                   absl::Duration deadline = absl::Seconds(30)) {
-    server_ = std::make_unique<ServerProcess>(KVQ_SERVER_BIN);
-    absl::Status st = server_->Start(flags);
-    ASSERT_TRUE(st.ok()) << st;
-    ns_ = ns;
-    ClientOptions options;
-    options.target = server_->address();
-    options.ns = ns;
-    options.deadline = deadline;
-    absl::StatusOr<std::unique_ptr<KvqClient>> c = KvqClient::Connect(options);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
-    stub_ = v1::KvCache::NewStub(
-        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
-  }
-
   void CreateAndAppend(const std::string& id, const HostTensor& k, const HostTensor& v) {
     CreateOptions create;
     create.sequence_id = id;
@@ -272,11 +256,6 @@ class FaultTest : public ::testing::Test {
     EXPECT_TRUE(got.k == want.k) << id << ": keys differ";
     EXPECT_TRUE(got.v == want.v) << id << ": values differ";
   }
-
-  std::unique_ptr<ServerProcess> server_;
-  std::unique_ptr<KvqClient> client_;
-  std::unique_ptr<v1::KvCache::Stub> stub_;
-  std::string ns_;
 };
 
 // ------------------------------------------------------------ storms

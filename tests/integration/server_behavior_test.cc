@@ -35,6 +35,7 @@
 #include "client/local_sequence.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "tests/integration/server_client_fixture.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_helpers.h"
 
@@ -165,24 +166,8 @@ absl::StatusOr<std::string> HttpGetMetrics(const std::string& host_port) {
   return response.substr(body + 4);
 }
 
-class ServerBehaviorTest : public ::testing::Test {
+class ServerBehaviorTest : public ServerClientFixture {
  protected:
-  // Starts a server with `flags` and connects a client in namespace `ns`.
-  void StartServer(const std::vector<std::string>& flags, const std::string& ns) {
-    server_ = std::make_unique<ServerProcess>(KVQ_SERVER_BIN);
-    absl::Status st = server_->Start(flags);
-    ASSERT_TRUE(st.ok()) << st;
-    ns_ = ns;
-    ClientOptions options;
-    options.target = server_->address();
-    options.ns = ns;
-    absl::StatusOr<std::unique_ptr<KvqClient>> c = KvqClient::Connect(options);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
-    stub_ = v1::KvCache::NewStub(
-        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
-  }
-
   void Create(const std::string& id) {
     CreateOptions create;
     create.sequence_id = id;
@@ -258,11 +243,6 @@ class ServerBehaviorTest : public ::testing::Test {
     ToProto(v, c.mutable_v());
     return c;
   }
-
-  std::unique_ptr<ServerProcess> server_;
-  std::unique_ptr<KvqClient> client_;
-  std::unique_ptr<v1::KvCache::Stub> stub_;
-  std::string ns_;
 };
 
 // ------------------------------------------------------------ error paths
