@@ -6,7 +6,9 @@
 #include "absl/time/time.h"
 
 namespace kvq {
+namespace {
 
+// The binary StartKvqServer starts.
 absl::StatusOr<std::string> FindKvqServer(const std::string& given,
                                           absl::string_view remote_flag) {
   std::string path = given;
@@ -35,13 +37,18 @@ absl::StatusOr<std::string> FindKvqServer(const std::string& given,
   return path;
 }
 
-absl::StatusOr<StartedKvqServer> StartKvqServer(const std::string& path, int64_t capacity_bytes,
-                                                const ScratchDir& dir) {
+}  // namespace
+
+absl::StatusOr<StartedKvqServer> StartKvqServer(const std::string& kvq_server_path,
+                                                absl::string_view remote_flag,
+                                                int64_t capacity_bytes, const ScratchDir& dir) {
+  absl::StatusOr<std::string> path = FindKvqServer(kvq_server_path, remote_flag);
+  if (!path.ok()) return path.status();
   const std::string port_file = dir.File("kvq-server.port");
   StartedKvqServer started;
   absl::StatusOr<std::unique_ptr<ChildProcess>> process = ChildProcess::Start(
       "kvq-server",
-      {path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
+      {*path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
        absl::StrCat("--capacity_bytes=", capacity_bytes), "--backend=cpu",
        "--shutdown_grace_seconds=1"},
       dir.File("kvq-server.log"));

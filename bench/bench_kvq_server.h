@@ -13,22 +13,20 @@
 
 namespace kvq {
 
-// The kvq-server to start: `given` (the command's --kvq_server) when set,
-// else the one next to kvq-bench; NOT_FOUND, naming `remote_flag` (the
-// command's flag for a server already running), when there is none.
-absl::StatusOr<std::string> FindKvqServer(const std::string& given,
-                                          absl::string_view remote_flag);
-
 struct StartedKvqServer {
   std::unique_ptr<ChildProcess> process;
   int port = 0;  // On 127.0.0.1.
 };
 
-// Starts the kvq-server at `path` on a free loopback port: CPU backend,
+// Starts a kvq-server on a free loopback port: CPU backend,
 // `capacity_bytes` of page pool, no metrics port, its port file and log in
-// `dir`; returns once it listens (at most a minute).
-absl::StatusOr<StartedKvqServer> StartKvqServer(const std::string& path, int64_t capacity_bytes,
-                                                const ScratchDir& dir);
+// `dir`; returns once it listens (at most a minute). The binary is
+// `kvq_server_path` (the command's --kvq_server) when set, else the one
+// next to kvq-bench; NOT_FOUND, naming `remote_flag` (the command's flag for
+// a server already running), when there is none.
+absl::StatusOr<StartedKvqServer> StartKvqServer(const std::string& kvq_server_path,
+                                                absl::string_view remote_flag,
+                                                int64_t capacity_bytes, const ScratchDir& dir);
 
 }  // namespace kvq
 

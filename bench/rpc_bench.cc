@@ -415,10 +415,9 @@ absl::Status RpcBench::StartServers() {
   KVQ_ASSIGN_OR_RETURN(dir_, ScratchDir::Create("kvq-bench-rpc-"));
   KVQ_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
   if (options_.server.empty()) {
-    KVQ_ASSIGN_OR_RETURN(const std::string path,
-                         FindKvqServer(options_.kvq_server_path, "--server"));
-    KVQ_ASSIGN_OR_RETURN(StartedKvqServer started,
-                         StartKvqServer(path, options_.capacity_bytes, *dir_));
+    KVQ_ASSIGN_OR_RETURN(
+        StartedKvqServer started,
+        StartKvqServer(options_.kvq_server_path, "--server", options_.capacity_bytes, *dir_));
     kvq_server_ = std::move(started.process);
     result_.kvq_target = absl::StrCat("127.0.0.1:", started.port);
     result_.kvq_started = true;

@@ -270,10 +270,9 @@ void Soak::Fail(Recorder* r, Op op, const std::string& code, const std::string& 
 
 absl::Status Soak::StartServer() {
   KVQ_ASSIGN_OR_RETURN(dir_, ScratchDir::Create("kvq-bench-soak-"));
-  KVQ_ASSIGN_OR_RETURN(const std::string path,
-                       FindKvqServer(options_.kvq_server_path, "--target"));
-  KVQ_ASSIGN_OR_RETURN(StartedKvqServer started,
-                       StartKvqServer(path, options_.capacity_bytes, *dir_));
+  KVQ_ASSIGN_OR_RETURN(
+      StartedKvqServer started,
+      StartKvqServer(options_.kvq_server_path, "--target", options_.capacity_bytes, *dir_));
   server_ = std::move(started.process);
   result_.target = absl::StrCat("127.0.0.1:", started.port);
   result_.started_server = true;

@@ -95,10 +95,8 @@ TEST_F(MetricsTlsTest, WithoutTheFlagsTheMetricsPortStaysPlainHttp) {
 
 TEST_F(MetricsTlsTest, RotationServesTheNewCertificateAndSkipsAHalfDoneOne) {
   const std::string live = F("live");
+  ASSERT_NO_FATAL_FAILURE(MakeLiveCertFolder(live, F("server.pem"), F("server.key")));
   std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("mkdir -p '", live, "'"), &out), 0);
-  ReplaceFile(F("server.pem"), live + "/cert.pem");
-  ReplaceFile(F("server.key"), live + "/key.pem");
   ServerProcess server(KVQ_SERVER_BIN);
   server.set_capture_stderr(true);
   ASSERT_TRUE(server

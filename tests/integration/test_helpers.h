@@ -65,6 +65,16 @@ inline void ReplaceFile(const std::string& from, const std::string& to) {
       << out;
 }
 
+// Makes folder `live` holding cert.pem and key.pem, copies of `cert` and
+// `key`: the files a rotation test replaces while the server runs.
+inline void MakeLiveCertFolder(const std::string& live, const std::string& cert,
+                               const std::string& key) {
+  std::string out;
+  ASSERT_EQ(RunCommand(absl::StrCat("mkdir -p '", live, "'"), &out), 0) << out;
+  ASSERT_NO_FATAL_FAILURE(ReplaceFile(cert, live + "/cert.pem"));
+  ASSERT_NO_FATAL_FAILURE(ReplaceFile(key, live + "/key.pem"));
+}
+
 }  // namespace kvq
 
 #endif  // KVQ_TESTS_INTEGRATION_TEST_HELPERS_H_

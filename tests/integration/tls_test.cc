@@ -141,10 +141,7 @@ TEST_F(TlsTest, MutualTlsAdmitsOnlyClientsWithACertificateOfTheClientCa) {
 
 TEST_F(TlsTest, RotatedCertificateServesNewConnectionsAndKeepsOpenStreams) {
   const std::string live = F("live");
-  std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("mkdir -p '", live, "'"), &out), 0);
-  ReplaceFile(F("server.pem"), live + "/cert.pem");
-  ReplaceFile(F("server.key"), live + "/key.pem");
+  ASSERT_NO_FATAL_FAILURE(MakeLiveCertFolder(live, F("server.pem"), F("server.key")));
   ServerProcess server(KVQ_SERVER_BIN);
   ASSERT_TRUE(server
                   .Start({"--tls_cert=" + live + "/cert.pem", "--tls_key=" + live + "/key.pem",
