@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_kvq_server.h"
 #include "bench/child_process.h"
 #include "bench/raw_echo.grpc.pb.h"
 #include "bench/resp_client.h"
@@ -413,38 +414,12 @@ class RpcBench {
 absl::Status RpcBench::StartServers() {
   KVQ_ASSIGN_OR_RETURN(dir_, ScratchDir::Create("kvq-bench-rpc-"));
   KVQ_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
-  KVQ_ASSIGN_OR_RETURN(const std::string self_dir, SelfExecutableDir());
   if (options_.server.empty()) {
-    std::string path = options_.kvq_server_path;
-    if (path.empty()) {
-      // Build tree: <build>/bench/kvq-bench and <build>/service/kvq-server;
-      // installed: both in bin/.
-      for (const std::string& candidate :
-           {self_dir + "/../service/kvq-server", self_dir + "/kvq-server"}) {
-        if (FindExecutable(candidate).ok()) {
-          path = candidate;
-          break;
-        }
-      }
-      if (path.empty()) {
-        return absl::NotFoundError(absl::StrCat(
-            "no kvq-server next to kvq-bench (looked in ", self_dir, "/../service and ", self_dir,
-            "); build the kvq_server target, or pass --kvq_server=PATH or --server=HOST:PORT"));
-      }
-    }
-    KVQ_RETURN_IF_ERROR(FindExecutable(path).status());
-    const std::string port_file = dir_->File("kvq-server.port");
     KVQ_ASSIGN_OR_RETURN(
-        kvq_server_,
-        ChildProcess::Start(
-            "kvq-server",
-            {path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
-             absl::StrCat("--capacity_bytes=", options_.capacity_bytes), "--backend=cpu",
-             "--shutdown_grace_seconds=1"},
-            dir_->File("kvq-server.log")));
-    KVQ_ASSIGN_OR_RETURN(const int port,
-                         WaitForPortFile(port_file, kvq_server_.get(), absl::Seconds(60)));
-    result_.kvq_target = absl::StrCat("127.0.0.1:", port);
+        StartedKvqServer started,
+        StartKvqServer(options_.kvq_server_path, "--server", options_.capacity_bytes, *dir_));
+    kvq_server_ = std::move(started.process);
+    result_.kvq_target = absl::StrCat("127.0.0.1:", started.port);
     result_.kvq_started = true;
   } else {
     result_.kvq_target = options_.server;

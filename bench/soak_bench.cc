@@ -44,6 +44,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "bench/bench_kvq_server.h"
 #include "bench/child_process.h"
 #include "client/kvq_client.h"
 #include "kernels/status_macros.h"
@@ -269,36 +270,11 @@ void Soak::Fail(Recorder* r, Op op, const std::string& code, const std::string& 
 
 absl::Status Soak::StartServer() {
   KVQ_ASSIGN_OR_RETURN(dir_, ScratchDir::Create("kvq-bench-soak-"));
-  std::string path = options_.kvq_server_path;
-  if (path.empty()) {
-    KVQ_ASSIGN_OR_RETURN(const std::string self_dir, SelfExecutableDir());
-    // Build tree: <build>/bench/kvq-bench and <build>/service/kvq-server;
-    // installed: both in bin/.
-    for (const std::string& candidate :
-         {self_dir + "/../service/kvq-server", self_dir + "/kvq-server"}) {
-      if (FindExecutable(candidate).ok()) {
-        path = candidate;
-        break;
-      }
-    }
-    if (path.empty()) {
-      return absl::NotFoundError(absl::StrCat(
-          "no kvq-server next to kvq-bench (looked in ", self_dir, "/../service and ", self_dir,
-          "); build the kvq_server target, or pass --kvq_server=PATH or --target=HOST:PORT"));
-    }
-  }
-  KVQ_RETURN_IF_ERROR(FindExecutable(path).status());
-  const std::string port_file = dir_->File("kvq-server.port");
   KVQ_ASSIGN_OR_RETURN(
-      server_, ChildProcess::Start(
-                   "kvq-server",
-                   {path, "--address=127.0.0.1:0", "--metrics_address=", "--port_file=" + port_file,
-                    absl::StrCat("--capacity_bytes=", options_.capacity_bytes), "--backend=cpu",
-                    "--shutdown_grace_seconds=1"},
-                   dir_->File("kvq-server.log")));
-  KVQ_ASSIGN_OR_RETURN(const int port,
-                       WaitForPortFile(port_file, server_.get(), absl::Seconds(60)));
-  result_.target = absl::StrCat("127.0.0.1:", port);
+      StartedKvqServer started,
+      StartKvqServer(options_.kvq_server_path, "--target", options_.capacity_bytes, *dir_));
+  server_ = std::move(started.process);
+  result_.target = absl::StrCat("127.0.0.1:", started.port);
   result_.started_server = true;
   return absl::OkStatus();
 }

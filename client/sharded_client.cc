@@ -1,7 +1,6 @@
 #include "client/sharded_client.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -10,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "client/parallel_for.h"
 #include "client/rendezvous.h"
+#include "client/shard_parts.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -26,44 +26,6 @@ const absl::Status& StatusOf(const absl::Status& s) { return s; }
 template <typename T>
 const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
   return s.status();
-}
-
-// The status with " (replica R)" after its message, so that an error of a
-// sharded call says which server gave it.
-absl::Status OnReplica(const absl::Status& st, absl::string_view replica) {
-  if (st.ok()) return st;
-  return absl::Status(st.code(), absl::StrCat(st.message(), " (replica ", replica, ")"));
-}
-
-// Rows `indexes` of a tensor whose first dimension is the batch.
-HostTensor GatherRows(const HostTensor& t, const std::vector<int>& indexes) {
-  HostTensor out;
-  out.dtype = t.dtype;
-  out.shape = t.shape;
-  if (t.shape.empty() || t.shape[0] <= 0) return t;
-  const size_t row = t.byte_size() / static_cast<size_t>(t.shape[0]);
-  out.shape[0] = static_cast<int64_t>(indexes.size());
-  out.data.resize(row * indexes.size());
-  for (size_t j = 0; j < indexes.size(); ++j) {
-    std::memcpy(out.data.data() + j * row, t.data.data() + indexes[j] * row, row);
-  }
-  return out;
-}
-
-// Copies row j of `part` into row indexes[j] of `whole` ([n, ...], created
-// zeroed from part's dtype and row shape when empty).
-void ScatterRows(const HostTensor& part, const std::vector<int>& indexes, int n,
-                 HostTensor* whole) {
-  if (part.shape.empty() || part.shape[0] != static_cast<int64_t>(indexes.size())) return;
-  if (whole->shape.empty()) {
-    std::vector<int64_t> shape = part.shape;
-    shape[0] = n;
-    *whole = HostTensor::Zeros(part.dtype, shape);
-  }
-  const size_t row = indexes.empty() ? 0 : part.byte_size() / indexes.size();
-  for (size_t j = 0; j < indexes.size(); ++j) {
-    std::memcpy(whole->data.data() + indexes[j] * row, part.data.data() + j * row, row);
-  }
 }
 
 template <typename T>
@@ -460,17 +422,16 @@ absl::Status ShardedKvqClient::FetchDequantLocalInto(absl::string_view sequence_
   });
 }
 
-std::vector<absl::StatusOr<AttendOutput>> ShardedKvqClient::AttendEach(
-    int layer, absl::Span<const AttendQuery> items, float softmax_scale,
-    const CallOptions& call) {
+template <typename Item, typename AttendFn>
+std::vector<absl::StatusOr<AttendOutput>> ShardedKvqClient::AttendPerReplica(
+    absl::Span<const Item> items, AttendFn attend) {
   std::vector<std::string> ids;
-  for (const AttendQuery& it : items) ids.push_back(it.sequence_id);
+  for (const Item& it : items) ids.push_back(it.sequence_id);
   std::vector<AttendOutput> outputs(items.size());
   const std::vector<absl::Status> status =
       ForEachReplica(ids, [&](KvqClient& c, const std::vector<int>& idx) -> absl::Status {
-        const std::vector<AttendQuery> part = Pick(items, idx);
-        KVQ_ASSIGN_OR_RETURN(std::vector<AttendOutput> out,
-                             c.Attend(layer, part, softmax_scale, call));
+        const std::vector<Item> part = Pick(items, idx);
+        KVQ_ASSIGN_OR_RETURN(std::vector<AttendOutput> out, attend(c, part));
         for (size_t j = 0; j < idx.size() && j < out.size(); ++j) {
           outputs[idx[j]] = std::move(out[j]);
         }
@@ -485,58 +446,34 @@ std::vector<absl::StatusOr<AttendOutput>> ShardedKvqClient::AttendEach(
     }
   }
   return result;
+}
+
+std::vector<absl::StatusOr<AttendOutput>> ShardedKvqClient::AttendEach(
+    int layer, absl::Span<const AttendQuery> items, float softmax_scale,
+    const CallOptions& call) {
+  return AttendPerReplica(items, [&](KvqClient& c, const std::vector<AttendQuery>& part) {
+    return c.Attend(layer, part, softmax_scale, call);
+  });
 }
 
 absl::StatusOr<std::vector<AttendOutput>> ShardedKvqClient::Attend(
     int layer, absl::Span<const AttendQuery> items, float softmax_scale,
     const CallOptions& call) {
-  std::vector<absl::StatusOr<AttendOutput>> each = AttendEach(layer, items, softmax_scale, call);
-  std::vector<AttendOutput> out;
-  for (absl::StatusOr<AttendOutput>& r : each) {
-    if (!r.ok()) return r.status();
-    out.push_back(*std::move(r));
-  }
-  return out;
+  return AllOrFirstError(AttendEach(layer, items, softmax_scale, call));
 }
 
 std::vector<absl::StatusOr<AttendOutput>> ShardedKvqClient::AppendAttendEach(
     int layer, absl::Span<const AppendAttendItem> items, float softmax_scale,
     const CallOptions& call) {
-  std::vector<std::string> ids;
-  for (const AppendAttendItem& it : items) ids.push_back(it.sequence_id);
-  std::vector<AttendOutput> outputs(items.size());
-  const std::vector<absl::Status> status =
-      ForEachReplica(ids, [&](KvqClient& c, const std::vector<int>& idx) -> absl::Status {
-        const std::vector<AppendAttendItem> part = Pick(items, idx);
-        KVQ_ASSIGN_OR_RETURN(std::vector<AttendOutput> out,
-                             c.AppendAttend(layer, part, softmax_scale, call));
-        for (size_t j = 0; j < idx.size() && j < out.size(); ++j) {
-          outputs[idx[j]] = std::move(out[j]);
-        }
-        return absl::OkStatus();
-      });
-  std::vector<absl::StatusOr<AttendOutput>> result;
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (status[i].ok()) {
-      result.push_back(std::move(outputs[i]));
-    } else {
-      result.push_back(status[i]);
-    }
-  }
-  return result;
+  return AttendPerReplica(items, [&](KvqClient& c, const std::vector<AppendAttendItem>& part) {
+    return c.AppendAttend(layer, part, softmax_scale, call);
+  });
 }
 
 absl::StatusOr<std::vector<AttendOutput>> ShardedKvqClient::AppendAttend(
     int layer, absl::Span<const AppendAttendItem> items, float softmax_scale,
     const CallOptions& call) {
-  std::vector<absl::StatusOr<AttendOutput>> each =
-      AppendAttendEach(layer, items, softmax_scale, call);
-  std::vector<AttendOutput> out;
-  for (absl::StatusOr<AttendOutput>& r : each) {
-    if (!r.ok()) return r.status();
-    out.push_back(*std::move(r));
-  }
-  return out;
+  return AllOrFirstError(AppendAttendEach(layer, items, softmax_scale, call));
 }
 
 absl::StatusOr<PartialBatchOutput> ShardedKvqClient::AttendBatchEach(
@@ -573,18 +510,8 @@ absl::StatusOr<AttendOutput> ShardedKvqClient::AttendBatch(
 
 absl::StatusOr<PartialBatchOutput> ShardedKvqClient::AppendAttendBatchEach(
     int layer, const DecodeBatch& batch, float softmax_scale, const CallOptions& call) {
+  KVQ_RETURN_IF_ERROR(ValidateDecodeBatch(batch));
   const int n = static_cast<int>(batch.sequence_ids.size());
-  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"k", &batch.k},
-                                {"v", &batch.v}, {"q", &batch.q}}) {
-    if (n == 0 || t->rank() != 3 || t->shape[0] != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " is ", t->DebugString(), "; it must be [", n,
-          " sequences (one row each, at least one), heads, head_dim]"));
-    }
-    if (absl::Status st = t->Validate(); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": ", st.message()));
-    }
-  }
   PartialBatchOutput result;
   absl::Mutex merge_mu;
   result.status = ForEachReplica(

@@ -200,6 +200,11 @@ class ShardedKvqClient {
   std::vector<absl::Status> ForEachReplica(
       absl::Span<const std::string> ids,
       const std::function<absl::Status(KvqClient&, const std::vector<int>&)>& run);
+  // AttendEach and AppendAttendEach: attend(client, part) for each replica's
+  // part of `items`; item i gets its output or its part's status.
+  template <typename Item, typename AttendFn>
+  std::vector<absl::StatusOr<AttendOutput>> AttendPerReplica(absl::Span<const Item> items,
+                                                             AttendFn attend);
 
   // A fresh id whose winner among `replicas` is `target`.
   absl::StatusOr<std::string> DrawIdFor(const std::vector<std::string>& replicas,

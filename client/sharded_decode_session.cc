@@ -1,49 +1,13 @@
 #include "client/sharded_decode_session.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/shard_parts.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
-namespace {
-
-absl::Status OnReplica(const absl::Status& st, absl::string_view replica) {
-  if (st.ok()) return st;
-  return absl::Status(st.code(), absl::StrCat(st.message(), " (replica ", replica, ")"));
-}
-
-HostTensor Rows(const HostTensor& t, const std::vector<int>& indexes) {
-  HostTensor out;
-  out.dtype = t.dtype;
-  out.shape = t.shape;
-  if (t.shape.empty() || t.shape[0] <= 0) return t;
-  const size_t row = t.byte_size() / static_cast<size_t>(t.shape[0]);
-  out.shape[0] = static_cast<int64_t>(indexes.size());
-  out.data.resize(row * indexes.size());
-  for (size_t j = 0; j < indexes.size(); ++j) {
-    std::memcpy(out.data.data() + j * row, t.data.data() + indexes[j] * row, row);
-  }
-  return out;
-}
-
-void Scatter(const HostTensor& part, const std::vector<int>& indexes, int n, HostTensor* whole) {
-  if (part.shape.empty() || part.shape[0] != static_cast<int64_t>(indexes.size())) return;
-  if (whole->shape.empty()) {
-    std::vector<int64_t> shape = part.shape;
-    shape[0] = n;
-    *whole = HostTensor::Zeros(part.dtype, shape);
-  }
-  const size_t row = indexes.empty() ? 0 : part.byte_size() / indexes.size();
-  for (size_t j = 0; j < indexes.size(); ++j) {
-    std::memcpy(whole->data.data() + indexes[j] * row, part.data.data() + j * row, row);
-  }
-}
-
-}  // namespace
-
 std::unique_ptr<ShardedDecodeSession> ShardedKvqClient::OpenDecodeSession(
     absl::Duration deadline) {
   return std::make_unique<ShardedDecodeSession>(this, deadline);
@@ -91,67 +55,53 @@ void ShardedDecodeSession::Drop(const Part& part) {
   if (it != sessions_.end() && it->second == part.session) sessions_.erase(it);
 }
 
+void ShardedDecodeSession::WriteParts(
+    Pending pending,
+    absl::FunctionRef<absl::Status(DecodeSession&, const std::vector<int>&)> write) {
+  for (Part& p : pending.parts) {
+    if (!p.status.ok()) continue;
+    absl::StatusOr<std::shared_ptr<DecodeSession>> s = SessionFor(p.replica);
+    if (!s.ok()) {
+      p.status = OnReplica(s.status(), p.replica);
+      continue;
+    }
+    p.session = *s;
+    if (absl::Status st = write(*p.session, p.indexes); !st.ok()) {
+      p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
+      Drop(p);
+      p.session = nullptr;
+    }
+  }
+  pending_.push_back(std::move(pending));
+}
+
 absl::Status ShardedDecodeSession::Write(int layer, absl::Span<const AppendAttendItem> items,
                                          float softmax_scale) {
   if (items.empty()) return absl::InvalidArgumentError("items is empty");
   std::vector<std::string> ids;
   for (const AppendAttendItem& it : items) ids.push_back(it.sequence_id);
   Pending pending{false, static_cast<int>(items.size()), Split(ids)};
-  for (Part& p : pending.parts) {
-    if (!p.status.ok()) continue;
-    absl::StatusOr<std::shared_ptr<DecodeSession>> s = SessionFor(p.replica);
-    if (!s.ok()) {
-      p.status = OnReplica(s.status(), p.replica);
-      continue;
-    }
-    p.session = *s;
+  WriteParts(std::move(pending), [&](DecodeSession& session, const std::vector<int>& indexes) {
     std::vector<AppendAttendItem> part;
-    for (int i : p.indexes) part.push_back(items[i]);
-    if (absl::Status st = p.session->Write(layer, part, softmax_scale); !st.ok()) {
-      p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
-      Drop(p);
-      p.session = nullptr;
-    }
-  }
-  pending_.push_back(std::move(pending));
+    for (int i : indexes) part.push_back(items[i]);
+    return session.Write(layer, part, softmax_scale);
+  });
   return absl::OkStatus();
 }
 
 absl::Status ShardedDecodeSession::WriteBatch(int layer, const DecodeBatch& batch,
                                               float softmax_scale) {
+  KVQ_RETURN_IF_ERROR(ValidateDecodeBatch(batch));
   const int n = static_cast<int>(batch.sequence_ids.size());
-  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"k", &batch.k},
-                                {"v", &batch.v}, {"q", &batch.q}}) {
-    if (n == 0 || t->rank() != 3 || t->shape[0] != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " is ", t->DebugString(), "; it must be [", n,
-          " sequences (one row each, at least one), heads, head_dim]"));
-    }
-    if (absl::Status st = t->Validate(); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": ", st.message()));
-    }
-  }
   Pending pending{true, n, Split(batch.sequence_ids)};
-  for (Part& p : pending.parts) {
-    if (!p.status.ok()) continue;
-    absl::StatusOr<std::shared_ptr<DecodeSession>> s = SessionFor(p.replica);
-    if (!s.ok()) {
-      p.status = OnReplica(s.status(), p.replica);
-      continue;
-    }
-    p.session = *s;
+  WriteParts(std::move(pending), [&](DecodeSession& session, const std::vector<int>& indexes) {
     DecodeBatch part;
-    for (int i : p.indexes) part.sequence_ids.push_back(batch.sequence_ids[i]);
-    part.k = Rows(batch.k, p.indexes);
-    part.v = Rows(batch.v, p.indexes);
-    part.q = Rows(batch.q, p.indexes);
-    if (absl::Status st = p.session->WriteBatch(layer, part, softmax_scale); !st.ok()) {
-      p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
-      Drop(p);
-      p.session = nullptr;
-    }
-  }
-  pending_.push_back(std::move(pending));
+    for (int i : indexes) part.sequence_ids.push_back(batch.sequence_ids[i]);
+    part.k = GatherRows(batch.k, indexes);
+    part.v = GatherRows(batch.v, indexes);
+    part.q = GatherRows(batch.q, indexes);
+    return session.WriteBatch(layer, part, softmax_scale);
+  });
   return absl::OkStatus();
 }
 
@@ -167,27 +117,37 @@ absl::StatusOr<ShardedDecodeSession::Pending> ShardedDecodeSession::Next(bool pa
   return p;
 }
 
+void ShardedDecodeSession::ReadParts(Pending& pending,
+                                     absl::FunctionRef<absl::Status(const Part&)> read,
+                                     absl::FunctionRef<void(int, const absl::Status&)> fail) {
+  for (Part& p : pending.parts) {
+    if (p.status.ok()) {
+      const absl::Status st = read(p);
+      if (st.ok()) continue;
+      p.status = OnReplica(RenumberItems(st, p.indexes), p.replica);
+      Drop(p);
+    }
+    for (int i : p.indexes) fail(i, p.status);
+  }
+}
+
 std::vector<absl::StatusOr<AttendOutput>> ShardedDecodeSession::ReadEach() {
   absl::StatusOr<Pending> pending = Next(false);
   if (!pending.ok()) return {pending.status()};
   std::vector<absl::StatusOr<AttendOutput>> out(pending->n,
                                                 absl::InternalError("no result was read"));
-  for (Part& p : pending->parts) {
-    if (p.status.ok()) {
-      absl::StatusOr<std::vector<AttendOutput>> r = p.session->Read();
-      if (r.ok() && r->size() != p.indexes.size()) {
-        r = absl::DataLossError(absl::StrCat("the stream answered ", r->size(), " results for ",
-                                             p.indexes.size(), " items"));
-      }
-      if (r.ok()) {
-        for (size_t j = 0; j < p.indexes.size(); ++j) out[p.indexes[j]] = std::move((*r)[j]);
-        continue;
-      }
-      p.status = OnReplica(RenumberItems(r.status(), p.indexes), p.replica);
-      Drop(p);
-    }
-    for (int i : p.indexes) out[i] = p.status;
-  }
+  ReadParts(
+      *pending,
+      [&](const Part& p) -> absl::Status {
+        KVQ_ASSIGN_OR_RETURN(std::vector<AttendOutput> r, p.session->Read());
+        if (r.size() != p.indexes.size()) {
+          return absl::DataLossError(absl::StrCat("the stream answered ", r.size(),
+                                                  " results for ", p.indexes.size(), " items"));
+        }
+        for (size_t j = 0; j < p.indexes.size(); ++j) out[p.indexes[j]] = std::move(r[j]);
+        return absl::OkStatus();
+      },
+      [&](int i, const absl::Status& st) { out[i] = st; });
   return out;
 }
 
@@ -195,30 +155,20 @@ absl::StatusOr<PartialBatchOutput> ShardedDecodeSession::ReadBatchEach() {
   KVQ_ASSIGN_OR_RETURN(Pending pending, Next(true));
   PartialBatchOutput out;
   out.status.resize(pending.n);
-  for (Part& p : pending.parts) {
-    if (p.status.ok()) {
-      absl::StatusOr<AttendOutput> r = p.session->ReadBatch();
-      if (r.ok()) {
-        Scatter(r->out, p.indexes, pending.n, &out.output.out);
-        Scatter(r->lse, p.indexes, pending.n, &out.output.lse);
-        continue;
-      }
-      p.status = OnReplica(RenumberItems(r.status(), p.indexes), p.replica);
-      Drop(p);
-    }
-    for (int i : p.indexes) out.status[i] = p.status;
-  }
+  ReadParts(
+      pending,
+      [&](const Part& p) -> absl::Status {
+        KVQ_ASSIGN_OR_RETURN(AttendOutput r, p.session->ReadBatch());
+        ScatterRows(r.out, p.indexes, pending.n, &out.output.out);
+        ScatterRows(r.lse, p.indexes, pending.n, &out.output.lse);
+        return absl::OkStatus();
+      },
+      [&](int i, const absl::Status& st) { out.status[i] = st; });
   return out;
 }
 
 absl::StatusOr<std::vector<AttendOutput>> ShardedDecodeSession::Read() {
-  std::vector<absl::StatusOr<AttendOutput>> each = ReadEach();
-  std::vector<AttendOutput> out;
-  for (absl::StatusOr<AttendOutput>& r : each) {
-    if (!r.ok()) return r.status();
-    out.push_back(*std::move(r));
-  }
-  return out;
+  return AllOrFirstError(ReadEach());
 }
 
 absl::StatusOr<AttendOutput> ShardedDecodeSession::ReadBatch() {

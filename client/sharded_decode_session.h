@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -82,6 +83,17 @@ class ShardedDecodeSession {
   // Forgets a replica's stream after it failed (a later step opens anew).
   void Drop(const Part& part);
   absl::StatusOr<Pending> Next(bool packed);
+  // Writes each part of `pending` that has a replica with write(stream,
+  // its item indexes) and queues the step. A part that fails keeps the
+  // status (its replica named, its items renumbered to the caller's batch)
+  // and its replica's stream is dropped.
+  void WriteParts(Pending pending,
+                  absl::FunctionRef<absl::Status(DecodeSession&, const std::vector<int>&)> write);
+  // Reads each written part of `pending` with read(part), which stores its
+  // results; for each item of a part that failed, now or at Write,
+  // fail(item index, status) (status as in WriteParts).
+  void ReadParts(Pending& pending, absl::FunctionRef<absl::Status(const Part&)> read,
+                 absl::FunctionRef<void(int, const absl::Status&)> fail);
 
   ShardedKvqClient* client_;
   absl::Duration deadline_;

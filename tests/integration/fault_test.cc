@@ -30,7 +30,9 @@
 #include "client/local_sequence.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "tests/integration/server_client_fixture.h"
 #include "tests/integration/server_process.h"
+#include "tests/integration/test_helpers.h"
 
 namespace kvq {
 namespace {
@@ -48,41 +50,11 @@ SequenceConfig Config() {
   return c;
 }
 
-// Polls `done` until it holds or `bound` passes (a slow machine only waits
-// longer; nothing asserts on this timing).
-template <typename F>
-bool PollUntil(F done, absl::Duration bound = absl::Seconds(20)) {
-  const absl::Time give_up = absl::Now() + bound;
-  while (!done()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  return true;
-}
-
 v1::KvChunk Chunk(const HostTensor& k, const HostTensor& v) {
   v1::KvChunk c;
   ToProto(k, c.mutable_k());
   ToProto(v, c.mutable_v());
   return c;
-}
-
-// The dequantization (fp32) of `chunks` appended in order to a fresh
-// sequence, computed here with the CPU kernels.
-FetchedKv LocalDequant(const std::vector<std::pair<HostTensor, HostTensor>>& chunks) {
-  absl::StatusOr<std::unique_ptr<LocalSequence>> local = LocalSequence::Create(Config());
-  EXPECT_TRUE(local.ok()) << local.status();
-  if (!local.ok()) return {};
-  for (const auto& [k, v] : chunks) {
-    absl::Status st = (*local)->ApplyChunk(Chunk(k, v));
-    EXPECT_TRUE(st.ok()) << st;
-  }
-  ReadOptions ro;
-  ro.dtype = DType::kFloat32;
-  ro.apply_rope = false;
-  absl::StatusOr<FetchedKv> out = (*local)->Read(0, -1, ro);
-  EXPECT_TRUE(out.ok()) << out.status();
-  return out.ok() ? *out : FetchedKv();
 }
 
 // The pool's figures a fault must leave as they were.
@@ -242,25 +214,8 @@ class FaultChild {
 
 // ------------------------------------------------------------ fixture
 
-class FaultTest : public ::testing::Test {
+class FaultTest : public ServerClientFixture {
  protected:
-  void StartServer(const std::vector<std::string>& flags, const std::string& ns,
-                   absl::Duration deadline = absl::Seconds(30)) {
-    server_ = std::make_unique<ServerProcess>(KVQ_SERVER_BIN);
-    absl::Status st = server_->Start(flags);
-    ASSERT_TRUE(st.ok()) << st;
-    ns_ = ns;
-    ClientOptions options;
-    options.target = server_->address();
-    options.ns = ns;
-    options.deadline = deadline;
-    absl::StatusOr<std::unique_ptr<KvqClient>> c = KvqClient::Connect(options);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
-    stub_ = v1::KvCache::NewStub(
-        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
-  }
-
   void CreateAndAppend(const std::string& id, const HostTensor& k, const HostTensor& v) {
     CreateOptions create;
     create.sequence_id = id;
@@ -301,11 +256,6 @@ class FaultTest : public ::testing::Test {
     EXPECT_TRUE(got.k == want.k) << id << ": keys differ";
     EXPECT_TRUE(got.v == want.v) << id << ": values differ";
   }
-
-  std::unique_ptr<ServerProcess> server_;
-  std::unique_ptr<KvqClient> client_;
-  std::unique_ptr<v1::KvCache::Stub> stub_;
-  std::string ns_;
 };
 
 // ------------------------------------------------------------ storms
@@ -590,7 +540,7 @@ TEST_F(FaultTest, KilledServerFailsEveryCallWithUnavailableAndARestartServes) {
       if (ok_calls[t].load() < 5) return false;
     }
     return true;
-  })) << "the clients never got going";
+  }, absl::Seconds(20))) << "the clients never got going";
   const absl::Time killed = absl::Now();
   absl::StatusOr<int> status = server_->Kill(SIGKILL);
   ASSERT_TRUE(status.ok()) << status.status();
@@ -646,7 +596,7 @@ TEST_F(FaultTest, KilledServerFailsEveryCallWithUnavailableAndARestartServes) {
   const HostTensor k = Random({kLayers, kHeads, 200, kDim}, 400);
   const HostTensor v = Random({kLayers, kHeads, 200, kDim}, 401);
   ASSERT_NO_FATAL_FAILURE(CreateAndAppend("fresh", k, v));
-  ExpectHolds("fresh", LocalDequant({{k, v}}));
+  ExpectHolds("fresh", LocalDequant(Config(), {{k, v}}));
 }
 
 // ------------------------------------------------------------ full pool
@@ -700,14 +650,14 @@ TEST_F(FaultTest, FullPoolUnderConcurrentAppendsIsAllOrNothing) {
     if (results[i].ok()) {
       ++stored;
       EXPECT_EQ(stats->num_tokens(), kFirst + kMore);
-      ExpectHolds(id, LocalDequant({first[i], more[i]}));
+      ExpectHolds(id, LocalDequant(Config(), {first[i], more[i]}));
     } else {
       ++rejected;
       EXPECT_EQ(results[i].code(), absl::StatusCode::kResourceExhausted) << results[i];
       EXPECT_TRUE(absl::StrContains(results[i].message(), "page pool exhausted: a block of "))
           << results[i];
       EXPECT_EQ(stats->num_tokens(), kFirst);
-      ExpectHolds(id, LocalDequant({first[i]}));
+      ExpectHolds(id, LocalDequant(Config(), {first[i]}));
     }
   }
   EXPECT_GT(stored, 0);

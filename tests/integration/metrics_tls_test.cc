@@ -13,6 +13,8 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
+#include "tests/integration/test_helpers.h"
+#include "tests/test_certs_fixture.h"
 
 namespace kvq {
 namespace {
@@ -20,23 +22,8 @@ namespace {
 // curl's exit code when the server's certificate does not verify.
 constexpr int kCurlPeerFailedVerification = 60;
 
-class MetricsTlsTest : public ::testing::Test {
+class MetricsTlsTest : public TestCertsFixture {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/kvq_metrics_tls_", getpid()));
-    std::string out;
-    made_ = RunCommand(absl::StrCat("'", KVQ_MAKE_CERTS_SH, "' '", *dir_, "'"), &out) == 0;
-    if (!made_) std::fprintf(stderr, "make_test_certs.sh: %s\n", out.c_str());
-  }
-  static void TearDownTestSuite() {
-    std::string out;
-    RunCommand(absl::StrCat("rm -rf '", *dir_, "'"), &out);
-    delete dir_;
-  }
-  void SetUp() override { ASSERT_TRUE(made_) << "make_test_certs.sh failed"; }
-
-  static std::string F(const std::string& name) { return *dir_ + "/" + name; }
-
   static std::vector<std::string> MetricsTlsFlags() {
     return {"--metrics_tls_cert=" + F("server.pem"), "--metrics_tls_key=" + F("server.key")};
   }
@@ -51,11 +38,7 @@ class MetricsTlsTest : public ::testing::Test {
     return RunCommand(absl::StrCat(command, " '", url, "'"), output);
   }
 
-  static std::string* dir_;
-  static bool made_;
 };
-std::string* MetricsTlsTest::dir_ = nullptr;
-bool MetricsTlsTest::made_ = false;
 
 TEST_F(MetricsTlsTest, ServesTheRegistryOverHttpsAnd404ElsewhereWithTheRightCa) {
   ServerProcess server(KVQ_SERVER_BIN);
@@ -110,22 +93,10 @@ TEST_F(MetricsTlsTest, WithoutTheFlagsTheMetricsPortStaysPlainHttp) {
   EXPECT_TRUE(absl::StrContains(out, "\nkvq_used_bytes{tier=\"host\"} 0\n")) << out;
 }
 
-// Replaces `to` with a copy of `from` in one rename.
-void ReplaceFile(const std::string& from, const std::string& to) {
-  std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("cp '", from, "' '", to, ".new' && mv -f '", to, ".new' '", to,
-                                    "'"),
-                       &out),
-            0)
-      << out;
-}
-
 TEST_F(MetricsTlsTest, RotationServesTheNewCertificateAndSkipsAHalfDoneOne) {
   const std::string live = F("live");
+  ASSERT_NO_FATAL_FAILURE(MakeLiveCertFolder(live, F("server.pem"), F("server.key")));
   std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("mkdir -p '", live, "'"), &out), 0);
-  ReplaceFile(F("server.pem"), live + "/cert.pem");
-  ReplaceFile(F("server.key"), live + "/key.pem");
   ServerProcess server(KVQ_SERVER_BIN);
   server.set_capture_stderr(true);
   ASSERT_TRUE(server

@@ -35,7 +35,9 @@
 #include "client/local_sequence.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "tests/integration/server_client_fixture.h"
 #include "tests/integration/server_process.h"
+#include "tests/integration/test_helpers.h"
 
 namespace kvq {
 namespace {
@@ -50,18 +52,6 @@ SequenceConfig Config() {
   return c;
 }
 
-// Polls `done` until it holds or `bound` passes (a slow machine only waits
-// longer; nothing here asserts on timing).
-template <typename F>
-bool PollUntil(F done, absl::Duration bound = absl::Seconds(15)) {
-  const absl::Time give_up = absl::Now() + bound;
-  while (!done()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  return true;
-}
-
 void ExpectStatus(const absl::Status& st, absl::StatusCode code, absl::string_view text) {
   EXPECT_EQ(st.code(), code) << st;
   EXPECT_TRUE(absl::StrContains(st.message(), text)) << st << "\n  expected text: " << text;
@@ -71,27 +61,6 @@ void ExpectStatus(const grpc::Status& st, grpc::StatusCode code, absl::string_vi
   EXPECT_EQ(st.error_code(), code) << st.error_message();
   EXPECT_TRUE(absl::StrContains(st.error_message(), text))
       << st.error_message() << "\n  expected text: " << text;
-}
-
-// The dequantization (fp32) of `chunks` appended in order to a fresh
-// sequence, computed here with the CPU kernels.
-FetchedKv LocalDequant(const std::vector<std::pair<HostTensor, HostTensor>>& chunks) {
-  absl::StatusOr<std::unique_ptr<LocalSequence>> local = LocalSequence::Create(Config());
-  EXPECT_TRUE(local.ok()) << local.status();
-  if (!local.ok()) return {};
-  for (const auto& [k, v] : chunks) {
-    v1::KvChunk c;
-    ToProto(k, c.mutable_k());
-    ToProto(v, c.mutable_v());
-    absl::Status st = (*local)->ApplyChunk(c);
-    EXPECT_TRUE(st.ok()) << st;
-  }
-  ReadOptions ro;
-  ro.dtype = DType::kFloat32;
-  ro.apply_rope = false;
-  absl::StatusOr<FetchedKv> out = (*local)->Read(0, -1, ro);
-  EXPECT_TRUE(out.ok()) << out.status();
-  return out.ok() ? *out : FetchedKv();
 }
 
 // What a sequence holds: each layer fetched separately (an AppendAttend
@@ -197,24 +166,8 @@ absl::StatusOr<std::string> HttpGetMetrics(const std::string& host_port) {
   return response.substr(body + 4);
 }
 
-class ServerBehaviorTest : public ::testing::Test {
+class ServerBehaviorTest : public ServerClientFixture {
  protected:
-  // Starts a server with `flags` and connects a client in namespace `ns`.
-  void StartServer(const std::vector<std::string>& flags, const std::string& ns) {
-    server_ = std::make_unique<ServerProcess>(KVQ_SERVER_BIN);
-    absl::Status st = server_->Start(flags);
-    ASSERT_TRUE(st.ok()) << st;
-    ns_ = ns;
-    ClientOptions options;
-    options.target = server_->address();
-    options.ns = ns;
-    absl::StatusOr<std::unique_ptr<KvqClient>> c = KvqClient::Connect(options);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
-    stub_ = v1::KvCache::NewStub(
-        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
-  }
-
   void Create(const std::string& id) {
     CreateOptions create;
     create.sequence_id = id;
@@ -290,11 +243,6 @@ class ServerBehaviorTest : public ::testing::Test {
     ToProto(v, c.mutable_v());
     return c;
   }
-
-  std::unique_ptr<ServerProcess> server_;
-  std::unique_ptr<KvqClient> client_;
-  std::unique_ptr<v1::KvCache::Stub> stub_;
-  std::string ns_;
 };
 
 // ------------------------------------------------------------ error paths
@@ -981,7 +929,7 @@ TEST_F(ServerBehaviorTest, ConcurrentAppendsKeepEverySequenceExact) {
     EXPECT_EQ(stats->num_tokens(), kRounds * kRoundTokens);
     absl::StatusOr<FetchedKv> got = client_->FetchDequant(id, fetch);
     ASSERT_TRUE(got.ok()) << got.status();
-    const FetchedKv want = LocalDequant(own[t]);
+    const FetchedKv want = LocalDequant(Config(), own[t]);
     EXPECT_EQ(got->k.shape, (std::vector<int64_t>{kLayers, kHeads, kRounds * kRoundTokens, kDim}));
     EXPECT_TRUE(got->k == want.k);
     EXPECT_TRUE(got->v == want.v);
@@ -1136,7 +1084,7 @@ TEST_F(ServerBehaviorTest, EvictionNeverReturnsStaleData) {
     }
     ++alive;
     const auto [k, v] = data(i);
-    const FetchedKv want = LocalDequant({{k, v}});
+    const FetchedKv want = LocalDequant(Config(), {{k, v}});
     ASSERT_EQ(got->k.shape, want.k.shape);
     EXPECT_TRUE(got->k == want.k);
     EXPECT_TRUE(got->v == want.v);

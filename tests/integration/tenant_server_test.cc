@@ -17,6 +17,7 @@
 #include "client/kvq_client.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
+#include "tests/integration/test_helpers.h"
 
 namespace kvq {
 namespace {
@@ -35,14 +36,17 @@ SequenceConfig Config(const std::string& scheme = "kivi2:g32:r128") {
   return c;
 }
 
-template <typename F>
-bool PollUntil(F done, absl::Duration bound = absl::Seconds(15)) {
-  const absl::Time give_up = absl::Now() + bound;
-  while (!done()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  return true;
+// Creates `id` through `client` with a prompt of `tokens` random tokens (K
+// drawn from `seed`, V from seed + 1).
+void CreateWithPrompt(KvqClient* client, const std::string& id, int tokens, uint32_t seed) {
+  CreateOptions create;
+  create.sequence_id = id;
+  create.config = Config();
+  ASSERT_TRUE(client->CreateSequence(create).ok());
+  ASSERT_TRUE(client
+                  ->AppendPrompt(id, Random({kLayers, kHeads, tokens, kDim}, seed),
+                                 Random({kLayers, kHeads, tokens, kDim}, seed + 1))
+                  .ok());
 }
 
 std::string TokensText(const std::string& extra = "") {
@@ -214,13 +218,7 @@ TEST_F(TenantServerTest, ReloadAddsAndRemovesTenantsAndKeepsTheTableOnABadFile) 
 
 TEST_F(TenantServerTest, MetricsCarryTheTenantButNeverTokensOrSequenceIds) {
   std::unique_ptr<KvqClient> a = Client(kTokenA);
-  CreateOptions create;
-  create.sequence_id = "metrics-secret-id";
-  create.config = Config();
-  ASSERT_TRUE(a->CreateSequence(create).ok());
-  ASSERT_TRUE(a->AppendPrompt("metrics-secret-id", Random({kLayers, kHeads, 64, kDim}, 1),
-                              Random({kLayers, kHeads, 64, kDim}, 2))
-                  .ok());
+  ASSERT_NO_FATAL_FAILURE(CreateWithPrompt(a.get(), "metrics-secret-id", 64, 1));
   EXPECT_EQ(a->FetchDequant("never").status().code(), absl::StatusCode::kNotFound);
   absl::StatusOr<std::string> address = server_->MetricsAddress();
   ASSERT_TRUE(address.ok()) << address.status();
@@ -372,13 +370,7 @@ TEST_F(TenantServerTest, RawFetchOfATenantsPagesGivesEveryByteBackOnRelease) {
   // Raw fetch messages reference the tenant's pages until gRPC has sent
   // them; the last reference, wherever it goes, uncharges the tenant.
   std::unique_ptr<KvqClient> a = Client(kTokenA);
-  CreateOptions create;
-  create.sequence_id = "raw";
-  create.config = Config();
-  ASSERT_TRUE(a->CreateSequence(create).ok());
-  ASSERT_TRUE(a->AppendPrompt("raw", Random({kLayers, kHeads, 640, kDim}, 50),
-                              Random({kLayers, kHeads, 640, kDim}, 51))
-                  .ok());
+  ASSERT_NO_FATAL_FAILURE(CreateWithPrompt(a.get(), "raw", 640, 50));
   ForkOptions fork;
   fork.new_sequence_id = "raw-fork";
   ASSERT_TRUE(a->Fork("raw", fork).ok());

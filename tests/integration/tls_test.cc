@@ -17,29 +17,16 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
+#include "tests/integration/test_helpers.h"
+#include "tests/test_certs_fixture.h"
 
 namespace kvq {
 namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64;
 
-class TlsTest : public ::testing::Test {
+class TlsTest : public TestCertsFixture {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/kvq_tls_", getpid()));
-    std::string out;
-    made_ = RunCommand(absl::StrCat("'", KVQ_MAKE_CERTS_SH, "' '", *dir_, "'"), &out) == 0;
-    if (!made_) std::fprintf(stderr, "make_test_certs.sh: %s\n", out.c_str());
-  }
-  static void TearDownTestSuite() {
-    std::string out;
-    RunCommand(absl::StrCat("rm -rf '", *dir_, "'"), &out);
-    delete dir_;
-  }
-  void SetUp() override { ASSERT_TRUE(made_) << "make_test_certs.sh failed"; }
-
-  static std::string F(const std::string& name) { return *dir_ + "/" + name; }
-
   // A client on its own connection (a local subchannel pool: two clients
   // never share one, so each new client makes a fresh TLS handshake), one
   // attempt per call. Null `files`: plaintext.
@@ -83,11 +70,7 @@ class TlsTest : public ::testing::Test {
     return {"--tls_cert=" + F("server.pem"), "--tls_key=" + F("server.key")};
   }
 
-  static std::string* dir_;
-  static bool made_;
 };
-std::string* TlsTest::dir_ = nullptr;
-bool TlsTest::made_ = false;
 
 TEST_F(TlsTest, ClientTrustingTheServersCaStoresAndReads) {
   ServerProcess server(KVQ_SERVER_BIN);
@@ -156,22 +139,9 @@ TEST_F(TlsTest, MutualTlsAdmitsOnlyClientsWithACertificateOfTheClientCa) {
   EXPECT_EQ(stats->num_tokens(), 100);
 }
 
-// Replaces `to` with a copy of `from` in one rename.
-void ReplaceFile(const std::string& from, const std::string& to) {
-  std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("cp '", from, "' '", to, ".new' && mv -f '", to, ".new' '", to,
-                                    "'"),
-                       &out),
-            0)
-      << out;
-}
-
 TEST_F(TlsTest, RotatedCertificateServesNewConnectionsAndKeepsOpenStreams) {
   const std::string live = F("live");
-  std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat("mkdir -p '", live, "'"), &out), 0);
-  ReplaceFile(F("server.pem"), live + "/cert.pem");
-  ReplaceFile(F("server.key"), live + "/key.pem");
+  ASSERT_NO_FATAL_FAILURE(MakeLiveCertFolder(live, F("server.pem"), F("server.key")));
   ServerProcess server(KVQ_SERVER_BIN);
   ASSERT_TRUE(server
                   .Start({"--tls_cert=" + live + "/cert.pem", "--tls_key=" + live + "/key.pem",

@@ -25,6 +25,7 @@
 #include "service/kvq_service.h"
 #include "service/metrics.h"
 #include "service/server_config.h"
+#include "tests/service/store_test_data.h"
 
 ABSL_DECLARE_FLAG(double, verify_fraction);
 
@@ -77,10 +78,7 @@ struct Answer {
 class ChecksumServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    StoreOptions o;
-    o.pool.capacity_bytes = 16 << 20;
-    o.pool.slab_bytes = 64 << 10;
-    store_ = std::move(*SequenceStore::Create(o, &CpuBackend()));
+    store_ = NewTestStore(16 << 20);
     metrics_ = std::move(*Metrics::Create("", store_.get(), "host"));
     Metrics* m = metrics_.get();
     store_->set_events({[m](GoneReason r) { m->RecordGone(r); }, [m](int t) { m->RecordPrefixHit(t); }});

@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/test_certs_fixture.h"
 
 namespace kvq {
 namespace {
@@ -34,30 +35,15 @@ int RunShell(const std::string& command, std::string* out) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-class MetricsHttpsServerTest : public ::testing::Test {
+class MetricsHttpsServerTest : public TestCertsFixture {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/kvq_metrics_https_", getpid()));
-    made_ = std::system(absl::StrCat("'", KVQ_MAKE_CERTS_SH, "' '", *dir_, "'").c_str()) == 0;
-  }
-  static void TearDownTestSuite() {
-    std::system(absl::StrCat("rm -rf '", *dir_, "'").c_str());
-    delete dir_;
-  }
-  void SetUp() override { ASSERT_TRUE(made_) << "make_test_certs.sh failed"; }
-  static std::string F(const std::string& name) { return *dir_ + "/" + name; }
   static MetricsTlsOptions Options() {
     MetricsTlsOptions o;
     o.cert_file = F("server.pem");
     o.key_file = F("server.key");
     return o;
   }
-
-  static std::string* dir_;
-  static bool made_;
 };
-std::string* MetricsHttpsServerTest::dir_ = nullptr;
-bool MetricsHttpsServerTest::made_ = false;
 
 TEST_F(MetricsHttpsServerTest, ServesTheScrapeOnIpv4AndIpv6Loopback) {
   for (const char* bind : {"127.0.0.1:0", "[::1]:0"}) {

@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "service/sequence_store.h"
+#include "tests/service/store_test_data.h"
 #include "xxhash.h"
 
 namespace kvq {
@@ -91,22 +92,12 @@ TEST(PagePoolChecksumTest, WordsSitBesideTheBlocksAndClearWhenTheLastReferenceGo
   EXPECT_EQ(st.sealed_blocks, 0u);
 }
 
-ModelShape Shape() {
-  ModelShape m;
-  m.num_layers = kLayers;
-  m.num_kv_heads = kHeads;
-  m.num_q_heads = 2 * kHeads;
-  m.head_dim = kDim;
-  return m;
-}
+ModelShape Shape() { return GqaShape(kLayers, kHeads, kDim); }
 
 class SealTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    StoreOptions o;
-    o.pool.capacity_bytes = 8 << 20;
-    o.pool.slab_bytes = 64 << 10;
-    store_ = std::move(*SequenceStore::Create(o, &CpuBackend()));
+    store_ = NewTestStore(8 << 20);
   }
 
   SequenceStore::Handle Create(const std::string& id) {
@@ -219,10 +210,7 @@ TEST_P(SealTest, ForksShareTheSealedPagesAndTheirChecksums) {
 INSTANTIATE_TEST_SUITE_P(Schemes, SealTest, ::testing::Values("kivi2", "int8"));
 
 TEST(PartialPageTest, IsNotProtected) {
-  StoreOptions o;
-  o.pool.capacity_bytes = 8 << 20;
-  o.pool.slab_bytes = 64 << 10;
-  std::unique_ptr<SequenceStore> store = std::move(*SequenceStore::Create(o, &CpuBackend()));
+  std::unique_ptr<SequenceStore> store = NewTestStore(8 << 20);
   CreateSequenceArgs a;
   a.id = "p";
   a.shape = Shape();
@@ -265,11 +253,8 @@ TEST(VerifySamplerTest, VerifiesAnEvenlySpreadDeterministicShareOfReads) {
 }
 
 TEST(RemoveCorruptedTest, TheSequenceLeavesTheStoreAndSaysWhy) {
-  StoreOptions o;
-  o.pool.capacity_bytes = 8 << 20;
-  o.pool.slab_bytes = 64 << 10;
-  o.evict_when_full = true;  // Released sequences would stay as prefix cache.
-  std::unique_ptr<SequenceStore> store = std::move(*SequenceStore::Create(o, &CpuBackend()));
+  // Evicting: released sequences would stay as prefix cache.
+  std::unique_ptr<SequenceStore> store = NewTestStore(8 << 20, /*evict_when_full=*/true);
   CreateSequenceArgs a;
   a.ns = "t";
   a.id = "x";

@@ -1,11 +1,11 @@
 #include "service/sequence_store.h"
 
-#include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "tests/service/store_test_data.h"
 
 namespace kvq {
 namespace {
@@ -14,14 +14,7 @@ constexpr int kLayers = 2;
 constexpr int kHeads = 2;
 constexpr int kDim = 64;
 
-ModelShape Shape() {
-  ModelShape m;
-  m.num_layers = kLayers;
-  m.num_kv_heads = kHeads;
-  m.num_q_heads = 2 * kHeads;
-  m.head_dim = kDim;
-  return m;
-}
+ModelShape Shape() { return GqaShape(kLayers, kHeads, kDim); }
 
 std::unique_ptr<SequenceStore> MakeStore(size_t capacity, bool evict) {
   StoreOptions o;
@@ -43,24 +36,8 @@ CreateSequenceArgs Args(const std::string& id, const std::string& scheme = "kivi
   return a;
 }
 
-// Dense K/V for all layers: [layers, heads, tokens, dim] fp32.
-struct Kv {
-  std::vector<float> k, v;
-  DenseKv view(int tokens) const {
-    return DenseKv{0, kLayers, tokens, DType::kFloat32, reinterpret_cast<const uint8_t*>(k.data()),
-                   reinterpret_cast<const uint8_t*>(v.data())};
-  }
-};
-Kv MakeKv(int tokens, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> n;
-  Kv kv;
-  kv.k.resize(static_cast<size_t>(kLayers) * kHeads * tokens * kDim);
-  kv.v.resize(kv.k.size());
-  for (float& x : kv.k) x = n(rng);
-  for (float& x : kv.v) x = n(rng);
-  return kv;
-}
+// K/V of `tokens` tokens of this test's model.
+Kv MakeKv(int tokens, uint64_t seed) { return RandomKv(kLayers, kHeads, kDim, tokens, seed); }
 
 std::vector<float> ReadAll(Sequence& s, int layer, int head) {
   absl::ReaderMutexLock lock(&s.mu());

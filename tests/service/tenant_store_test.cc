@@ -1,7 +1,6 @@
 // The store's tenant boundary: keys, tombstones, generated ids and the
 // prefix registry per tenant (a foreign id answers exactly like a
 // never-known one), and the per-tenant quota of TenantPages.
-#include <random>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -10,6 +9,7 @@
 #include "kernels/backend.h"
 #include "service/sequence_store.h"
 #include "service/tenant_pages.h"
+#include "tests/service/store_test_data.h"
 
 namespace kvq {
 namespace {
@@ -19,13 +19,7 @@ constexpr int kHeads = 2;
 constexpr int kDim = 64;
 
 std::unique_ptr<SequenceStore> MakeStore(bool evict = false) {
-  StoreOptions o;
-  o.pool.capacity_bytes = 16 << 20;
-  o.pool.slab_bytes = 64 << 10;
-  o.evict_when_full = evict;
-  absl::StatusOr<std::unique_ptr<SequenceStore>> s = SequenceStore::Create(o, &CpuBackend());
-  EXPECT_TRUE(s.ok()) << s.status();
-  return std::move(*s);
+  return NewTestStore(16 << 20, evict);
 }
 
 CreateSequenceArgs Args(const std::string& tenant, const std::string& id) {
@@ -33,35 +27,13 @@ CreateSequenceArgs Args(const std::string& tenant, const std::string& id) {
   a.tenant = tenant;
   a.ns = "ns";
   a.id = id;
-  a.shape.num_layers = kLayers;
-  a.shape.num_kv_heads = kHeads;
-  a.shape.num_q_heads = 2 * kHeads;
-  a.shape.head_dim = kDim;
+  a.shape = GqaShape(kLayers, kHeads, kDim);
   a.scheme = "kivi2:g32:r128";
   return a;
 }
 
-struct Kv {
-  std::vector<float> k, v;
-  DenseKv view(int tokens) const {
-    return DenseKv{0,
-                   kLayers,
-                   tokens,
-                   DType::kFloat32,
-                   reinterpret_cast<const uint8_t*>(k.data()),
-                   reinterpret_cast<const uint8_t*>(v.data())};
-  }
-};
-Kv MakeKv(int tokens, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> n;
-  Kv kv;
-  kv.k.resize(static_cast<size_t>(kLayers) * kHeads * tokens * kDim);
-  kv.v.resize(kv.k.size());
-  for (float& x : kv.k) x = n(rng);
-  for (float& x : kv.v) x = n(rng);
-  return kv;
-}
+// K/V of `tokens` tokens of this test's model.
+Kv MakeKv(int tokens, uint64_t seed) { return RandomKv(kLayers, kHeads, kDim, tokens, seed); }
 
 absl::Status Append(SequenceStore& store, SequenceStore::Handle& h, const Kv& kv, int tokens) {
   absl::MutexLock lock(&h->mu());

@@ -11,23 +11,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/test_certs_fixture.h"
 
 namespace kvq {
 namespace {
 
-class TlsConfigTest : public ::testing::Test {
+class TlsConfigTest : public TestCertsFixture {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/kvq_tls_config_", getpid()));
-    made_ = std::system(absl::StrCat("'", KVQ_MAKE_CERTS_SH, "' '", *dir_, "'").c_str()) == 0;
-  }
-  static void TearDownTestSuite() {
-    std::system(absl::StrCat("rm -rf '", *dir_, "'").c_str());
-    delete dir_;
-  }
-  void SetUp() override { ASSERT_TRUE(made_) << "make_test_certs.sh failed"; }
-  static std::string F(const std::string& name) { return *dir_ + "/" + name; }
-
   static TlsServerOptions Server(std::string cert, std::string key, std::string ca = "") {
     TlsServerOptions o;
     o.cert_file = cert.empty() ? "" : F(cert);
@@ -35,12 +25,7 @@ class TlsConfigTest : public ::testing::Test {
     o.client_ca_file = ca.empty() ? "" : F(ca);
     return o;
   }
-
-  static std::string* dir_;
-  static bool made_;
 };
-std::string* TlsConfigTest::dir_ = nullptr;
-bool TlsConfigTest::made_ = false;
 
 void ExpectInvalid(const absl::Status& s, const std::string& message) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
