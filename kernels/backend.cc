@@ -8,13 +8,6 @@
 
 namespace kvq {
 
-absl::StatusOr<const KernelBackend*> BackendByName(absl::string_view name) {
-  if (name == "ref") return &RefBackend();
-  if (name == "cpu") return &CpuBackend();
-  return absl::InvalidArgumentError(
-      absl::StrCat("backend \"", name, "\" is not one of ref, cpu"));
-}
-
 absl::Status ValidateAttention(absl::Span<const AttentionTask> tasks,
                                const AttentionOptions& options) {
   if (options.group_size < 1 || options.group_size > 64) {

@@ -1,0 +1,32 @@
+// BackendByName: every backend this build has, by the name flags and tests
+// use. It sits in its own library above the backends (kernels/CMakeLists.txt)
+// so that the CUDA backend can depend on the core without a cycle.
+#include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/host_program_backend.h"
+#if KVQ_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+#endif
+
+namespace kvq {
+
+absl::StatusOr<const KernelBackend*> BackendByName(absl::string_view name) {
+  if (name == "ref") return &RefBackend();
+  if (name == "cpu") return &CpuBackend();
+  if (name == "cuda-host") return &CudaHostBackend();
+#if KVQ_HAVE_CUDA
+  if (name == "cuda") return CudaBackend();
+  constexpr absl::string_view kNames = "ref, cpu, cuda-host, cuda";
+#else
+  if (name == "cuda") {
+    return absl::UnimplementedError(
+        "backend \"cuda\": this build has no CUDA backend (configure with nvcc on PATH "
+        "and -DKVQ_WITH_CUDA=ON)");
+  }
+  constexpr absl::string_view kNames = "ref, cpu, cuda-host";
+#endif
+  return absl::InvalidArgumentError(
+      absl::StrCat("backend \"", name, "\" is not one of ", kNames));
+}
+
+}  // namespace kvq

@@ -1,0 +1,35 @@
+#include "kernels/cuda/host_program_backend.h"
+
+namespace kvq {
+namespace {
+
+class CudaHostBackendImpl final : public KernelBackend {
+ public:
+  absl::string_view name() const override { return "cuda-host"; }
+
+  void QuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
+                    int row0) const override {
+    HostQuantizeRows(s, side, rows, n, page, row0);
+  }
+
+  void DequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                      float* out) const override {
+    HostDequantizeRows(s, side, page, row0, n, out);
+  }
+
+  absl::Status Attend(absl::Span<const AttentionTask> tasks,
+                      const AttentionOptions& options) const override {
+    if (absl::Status st = ValidateAttention(tasks, options); !st.ok()) return st;
+    if (absl::Status st = HostAttend(tasks, options); !st.ok()) return st;
+    return CheckAttentionResults(tasks, options);
+  }
+};
+
+}  // namespace
+
+const KernelBackend& CudaHostBackend() {
+  static const CudaHostBackendImpl* backend = new CudaHostBackendImpl();
+  return *backend;
+}
+
+}  // namespace kvq
