@@ -13,17 +13,17 @@ namespace kvq {
 absl::StatusOr<const KernelBackend*> BackendByName(absl::string_view name) {
   if (name == "ref") return &RefBackend();
   if (name == "cpu") return &CpuBackend();
-  if (name == "cuda-host") return &CudaHostBackend();
+  if (name == "cuda_host") return &CudaHostBackend();
 #if KVQ_HAVE_CUDA
   if (name == "cuda") return CudaBackend();
-  constexpr absl::string_view kNames = "ref, cpu, cuda-host, cuda";
+  constexpr absl::string_view kNames = "ref, cpu, cuda_host, cuda";
 #else
   if (name == "cuda") {
     return absl::UnimplementedError(
         "backend \"cuda\": this build has no CUDA backend (configure with nvcc on PATH "
         "and -DKVQ_WITH_CUDA=ON)");
   }
-  constexpr absl::string_view kNames = "ref, cpu, cuda-host";
+  constexpr absl::string_view kNames = "ref, cpu, cuda_host";
 #endif
   return absl::InvalidArgumentError(
       absl::StrCat("backend \"", name, "\" is not one of ", kNames));

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "kernels/cuda/hd.h"
 #include "kernels/quant_spec.h"
 
 namespace kvq {
@@ -60,7 +61,7 @@ struct SideLayout {
   size_t outliers_offset = 0;
   size_t outliers_bytes = 0;  // Whole page.
 
-  int groups_per_token(int head_dim) const {
+  KVQ_HD int groups_per_token(int head_dim) const {
     return axis == ParamAxis::kTokenGroups ? head_dim / group_channels : 0;
   }
 };
@@ -79,55 +80,55 @@ struct PageLayout {
   static absl::StatusOr<PageLayout> Make(const QuantSpec& spec, int head_dim,
                                          int page_tokens = 0);
 
-  const SideLayout& side(Side s) const { return s == Side::kKey ? key : value; }
-  int blocks_per_page() const { return page_tokens / block_tokens; }
+  KVQ_HD const SideLayout& side(Side s) const { return s == Side::kKey ? key : value; }
+  KVQ_HD int blocks_per_page() const { return page_tokens / block_tokens; }
 
   // --- Offset math shared by every backend. ---
-  static uint8_t* CodeRow(uint8_t* page, const SideLayout& s, int row) {
+  KVQ_HD static uint8_t* CodeRow(uint8_t* page, const SideLayout& s, int row) {
     return page + s.codes_offset + static_cast<size_t>(row) * s.code_row_bytes;
   }
-  static const uint8_t* CodeRow(const uint8_t* page, const SideLayout& s, int row) {
+  KVQ_HD static const uint8_t* CodeRow(const uint8_t* page, const SideLayout& s, int row) {
     return page + s.codes_offset + static_cast<size_t>(row) * s.code_row_bytes;
   }
   // fp16 parameters (param_bits 16) only:
   // kChannelGroups: scale[head_dim] then zero[head_dim] of block `block`.
   // kTokenGroups:   scale[n] then zero[n] of token `row`.
-  uint16_t* Params(uint8_t* page, const SideLayout& s, int block_or_row) const {
+  KVQ_HD uint16_t* Params(uint8_t* page, const SideLayout& s, int block_or_row) const {
     return reinterpret_cast<uint16_t*>(page + s.params_offset) +
            static_cast<size_t>(block_or_row) * 2 * ParamsPerEntry(s);
   }
-  const uint16_t* Params(const uint8_t* page, const SideLayout& s, int block_or_row) const {
+  KVQ_HD const uint16_t* Params(const uint8_t* page, const SideLayout& s, int block_or_row) const {
     return reinterpret_cast<const uint16_t*>(page + s.params_offset) +
            static_cast<size_t>(block_or_row) * 2 * ParamsPerEntry(s);
   }
-  int ParamsPerEntry(const SideLayout& s) const {
+  KVQ_HD int ParamsPerEntry(const SideLayout& s) const {
     return s.axis == ParamAxis::kChannelGroups ? head_dim : s.groups_per_token(head_dim);
   }
   // Parameter entries of one block: the block itself for channel groups,
   // its block_tokens rows for token groups.
-  int EntriesPerBlock(const SideLayout& s) const {
+  KVQ_HD int EntriesPerBlock(const SideLayout& s) const {
     return s.axis == ParamAxis::kChannelGroups ? 1 : block_tokens;
   }
   // Bytes of one block's parameters, in either format.
-  size_t ParamBlockBytes(const SideLayout& s) const {
+  KVQ_HD size_t ParamBlockBytes(const SideLayout& s) const {
     const size_t groups = static_cast<size_t>(EntriesPerBlock(s)) * ParamsPerEntry(s);
     return s.param_bits == 8 ? kParams8HeaderBytes + 2 * groups : 4 * groups;
   }
   // Parameters of block `block` (either format: for fp16 this is
   // Params(page, s, first entry of the block)).
-  uint8_t* ParamBlock(uint8_t* page, const SideLayout& s, int block) const {
+  KVQ_HD uint8_t* ParamBlock(uint8_t* page, const SideLayout& s, int block) const {
     return page + s.params_offset + static_cast<size_t>(block) * ParamBlockBytes(s);
   }
-  const uint8_t* ParamBlock(const uint8_t* page, const SideLayout& s, int block) const {
+  KVQ_HD const uint8_t* ParamBlock(const uint8_t* page, const SideLayout& s, int block) const {
     return page + s.params_offset + static_cast<size_t>(block) * ParamBlockBytes(s);
   }
   // Outlier table of block `block`: index[k] (t_in_block * head_dim + channel)
   // then value[k] (fp16).
-  uint16_t* Outliers(uint8_t* page, const SideLayout& s, int block) const {
+  KVQ_HD uint16_t* Outliers(uint8_t* page, const SideLayout& s, int block) const {
     return reinterpret_cast<uint16_t*>(page + s.outliers_offset) +
            static_cast<size_t>(block) * 2 * outliers_per_block;
   }
-  const uint16_t* Outliers(const uint8_t* page, const SideLayout& s, int block) const {
+  KVQ_HD const uint16_t* Outliers(const uint8_t* page, const SideLayout& s, int block) const {
     return reinterpret_cast<const uint16_t*>(page + s.outliers_offset) +
            static_cast<size_t>(block) * 2 * outliers_per_block;
   }

@@ -1,5 +1,5 @@
 // KVQ_HD marks the per-element math and per-thread programs that the CUDA
-// kernels run on the device and the "cuda-host" backend runs on the CPU, so
+// kernels run on the device and the "cuda_host" backend runs on the CPU, so
 // the host build tests the very code the GPU runs against the reference.
 //
 // Headers that use it must not include CUDA headers: they compile with the

@@ -5,7 +5,7 @@ namespace {
 
 class CudaHostBackendImpl final : public KernelBackend {
  public:
-  absl::string_view name() const override { return "cuda-host"; }
+  absl::string_view name() const override { return "cuda_host"; }
 
   void QuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) const override {

@@ -118,7 +118,7 @@ const std::vector<SchemeCase>& AllSchemeCases() {
 }
 
 const std::vector<std::string>& BackendNames() {
-  static const auto* names = new std::vector<std::string>{"ref", "cpu"};
+  static const auto* names = new std::vector<std::string>{"ref", "cpu", "cuda_host"};
   return *names;
 }
 
