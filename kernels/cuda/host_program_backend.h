@@ -13,6 +13,14 @@ namespace kvq {
 
 const KernelBackend& CudaHostBackend();
 
+// Page `p` of a stream as host code may address it. Every cuda_host kernel
+// reaches page bytes through this (or through a page pointer the backend
+// interface passes, translated the same way), never stream.page(p)
+// directly, so that cuda_host can also stand in for a device whose pages
+// the host cannot address.
+const uint8_t* HostPagePointer(const KvStream& s, int p);
+uint8_t* HostPagePointer(const KvStream& s, uint8_t* page);
+
 // The pieces, one file each (host_quantize.cc, host_attention.cc).
 void HostQuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                       int row0);
