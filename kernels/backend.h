@@ -39,9 +39,26 @@ struct AttentionTask {
   int lse_stride = 0;
 };
 
+// A check of pages before their bytes enter attention: the service's page
+// checksums. A backend that calls it (KernelBackend::ChecksPages) does so
+// from whichever of its threads reads the page, right before reading it,
+// so the hash and the attention share one trip of the page through the
+// cache and the hashing is spread over the backend's threads.
+class PageCheck {
+ public:
+  virtual ~PageCheck() = default;
+  // Page `page` of `stream` is about to be read. Thread-safe; may be called
+  // more than once for a page. A mismatch is recorded by the PageCheck, not
+  // returned: the backend goes on and its caller, who asks the PageCheck
+  // afterwards, discards the results.
+  virtual void Check(const KvStream& stream, int page) const = 0;
+};
+
 struct AttentionOptions {
   int group_size = 1;           // Query heads per KV head (GQA).
   float softmax_scale = 0.0f;   // 0: 1 / sqrt(head_dim).
+  // Called for every page read when the backend ChecksPages(); else unused.
+  const PageCheck* page_check = nullptr;
 };
 
 class KernelBackend {
@@ -83,6 +100,10 @@ class KernelBackend {
   // task (names the task index and field).
   virtual absl::Status Attend(absl::Span<const AttentionTask> tasks,
                               const AttentionOptions& options) const = 0;
+
+  // Whether Attend calls options.page_check for every page it reads. A
+  // caller with a backend that does not checks the pages itself first.
+  virtual bool ChecksPages() const { return false; }
 
   // Whether Attend would run these (valid) tasks on threads besides the
   // caller's. A server runs such calls on one thread of its own, so that one

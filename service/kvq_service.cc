@@ -109,6 +109,9 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
   std::vector<Sequence*> seqs;
   for (AttendJob& j : jobs) seqs.push_back(&*j.seq);
   ReadLocks locks(seqs);
+  // Sealed pages are checked by the backend's threads as they read them,
+  // or here before the kernel for a backend that does not check pages.
+  std::unique_ptr<PageReadCheck> check = guard->StartRead();
   std::vector<AttentionTask> tasks;
   int group = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -132,10 +135,7 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
                                                 ") is not inside the ", committed,
                                                 " stored tokens of layer ", layer));
     }
-    if (absl::Status st = guard->Verify(s, layer, j.key_begin, end); !st.ok()) {
-      *corrupt = j.seq.shared();
-      return st;
-    }
+    if (check != nullptr) check->Add(s, layer, j.key_begin, end);
     // The kernel writes straight into the response's tensors.
     float* out;
     float* lse;
@@ -166,12 +166,31 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
   AttentionOptions opts;
   opts.group_size = group;
   opts.softmax_scale = softmax_scale;
-  const absl::Time start = absl::Now();
-  const absl::Status st =
-      backend.AttendUsesThreads(tasks, opts)
-          ? kernel_thread->Run([&]() -> absl::Status { return backend.Attend(tasks, opts); })
-          : backend.Attend(tasks, opts);
-  metrics->RecordAttentionKernel(method, absl::ToDoubleSeconds(absl::Now() - start));
+  if (check != nullptr) {
+    if (backend.ChecksPages()) {
+      opts.page_check = check.get();
+    } else {
+      check->CheckAll();
+    }
+  }
+  absl::Status st;
+  if (check == nullptr || check->status().ok()) {
+    const absl::Time start = absl::Now();
+    st = backend.AttendUsesThreads(tasks, opts)
+             ? kernel_thread->Run([&]() -> absl::Status { return backend.Attend(tasks, opts); })
+             : backend.Attend(tasks, opts);
+    metrics->RecordAttentionKernel(method, absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  // A page that failed its check makes the whole call DATA_LOSS, whatever
+  // the kernel computed from it.
+  if (check != nullptr) {
+    if (absl::Status v = guard->Finish(*check); !v.ok()) {
+      for (AttendJob& j : jobs) {
+        if (&*j.seq == check->failed()) *corrupt = j.seq.shared();
+      }
+      return v;
+    }
+  }
   return st;
 }
 

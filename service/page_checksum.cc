@@ -50,36 +50,93 @@ void SealFullPages(const Sequence& seq, PagePool& pool, int layer_begin, int lay
   }
 }
 
-absl::Status VerifyPages(const Sequence& seq, const PagePool& pool, int layer, int begin,
-                         int end) {
+void PageReadCheck::Add(const Sequence& seq, int layer, int begin, int end) {
   std::vector<const uint8_t*> blocks;
-  std::vector<uint64_t> sums;
   for (int h = 0; h < seq.shape().num_kv_heads; ++h) {
     const KvStream& s = seq.stream(layer, h);
-    if (s.allocator() != &pool) continue;
+    if (s.allocator() != &pool_) continue;
     const int pt = s.layout().page_tokens;
     const int full = s.quantized_tokens() / pt;
     // Pages are token positions page_base() + [i * pt, (i + 1) * pt).
-    const int lo = std::max(0, begin - s.page_base());
-    const int hi = std::min(full * pt, end - s.page_base());
+    int lo = std::max(0, begin - s.page_base());
+    int hi = std::min(full * pt, end - s.page_base());
     if (lo >= hi) continue;
-    const int first = lo / pt;
-    const int last = (hi + pt - 1) / pt;  // Exclusive; <= full.
+    int first = lo / pt;
+    int last = (hi + pt - 1) / pt;  // Exclusive; <= full.
+    auto [it, added] = streams_.try_emplace(&s);
+    Stream& entry = it->second;
+    if (added) {
+      order_.push_back(&s);
+    } else {  // The same stream again (two items of one call): the union.
+      last = std::max(last, entry.first + static_cast<int>(entry.want.size()));
+      first = std::min(first, entry.first);
+    }
+    entry.seq = &seq;
+    entry.layer = layer;
+    entry.head = h;
+    entry.first = first;
     blocks.resize(last - first);
-    sums.resize(last - first);
+    entry.want.resize(last - first);
     for (int i = first; i < last; ++i) blocks[i - first] = s.page(i);
-    pool.GetChecksums(blocks, absl::MakeSpan(sums));
-    for (int i = first; i < last; ++i) {
-      const uint64_t want = sums[i - first];
-      if (want == 0 || PageChecksum(blocks[i - first], s.layout().page_bytes) == want) continue;
-      const int t0 = s.page_base() + i * pt;
-      return absl::DataLossError(absl::StrCat(
-          "page checksum mismatch in ", Describe(seq), " layer ", layer, " kv_head ", h,
-          " page ", i, " (tokens [", t0, ", ", t0 + pt, ")): the sequence is removed; append it "
-          "again"));
+    pool_.GetChecksums(blocks, absl::MakeSpan(entry.want));
+    entry.checked = std::make_unique<std::atomic<bool>[]>(entry.want.size());
+  }
+}
+
+void PageReadCheck::CheckPage(const KvStream& stream, const Stream& entry, int index) const {
+  const int i = index - entry.first;
+  if (i < 0 || i >= static_cast<int>(entry.want.size()) || entry.want[i] == 0) return;
+  // One reader hashes a page; the others go on (the results of a call with
+  // a mismatch are discarded whichever thread finds it).
+  if (entry.checked[i].load(std::memory_order_relaxed) ||
+      entry.checked[i].exchange(true, std::memory_order_relaxed)) {
+    return;
+  }
+  if (PageChecksum(stream.page(index), stream.layout().page_bytes) == entry.want[i]) return;
+  absl::MutexLock lock(&mu_);
+  if (failed_ != nullptr) return;
+  failed_ = entry.seq;
+  any_failed_.store(true, std::memory_order_release);
+  const int pt = stream.layout().page_tokens;
+  const int t0 = stream.page_base() + index * pt;
+  status_ = absl::DataLossError(absl::StrCat(
+      "page checksum mismatch in ", Describe(*entry.seq), " layer ", entry.layer, " kv_head ",
+      entry.head, " page ", index, " (tokens [", t0, ", ", t0 + pt,
+      ")): the sequence is removed; append it again"));
+}
+
+void PageReadCheck::Check(const KvStream& stream, int page) const {
+  auto it = streams_.find(&stream);
+  if (it != streams_.end()) CheckPage(stream, it->second, page);
+}
+
+void PageReadCheck::CheckAll() const {
+  for (const KvStream* s : order_) {
+    const Stream& entry = streams_.at(s);
+    for (size_t i = 0; i < entry.want.size(); ++i) {
+      CheckPage(*s, entry, entry.first + static_cast<int>(i));
+      if (any_failed_.load(std::memory_order_relaxed)) return;
     }
   }
-  return absl::OkStatus();
+}
+
+absl::Status PageReadCheck::status() const {
+  if (!any_failed_.load(std::memory_order_acquire)) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+const Sequence* PageReadCheck::failed() const {
+  absl::MutexLock lock(&mu_);
+  return failed_;
+}
+
+absl::Status VerifyPages(const Sequence& seq, const PagePool& pool, int layer, int begin,
+                         int end) {
+  PageReadCheck check(pool);
+  check.Add(seq, layer, begin, end);
+  check.CheckAll();
+  return check.status();
 }
 
 bool VerifySampler::Next() {

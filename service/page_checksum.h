@@ -20,8 +20,13 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
 #include "service/page_pool.h"
 #include "service/sequence.h"
 
@@ -37,6 +42,55 @@ uint64_t PageChecksum(const uint8_t* page, size_t bytes);
 // an append that fills no page costs one look-up per stream. Call holding
 // the sequence's lock for writing, right after an append.
 void SealFullPages(const Sequence& seq, PagePool& pool, int layer_begin, int layer_end);
+
+// The sealed pages one read will touch, with the checksums they were
+// sealed with, checked either by the attention backend's threads as they
+// read each page (KernelBackend::ChecksPages: the page then crosses the
+// cache once for the hash and the attention, and the hashing is spread
+// over the worker team instead of running on the handler's thread before
+// the kernel) or all at once by CheckAll(). Each page is hashed at most
+// once per read. Build it holding the sequences' locks and keep them until
+// status() is read.
+class PageReadCheck final : public PageCheck {
+ public:
+  explicit PageReadCheck(const PagePool& pool) : pool_(pool) {}
+  PageReadCheck(const PageReadCheck&) = delete;
+  PageReadCheck& operator=(const PageReadCheck&) = delete;
+
+  // Adds the sealed pages holding tokens [begin, end) of `layer` (every KV
+  // head; token positions as Read() takes them, the sink included).
+  void Add(const Sequence& seq, int layer, int begin, int end);
+  // PageCheck: hashes page `page` of `stream` once, if it was added.
+  void Check(const KvStream& stream, int page) const override;
+  // Checks every added page (in order of Add, head and page), stopping at
+  // the first mismatch.
+  void CheckAll() const;
+  // OK, or DATA_LOSS naming the sequence, the layer, the KV head and the
+  // page (never the data) of a mismatch.
+  absl::Status status() const;
+  // The sequence whose page failed; nullptr while status() is OK.
+  const Sequence* failed() const;
+
+ private:
+  struct Stream {
+    const Sequence* seq = nullptr;
+    int layer = 0;
+    int head = 0;
+    int first = 0;               // First page added.
+    std::vector<uint64_t> want;  // Sealed checksum of pages first..; 0: unsealed.
+    std::unique_ptr<std::atomic<bool>[]> checked;
+  };
+  // Hashes page `index` of `stream` if it is in `entry` and not hashed yet.
+  void CheckPage(const KvStream& stream, const Stream& entry, int index) const;
+
+  const PagePool& pool_;
+  absl::flat_hash_map<const KvStream*, Stream> streams_;
+  std::vector<const KvStream*> order_;  // Add order, for CheckAll.
+  mutable std::atomic<bool> any_failed_{false};
+  mutable absl::Mutex mu_;
+  mutable absl::Status status_ ABSL_GUARDED_BY(mu_);
+  mutable const Sequence* failed_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
 
 // Verifies the sealed pages holding tokens [begin, end) of `layer` (every
 // KV head; token positions as Read() takes them, the sink included). OK

@@ -6,8 +6,20 @@
 namespace kvq {
 
 absl::Status PageGuard::Verify(const Sequence& seq, int layer, int begin, int end) {
-  if (!sampler_.Next()) return absl::OkStatus();
-  absl::Status st = VerifyPages(seq, store_->pool(), layer, begin, end);
+  std::unique_ptr<PageReadCheck> check = StartRead();
+  if (check == nullptr) return absl::OkStatus();
+  check->Add(seq, layer, begin, end);
+  check->CheckAll();
+  return Finish(*check);
+}
+
+std::unique_ptr<PageReadCheck> PageGuard::StartRead() const {
+  if (!sampler_.Next()) return nullptr;
+  return std::make_unique<PageReadCheck>(store_->pool());
+}
+
+absl::Status PageGuard::Finish(const PageReadCheck& check) {
+  absl::Status st = check.status();
   if (!st.ok()) {
     // Rare and a sign of bad memory on this node: worth a line in the log
     // besides the counter.

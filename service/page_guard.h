@@ -9,6 +9,8 @@
 #ifndef KVQ_SERVICE_PAGE_GUARD_H_
 #define KVQ_SERVICE_PAGE_GUARD_H_
 
+#include <memory>
+
 #include "absl/status/status.h"
 #include "service/metrics.h"
 #include "service/page_checksum.h"
@@ -31,6 +33,13 @@ class PageGuard {
   // sampled read verifies the sealed pages it covers. DATA_LOSS (counted)
   // on a mismatch.
   absl::Status Verify(const Sequence& seq, int layer, int begin, int end);
+  // A read whose pages are checked as they are read (Attend: the backend's
+  // threads run the check, KernelBackend::ChecksPages): the check to Add()
+  // the read's ranges to, or nullptr when the sampler skips this read.
+  std::unique_ptr<PageReadCheck> StartRead() const;
+  // After such a read, with the sequences still locked: OK, or the check's
+  // DATA_LOSS (logged and counted once).
+  absl::Status Finish(const PageReadCheck& check);
   // After Verify() failed, without the sequence's lock: removes it.
   void Remove(const Sequence& seq) { store_->RemoveCorrupted(seq); }
 
@@ -39,7 +48,7 @@ class PageGuard {
  private:
   SequenceStore* store_;
   Metrics* metrics_;
-  VerifySampler sampler_;
+  mutable VerifySampler sampler_;
 };
 
 }  // namespace kvq

@@ -126,6 +126,10 @@ class CpuBackendImpl final : public KernelBackend {
     return Parallel(work);
   }
 
+  // Every page a unit reads is checked by the thread that reads it, just
+  // before (RowPass::Run).
+  bool ChecksPages() const override { return true; }
+
   absl::Status Attend(absl::Span<const AttentionTask> tasks,
                       const AttentionOptions& options) const override {
     if (absl::Status st = ValidateAttention(tasks, options); !st.ok()) return st;
@@ -222,6 +226,7 @@ class CpuBackendImpl final : public KernelBackend {
         job.rows = b.rows;
         job.q = cs.q.data() + q_base[b.task] + static_cast<size_t>(b.row0) * d;
         job.visible_end = cs.visible.data() + cs.row_base[b.task] + b.row0;
+        job.page_check = options.page_check;
         cs.jobs.push_back(job);
         cs.out_base.push_back(partial_rows);
         partial_rows += b.rows;

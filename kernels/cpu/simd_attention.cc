@@ -2272,8 +2272,10 @@ HWY_NOINLINE void KiviValueAccumulate(const KvStream& s, const uint8_t* page, in
 template <int R>
 class RowPass {
  public:
-  RowPass(const KvStream& s, const float* q, const int32_t* visible_end, Scratch& sc)
-      : s_(s), d_(s.head_dim()), q_(q), vis_(visible_end), sc_(sc), rope_(s.rope()) {
+  RowPass(const KvStream& s, const float* q, const int32_t* visible_end, Scratch& sc,
+          const PageCheck* page_check)
+      : s_(s), d_(s.head_dim()), q_(q), vis_(visible_end), sc_(sc), rope_(s.rope()),
+        page_check_(page_check) {
     for (int r = 0; r < R; ++r) {
       st_.m[r] = kNegInf;
       st_.l[r] = 0.0f;
@@ -2327,6 +2329,7 @@ class RowPass {
       const int row = u % pt;
       const int n = std::min(qend - t, pt - row);
       next_page_ = t + n < qend ? s_.page(u / pt + 1) : nullptr;
+      if (page_check_ != nullptr) page_check_->Check(s_, u / pt);
       PageSegment(s_.page(u / pt), row, n, t);
       t += n;
     }
@@ -2697,14 +2700,15 @@ class RowPass {
   const int32_t* vis_;
   Scratch& sc_;
   const Rope* rope_;
+  const PageCheck* page_check_;
   RopeBase base_;
   RowState st_;
 };
 
 template <int R>
 void RunRows(const KvStream& s, int begin, int end, const float* q, const int32_t* visible_end,
-             float* out, float* lse, Scratch& sc) {
-  RowPass<R> pass(s, q, visible_end, sc);
+             float* out, float* lse, Scratch& sc, const PageCheck* page_check) {
+  RowPass<R> pass(s, q, visible_end, sc, page_check);
   pass.Run(begin, end);
   pass.Finish(out, lse);
 }
@@ -2736,10 +2740,10 @@ void AttendRangeImpl(const RangeJob& job) {
       lse = sc.lsepad;
     }
     switch (padded) {
-      case 1: RunRows<1>(s, job.begin, job.end, q, vis, out, lse, sc); break;
-      case 2: RunRows<2>(s, job.begin, job.end, q, vis, out, lse, sc); break;
-      case 4: RunRows<4>(s, job.begin, job.end, q, vis, out, lse, sc); break;
-      default: RunRows<8>(s, job.begin, job.end, q, vis, out, lse, sc); break;
+      case 1: RunRows<1>(s, job.begin, job.end, q, vis, out, lse, sc, job.page_check); break;
+      case 2: RunRows<2>(s, job.begin, job.end, q, vis, out, lse, sc, job.page_check); break;
+      case 4: RunRows<4>(s, job.begin, job.end, q, vis, out, lse, sc, job.page_check); break;
+      default: RunRows<8>(s, job.begin, job.end, q, vis, out, lse, sc, job.page_check); break;
     }
     if (padded != rows) {
       std::copy(sc.outpad.begin(), sc.outpad.begin() + static_cast<size_t>(rows) * d,

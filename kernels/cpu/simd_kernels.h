@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/backend.h"
 #include "kernels/kv_stream.h"
 #include "kernels/page_layout.h"
 
@@ -36,6 +37,8 @@ struct RangeJob {
   const int32_t* visible_end = nullptr;
   float* out = nullptr;
   float* lse = nullptr;
+  // Called with each page before the job reads it (AttentionOptions).
+  const PageCheck* page_check = nullptr;
 };
 void AttendRange(const RangeJob& job);
 

@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -196,6 +197,73 @@ TEST(CpuBackendTest, AttendUsesThreadsOnlyForCallsItSplits) {
   omp_set_num_threads(1);
   EXPECT_FALSE(CpuBackend().AttendUsesThreads({&t, 1}, options));
   omp_set_num_threads(saved);
+}
+
+// Counts PageCheck calls per (stream, page).
+class CountingPageCheck final : public PageCheck {
+ public:
+  explicit CountingPageCheck(std::vector<const KvStream*> streams) : streams_(std::move(streams)) {
+    for (const KvStream* s : streams_) counts_.emplace_back(s->num_pages());
+  }
+  void Check(const KvStream& stream, int page) const override {
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (streams_[i] == &stream) {
+        ASSERT_GE(page, 0);
+        ASSERT_LT(page, stream.num_pages());
+        counts_[i][page].fetch_add(1);
+        return;
+      }
+    }
+    ADD_FAILURE() << "a page of a stream no task names";
+  }
+  int count(int stream, int page) const { return counts_[stream][page].load(); }
+
+ private:
+  std::vector<const KvStream*> streams_;
+  mutable std::vector<std::vector<std::atomic<int>>> counts_;
+};
+
+// The service verifies page checksums through AttentionOptions::page_check
+// (kernels/backend.h): the cpu backend must call it for every page it reads
+// before reading it, from the threads that read, and for no page outside
+// the keys any query sees.
+TEST(CpuBackendTest, ChecksEveryPageItReadsAndNoOther) {
+  TwoThreads threads;
+  EXPECT_TRUE(CpuBackend().ChecksPages());
+  EXPECT_FALSE(RefBackend().ChecksPages());
+  for (const char* spec : {"fp16", "kivi2:sink=4", "kivi4:pre_rope"}) {
+    const StreamConfig c = Config(spec, 128);
+    std::unique_ptr<KvStream> a = Filled(c, 40000, 31);
+    std::unique_ptr<KvStream> b = Filled(c, 3000, 32);
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    // Task 0 is split across threads; task 1 sees keys [100, 2501) only
+    // (causal positions of 3 queries: 1100, 1800, 2500).
+    Call call(2, 4, 3, 128, 33);
+    call.Set(0, a.get(), 777, 38000);
+    call.Set(1, b.get(), 100, -1, /*causal_from=*/true, 1100, 700);
+    CountingPageCheck check({a.get(), b.get()});
+    AttentionOptions o;
+    o.group_size = call.group;
+    o.page_check = &check;
+    ASSERT_TRUE(CpuBackend().Attend(call.tasks, o).ok());
+    const int ranges[2][2] = {{777, 38000}, {100, 2501}};
+    const KvStream* streams[2] = {a.get(), b.get()};
+    for (int i = 0; i < 2; ++i) {
+      const KvStream& s = *streams[i];
+      const int pt = s.layout().page_tokens;
+      for (int p = 0; p < s.num_pages(); ++p) {
+        const int t0 = s.page_base() + p * pt;
+        const int t1 = std::min(t0 + pt, s.page_base() + s.quantized_tokens());
+        const bool read = t0 < ranges[i][1] && t1 > ranges[i][0];
+        if (read) {
+          EXPECT_GE(check.count(i, p), 1) << spec << " task " << i << " page " << p;
+        } else {
+          EXPECT_EQ(check.count(i, p), 0) << spec << " task " << i << " page " << p;
+        }
+      }
+    }
+  }
 }
 
 TEST(CpuBackendTest, ManyTasksOverSharedAndSeparateStreams) {
