@@ -1,6 +1,7 @@
 #include "kernels/cuda/cuda_device_peers.h"
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
@@ -14,10 +15,22 @@ namespace kvq {
 absl::StatusOr<IpcExport> CudaIpcPeer::Export(const void* ptr) {
   KVQ_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   // The handle names the whole allocation: find its base.
+  // The driver's cuMemGetAddressRange through the runtime's entry point
+  // table, so nothing links libcuda (absent where no driver is installed).
+  static PFN_cuMemGetAddressRange_v3020 range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 3020, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(fn);
+  }();
+  if (range == nullptr) return absl::FailedPreconditionError("no CUDA driver: cannot export");
   CUdeviceptr base = 0;
   size_t size = 0;
-  if (CUresult r = cuMemGetAddressRange(&base, &size, reinterpret_cast<CUdeviceptr>(ptr));
-      r != CUDA_SUCCESS) {
+  if (CUresult r = range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)); r != CUDA_SUCCESS) {
     return absl::InvalidArgumentError(
         "device pointer is not inside a cudaMalloc allocation of this process");
   }
