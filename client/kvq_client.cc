@@ -273,6 +273,9 @@ absl::StatusOr<AppendResult> KvqClient::SendPlan(absl::string_view sequence_id,
 absl::StatusOr<AppendResult> KvqClient::AppendPrompt(absl::string_view sequence_id,
                                                      const HostTensor& k, const HostTensor& v,
                                                      const AppendOptions& options) {
+  if (options.device.transport != PayloadTransport::kGrpc) {
+    return AppendDevice(sequence_id, k, v, options);
+  }
   PlanOptions plan_options{options.max_chunk_bytes, options.layer_begin,
                            options.quantize_threads};
   KVQ_ASSIGN_OR_RETURN(const AppendPlan plan,
@@ -404,6 +407,10 @@ absl::StatusOr<FetchOptions> RangeOfOutputs(const FetchOptions& options, const H
 absl::Status KvqClient::FetchDequantInto(absl::string_view sequence_id,
                                          const FetchOptions& options, HostTensor* k,
                                          HostTensor* v) {
+  if (options.device.transport != PayloadTransport::kGrpc) {
+    if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("k and v must not be null");
+    return FetchDevice(sequence_id, options, *k, *v);
+  }
   KVQ_ASSIGN_OR_RETURN(const FetchOptions o, RangeOfOutputs(options, k, v));
   if (o.layer_end == o.layer_begin) return absl::OkStatus();
   FetchPlacer placer(options, k, v);

@@ -36,6 +36,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/append_plan.h"
+#include "client/device_peer.h"
 #include "client/host_tensor.h"
 #include "client/local_sequence.h"
 #include "client/sequence_config.h"
@@ -114,6 +115,18 @@ struct SequenceInfo {
   int block_tokens = 0;
 };
 
+// Where a device payload's bytes are (docs/TRANSPORT.md). With `transport`
+// other than kGrpc, the bytes of k and v are at `k` and `v` in memory that
+// `peer` reaches (device memory for the CUDA peers, kernels/cuda/
+// cuda_device_peers.h) and the call's tensors give only dtype and shape.
+struct DevicePayloadOptions {
+  PayloadTransport transport = PayloadTransport::kGrpc;
+  DevicePeer* peer = nullptr;  // Not owned; must be of `transport`'s kind.
+  void* k = nullptr;           // Append: read from; fetch: written to.
+  void* v = nullptr;
+  uint32_t session_ttl_seconds = 0;  // kNccl: the session's lease (0: server default).
+};
+
 struct AppendOptions {
   int64_t max_chunk_bytes = kDefaultMaxChunkBytes;
   int layer_begin = 0;  // Model layer of the prompt's first layer.
@@ -128,6 +141,10 @@ struct AppendOptions {
   const KernelBackend* backend = nullptr;  // Local quantization; null: CPU.
   int quantize_threads = 0;                // 0: one per hardware thread.
   ProgressFn progress;
+  // AppendPrompt only: send k and v over a device path instead (their
+  // dtype is sent as is; wire_dtype, max_chunk_bytes and progress do not
+  // apply). Never retried.
+  DevicePayloadOptions device;
   CallOptions call;
 };
 
@@ -153,6 +170,10 @@ struct FetchOptions {
   // never. The bytes are the same either way.
   int64_t streaming_output_bytes = int64_t{16} << 20;
   ProgressFn progress;
+  // FetchDequantInto only: the server writes k and v into device memory
+  // instead; the output tensors give dtype and shape (their data is not
+  // touched).
+  DevicePayloadOptions device;
   CallOptions call;
 };
 
@@ -378,6 +399,16 @@ class KvqClient {
   // o.token_end set, inside the sequence's num_tokens): the sink and tail
   // dequantized by the server, the quantized part as raw pages dequantized
   // here, each message placed as it arrives.
+  // AppendPrompt / FetchDequantInto over options.device (client/device_calls.cc).
+  absl::StatusOr<AppendResult> AppendDevice(absl::string_view sequence_id, const HostTensor& k,
+                                            const HostTensor& v, const AppendOptions& options);
+  absl::Status FetchDevice(absl::string_view sequence_id, const FetchOptions& options,
+                           const HostTensor& k, const HostTensor& v);
+  // The descriptors of a request's two payloads; kNccl opens and joins a
+  // session first (its id in *session).
+  absl::Status DescribePayloads(const DevicePayloadOptions& device, int64_t bytes,
+                                const CallOptions& call, v1::DevicePayload* k,
+                                v1::DevicePayload* v, std::string* session);
   absl::Status FetchLocalInto(absl::string_view sequence_id, const SequenceConfig& config,
                               const FetchOptions& o, int num_tokens, HostTensor* k,
                               HostTensor* v);

@@ -230,7 +230,8 @@ KvqService::KvqService(SequenceStore* store, Metrics* metrics, const ServiceOpti
     : store_(store),
       metrics_(metrics),
       options_(options),
-      guard_(store, metrics, options.verify_fraction) {}
+      guard_(store, metrics, options.verify_fraction),
+      sessions_(options.transfer_session_ttl, options.max_transfer_session_ttl) {}
 
 absl::Status KvqService::CheckSize(const google::protobuf::Message& m) const {
   return CheckSize(m.ByteSizeLong());

@@ -8,6 +8,7 @@
 #ifndef KVQ_SERVICE_KVQ_SERVICE_H_
 #define KVQ_SERVICE_KVQ_SERVICE_H_
 
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -17,6 +18,8 @@
 #include "service/page_guard.h"
 #include "service/sequence_store.h"
 #include "service/tenants.h"
+#include "service/transport/kv_transport.h"
+#include "service/transport/transfer_sessions.h"
 
 namespace kvq {
 
@@ -30,6 +33,13 @@ struct ServiceOptions {
   std::string version = "0.1.0";
   // Share of reads that verify page checksums (--verify_fraction).
   double verify_fraction = 1.0;
+  // Longest a device payload transfer may wait for its peer (the call's
+  // own deadline applies too): DEADLINE_EXCEEDED after it.
+  absl::Duration transfer_timeout = absl::Seconds(30);
+  // Transfer sessions (OpenTransfer): the lease without ttl_seconds, and
+  // the longest granted.
+  absl::Duration transfer_session_ttl = absl::Seconds(60);
+  absl::Duration max_transfer_session_ttl = absl::Minutes(10);
 };
 
 grpc::Status ToGrpc(const absl::Status& s);
@@ -46,6 +56,11 @@ class KvqService final
   // With a table every call must carry a tenant's bearer token and runs in
   // that tenant's namespace; null (the default): the default tenant.
   void set_tenants(const Tenants* tenants) { tenants_ = tenants; }
+  // The device payload paths (docs/TRANSPORT.md), not owned; a path left
+  // null answers FAILED_PRECONDITION (a server built without CUDA).
+  void set_transport(TransportKind kind, KvTransport* transport) {
+    transports_[static_cast<int>(kind)] = transport;
+  }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* req,
@@ -71,6 +86,19 @@ class KvqService final
                                     v1::ReleaseResponse* resp) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
                                   v1::StatsResponse* resp) override;
+  // Device payloads (service/device_rpcs.cc).
+  grpc::ServerUnaryReactor* OpenTransfer(grpc::CallbackServerContext* ctx,
+                                         const v1::OpenTransferRequest* req,
+                                         v1::OpenTransferResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseTransfer(grpc::CallbackServerContext* ctx,
+                                          const v1::CloseTransferRequest* req,
+                                          v1::CloseTransferResponse* resp) override;
+  grpc::ServerUnaryReactor* AppendDevice(grpc::CallbackServerContext* ctx,
+                                         const v1::AppendDeviceRequest* req,
+                                         v1::AppendResponse* resp) override;
+  grpc::ServerUnaryReactor* FetchDevice(grpc::CallbackServerContext* ctx,
+                                        const v1::FetchDeviceRequest* req,
+                                        v1::FetchDeviceResponse* resp) override;
 
   // The handler bodies, callable without gRPC (DecodeStream reuses them).
   // `method` labels the kernel time (a DecodeStream step passes its own).
@@ -86,6 +114,15 @@ class KvqService final
   absl::Status Admit(const grpc::CallbackServerContext* ctx, std::shared_ptr<Tenant>* tenant);
   // Admit for one more request of an admitted call (a DecodeStream step).
   absl::Status AdmitStep(Tenant* tenant);
+
+  // Device payload bodies; `deadline` bounds the transfers.
+  absl::Status DoOpenTransfer(const v1::OpenTransferRequest& req, v1::OpenTransferResponse* resp,
+                              absl::string_view tenant, absl::Time deadline);
+  absl::Status DoAppendDevice(const v1::AppendDeviceRequest& req, v1::AppendResponse* resp,
+                              absl::string_view tenant, absl::Time deadline);
+  absl::Status DoFetchDevice(const v1::FetchDeviceRequest& req, v1::FetchDeviceResponse* resp,
+                             absl::string_view tenant, absl::Time deadline);
+  TransferSessions& transfer_sessions() { return sessions_; }
 
   SequenceStore* store() { return store_; }
   Metrics* metrics() { return metrics_; }
@@ -105,6 +142,8 @@ class KvqService final
   ServiceOptions options_;
   KernelThread kernel_thread_;  // Runs the backend's multi-threaded calls.
   PageGuard guard_;             // Page checksums: sealed on append, verified on read.
+  std::array<KvTransport*, 2> transports_{};  // By TransportKind; null: none.
+  TransferSessions sessions_;
 };
 
 }  // namespace kvq

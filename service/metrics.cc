@@ -43,7 +43,8 @@ void Add(prometheus::MetricFamily& f, double value,
 absl::string_view RpcMethodName(RpcMethod m) {
   static const char* const kNames[kNumRpcMethods] = {
       "GetServerInfo", "CreateSequence", "Append", "FetchDequant", "Attend",
-      "AppendAttend",  "DecodeStream",   "Fork",   "Release",      "Stats"};
+      "AppendAttend",  "DecodeStream",   "Fork",   "Release",      "Stats",
+      "OpenTransfer",  "CloseTransfer",  "AppendDevice", "FetchDevice"};
   return kNames[static_cast<int>(m)];
 }
 
@@ -201,6 +202,21 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                                      "(answered DATA_LOSS; the sequence was removed).")
                                .Register(*m->registry_)
                                .Add({});
+  auto& transfers = prometheus::BuildCounter()
+                        .Name("kvq_device_transfers_total")
+                        .Help("Device payloads (AppendDevice: receive, FetchDevice: send) by "
+                              "transport and status code; a failed one stored nothing.")
+                        .Register(*m->registry_);
+  for (TransportKind k : {TransportKind::kCudaIpc, TransportKind::kNccl}) {
+    for (int dir = 0; dir < 2; ++dir) {
+      for (int c = 0; c < kNumStatusCodes; ++c) {
+        m->transfers_[static_cast<int>(k)][dir][c] =
+            &transfers.Add({{"transport", std::string(TransportKindName(k))},
+                            {"direction", dir == 1 ? "receive" : "send"},
+                            {"code", kCodeNames[c]}});
+      }
+    }
+  }
   m->tenant_requests_ = &prometheus::BuildCounter()
                              .Name("kvq_tenant_requests_total")
                              .Help("RPCs of each tenant (tokens file), by status code.")
@@ -284,6 +300,11 @@ void Metrics::RecordTenantRpc(Tenant* tenant, int status_code, double seconds) {
 void Metrics::RecordPrefixHit(int tokens) {
   prefix_hits_->Increment();
   prefix_tokens_->Increment(tokens);
+}
+
+void Metrics::RecordTransfer(TransportKind kind, bool receive, int status_code) {
+  if (status_code < 0 || status_code >= kNumStatusCodes) status_code = 2;  // UNKNOWN
+  transfers_[static_cast<int>(kind)][receive ? 1 : 0][status_code]->Increment();
 }
 
 void Metrics::RecordChecksumFailure() { checksum_failures_->Increment(); }

@@ -19,6 +19,7 @@
 #include "prometheus/registry.h"
 #include "service/metrics_https_server.h"
 #include "service/sequence_store.h"
+#include "service/transport/kv_transport.h"
 
 namespace kvq {
 
@@ -33,8 +34,12 @@ enum class RpcMethod {
   kFork,
   kRelease,
   kStats,
+  kOpenTransfer,
+  kCloseTransfer,
+  kAppendDevice,
+  kFetchDevice,
 };
-inline constexpr int kNumRpcMethods = 10;
+inline constexpr int kNumRpcMethods = 14;
 inline constexpr int kNumStatusCodes = 17;  // grpc::StatusCode 0..16.
 absl::string_view RpcMethodName(RpcMethod m);
 
@@ -72,6 +77,9 @@ class Metrics {
   void RecordPrefixHit(int tokens);
   // A sealed page that failed its checksum (service/page_checksum.h).
   void RecordChecksumFailure();
+  // One device payload moved (or not) by a transport: `receive` for the
+  // client-to-server direction (AppendDevice), by its status code.
+  void RecordTransfer(TransportKind kind, bool receive, int status_code);
   // One call of a tenant (none for the default tenant: null).
   void RecordTenantRpc(Tenant* tenant, int status_code, double seconds);
 
@@ -93,6 +101,8 @@ class Metrics {
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_tokens_ = nullptr;
   prometheus::Counter* checksum_failures_ = nullptr;
+  // [transport][direction: 0 send, 1 receive][code]
+  std::array<std::array<std::array<prometheus::Counter*, kNumStatusCodes>, 2>, 2> transfers_{};
   prometheus::Family<prometheus::Counter>* tenant_requests_ = nullptr;
   prometheus::Family<prometheus::Histogram>* tenant_duration_ = nullptr;
   absl::Mutex tenant_mu_;

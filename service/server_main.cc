@@ -28,6 +28,13 @@
 #include "kernels/malloc_tuning.h"
 #include "service/exposure_check.h"
 #include "service/server_config.h"
+#ifdef KVQ_HAVE_CUDA_TRANSPORT
+#include "kernels/cuda/cuda_ipc_transport.h"
+#include "kernels/cuda/device_info.h"
+#ifdef KVQ_HAVE_NCCL
+#include "kernels/cuda/nccl_transport.h"
+#endif
+#endif
 
 namespace {
 
@@ -94,8 +101,22 @@ int main(int argc, char** argv) {
     tenants = std::move(*t);
     tenants->AttachStore(store->get());
   }
+  // Before the service: its open sessions close on them when it goes.
+  std::unique_ptr<kvq::KvTransport> ipc_transport, nccl_transport;
   kvq::KvqService service(store->get(), m, config->service);
   service.set_tenants(tenants.get());
+#ifdef KVQ_HAVE_CUDA_TRANSPORT
+  // Device payloads (docs/TRANSPORT.md) on GPU 0 when there is one;
+  // without, AppendDevice / FetchDevice answer FAILED_PRECONDITION.
+  if (kvq::CudaDeviceCount() > 0) {
+    ipc_transport = std::make_unique<kvq::CudaIpcTransport>(0);
+    service.set_transport(kvq::TransportKind::kCudaIpc, ipc_transport.get());
+#ifdef KVQ_HAVE_NCCL
+    nccl_transport = std::make_unique<kvq::NcclTransport>(0);
+    service.set_transport(kvq::TransportKind::kNccl, nccl_transport.get());
+#endif
+  }
+#endif
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -429,11 +429,19 @@ class KvqClient:
 
     def append_prompt(self, sequence_id, k, v, layer_begin=0, max_chunk_bytes=1 << 20,
                       wire_dtype=None, token_ids=None, progress: Optional[Progress] = None,
-                      deadline=None):
+                      deadline=None, transport="grpc"):
         """Streams k and v ([layers, kv_heads, tokens, head_dim], float32 or
         float16) in chunks of at most max_chunk_bytes: one all-or-nothing
         append. `wire_dtype` ('fp32', 'fp16', 'bf16') converts on the
-        way; default: the arrays' dtype."""
+        way; default: the arrays' dtype.
+
+        transport="cuda_ipc": k and v are contiguous CUDA torch tensors on
+        this node; the server copies them GPU to GPU through CUDA IPC
+        handles and only descriptors travel (docs/TRANSPORT.md). "nccl" is
+        offered by the C++ client (NcclPeer) only."""
+        if _check_transport(transport) != "grpc":
+            return self._append_device(sequence_id, k, v, layer_begin, token_ids, deadline,
+                                       transport)
         k = np.asarray(k)
         v = np.asarray(v)
         if k.ndim != 4 or k.shape != v.shape:
@@ -595,6 +603,43 @@ class KvqClient:
                        idempotent=True, deadline=deadline)
         return _packed(r)
 
+    def _append_device(self, sequence_id, k, v, layer_begin, token_ids, deadline, transport):
+        request = pb.AppendDeviceRequest()
+        self._ref(sequence_id, request.sequence)
+        request.layer_begin = layer_begin
+        request.dtype = _torch_wire_dtype(k, v)
+        request.shape.extend(k.shape)
+        request.token_ids.extend(token_ids or [])
+        _ipc_payload(k, request.k, "k")
+        _ipc_payload(v, request.v, "v")
+        r = self._call(lambda t, _: self._stub.AppendDevice(request, timeout=t),
+                       idempotent=False, deadline=deadline)
+        return AppendResult(num_tokens=r.num_tokens, bytes_stored=r.bytes_stored,
+                            wire_bytes=0, chunks=1)
+
+    def fetch_device(self, sequence_id, out_k, out_v, layer_begin=0, token_begin=0,
+                     apply_rope=False, deadline=None, transport="cuda_ipc"):
+        """fetch's device form: the server writes dequantized K and V into
+        out_k and out_v (contiguous CUDA torch tensors [layers, kv_heads,
+        tokens, head_dim], float16/float32/bfloat16, whose shape sets the
+        range) through CUDA IPC. Never retried."""
+        if _check_transport(transport) != "cuda_ipc":
+            raise ValueError(f'fetch_device: transport = "{transport}" is not available from '
+                             'Python; use "cuda_ipc" (or fetch for "grpc")')
+        request = pb.FetchDeviceRequest()
+        self._ref(sequence_id, request.sequence)
+        request.layer_begin = layer_begin
+        request.layer_end = layer_begin + out_k.shape[0]
+        request.token_begin = token_begin
+        request.token_end = token_begin + out_k.shape[2]
+        request.dtype = _torch_wire_dtype(out_k, out_v)
+        request.apply_rope = apply_rope
+        _ipc_payload(out_k, request.k, "out_k")
+        _ipc_payload(out_v, request.v, "out_v")
+        self._call(lambda t, _: self._stub.FetchDevice(request, timeout=t),
+                   idempotent=False, deadline=deadline)
+        return out_k, out_v
+
     def append_attend(self, layer, items, softmax_scale=0.0, deadline=None):
         """Appends each DecodeItem's k/v to its sequence's layer, then attends;
         [(out, lse)] per item. Never retried."""
@@ -645,3 +690,47 @@ class KvqClient:
         self._ref(sequence_id, request.sequence)
         return self._call(lambda t, _: self._stub.Stats(request, timeout=t),
                           idempotent=True, deadline=deadline)
+
+
+_TRANSPORTS = ("grpc", "cuda_ipc", "nccl")
+
+
+def _check_transport(transport):
+    if transport not in _TRANSPORTS:
+        raise ValueError(f'transport = "{transport}" must be "grpc", "cuda_ipc" or "nccl"')
+    if transport == "nccl":
+        raise ValueError('transport = "nccl" is offered by the C++ client (NcclPeer) only; '
+                         'use "cuda_ipc" on one node or "grpc"')
+    return transport
+
+
+def _torch_wire_dtype(k, v):
+    """The wire dtype of two CUDA torch tensors of one shape and dtype."""
+    for name, t in (("k", k), ("v", v)):
+        if not getattr(t, "is_cuda", False):
+            raise ValueError(f'transport = "cuda_ipc" needs CUDA torch tensors; {name} is '
+                             f"{type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if tuple(k.shape) != tuple(v.shape) or k.dtype != v.dtype or len(k.shape) != 4:
+        raise ValueError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must "
+                         "both be [layers, kv_heads, tokens, head_dim] of one dtype")
+    names = {"torch.float32": pb.DTYPE_FP32, "torch.float16": pb.DTYPE_FP16,
+             "torch.bfloat16": pb.DTYPE_BF16}
+    if str(k.dtype) not in names:
+        raise ValueError(f"dtype {k.dtype} is not float32, float16 or bfloat16")
+    return names[str(k.dtype)]
+
+
+def _ipc_payload(t, out, name):
+    """Fills a DevicePayload with the CUDA IPC handle of tensor t's storage.
+
+    torch exports the storage's whole allocation (the handle) and where the
+    storage starts inside it; the tensor's own offset is added."""
+    storage = t.untyped_storage()
+    shared = storage._share_cuda_()
+    device, handle, _, storage_offset = shared[0], shared[1], shared[2], shared[3]
+    out.cuda_ipc.handle = bytes(handle)
+    out.cuda_ipc.offset = int(storage_offset) + t.storage_offset() * t.element_size()
+    out.cuda_ipc.size = t.numel() * t.element_size()
+    out.cuda_ipc.device = int(device)
