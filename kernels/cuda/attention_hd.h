@@ -10,7 +10,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include "kernels/cuda/dequant_hd.h"
 #include "kernels/cuda/device_stream_view.h"
@@ -41,7 +40,9 @@ KVQ_HD float Log(float x) {
 #endif
 }
 KVQ_HD float Max(float a, float b) { return a < b ? b : a; }  // std::max's NaN rule.
-KVQ_HD float NegInf() { return -std::numeric_limits<float>::infinity(); }
+// INFINITY rather than numeric_limits: the latter is a host constexpr
+// function that device code may not call without relaxed constexpr.
+KVQ_HD float NegInf() { return -INFINITY; }
 
 // ---------------------------------------------------------------------------
 // RoPE (kernels/rope.h): the same base, inverse frequencies and position
@@ -151,7 +152,7 @@ KVQ_HD void HadamardInverse(const float* signs, int d, float* x) {
 // output accumulator (sum of weight * value) lives with the caller.
 // ---------------------------------------------------------------------------
 struct SoftmaxState {
-  float max = -std::numeric_limits<float>::infinity();
+  float max = -INFINITY;
   float sum = 0.0f;
 };
 
