@@ -284,6 +284,73 @@ KVQ_HD void LoadKeyForScore(const DeviceStreamView& v, int t, float* out) {
   if (v.rope.rotary_dim > 0) ApplyRope(v.rope, out, t);
 }
 
+// ---------------------------------------------------------------------------
+// The tensor-core kernel's dequantization of 2- and 4-bit codes, four
+// channels per 32-bit word of a bit plane (page_layout.h: byte j of plane
+// m holds channel j + m * P at bit m * bits, P = head_dim * bits / 8).
+// ---------------------------------------------------------------------------
+// Quads per row: head_dim / 4. Quad qi covers plane m = qi / (P / 4),
+// bytes 4 * quad .. 4 * quad + 3 of it, channels QuadChannel(..) + 0..3.
+KVQ_HD void QuadOf(int head_dim, int bits, int qi, int* m, int* quad) {
+  const int plane_quads = head_dim * bits / 32;
+  *m = qi / plane_quads;
+  *quad = qi % plane_quads;
+}
+KVQ_HD int QuadChannel(int head_dim, int bits, int m, int quad) {
+  return m * (head_dim * bits / 8) + 4 * quad;
+}
+// The four codes of a quad, one per byte (channel QuadChannel + k in byte k).
+// The row must be 4-byte aligned (QuadDequantTakes).
+KVQ_HD uint32_t QuadCodes(const uint8_t* code_row, int bits, int m, int quad) {
+  const uint8_t* w = code_row + 4 * quad;
+#if defined(__CUDA_ARCH__)
+  const uint32_t word = *reinterpret_cast<const uint32_t*>(w);
+#else
+  const uint32_t word = static_cast<uint32_t>(w[0]) | (static_cast<uint32_t>(w[1]) << 8) |
+                        (static_cast<uint32_t>(w[2]) << 16) | (static_cast<uint32_t>(w[3]) << 24);
+#endif
+  return (word >> (m * bits)) & (bits == 4 ? 0x0f0f0f0fu : 0x03030303u);
+}
+
+// Whether a side's page rows take the quad dequantization: one plane of 2-
+// or 4-bit codes, uniform levels (no nuq table), fp16 parameters, plane
+// words of 4 whole bytes, and token groups that a quad does not straddle.
+KVQ_HD bool QuadDequantTakes(const PageLayout& L, const SideLayout& S, const SideExtras& extras) {
+  return S.format == CodeFormat::kPacked && (S.bits == 2 || S.bits == 4) &&
+         extras.levels == nullptr && S.param_bits == 16 && (L.head_dim * S.bits / 8) % 4 == 0 &&
+         S.code_row_bytes % 4 == 0 && S.codes_offset % 4 == 0 && S.params_offset % 4 == 0 &&
+         (S.axis != ParamAxis::kTokenGroups || S.group_channels % 4 == 0);
+}
+
+// Byte offsets in the page of the fp16 scale and zero of channel `c` (a
+// multiple of 4) of page row `row`, fp16 parameters only. Per-channel
+// parameters (keys) differ per channel, so a quad reads two half2 of each
+// from there; per-token groups hold one value for the whole quad.
+struct QuadParams {
+  size_t scale = 0;
+  size_t zero = 0;
+  bool per_channel = false;
+};
+KVQ_HD QuadParams QuadParamsAt(const PageLayout& L, const SideLayout& S, int row, int c) {
+  QuadParams q;
+  const int n = L.ParamsPerEntry(S);
+  if (S.axis == ParamAxis::kChannelGroups) {
+    const size_t entry = S.params_offset + static_cast<size_t>(row / L.block_tokens) * 4 * n;
+    q.scale = entry + 2 * static_cast<size_t>(c);
+    q.zero = entry + 2 * static_cast<size_t>(n + c);
+    q.per_channel = true;
+  } else {
+    const size_t entry = S.params_offset + static_cast<size_t>(row) * 4 * n;
+    const int g = c / S.group_channels;
+    q.scale = entry + 2 * static_cast<size_t>(g);
+    q.zero = entry + 2 * static_cast<size_t>(n + g);
+  }
+  return q;
+}
+// fp16 bits of 1024 + code: a code of up to 10 bits in the mantissa of
+// 1024.0, whose ulp is 1, so subtracting 1024 gives the code exactly.
+inline constexpr uint16_t kHalfMagic1024 = 0x6400;
+
 KVQ_HD float Dot(const float* a, const float* b, int d) {
   float s = 0.0f;
   for (int c = 0; c < d; ++c) s += a[c] * b[c];

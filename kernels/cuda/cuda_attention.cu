@@ -295,50 +295,34 @@ __device__ __forceinline__ uint32_t Pack(__half lo, __half hi) {
          (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
 
-// Whether one side's page rows take the magic-number dequantization: 2- or
-// 4-bit codes (one plane), uniform levels, fp16 parameters, and 4-byte
-// words of the plane that hold 4 whole channels.
-__device__ __forceinline__ bool FastSide(const PageLayout& L, const SideLayout& S,
-                                         const hd::SideExtras& extras) {
-  return S.format == CodeFormat::kPacked && (S.bits == 2 || S.bits == 4) &&
-         extras.levels == nullptr && S.param_bits == 16 && (L.head_dim * S.bits / 8) % 4 == 0 &&
-         (S.axis != ParamAxis::kTokenGroups || S.group_channels % 4 == 0);
-}
-
-// Channels c..c+3 of page row `row` (c = m * P + 4 * quad, P the plane's
-// bytes) as four fp16 values. A code b sits in the mantissa of 1024.0
-// (0x6400 | code): byte_perm builds two such half2 from four code bytes,
-// HSUB2 takes 1024 off (exactly), HFMA2 applies scale and zero.
+// Channels c..c+3 of page row `row` (hd::QuadChannel) as four fp16
+// values. Each code goes into the mantissa of 1024.0 (0x6400 | code):
+// byte_perm builds two such half2 from four code bytes, HSUB2 takes 1024
+// off (exactly), HFMA2 applies scale and zero.
 __device__ __forceinline__ void DequantQuad(const PageLayout& L, const SideLayout& S,
                                             const uint8_t* page, int row, int m, int quad,
                                             __half2* out) {
   const int d = L.head_dim;
-  const int plane = d * S.bits / 8;
-  const int c = m * plane + 4 * quad;
-  const uint8_t* code_row = PageLayout::CodeRow(page, S, row);
-  const uint32_t word = *reinterpret_cast<const uint32_t*>(code_row + 4 * quad);
-  const uint32_t mask = S.bits == 4 ? 0x0f0f0f0fu : 0x03030303u;
-  const uint32_t codes = (word >> (m * S.bits)) & mask;
-  const uint32_t lo_bits = __byte_perm(codes, 0x64646464u, 0x5140);
-  const uint32_t hi_bits = __byte_perm(codes, 0x64646464u, 0x5342);
+  const int c = hd::QuadChannel(d, S.bits, m, quad);
+  const uint32_t codes = hd::QuadCodes(PageLayout::CodeRow(page, S, row), S.bits, m, quad);
+  constexpr uint32_t kMagicBytes = 0x01010101u * (hd::kHalfMagic1024 >> 8);  // 0x64 in each byte.
+  const uint32_t lo_bits = __byte_perm(codes, kMagicBytes, 0x5140);
+  const uint32_t hi_bits = __byte_perm(codes, kMagicBytes, 0x5342);
   const __half2 bias = __float2half2_rn(1024.0f);
   const __half2 lo = __hsub2(*reinterpret_cast<const __half2*>(&lo_bits), bias);
   const __half2 hi = __hsub2(*reinterpret_cast<const __half2*>(&hi_bits), bias);
+  const hd::QuadParams at = hd::QuadParamsAt(L, S, row, c);
+  const __half* scale = reinterpret_cast<const __half*>(page + at.scale);
+  const __half* zero = reinterpret_cast<const __half*>(page + at.zero);
   __half2 scale_lo, scale_hi, zero_lo, zero_hi;
-  if (S.axis == ParamAxis::kChannelGroups) {
-    const __half* params = reinterpret_cast<const __half*>(
-        page + S.params_offset + static_cast<size_t>(row / L.block_tokens) * 4 * d);
-    scale_lo = *reinterpret_cast<const __half2*>(params + c);
-    scale_hi = *reinterpret_cast<const __half2*>(params + c + 2);
-    zero_lo = *reinterpret_cast<const __half2*>(params + d + c);
-    zero_hi = *reinterpret_cast<const __half2*>(params + d + c + 2);
+  if (at.per_channel) {
+    scale_lo = *reinterpret_cast<const __half2*>(scale);
+    scale_hi = *reinterpret_cast<const __half2*>(scale + 2);
+    zero_lo = *reinterpret_cast<const __half2*>(zero);
+    zero_hi = *reinterpret_cast<const __half2*>(zero + 2);
   } else {
-    const int groups = d / S.group_channels;
-    const __half* params = reinterpret_cast<const __half*>(
-        page + S.params_offset + static_cast<size_t>(row) * 4 * groups);
-    const int g = c / S.group_channels;
-    scale_lo = scale_hi = __half2half2(params[g]);
-    zero_lo = zero_hi = __half2half2(params[groups + g]);
+    scale_lo = scale_hi = __half2half2(*scale);
+    zero_lo = zero_hi = __half2half2(*zero);
   }
   out[0] = __hfma2(lo, scale_lo, zero_lo);
   out[1] = __hfma2(hi, scale_hi, zero_hi);
@@ -351,7 +335,7 @@ __device__ void LoadTileHalf(const DeviceStreamView& v, Side side, int t0, int n
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
   const int stride = d + kHalfPad;
-  const bool fast = FastSide(L, S, hd::ExtrasOf(v, side));
+  const bool fast = hd::QuadDequantTakes(L, S, hd::ExtrasOf(v, side));
   const int quads = d / 4;
   for (int e = threadIdx.x; e < kKeyTile * quads; e += blockDim.x) {
     const int j = e / quads, qi = e % quads;
@@ -364,12 +348,12 @@ __device__ void LoadTileHalf(const DeviceStreamView& v, Side side, int t0, int n
     const bool in_pages = t >= v.sink_tokens && t < v.sink_tokens + v.quantized_tokens;
     if (in_pages && fast) {
       const int q = t - v.page_base;
-      const int plane_quads = d * S.bits / 32;
-      const int m = qi / plane_quads, quad = qi % plane_quads;
-      // Quad qi covers channels m * P + 4 * quad: store where they belong.
+      int m, quad;
+      hd::QuadOf(d, S.bits, qi, &m, &quad);
+      // Quad qi's channels are not 4 * qi: store them where they belong.
       __half2 vals[2];
       DequantQuad(L, S, v.pages[q / L.page_tokens], q % L.page_tokens, m, quad, vals);
-      __half2* at = reinterpret_cast<__half2*>(dst + j * stride + m * (d * S.bits / 8) + 4 * quad);
+      __half2* at = reinterpret_cast<__half2*>(dst + j * stride + hd::QuadChannel(d, S.bits, m, quad));
       at[0] = vals[0];
       at[1] = vals[1];
       continue;

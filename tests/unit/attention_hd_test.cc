@@ -8,12 +8,15 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/hadamard.h"
+#include "kernels/kv_stream.h"
+#include "kernels/numeric.h"
 #include "kernels/rope.h"
 #include "tests/unit/test_util.h"
 
@@ -219,6 +222,65 @@ TEST(AttentionHdTest, SoftmaxOfNothingIsEmptyAndOverflowIsNotFinite) {
   hd::SoftmaxPush(&state, 1.0f);
   hd::SoftmaxPush(&state, kInf);
   EXPECT_FALSE(std::isfinite(hd::SoftmaxLse(state)));
+}
+
+// The tensor-core kernel's dequantization of 2- and 4-bit codes: the quads
+// cover every channel once, a quad's code bytes are hd::CodeAt's codes,
+// 0x6400 | code is 1024 + code exactly, its parameter offsets hold
+// hd::ParamsAt's scale and zero, and scale * code + zero rounded once to
+// fp16 (what HFMA2 gives) is DequantElement's value within fp16 rounding.
+TEST(AttentionHdTest, QuadDequantMatchesDequantElement) {
+  const testutil::SchemeCase cases[] = {
+      {"kivi4", 128, {}, ""}, {"kivi2", 64, {}, ""}, {"kivi4:g64", 64, {}, ""},
+      {"kivi2:ktok", 64, {}, ""}, {"kivi2:v4:outliers=1", 64, {}, ""}, {"kivi4:g16:r16", 128, {}, ""}};
+  for (const testutil::SchemeCase& sc : cases) {
+    SCOPED_TRACE(sc.spec);
+    std::unique_ptr<KvStream> s = testutil::MakeStream({"ref", sc});
+    ASSERT_NE(s, nullptr);
+    const int d = sc.head_dim;
+    const int n = s->spec().sink + 2 * s->layout().page_tokens + s->spec().flush_tokens();
+    ASSERT_TRUE(testutil::AppendRows(*s, testutil::MakeKeys(n, d, 70), testutil::MakeValues(n, d, 70), 0, n).ok());
+    ASSERT_GE(s->num_pages(), 1);
+    const PageLayout& L = s->layout();
+    int sides_taken = 0;
+    for (Side side : {Side::kKey, Side::kValue}) {
+      const SideLayout& S = L.side(side);
+      const hd::SideExtras extras;
+      if (!hd::QuadDequantTakes(L, S, extras)) continue;
+      ++sides_taken;
+      const uint8_t* page = s->page(0);
+      for (int row = 0; row < L.page_tokens; ++row) {
+        std::vector<int> seen(d, 0);
+        for (int qi = 0; qi < d / 4; ++qi) {
+          int m, quad;
+          hd::QuadOf(d, S.bits, qi, &m, &quad);
+          const int c = hd::QuadChannel(d, S.bits, m, quad);
+          ASSERT_TRUE(c >= 0 && c + 3 < d && c % 4 == 0) << "quad " << qi << " channel " << c;
+          const uint32_t codes = hd::QuadCodes(PageLayout::CodeRow(page, S, row), S.bits, m, quad);
+          const hd::QuadParams at = hd::QuadParamsAt(L, S, row, c);
+          for (int k = 0; k < 4; ++k) {
+            ++seen[c + k];
+            const int code = (codes >> (8 * k)) & 0xff;
+            ASSERT_EQ(code, hd::CodeAt(PageLayout::CodeRow(page, S, row), d, S.bits, c + k))
+                << "row " << row << " channel " << c + k;
+            ASSERT_EQ(HalfToFloat(static_cast<uint16_t>(hd::kHalfMagic1024 | code)) - 1024.0f, code);
+            const size_t step = at.per_channel ? 2 * k : 0;
+            const float scale = HalfToFloat(hd::LoadHalfBits(page + at.scale + step));
+            const float zero = HalfToFloat(hd::LoadHalfBits(page + at.zero + step));
+            const hd::ScaleZero want = hd::ParamsAt(L, S, page, row, c + k);
+            ASSERT_EQ(scale, want.scale) << "row " << row << " channel " << c + k;
+            ASSERT_EQ(zero, want.zero) << "row " << row << " channel " << c + k;
+            const float fp16 = RoundToHalf(static_cast<float>(static_cast<double>(scale) * code + zero));
+            const float ref = hd::DequantElement(L, S, page, row, c + k, extras);
+            EXPECT_LE(std::fabs(fp16 - ref), std::ldexp(std::fabs(ref), -11) + 6e-8)
+                << "row " << row << " channel " << c + k;
+          }
+        }
+        for (int c = 0; c < d; ++c) ASSERT_EQ(seen[c], 1) << "channel " << c << " row " << row;
+      }
+    }
+    EXPECT_GT(sides_taken, 0) << "no side of " << sc.spec << " takes the quad dequantization";
+  }
 }
 
 }  // namespace
