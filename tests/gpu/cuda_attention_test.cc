@@ -62,9 +62,13 @@ std::unique_ptr<DeviceBuffer> Upload(const std::vector<T>& v) {
 struct DeviceStream {
   std::vector<std::unique_ptr<DeviceBuffer>> buffers;
   DeviceStreamView view;
+  bool failed = false;  // An allocation or copy failed.
 
   const void* Keep(std::unique_ptr<DeviceBuffer> b) {
-    if (b == nullptr) return nullptr;
+    if (b == nullptr) {
+      failed = true;
+      return nullptr;
+    }
     buffers.push_back(std::move(b));
     return buffers.back()->ptr;
   }
@@ -121,10 +125,7 @@ bool MakeDeviceStream(const KvStream& s, DeviceStream* out) {
   if (s.rotation()) {
     v.rotation_signs = static_cast<const float*>(out->Keep(Upload(s.rotation()->signs())));
   }
-  for (const auto& b : out->buffers) {
-    if (b->ptr == nullptr) return false;
-  }
-  return true;
+  return !out->failed;
 }
 
 // One task's host buffers (AttentionTask addressing).
@@ -153,24 +154,23 @@ void RunOnDevice(const KvStream& s, int group, std::vector<HostTask>& tasks) {
   shape.group_size = group;
   shape.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
   shape.tensor_cores = UseTensorCores(s.layout());
+  // A device copy of `v`, kept until the end of the run; null on failure.
+  auto copy = [&keep](const auto& v) {
+    keep.push_back(Upload(v));
+    return keep.back() ? keep.back()->ptr : nullptr;
+  };
   for (HostTask& h : tasks) {
     DeviceAttentionTask t;
     t.stream = ds.view;
     t.key_begin = h.begin;
     t.key_end = h.end;
     t.num_queries = h.num_queries;
-    keep.push_back(Upload(h.q));
-    t.q = keep.back()->as<float>();
+    t.q = static_cast<const float*>(copy(h.q));
     t.q_stride = group * d;
-    if (!h.positions.empty()) {
-      keep.push_back(Upload(h.positions));
-      t.q_positions = keep.back()->as<int32_t>();
-    }
-    keep.push_back(Upload(h.out));
-    t.out = keep.back()->as<float>();
+    if (!h.positions.empty()) t.q_positions = static_cast<const int32_t*>(copy(h.positions));
+    t.out = static_cast<float*>(copy(h.out));
     t.out_stride = group * d;
-    keep.push_back(Upload(h.lse));
-    t.lse = keep.back()->as<float>();
+    t.lse = static_cast<float*>(copy(h.lse));
     t.lse_stride = group;
     for (const auto& b : keep) ASSERT_NE(b, nullptr) << "device allocation";
     device_tasks.push_back(t);
