@@ -23,6 +23,18 @@ namespace kvq {
 // use the same addressing with out_stride; lse + i*lse_stride + g receives
 // the natural log of sum(exp(scale * q.k)) over the visible keys (-inf when
 // none is visible, with a zero output), so partial results merge exactly.
+//
+// Error contract (every backend; tests/unit/attention_contract_test.cc):
+// measured against fp64 attention over the *original* K/V (keys post-RoPE),
+// a backend's error on a stream's pages may exceed the "ref" backend's
+// error on the same pages by at most 10%: a kernel may add rounding of its
+// own (int8 queries, fp16 tensor-core operands, float sums, float RoPE
+// angles) on top of the scheme's quantization error, but no more than a
+// tenth of it. The measure is the worst (query, head) of a call: output
+// error relative to the row's largest |out| (floored at the values' RMS),
+// and |lse| error. Where the scheme's own error is at float rounding
+// (fp16/bf16 passthrough), the allowance is an absolute floor of 1e-5,
+// a few times fp32 summation over the keys (about 2 ulp-scale of fp32).
 struct AttentionTask {
   const KvStream* stream = nullptr;
   int key_begin = 0;

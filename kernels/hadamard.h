@@ -22,6 +22,8 @@ class HadamardRotation {
   void Forward(float* x) const;
   // x <- H^T x (the inverse).
   void Inverse(float* x) const;
+  // The +-1 of diag(signs), for kernels that apply H themselves.
+  const std::vector<float>& signs() const { return signs_; }
 
  private:
   int dim_;

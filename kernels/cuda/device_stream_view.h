@@ -12,6 +12,18 @@
 #include "kernels/page_layout.h"
 
 namespace kvq {
+namespace hd {
+
+// RoPE of a pre-RoPE stream's keys (kernels/rope.h) as plain data: built
+// by hd::MakeRopeParams (attention_hd.h) from the stream's RopeConfig.
+struct RopeParams {
+  int rotary_dim = 0;          // 0: keys are stored post-RoPE (nothing to apply).
+  bool adjacent = false;       // Pairs (2i, 2i + 1); else (i, i + rotary_dim / 2).
+  double base = 10000.0;       // theta, NTK scaling applied.
+  float linear_factor = 1.0f;  // Positions divided by it (linear scaling).
+};
+
+}  // namespace hd
 
 struct DeviceStreamView {
   PageLayout layout;
@@ -30,6 +42,11 @@ struct DeviceStreamView {
   const uint16_t* tail_v = nullptr;
   hd::SideExtras key_extras;              // levels: device floats, or null.
   hd::SideExtras value_extras;
+  // Attention's view of the stored basis: RoPE to apply to keys, and the
+  // Hadamard signs (head_dim device floats) when the stream rotates, so
+  // queries are rotated forward and outputs back; null when it does not.
+  hd::RopeParams rope;
+  const float* rotation_signs = nullptr;
 
   int num_tokens() const { return sink_tokens + quantized_tokens + tail_tokens; }
 };

@@ -1,11 +1,159 @@
-// SCAFFOLD: replaced by the attention per-element programs.
-#include "kernels/cpu/ref_kernels.h"
+// "cuda_host" attention: the fused decode kernel's algorithm
+// (cuda_attention.cu) run serially on the CPU with the same attention_hd.h
+// math. Each task's key range is cut into hd::kAttentionSplitTokens chunks
+// (flash-decoding's splits); a chunk's keys and values are read once for
+// every query row of the task (the GQA group shares them), each row folds
+// the chunk's scores with the online softmax into a partial (out, lse), and
+// the partials merge with hd::MergePartials. Page bytes come only through
+// HostPagePointer, as the device reads them only through its view.
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cuda/attention_hd.h"
+#include "kernels/cuda/device_stream_view.h"
 #include "kernels/cuda/host_program_backend.h"
+#include "kernels/kv_stream.h"
+#include "kernels/numeric.h"
 
 namespace kvq {
+namespace {
+
+// A DeviceStreamView over host memory and the arrays it points into.
+struct HostStreamView {
+  DeviceStreamView view;
+  std::vector<const uint8_t*> pages;
+  std::vector<float> key_levels;
+  std::vector<float> value_levels;
+};
+
+// nuq levels of one side as floats, channel-major (hd::SideExtras' form);
+// empty for uniform codes.
+std::vector<float> LevelFloats(const KvStream& s, Side side) {
+  std::vector<float> levels;
+  if (!s.spec().nuq) return levels;
+  const int per_channel = 1 << s.layout().side(side).bits;
+  for (int c = 0; c < s.head_dim(); ++c) {
+    const uint16_t* h = s.levels(side, c);
+    for (int i = 0; i < per_channel; ++i) levels.push_back(HalfToFloat(h[i]));
+  }
+  return levels;
+}
+
+hd::SideExtras ExtrasFor(const KvStream& s, Side side, const std::vector<float>& levels) {
+  hd::SideExtras extras;
+  extras.levels = levels.empty() ? nullptr : levels.data();
+  if (s.layout().side(side).format == CodeFormat::kFp8E4m3) extras.fp8_scale = s.fp8_scale(side);
+  return extras;
+}
+
+void FillView(const KvStream& s, HostStreamView* h) {
+  DeviceStreamView& v = h->view;
+  v.layout = s.layout();
+  v.sink_tokens = s.sink_tokens();
+  v.page_base = s.page_base();
+  v.quantized_tokens = s.quantized_tokens();
+  v.tail_tokens = s.tail_tokens();
+  h->pages.clear();
+  for (int p = 0; p < s.PagesFor(s.quantized_tokens()); ++p) {
+    h->pages.push_back(HostPagePointer(s, p));
+  }
+  v.pages = h->pages.data();
+  v.sink_k = s.sink_row(Side::kKey, 0);
+  v.sink_v = s.sink_row(Side::kValue, 0);
+  v.tail_k = s.tail_row(Side::kKey, 0);
+  v.tail_v = s.tail_row(Side::kValue, 0);
+  h->key_levels = LevelFloats(s, Side::kKey);
+  h->value_levels = LevelFloats(s, Side::kValue);
+  v.key_extras = ExtrasFor(s, Side::kKey, h->key_levels);
+  v.value_extras = ExtrasFor(s, Side::kValue, h->value_levels);
+  if (const Rope* rope = s.rope()) {
+    const RopeConfig& c = rope->config();
+    const bool linear = c.scaling == RopeConfig::Scaling::kLinear;
+    v.rope = hd::MakeRopeParams(c.theta, rope->rotary_dim(),
+                                c.pairing == RopeConfig::Pairing::kAdjacent,
+                                c.scaling == RopeConfig::Scaling::kNtk,
+                                linear ? c.factor : 1.0f, c.factor);
+  }
+  v.rotation_signs = s.rotation() ? s.rotation()->signs().data() : nullptr;
+}
+
+void AttendTask(const AttentionTask& task, const AttentionOptions& options,
+                const DeviceStreamView& v) {
+  const int d = v.layout.head_dim;
+  const int group = options.group_size;
+  const int rows = task.num_queries * group;
+  const float scale = SoftmaxScale(options, d);
+  const int begin = task.key_begin;
+  const int end = task.key_end == -1 ? v.num_tokens() : task.key_end;
+
+  // Row r = query i, head g: its query in the stored basis and the keys it sees.
+  std::vector<float> q(static_cast<size_t>(rows) * d);
+  std::vector<int> visible_end(rows);
+  int last_visible = begin;
+  for (int i = 0; i < task.num_queries; ++i) {
+    const int ve = task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
+    for (int g = 0; g < group; ++g) {
+      const int r = i * group + g;
+      visible_end[r] = ve;
+      const float* src = task.q + static_cast<size_t>(i) * task.q_stride + static_cast<size_t>(g) * d;
+      float* dst = &q[static_cast<size_t>(r) * d];
+      std::copy(src, src + d, dst);
+      if (v.rotation_signs) hd::HadamardForward(v.rotation_signs, d, dst);
+    }
+    last_visible = std::max(last_visible, ve);
+  }
+
+  std::vector<float> out(static_cast<size_t>(rows) * d, 0.0f);
+  std::vector<float> lse(rows, hd::NegInf());
+  std::vector<float> keys(static_cast<size_t>(hd::kAttentionSplitTokens) * d);
+  std::vector<float> values(keys.size());
+  std::vector<float> acc(d), partial(d);
+  for (int c0 = begin; c0 < last_visible; c0 += hd::kAttentionSplitTokens) {
+    const int c1 = std::min(last_visible, c0 + hd::kAttentionSplitTokens);
+    for (int t = c0; t < c1; ++t) {
+      hd::LoadKeyForScore(v, t, &keys[static_cast<size_t>(t - c0) * d]);
+      hd::LoadStoredRow(v, Side::kValue, t, &values[static_cast<size_t>(t - c0) * d]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      hd::SoftmaxState state;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const float* qr = &q[static_cast<size_t>(r) * d];
+      for (int t = c0; t < std::min(c1, visible_end[r]); ++t) {
+        const float score = hd::Dot(qr, &keys[static_cast<size_t>(t - c0) * d], d) * scale;
+        const hd::SoftmaxStep step = hd::SoftmaxPush(&state, score);
+        const float* vt = &values[static_cast<size_t>(t - c0) * d];
+        for (int c = 0; c < d; ++c) acc[c] = acc[c] * step.rescale + step.weight * vt[c];
+      }
+      const float inv = hd::SoftmaxOutScale(state);
+      for (int c = 0; c < d; ++c) partial[c] = acc[c] * inv;
+      float* o = &out[static_cast<size_t>(r) * d];
+      hd::MergePartials(o, lse[r], partial.data(), hd::SoftmaxLse(state), d, o, &lse[r]);
+    }
+  }
+
+  for (int i = 0; i < task.num_queries; ++i) {
+    for (int g = 0; g < group; ++g) {
+      const int r = i * group + g;
+      float* o = &out[static_cast<size_t>(r) * d];
+      if (v.rotation_signs) hd::HadamardInverse(v.rotation_signs, d, o);
+      std::copy(o, o + d, task.out + static_cast<size_t>(i) * task.out_stride + static_cast<size_t>(g) * d);
+      task.lse[static_cast<size_t>(i) * task.lse_stride + g] = lse[r];
+    }
+  }
+}
+
+}  // namespace
 
 absl::Status HostAttend(absl::Span<const AttentionTask> tasks, const AttentionOptions& options) {
-  for (const AttentionTask& task : tasks) AttendRef(task, options);
+  HostStreamView view;
+  const KvStream* filled = nullptr;
+  for (const AttentionTask& task : tasks) {
+    if (task.stream != filled) {
+      FillView(*task.stream, &view);
+      filled = task.stream;
+    }
+    AttendTask(task, options, view.view);
+  }
   return absl::OkStatus();
 }
 
