@@ -169,6 +169,11 @@ size_t HiddenPageAllocator::live_bytes() const {
   return live_bytes_;
 }
 
+int HiddenPageAllocator::live_blocks() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(live_.size() + host_.size());
+}
+
 int HiddenPageAllocator::bad_calls() const {
   absl::MutexLock lock(&mu_);
   return bad_calls_;

@@ -52,9 +52,13 @@ class HiddenPageAllocator final : public PageAllocator {
 
   // Bytes of live hidden blocks plus host blocks, as requested.
   size_t live_bytes() const;
+  // Live hidden blocks plus host blocks.
+  int live_blocks() const;
   // Calls that named a block this allocator does not hold (or a range
-  // outside it).
+  // outside it): Free, Retain, FreeHost and the copy operations.
   int bad_calls() const;
+  // TestAllocator's name for it, so a test may take either.
+  int bad_frees() const { return bad_calls(); }
 
  private:
   // The alias of [block + offset, + bytes); nullptr (counted in
