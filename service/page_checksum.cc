@@ -17,6 +17,20 @@ std::string Describe(const Sequence& seq) {
              : absl::StrCat("sequence \"", seq.id(), "\" in namespace \"", seq.ns(), "\"");
 }
 
+// The checksum of page `i` of `s`: hashed in place where the host may
+// address it, else copied to a reused host buffer first (device pages).
+uint64_t StreamPageChecksum(const KvStream& s, int i) {
+  const size_t bytes = s.layout().page_bytes;
+  PageAllocator* allocator = s.allocator();
+  if (allocator->host_accessible()) return PageChecksum(s.page(i), bytes);
+  thread_local std::vector<uint8_t> staged;
+  staged.resize(bytes);
+  // A page that cannot be read answers 0, which no checksum is: a read
+  // that verifies it fails (DATA_LOSS); at seal it stays unsealed.
+  if (!allocator->ReadBlock(s.page(i), 0, bytes, staged.data()).ok()) return 0;
+  return PageChecksum(staged.data(), bytes);
+}
+
 }  // namespace
 
 uint64_t PageChecksum(const uint8_t* page, size_t bytes) {
@@ -43,7 +57,7 @@ void SealFullPages(const Sequence& seq, PagePool& pool, int layer_begin, int lay
       pool.GetChecksums(blocks, absl::MakeSpan(sums));
       int first = full;
       while (first > 0 && sums[first - 1] == 0) --first;
-      for (int i = first; i < full; ++i) sums[i] = PageChecksum(blocks[i], s.layout().page_bytes);
+      for (int i = first; i < full; ++i) sums[i] = StreamPageChecksum(s, i);
       pool.SetChecksums(absl::MakeConstSpan(blocks).subspan(first),
                         absl::MakeConstSpan(sums).subspan(first));
     }
@@ -92,7 +106,7 @@ void PageReadCheck::CheckPage(const KvStream& stream, const Stream& entry, int i
       entry.checked[i].exchange(true, std::memory_order_relaxed)) {
     return;
   }
-  if (PageChecksum(stream.page(index), stream.layout().page_bytes) == entry.want[i]) return;
+  if (StreamPageChecksum(stream, index) == entry.want[i]) return;
   absl::MutexLock lock(&mu_);
   if (failed_ != nullptr) return;
   failed_ = entry.seq;

@@ -8,7 +8,10 @@
 // sequence's lock (SealFullPages), so no reader sees a full page without a
 // checksum; the checksum (XXH3-64 of the page's page_bytes) lives in the
 // pool's slab metadata beside the block (PagePool::SetChecksums), not in
-// the page, whose layout is fixed by kernels/page_layout.h.
+// the page, whose layout is fixed by kernels/page_layout.h. Pages the host
+// cannot address (device memory) are copied to a host buffer and hashed
+// there: one device-to-host copy of every sealed page at seal and again at
+// each verified read.
 //
 // Readers verify the sealed pages they are about to read (VerifyPages)
 // before any byte of them is sent or enters attention. The fp16 sink, the
