@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 
 namespace kvq {
 
@@ -73,6 +74,21 @@ class PageAllocator {
   // address returns host memory here.
   virtual absl::StatusOr<uint8_t*> AllocateHost(size_t bytes) { return Allocate(bytes); }
   virtual void FreeHost(uint8_t* block, size_t bytes) { Free(block, bytes); }
+
+  // --- Page checksums (service/page_checksum.h): one word per live block,
+  // kept beside the block, never in it, and 0 again when the block's last
+  // reference goes. An allocator that keeps them answers true; the default
+  // keeps none (Set ignores, Get answers 0s). ---
+  virtual bool keeps_checksums() const { return false; }
+  virtual void SetChecksums(absl::Span<const uint8_t* const> blocks,
+                            absl::Span<const uint64_t> sums) {
+    (void)blocks, (void)sums;
+  }
+  virtual void GetChecksums(absl::Span<const uint8_t* const> blocks,
+                            absl::Span<uint64_t> sums) const {
+    (void)blocks;
+    for (uint64_t& s : sums) s = 0;
+  }
 };
 
 // Thread-safe aligned heap allocation; never exhausted short of the OS.

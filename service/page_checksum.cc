@@ -31,6 +31,15 @@ uint64_t StreamPageChecksum(const KvStream& s, int i) {
   return PageChecksum(staged.data(), bytes);
 }
 
+// Where the checksums of `s`'s pages are kept: the pool, or a page
+// allocator of its own that keeps them (the device page pool); nullptr
+// when nowhere (a tenant's allocator over the pool: not sealed).
+PageAllocator* Keeper(const KvStream& s, const PagePool& pool) {
+  PageAllocator* a = s.allocator();
+  if (a == &pool || a->keeps_checksums()) return a;
+  return nullptr;
+}
+
 }  // namespace
 
 uint64_t PageChecksum(const uint8_t* page, size_t bytes) {
@@ -45,21 +54,22 @@ void SealFullPages(const Sequence& seq, PagePool& pool, int layer_begin, int lay
     for (int h = 0; h < seq.shape().num_kv_heads; ++h) {
       const KvStream& s = seq.stream(l, h);
       const int full = s.quantized_tokens() / s.layout().page_tokens;
-      if (full == 0 || s.allocator() != &pool) continue;
+      PageAllocator* sums_at = Keeper(s, pool);
+      if (full == 0 || sums_at == nullptr) continue;
       // Sealed pages are a prefix: find where it ends, from the back.
       const uint8_t* last = s.page(full - 1);
       uint64_t last_sum = 0;
-      pool.GetChecksums({&last, 1}, {&last_sum, 1});
+      sums_at->GetChecksums({&last, 1}, {&last_sum, 1});
       if (last_sum != 0) continue;
       blocks.resize(full);
       sums.resize(full);
       for (int i = 0; i < full; ++i) blocks[i] = s.page(i);
-      pool.GetChecksums(blocks, absl::MakeSpan(sums));
+      sums_at->GetChecksums(blocks, absl::MakeSpan(sums));
       int first = full;
       while (first > 0 && sums[first - 1] == 0) --first;
       for (int i = first; i < full; ++i) sums[i] = StreamPageChecksum(s, i);
-      pool.SetChecksums(absl::MakeConstSpan(blocks).subspan(first),
-                        absl::MakeConstSpan(sums).subspan(first));
+      sums_at->SetChecksums(absl::MakeConstSpan(blocks).subspan(first),
+                            absl::MakeConstSpan(sums).subspan(first));
     }
   }
 }
@@ -68,7 +78,8 @@ void PageReadCheck::Add(const Sequence& seq, int layer, int begin, int end) {
   std::vector<const uint8_t*> blocks;
   for (int h = 0; h < seq.shape().num_kv_heads; ++h) {
     const KvStream& s = seq.stream(layer, h);
-    if (s.allocator() != &pool_) continue;
+    const PageAllocator* sums_at = Keeper(s, pool_);
+    if (sums_at == nullptr) continue;
     const int pt = s.layout().page_tokens;
     const int full = s.quantized_tokens() / pt;
     // Pages are token positions page_base() + [i * pt, (i + 1) * pt).
@@ -92,7 +103,7 @@ void PageReadCheck::Add(const Sequence& seq, int layer, int begin, int end) {
     blocks.resize(last - first);
     entry.want.resize(last - first);
     for (int i = first; i < last; ++i) blocks[i - first] = s.page(i);
-    pool_.GetChecksums(blocks, absl::MakeSpan(entry.want));
+    sums_at->GetChecksums(blocks, absl::MakeSpan(entry.want));
     entry.checked = std::make_unique<std::atomic<bool>[]>(entry.want.size());
   }
 }

@@ -76,6 +76,7 @@ DevicePagePool::DevicePagePool(int device, uint8_t* base, size_t slots, size_t s
     : device_(device), base_(base), slots_(slots), slot_bytes_(slot_bytes), host_(host) {
   absl::MutexLock lock(&mu_);
   refs_.assign(slots_, 0);
+  sums_.assign(slots_, 0);
   free_.reserve(slots_);
   // Handed out from the lowest address up (popped from the back).
   for (size_t i = slots_; i > 0; --i) free_.push_back(static_cast<uint32_t>(i - 1));
@@ -123,7 +124,28 @@ void DevicePagePool::Free(uint8_t* block, size_t) {
   absl::MutexLock lock(&mu_);
   if (slot == slots_ || refs_[slot] == 0) return;
   if (--refs_[slot] == 1) --shared_;
-  if (refs_[slot] == 0) free_.push_back(static_cast<uint32_t>(slot));
+  if (refs_[slot] == 0) {
+    sums_[slot] = 0;  // A reused slot starts unsealed.
+    free_.push_back(static_cast<uint32_t>(slot));
+  }
+}
+
+void DevicePagePool::SetChecksums(absl::Span<const uint8_t* const> blocks,
+                                  absl::Span<const uint64_t> sums) {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < blocks.size() && i < sums.size(); ++i) {
+    const size_t slot = SlotOf(blocks[i]);
+    if (slot != slots_ && refs_[slot] > 0) sums_[slot] = sums[i];
+  }
+}
+
+void DevicePagePool::GetChecksums(absl::Span<const uint8_t* const> blocks,
+                                  absl::Span<uint64_t> sums) const {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < blocks.size() && i < sums.size(); ++i) {
+    const size_t slot = SlotOf(blocks[i]);
+    sums[i] = slot == slots_ ? 0 : sums_[slot];
+  }
 }
 
 uint8_t* DevicePagePool::TakeStaging() {

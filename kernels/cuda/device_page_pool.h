@@ -88,6 +88,13 @@ class DevicePagePool final : public PageAllocator {
   absl::StatusOr<uint8_t*> AllocateHost(size_t bytes) override;
   void FreeHost(uint8_t* block, size_t bytes) override;
 
+  // Page checksums, one word per slot beside the arena (host memory).
+  bool keeps_checksums() const override { return true; }
+  void SetChecksums(absl::Span<const uint8_t* const> blocks,
+                    absl::Span<const uint64_t> sums) override;
+  void GetChecksums(absl::Span<const uint8_t* const> blocks,
+                    absl::Span<uint64_t> sums) const override;
+
   int device() const { return device_; }
   DevicePagePoolStats Stats() const;
 
@@ -112,6 +119,7 @@ class DevicePagePool final : public PageAllocator {
   mutable absl::Mutex mu_;
   std::vector<uint32_t> free_ ABSL_GUARDED_BY(mu_);   // Free slot indices.
   std::vector<uint32_t> refs_ ABSL_GUARDED_BY(mu_);   // Per slot; 0: free.
+  std::vector<uint64_t> sums_ ABSL_GUARDED_BY(mu_);   // Per slot; 0: unsealed.
   size_t shared_ ABSL_GUARDED_BY(mu_) = 0;
 
   absl::Mutex staging_mu_;

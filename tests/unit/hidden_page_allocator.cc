@@ -140,6 +140,28 @@ uint8_t* HiddenPageAllocator::HostAlias(const uint8_t* block) {
   return const_cast<uint8_t*>(block);
 }
 
+void HiddenPageAllocator::SetChecksums(absl::Span<const uint8_t* const> blocks,
+                                       absl::Span<const uint64_t> sums) {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < blocks.size() && i < sums.size(); ++i) {
+    auto it = live_.find(static_cast<size_t>(blocks[i] - hidden_));
+    if (it == live_.end()) {
+      ++bad_calls_;
+      continue;
+    }
+    it->second.checksum = sums[i];
+  }
+}
+
+void HiddenPageAllocator::GetChecksums(absl::Span<const uint8_t* const> blocks,
+                                       absl::Span<uint64_t> sums) const {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < blocks.size() && i < sums.size(); ++i) {
+    auto it = live_.find(static_cast<size_t>(blocks[i] - hidden_));
+    sums[i] = it == live_.end() ? 0 : it->second.checksum;
+  }
+}
+
 absl::StatusOr<uint8_t*> HiddenPageAllocator::AllocateHost(size_t bytes) {
   auto* p = static_cast<uint8_t*>(std::aligned_alloc(kPageAlign, Rounded(bytes)));
   if (p == nullptr) return absl::ResourceExhaustedError("hidden page allocator: host block");

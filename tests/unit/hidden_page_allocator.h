@@ -47,6 +47,13 @@ class HiddenPageAllocator final : public PageAllocator {
   // such as a received message's pages) unchanged.
   uint8_t* HostAlias(const uint8_t* block) override;
 
+  // Checksums beside each hidden block, as the device pool keeps them.
+  bool keeps_checksums() const override { return true; }
+  void SetChecksums(absl::Span<const uint8_t* const> blocks,
+                    absl::Span<const uint64_t> sums) override;
+  void GetChecksums(absl::Span<const uint8_t* const> blocks,
+                    absl::Span<uint64_t> sums) const override;
+
   absl::StatusOr<uint8_t*> AllocateHost(size_t bytes) override;
   void FreeHost(uint8_t* block, size_t bytes) override;
 
@@ -75,6 +82,7 @@ class HiddenPageAllocator final : public PageAllocator {
   struct Block {
     size_t bytes = 0;
     int refs = 0;
+    uint64_t checksum = 0;
   };
   absl::flat_hash_map<size_t, Block> live_ ABSL_GUARDED_BY(mu_);  // By offset.
   absl::flat_hash_map<uint8_t*, size_t> host_ ABSL_GUARDED_BY(mu_);
