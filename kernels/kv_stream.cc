@@ -229,9 +229,11 @@ KvStream::AppendCheckpoint KvStream::Checkpoint(int n) const {
     c.fp8_scale[1] = header()->fp8_scale[1];
   }
   // A flush overwrites the tail slots; everything else an append writes
-  // lies past what the stream holds.
+  // lies past what the stream holds. Host backends and host memory cannot
+  // fail once the pages are allocated: no copy for them.
+  const bool may_fail = backend_->enqueues() || !allocator_->host_accessible();
   const int tail = tail_tokens();
-  if (tail > 0 && NewQuantizedTokens(n) > 0) {
+  if (may_fail && tail > 0 && NewQuantizedTokens(n) > 0) {
     const size_t row = static_cast<size_t>(head_dim());
     c.tail.resize(2 * tail * row);
     std::memcpy(c.tail.data(), tail_row(Side::kKey, 0), tail * row * 2);

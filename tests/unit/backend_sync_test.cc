@@ -33,6 +33,7 @@ class FaultInjectingBackend final : public KernelBackend {
     ++queued_;
     CpuBackend().DequantizeRows(s, side, page, row0, n, out);
   }
+  bool enqueues() const override { return true; }
   absl::Status Synchronize() const override {
     ++syncs_;
     absl::Status st = std::move(pending_);
