@@ -582,15 +582,26 @@ absl::Status KvStream::ReadPageRows(Side side, const uint8_t* page, bool stored,
       ((S.format == CodeFormat::kFp16 && options.dtype == DType::kFloat16) ||
        (S.format == CodeFormat::kBf16 && options.dtype == DType::kBFloat16));
   if (copy_rows) {
-    const bool direct = !stored || allocator_->host_accessible();
-    for (int i = 0; i < count; ++i) {
-      const uint8_t* from = PageLayout::CodeRow(page, S, row + i);
-      if (direct) {
-        std::memcpy(out.row(out_row + i), from, S.code_row_bytes);
-      } else {
-        KVQ_RETURN_IF_ERROR(allocator_->ReadBlock(page, from - page, S.code_row_bytes,
-                                                  static_cast<uint8_t*>(out.row(out_row + i))));
+    if (!stored || allocator_->host_accessible()) {
+      for (int i = 0; i < count; ++i) {
+        std::memcpy(out.row(out_row + i), PageLayout::CodeRow(page, S, row + i),
+                    S.code_row_bytes);
       }
+      return absl::OkStatus();
+    }
+    // The side's rows are contiguous in the page: one copy off the device,
+    // straight into the output when its rows are packed too.
+    const size_t at = PageLayout::CodeRow(page, S, row) - page;
+    const size_t bytes = static_cast<size_t>(count) * S.code_row_bytes;
+    if (static_cast<size_t>(out.stride()) * 2 == S.code_row_bytes) {
+      return allocator_->ReadBlock(page, at, bytes, static_cast<uint8_t*>(out.row(out_row)));
+    }
+    thread_local std::vector<uint8_t> staged;
+    staged.resize(bytes);
+    KVQ_RETURN_IF_ERROR(allocator_->ReadBlock(page, at, bytes, staged.data()));
+    for (int i = 0; i < count; ++i) {
+      std::memcpy(out.row(out_row + i), staged.data() + static_cast<size_t>(i) * S.code_row_bytes,
+                  S.code_row_bytes);
     }
     return absl::OkStatus();
   }
