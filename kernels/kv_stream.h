@@ -161,6 +161,7 @@ class KvStream {
   const uint8_t* page(int i) const { return pages_[i]; }
   // Where the pages come from (and references to them are taken).
   PageAllocator* allocator() const { return allocator_; }
+  const KernelBackend* backend() const { return backend_; }
   // fp16 rows of the sink (t < sink_tokens()) and of the tail (i < tail_tokens()).
   const uint16_t* sink_row(Side side, int t) const;
   const uint16_t* tail_row(Side side, int i) const;
