@@ -108,6 +108,18 @@ class KernelBackend {
     return false;
   }
 
+  // Waits for the quantize and dequantize work this backend queued (a
+  // device backend only enqueues it) and returns the first error since the
+  // last call. KvStream calls it before an Append, AppendPages, Read or
+  // Fork returns, so a device error fails that call (an append is then
+  // undone: nothing of it stays stored) instead of surfacing later. Host
+  // backends finish their work in the call: OK.
+  virtual absl::Status Synchronize() const { return absl::OkStatus(); }
+  // Whether QuantizeRows / DequantizeRows may return before their work is
+  // done, so that Synchronize() may report an error. An append keeps what
+  // it needs to undo itself (the fp16 tail it flushes) only then.
+  virtual bool enqueues() const { return false; }
+
   // Runs every task; tasks may share streams. INVALID_ARGUMENT on a malformed
   // task (names the task index and field).
   virtual absl::Status Attend(absl::Span<const AttentionTask> tasks,

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
@@ -81,7 +82,7 @@ absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Create(const StreamConfig& c
     s->levels_offset_ = kStreamHeaderBytes;
     s->rows_offset_ = AlignUp(s->levels_offset_ + levels * 2);
     s->aux_bytes_ = AuxBytes(config);
-    KVQ_ASSIGN_OR_RETURN(s->aux_, s->allocator_->Allocate(s->aux_bytes_));
+    KVQ_ASSIGN_OR_RETURN(s->aux_, s->allocator_->AllocateHost(s->aux_bytes_));
     std::memset(s->aux_, 0, s->aux_bytes_);
     if (levels > 0) {
       auto* out = reinterpret_cast<uint16_t*>(s->aux_ + s->levels_offset_);
@@ -94,7 +95,7 @@ absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Create(const StreamConfig& c
 
 KvStream::~KvStream() {
   for (uint8_t* p : pages_) allocator_->Free(p, layout_.page_bytes);
-  if (aux_ != nullptr) allocator_->Free(aux_, aux_bytes_);
+  if (aux_ != nullptr) allocator_->FreeHost(aux_, aux_bytes_);
 }
 
 const uint16_t* KvStream::levels(Side side, int channel) const {
@@ -209,12 +210,60 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
     // always has (the first bad element named, or RESOURCE_EXHAUSTED).
     KVQ_RETURN_IF_ERROR(ValidateInput(k, "k", n, /*values=*/false));
     KVQ_RETURN_IF_ERROR(ValidateInput(v, "v", n, /*values=*/false));
-    if (num_tokens_ + static_cast<int64_t>(n) <= kMaxTokens && AppendBlocksChecked(k, v)) {
-      return absl::OkStatus();
+    if (num_tokens_ + static_cast<int64_t>(n) <= kMaxTokens) {
+      AppendCheckpoint before = Checkpoint(n);
+      if (AppendBlocksChecked(k, v)) return FinishAppend(before, absl::OkStatus());
     }
   }
   KVQ_RETURN_IF_ERROR(ValidateAppend(k, v));
   return AppendValidated(k, v);
+}
+
+KvStream::AppendCheckpoint KvStream::Checkpoint(int n) const {
+  AppendCheckpoint c;
+  c.pages = pages_.size();
+  c.num_tokens = num_tokens_;
+  c.quantized_tokens = quantized_tokens_;
+  if (aux_ != nullptr) {
+    c.fp8_scale[0] = header()->fp8_scale[0];
+    c.fp8_scale[1] = header()->fp8_scale[1];
+  }
+  // A flush overwrites the tail slots; everything else an append writes
+  // lies past what the stream holds. Host backends and host memory cannot
+  // fail once the pages are allocated: no copy for them.
+  const bool may_fail = backend_->enqueues() || !allocator_->host_accessible();
+  const int tail = tail_tokens();
+  if (may_fail && tail > 0 && NewQuantizedTokens(n) > 0) {
+    const size_t row = static_cast<size_t>(head_dim());
+    c.tail.resize(2 * tail * row);
+    std::memcpy(c.tail.data(), tail_row(Side::kKey, 0), tail * row * 2);
+    std::memcpy(c.tail.data() + tail * row, tail_row(Side::kValue, 0), tail * row * 2);
+  }
+  return c;
+}
+
+void KvStream::Rollback(const AppendCheckpoint& before) {
+  for (size_t i = before.pages; i < pages_.size(); ++i) {
+    allocator_->Free(pages_[i], layout_.page_bytes);
+  }
+  pages_.resize(before.pages);
+  num_tokens_ = before.num_tokens;
+  quantized_tokens_ = before.quantized_tokens;
+  if (aux_ != nullptr) {
+    header()->fp8_scale[0] = before.fp8_scale[0];
+    header()->fp8_scale[1] = before.fp8_scale[1];
+  }
+  if (!before.tail.empty()) {
+    const size_t half = before.tail.size() / 2;
+    std::memcpy(fp16_row(Side::kKey, config_.spec.sink), before.tail.data(), half * 2);
+    std::memcpy(fp16_row(Side::kValue, config_.spec.sink), before.tail.data() + half, half * 2);
+  }
+}
+
+absl::Status KvStream::FinishAppend(const AppendCheckpoint& before, absl::Status status) {
+  if (status.ok()) status = backend_->Synchronize();
+  if (!status.ok()) Rollback(before);
+  return status;
 }
 
 bool KvStream::TakesBlocksChecked(ConstTensorView k, ConstTensorView v) const {
@@ -236,8 +285,10 @@ bool KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
   // that its bytes do not depend on what the allocator hands out.
   const bool whole = BlocksWriteWholePages();
   if (!AllocatePages(PagesNeeded(n), /*zero=*/!whole, &fresh).ok()) return false;
-  if (whole && !fresh.empty() && (quantized_tokens_ + n) % layout_.page_tokens != 0) {
-    std::memset(fresh.back(), 0, layout_.page_bytes);
+  if (whole && !fresh.empty() && (quantized_tokens_ + n) % layout_.page_tokens != 0 &&
+      !allocator_->ZeroBlock(fresh.back(), 0, layout_.page_bytes).ok()) {
+    for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
+    return false;
   }
   const size_t first_fresh = pages_.size();
   const int quantized_before = quantized_tokens_;
@@ -288,15 +339,26 @@ absl::Status KvStream::AllocatePages(int count, bool zero, std::vector<uint8_t*>
       out->resize(had);
       return p.status();
     }
-    if (zero) std::memset(*p, 0, layout_.page_bytes);
     out->push_back(*p);
+    if (zero) {
+      if (absl::Status st = allocator_->ZeroBlock(*p, 0, layout_.page_bytes); !st.ok()) {
+        for (size_t j = had; j < out->size(); ++j) allocator_->Free((*out)[j], layout_.page_bytes);
+        out->resize(had);
+        return st;
+      }
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
+  if (k.rows == 0) return absl::OkStatus();
+  AppendCheckpoint before = Checkpoint(k.rows);
+  return FinishAppend(before, AppendUnsynced(k, v));
+}
+
+absl::Status KvStream::AppendUnsynced(ConstTensorView k, ConstTensorView v) {
   const int n = k.rows;
-  if (n == 0) return absl::OkStatus();
   const int d = head_dim();
   const SchemeKind kind = config_.spec.kind;
   const int to_sink = std::clamp(config_.spec.sink - num_tokens_, 0, n);
@@ -372,12 +434,29 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
         // A fresh page starts at row 0; every byte the copy does not write
         // (later rows, alignment padding) is zeroed, so no byte of a page
         // ever shows what the pool held before.
-        if (static_cast<size_t>(page) >= first_fresh) ZeroAroundRows(pages_[page], count);
-        for (int i = 0; i < count; ++i) {
-          std::memcpy(PageLayout::CodeRow(pages_[page], layout_.key, row + i), k.row(r + i),
-                      layout_.key.code_row_bytes);
-          std::memcpy(PageLayout::CodeRow(pages_[page], layout_.value, row + i), v.row(r + i),
-                      layout_.value.code_row_bytes);
+        if (static_cast<size_t>(page) >= first_fresh) {
+          KVQ_RETURN_IF_ERROR(ZeroAroundRows(pages_[page], count));
+        }
+        if (allocator_->host_accessible()) {
+          for (int i = 0; i < count; ++i) {
+            std::memcpy(PageLayout::CodeRow(pages_[page], layout_.key, row + i), k.row(r + i),
+                        layout_.key.code_row_bytes);
+            std::memcpy(PageLayout::CodeRow(pages_[page], layout_.value, row + i), v.row(r + i),
+                        layout_.value.code_row_bytes);
+          }
+        } else {
+          // A side's code rows are contiguous in the page: one copy each.
+          for (Side side : {Side::kKey, Side::kValue}) {
+            const SideLayout& S = layout_.side(side);
+            const ConstTensorView& in = side == Side::kKey ? k : v;
+            std::vector<uint8_t> rows(static_cast<size_t>(count) * S.code_row_bytes);
+            for (int i = 0; i < count; ++i) {
+              std::memcpy(rows.data() + static_cast<size_t>(i) * S.code_row_bytes, in.row(r + i),
+                          S.code_row_bytes);
+            }
+            const size_t at = PageLayout::CodeRow(pages_[page], S, row) - pages_[page];
+            KVQ_RETURN_IF_ERROR(allocator_->WriteBlock(pages_[page], at, rows.data(), rows.size()));
+          }
         }
       } else {
         backend_->QuantizeRows(*this, Side::kKey, &kf[static_cast<size_t>(r) * d], count,
@@ -422,15 +501,15 @@ absl::Status KvStream::AppendValidated(ConstTensorView k, ConstTensorView v) {
   return absl::OkStatus();
 }
 
-void KvStream::ZeroAroundRows(uint8_t* page, int rows) const {
+absl::Status KvStream::ZeroAroundRows(uint8_t* page, int rows) const {
   const SideLayout* sides[2] = {&layout_.key, &layout_.value};
   if (sides[1]->codes_offset < sides[0]->codes_offset) std::swap(sides[0], sides[1]);
   size_t at = 0;
   for (const SideLayout* side : sides) {
-    std::memset(page + at, 0, side->codes_offset - at);
+    KVQ_RETURN_IF_ERROR(allocator_->ZeroBlock(page, at, side->codes_offset - at));
     at = side->codes_offset + static_cast<size_t>(rows) * side->code_row_bytes;
   }
-  std::memset(page + at, 0, layout_.page_bytes - at);
+  return allocator_->ZeroBlock(page, at, layout_.page_bytes - at);
 }
 
 void KvStream::FlushTail() {
@@ -492,9 +571,9 @@ void KvStream::FinishRows(Side side, float* rows, int count, int t, const ReadOp
   }
 }
 
-void KvStream::ReadPageRows(Side side, const uint8_t* page, int row, int count, int t,
-                            const ReadOptions& options, const TensorView& out, int out_row,
-                            float* scratch) const {
+absl::Status KvStream::ReadPageRows(Side side, const uint8_t* page, bool stored, int row,
+                                    int count, int t, const ReadOptions& options,
+                                    const TensorView& out, int out_row, float* scratch) const {
   const SideLayout& S = layout_.side(side);
   // Rows stored in the requested 16-bit type, with nothing to apply, are
   // copied as they are (the float round trip would be the identity).
@@ -503,19 +582,40 @@ void KvStream::ReadPageRows(Side side, const uint8_t* page, int row, int count, 
       ((S.format == CodeFormat::kFp16 && options.dtype == DType::kFloat16) ||
        (S.format == CodeFormat::kBf16 && options.dtype == DType::kBFloat16));
   if (copy_rows) {
-    for (int i = 0; i < count; ++i) {
-      std::memcpy(out.row(out_row + i), PageLayout::CodeRow(page, S, row + i), S.code_row_bytes);
+    if (!stored || allocator_->host_accessible()) {
+      for (int i = 0; i < count; ++i) {
+        std::memcpy(out.row(out_row + i), PageLayout::CodeRow(page, S, row + i),
+                    S.code_row_bytes);
+      }
+      return absl::OkStatus();
     }
-    return;
+    // The side's rows are contiguous in the page: one copy off the device,
+    // straight into the output when its rows are packed too.
+    const size_t at = PageLayout::CodeRow(page, S, row) - page;
+    const size_t bytes = static_cast<size_t>(count) * S.code_row_bytes;
+    if (static_cast<size_t>(out.stride()) * 2 == S.code_row_bytes) {
+      return allocator_->ReadBlock(page, at, bytes, static_cast<uint8_t*>(out.row(out_row)));
+    }
+    thread_local std::vector<uint8_t> staged;
+    staged.resize(bytes);
+    KVQ_RETURN_IF_ERROR(allocator_->ReadBlock(page, at, bytes, staged.data()));
+    for (int i = 0; i < count; ++i) {
+      std::memcpy(out.row(out_row + i), staged.data() + static_cast<size_t>(i) * S.code_row_bytes,
+                  S.code_row_bytes);
+    }
+    return absl::OkStatus();
   }
   if (StoredAsRead(side, options) && options.dtype == DType::kFloat16 &&
       backend_->DequantizeRowsHalf(*this, side, page, row, count,
                                    reinterpret_cast<uint16_t*>(out.row(out_row)),
                                    static_cast<size_t>(out.stride()))) {
-    return;
+    return absl::OkStatus();
   }
   backend_->DequantizeRows(*this, side, page, row, count, scratch);
+  // The floats are read here: a device backend's copy must have landed.
+  KVQ_RETURN_IF_ERROR(backend_->Synchronize());
   FinishRows(side, scratch, count, t, options, out, out_row);
+  return absl::OkStatus();
 }
 
 absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, TensorView k_out,
@@ -541,7 +641,8 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
         // A page may be quantized only partly (a flush smaller than a page):
         // the rest of the range is in the tail.
         const int count = std::min({end - t, pt - row, quantized_tokens_ - u});
-        ReadPageRows(side, pages_[u / pt], row, count, t, options, out, t - begin, rows.data());
+        KVQ_RETURN_IF_ERROR(ReadPageRows(side, pages_[u / pt], /*stored=*/true, row, count, t,
+                                         options, out, t - begin, rows.data()));
         t += count;
         continue;
       }
@@ -557,7 +658,7 @@ absl::Status KvStream::Read(int begin, int end, const ReadOptions& options, Tens
       ++t;
     }
   }
-  return absl::OkStatus();
+  return backend_->Synchronize();
 }
 
 bool KvStream::AcceptsPages() const {
@@ -666,7 +767,17 @@ absl::Status KvStream::AppendPages(ByteReader data, int tokens) {
   // attention step, often never by this core): whole lines go past the
   // caches, which saves reading each destination line before writing it
   // (BENCHMARKS.md 4x).
-  if (layout_.page_bytes % cpu::kStreamLine == 0) {
+  if (!allocator_->host_accessible()) {
+    for (uint8_t* page : fresh) {
+      absl::Status st =
+          allocator_->WriteBlock(page, 0, data.Next(layout_.page_bytes, straddling.data()),
+                                 layout_.page_bytes);
+      if (!st.ok()) {
+        for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
+        return st;
+      }
+    }
+  } else if (layout_.page_bytes % cpu::kStreamLine == 0) {
     for (uint8_t* page : fresh) {
       cpu::StreamLines(page, data.Next(layout_.page_bytes, straddling.data()),
                        layout_.page_bytes / cpu::kStreamLine);
@@ -674,6 +785,10 @@ absl::Status KvStream::AppendPages(ByteReader data, int tokens) {
     cpu::FenceStreams();
   } else {
     for (uint8_t* page : fresh) data.Read(layout_.page_bytes, page);
+  }
+  if (absl::Status st = backend_->Synchronize(); !st.ok()) {
+    for (uint8_t* q : fresh) allocator_->Free(q, layout_.page_bytes);
+    return st;
   }
   pages_.insert(pages_.end(), fresh.begin(), fresh.end());
   quantized_tokens_ += tokens;
@@ -718,12 +833,13 @@ absl::Status KvStream::ReadPages(const uint8_t* data, int tokens, int first, int
       const int u = t - first;
       const int row = u % pt;
       const int count = std::min(end - t, pt - row);
-      ReadPageRows(side, data + static_cast<size_t>(u / pt) * layout_.page_bytes, row, count, t,
-                   options, out, t - begin, rows.data());
+      KVQ_RETURN_IF_ERROR(ReadPageRows(side, data + static_cast<size_t>(u / pt) * layout_.page_bytes,
+                                       /*stored=*/false, row, count, t, options, out, t - begin,
+                                       rows.data()));
       t += count;
     }
   }
-  return absl::OkStatus();
+  return backend_->Synchronize();
 }
 
 bool KvStream::StreamPageRows(Side side, const uint8_t* data, int first, int begin, int end,
@@ -777,21 +893,52 @@ absl::Status KvStream::VisitPages(
   KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
   const int first = begin / layout_.page_tokens;
   const int full_pages = quantized_tokens_ / layout_.page_tokens;
-  for (int i = first; i < first + PagesFor(end - begin); ++i) visit(pages_[i], i < full_pages);
+  const int last = first + PagesFor(end - begin);
+  if (allocator_->host_accessible()) {
+    for (int i = first; i < last; ++i) visit(pages_[i], i < full_pages);
+    return absl::OkStatus();
+  }
+  thread_local std::vector<uint8_t> staged;
+  staged.resize(layout_.page_bytes);
+  for (int i = first; i < last; ++i) {
+    KVQ_RETURN_IF_ERROR(allocator_->ReadBlock(pages_[i], 0, layout_.page_bytes, staged.data()));
+    visit(staged.data(), false);
+  }
   return absl::OkStatus();
 }
 
 absl::Status KvStream::CopyPages(int begin, int end, uint8_t* out) const {
-  return VisitPages(begin, end, [&](const uint8_t* page, bool) {
-    std::memcpy(out, page, layout_.page_bytes);
+  KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
+  const int first = begin / layout_.page_tokens;
+  for (int i = first; i < first + PagesFor(end - begin); ++i) {
+    KVQ_RETURN_IF_ERROR(allocator_->ReadBlock(pages_[i], 0, layout_.page_bytes, out));
     out += layout_.page_bytes;
-  });
+  }
+  return absl::OkStatus();
 }
 
 absl::Status KvStream::AppendPagesTo(int begin, int end, std::string* out) const {
-  return VisitPages(begin, end, [&](const uint8_t* page, bool) {
-    out->append(reinterpret_cast<const char*>(page), layout_.page_bytes);
-  });
+  KVQ_RETURN_IF_ERROR(CheckPageRange(begin, end));
+  const int first = begin / layout_.page_tokens;
+  const int count = PagesFor(end - begin);
+  const size_t had = out->size();
+  // Grown once, uninitialised bytes overwritten below (resize would zero them).
+  out->reserve(had + static_cast<size_t>(count) * layout_.page_bytes);
+  for (int i = first; i < first + count; ++i) {
+    if (allocator_->host_accessible()) {
+      out->append(reinterpret_cast<const char*>(pages_[i]), layout_.page_bytes);
+      continue;
+    }
+    const size_t at = out->size();
+    out->resize(at + layout_.page_bytes);
+    if (absl::Status st = allocator_->ReadBlock(pages_[i], 0, layout_.page_bytes,
+                                                reinterpret_cast<uint8_t*>(out->data() + at));
+        !st.ok()) {
+      out->resize(had);
+      return st;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Fork(int tokens) const {
@@ -818,7 +965,7 @@ absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Fork(int tokens) const {
   f->rows_offset_ = rows_offset_;
   f->aux_bytes_ = aux_bytes_;
   if (aux_ != nullptr) {
-    KVQ_ASSIGN_OR_RETURN(f->aux_, allocator_->Allocate(aux_bytes_));
+    KVQ_ASSIGN_OR_RETURN(f->aux_, allocator_->AllocateHost(aux_bytes_));
     std::memcpy(f->aux_, aux_, aux_bytes_);
   }
   const int pt = layout_.page_tokens;
@@ -832,9 +979,10 @@ absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Fork(int tokens) const {
   if (partial_rows > 0) {
     absl::StatusOr<uint8_t*> copy = allocator_->Allocate(layout_.page_bytes);
     if (!copy.ok()) return copy.status();  // f's destructor drops what it holds.
-    std::memcpy(*copy, pages_[full_pages], layout_.page_bytes);
     f->pages_.push_back(*copy);
+    KVQ_RETURN_IF_ERROR(allocator_->CopyBlock(*copy, pages_[full_pages], layout_.page_bytes));
   }
+  KVQ_RETURN_IF_ERROR(backend_->Synchronize());
   f->num_tokens_ = tokens;
   f->quantized_tokens_ = quantized;
   // The tail (if kept) was copied with the aux block; a shorter fork ends on
@@ -849,6 +997,11 @@ void KvStream::ReadStoredRow(Side side, int t, float* out) const {
     const int u = t - page_base();
     const int pt = layout_.page_tokens;
     backend_->DequantizeRows(*this, side, pages_[u / pt], u % pt, 1, out);
+    // A reference helper with no status to return: a device error leaves
+    // NaNs, which no comparison against it accepts.
+    if (!backend_->Synchronize().ok()) {
+      std::fill(out, out + head_dim(), std::numeric_limits<float>::quiet_NaN());
+    }
   } else {
     RowToFloat(tail_row(side, t - page_base() - quantized_tokens_), DType::kFloat16, head_dim(),
                out);

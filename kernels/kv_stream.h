@@ -118,7 +118,10 @@ class KvStream {
   // written once, where resizing it first would zero it first.
   absl::Status AppendPagesTo(int begin, int end, std::string* out) const;
   // The same pages for a reader that sends them without copying:
-  // visit(page, full) once per page, in order. A full page is never
+  // visit(page, full) once per page, in order. Where the allocator's pages
+  // are not host-accessible each page is first copied into a host buffer
+  // that the next page reuses, and visited with full = false: the reader
+  // copies it, as it would a partial page. A full page is never
   // written again (appends write rows past quantized_tokens(), and Fork
   // copies a partial page instead of sharing it), so a reader that holds a
   // reference to it (allocator()->Retain) may read it after leaving the
@@ -158,6 +161,7 @@ class KvStream {
   const uint8_t* page(int i) const { return pages_[i]; }
   // Where the pages come from (and references to them are taken).
   PageAllocator* allocator() const { return allocator_; }
+  const KernelBackend* backend() const { return backend_; }
   // fp16 rows of the sink (t < sink_tokens()) and of the tail (i < tail_tokens()).
   const uint16_t* sink_row(Side side, int t) const;
   const uint16_t* tail_row(Side side, int i) const;
@@ -212,7 +216,7 @@ class KvStream {
   void QuantizeBlocks(const void* k_rows, const void* v_rows, int n);
   // Zeroes every byte of a fresh page except code rows [0, rows) of both
   // sides (which the caller writes). Pages without parameter sections only.
-  void ZeroAroundRows(uint8_t* page, int rows) const;
+  absl::Status ZeroAroundRows(uint8_t* page, int rows) const;
   uint16_t* fp16_row(Side side, int slot);
   absl::Status CheckReadOutputs(int n, const ReadOptions& options, const TensorView& k_out,
                                 const TensorView& v_out) const;
@@ -224,10 +228,28 @@ class KvStream {
   void FinishRows(Side side, float* rows, int count, int t, const ReadOptions& options,
                   const TensorView& out, int out_row) const;
   // Rows [row, row + count) of a page (tokens t..) into out rows from
-  // out_row on; scratch holds page_tokens rows of floats.
-  void ReadPageRows(Side side, const uint8_t* page, int row, int count, int t,
-                    const ReadOptions& options, const TensorView& out, int out_row,
-                    float* scratch) const;
+  // out_row on; scratch holds page_tokens rows of floats. `stored`: the
+  // page is one of this stream's (from the allocator), else host memory
+  // (ReadPages' input).
+  absl::Status ReadPageRows(Side side, const uint8_t* page, bool stored, int row, int count,
+                            int t, const ReadOptions& options, const TensorView& out,
+                            int out_row, float* scratch) const;
+  // What an append may change, to undo it when the backend reports a
+  // device error after the pages were written (Synchronize).
+  struct AppendCheckpoint {
+    size_t pages = 0;
+    int num_tokens = 0;
+    int quantized_tokens = 0;
+    float fp8_scale[2] = {0.0f, 0.0f};
+    std::vector<uint16_t> tail;  // K then V tail rows, when the append flushes them.
+  };
+  AppendCheckpoint Checkpoint(int n) const;
+  // Undoes an append back to `before`: frees the pages it added.
+  void Rollback(const AppendCheckpoint& before);
+  // AppendValidated() without the backend's Synchronize() and the undo.
+  absl::Status AppendUnsynced(ConstTensorView k, ConstTensorView v);
+  // Waits for the backend; on its error undoes the append back to `before`.
+  absl::Status FinishAppend(const AppendCheckpoint& before, absl::Status status);
   // ReadPages' rows [begin, end) of one side with options.streaming_output:
   // false, writing nothing, where that side's rows do not stream (they need
   // floats, or the output is not contiguous fp16).

@@ -5,12 +5,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 
 namespace kvq {
 
@@ -25,6 +28,67 @@ class PageAllocator {
   virtual void Retain(uint8_t* block, size_t bytes) = 0;
   // Drops one reference; the memory is reusable when none is left.
   virtual void Free(uint8_t* block, size_t bytes) = 0;
+
+  // --- Page memory. Code outside a KernelBackend touches page bytes only
+  // through these, so pages may live where the host cannot address them
+  // (device memory): such an allocator answers host_accessible() false and
+  // overrides every operation below. The defaults are plain memory. ---
+
+  // Whether host code may read and write blocks through their pointers.
+  // Readers that hand out page pointers without copying (fetches, page
+  // checksums) do so only when this is true, and stage a copy otherwise.
+  virtual bool host_accessible() const { return true; }
+  // Each returns the device's error (INTERNAL, or what kvq::CudaStatus
+  // makes of it) where the memory is a device's; plain memory never fails.
+  // Copies `bytes` bytes at `offset` in `block` to host memory `out`.
+  virtual absl::Status ReadBlock(const uint8_t* block, size_t offset, size_t bytes,
+                                 uint8_t* out) {
+    std::memcpy(out, block + offset, bytes);
+    return absl::OkStatus();
+  }
+  // Copies `bytes` host bytes from `data` to `offset` in `block`.
+  virtual absl::Status WriteBlock(uint8_t* block, size_t offset, const uint8_t* data,
+                                  size_t bytes) {
+    std::memcpy(block + offset, data, bytes);
+    return absl::OkStatus();
+  }
+  // Sets `bytes` bytes at `offset` in `block` to zero.
+  virtual absl::Status ZeroBlock(uint8_t* block, size_t offset, size_t bytes) {
+    std::memset(block + offset, 0, bytes);
+    return absl::OkStatus();
+  }
+  // Copies `bytes` bytes from the start of block `src` to the start of `dst`.
+  virtual absl::Status CopyBlock(uint8_t* dst, const uint8_t* src, size_t bytes) {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  // The address at which host code may read and write `block`: the block
+  // itself for host memory, a second mapping of the same memory for a test
+  // allocator that hides its blocks, nullptr where there is none (device
+  // memory). Only host-side stand-ins for device kernels use it.
+  virtual uint8_t* HostAlias(const uint8_t* block) { return const_cast<uint8_t*>(block); }
+
+  // A block host code reads and writes directly (a stream's header, nuq
+  // levels and fp16 sink and tail rows), never shared (Retain). From
+  // Allocate() by default; an allocator whose blocks the host cannot
+  // address returns host memory here.
+  virtual absl::StatusOr<uint8_t*> AllocateHost(size_t bytes) { return Allocate(bytes); }
+  virtual void FreeHost(uint8_t* block, size_t bytes) { Free(block, bytes); }
+
+  // --- Page checksums (service/page_checksum.h): one word per live block,
+  // kept beside the block, never in it, and 0 again when the block's last
+  // reference goes. An allocator that keeps them answers true; the default
+  // keeps none (Set ignores, Get answers 0s). ---
+  virtual bool keeps_checksums() const { return false; }
+  virtual void SetChecksums(absl::Span<const uint8_t* const> blocks,
+                            absl::Span<const uint64_t> sums) {
+    (void)blocks, (void)sums;
+  }
+  virtual void GetChecksums(absl::Span<const uint8_t* const> blocks,
+                            absl::Span<uint64_t> sums) const {
+    (void)blocks;
+    for (uint64_t& s : sums) s = 0;
+  }
 };
 
 // Thread-safe aligned heap allocation; never exhausted short of the OS.

@@ -17,6 +17,29 @@ std::string Describe(const Sequence& seq) {
              : absl::StrCat("sequence \"", seq.id(), "\" in namespace \"", seq.ns(), "\"");
 }
 
+// The checksum of page `i` of `s`: hashed in place where the host may
+// address it, else copied to a reused host buffer first (device pages).
+uint64_t StreamPageChecksum(const KvStream& s, int i) {
+  const size_t bytes = s.layout().page_bytes;
+  PageAllocator* allocator = s.allocator();
+  if (allocator->host_accessible()) return PageChecksum(s.page(i), bytes);
+  thread_local std::vector<uint8_t> staged;
+  staged.resize(bytes);
+  // A page that cannot be read answers 0, which no checksum is: a read
+  // that verifies it fails (DATA_LOSS); at seal it stays unsealed.
+  if (!allocator->ReadBlock(s.page(i), 0, bytes, staged.data()).ok()) return 0;
+  return PageChecksum(staged.data(), bytes);
+}
+
+// Where the checksums of `s`'s pages are kept: the pool, or a page
+// allocator of its own that keeps them (the device page pool); nullptr
+// when nowhere (a tenant's allocator over the pool: not sealed).
+PageAllocator* Keeper(const KvStream& s, const PagePool& pool) {
+  PageAllocator* a = s.allocator();
+  if (a == &pool || a->keeps_checksums()) return a;
+  return nullptr;
+}
+
 }  // namespace
 
 uint64_t PageChecksum(const uint8_t* page, size_t bytes) {
@@ -31,21 +54,22 @@ void SealFullPages(const Sequence& seq, PagePool& pool, int layer_begin, int lay
     for (int h = 0; h < seq.shape().num_kv_heads; ++h) {
       const KvStream& s = seq.stream(l, h);
       const int full = s.quantized_tokens() / s.layout().page_tokens;
-      if (full == 0 || s.allocator() != &pool) continue;
+      PageAllocator* sums_at = Keeper(s, pool);
+      if (full == 0 || sums_at == nullptr) continue;
       // Sealed pages are a prefix: find where it ends, from the back.
       const uint8_t* last = s.page(full - 1);
       uint64_t last_sum = 0;
-      pool.GetChecksums({&last, 1}, {&last_sum, 1});
+      sums_at->GetChecksums({&last, 1}, {&last_sum, 1});
       if (last_sum != 0) continue;
       blocks.resize(full);
       sums.resize(full);
       for (int i = 0; i < full; ++i) blocks[i] = s.page(i);
-      pool.GetChecksums(blocks, absl::MakeSpan(sums));
+      sums_at->GetChecksums(blocks, absl::MakeSpan(sums));
       int first = full;
       while (first > 0 && sums[first - 1] == 0) --first;
-      for (int i = first; i < full; ++i) sums[i] = PageChecksum(blocks[i], s.layout().page_bytes);
-      pool.SetChecksums(absl::MakeConstSpan(blocks).subspan(first),
-                        absl::MakeConstSpan(sums).subspan(first));
+      for (int i = first; i < full; ++i) sums[i] = StreamPageChecksum(s, i);
+      sums_at->SetChecksums(absl::MakeConstSpan(blocks).subspan(first),
+                            absl::MakeConstSpan(sums).subspan(first));
     }
   }
 }
@@ -54,7 +78,8 @@ void PageReadCheck::Add(const Sequence& seq, int layer, int begin, int end) {
   std::vector<const uint8_t*> blocks;
   for (int h = 0; h < seq.shape().num_kv_heads; ++h) {
     const KvStream& s = seq.stream(layer, h);
-    if (s.allocator() != &pool_) continue;
+    const PageAllocator* sums_at = Keeper(s, pool_);
+    if (sums_at == nullptr) continue;
     const int pt = s.layout().page_tokens;
     const int full = s.quantized_tokens() / pt;
     // Pages are token positions page_base() + [i * pt, (i + 1) * pt).
@@ -78,7 +103,7 @@ void PageReadCheck::Add(const Sequence& seq, int layer, int begin, int end) {
     blocks.resize(last - first);
     entry.want.resize(last - first);
     for (int i = first; i < last; ++i) blocks[i - first] = s.page(i);
-    pool_.GetChecksums(blocks, absl::MakeSpan(entry.want));
+    sums_at->GetChecksums(blocks, absl::MakeSpan(entry.want));
     entry.checked = std::make_unique<std::atomic<bool>[]>(entry.want.size());
   }
 }
@@ -92,7 +117,7 @@ void PageReadCheck::CheckPage(const KvStream& stream, const Stream& entry, int i
       entry.checked[i].exchange(true, std::memory_order_relaxed)) {
     return;
   }
-  if (PageChecksum(stream.page(index), stream.layout().page_bytes) == entry.want[i]) return;
+  if (StreamPageChecksum(stream, index) == entry.want[i]) return;
   absl::MutexLock lock(&mu_);
   if (failed_ != nullptr) return;
   failed_ = entry.seq;

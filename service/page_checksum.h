@@ -8,7 +8,10 @@
 // sequence's lock (SealFullPages), so no reader sees a full page without a
 // checksum; the checksum (XXH3-64 of the page's page_bytes) lives in the
 // pool's slab metadata beside the block (PagePool::SetChecksums), not in
-// the page, whose layout is fixed by kernels/page_layout.h.
+// the page, whose layout is fixed by kernels/page_layout.h. Pages the host
+// cannot address (device memory) are copied to a host buffer and hashed
+// there: one device-to-host copy of every sealed page at seal and again at
+// each verified read.
 //
 // Readers verify the sealed pages they are about to read (VerifyPages)
 // before any byte of them is sent or enters attention. The fp16 sink, the
@@ -37,7 +40,9 @@ namespace kvq {
 uint64_t PageChecksum(const uint8_t* page, size_t bytes);
 
 // Seals every full page not sealed yet of the streams of layers
-// [layer_begin, layer_end) of `seq` whose pages come from `pool`. Pages
+// [layer_begin, layer_end) of `seq` whose pages come from `pool` or from
+// an allocator that keeps checksums itself (PageAllocator::
+// keeps_checksums: the device page pool). Pages
 // fill in order, so only the pages after the last sealed one are hashed:
 // an append that fills no page costs one look-up per stream. Call holding
 // the sequence's lock for writing, right after an append.
@@ -96,7 +101,7 @@ class PageReadCheck final : public PageCheck {
 // KV head; token positions as Read() takes them, the sink included). OK
 // when every one matches its checksum; DATA_LOSS naming the sequence, the
 // layer, the KV head and the page (never the data) at the first that does
-// not. Pages not from `pool` and unsealed pages are not checked. Call
+// not. Pages from neither and unsealed pages are not checked. Call
 // holding the sequence's lock (a reader lock is enough).
 absl::Status VerifyPages(const Sequence& seq, const PagePool& pool, int layer, int begin,
                          int end);

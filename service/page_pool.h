@@ -77,8 +77,11 @@ class PagePool final : public PageAllocator {
   // block's checksum is cleared when its last reference goes, so a reused
   // slot starts unsealed. One lock for a whole list; every block must be a
   // live block of this pool.
-  void SetChecksums(absl::Span<const uint8_t* const> blocks, absl::Span<const uint64_t> sums);
-  void GetChecksums(absl::Span<const uint8_t* const> blocks, absl::Span<uint64_t> sums) const;
+  bool keeps_checksums() const override { return true; }
+  void SetChecksums(absl::Span<const uint8_t* const> blocks,
+                    absl::Span<const uint64_t> sums) override;
+  void GetChecksums(absl::Span<const uint8_t* const> blocks,
+                    absl::Span<uint64_t> sums) const override;
 
  private:
   struct Slab {

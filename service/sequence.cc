@@ -123,6 +123,12 @@ absl::Status Sequence::AppendDense(const DenseKv& kv) {
       allocates |= stream(kv.layer_begin + l, head).PagesNeeded(kv.tokens) > 0;
     }
   }
+  // A device backend, or pages in device memory, can fail after the checks
+  // even without allocating (KernelBackend::Synchronize, the allocator's
+  // copies): a stream then undoes its own append, and the snapshot undoes
+  // the streams before it.
+  const KvStream& s0 = *streams_[0];
+  allocates |= s0.backend()->enqueues() || !s0.allocator()->host_accessible();
   auto view = [&](const uint8_t* base, int l, int head) { return DenseView(kv, base, l, head); };
   return Atomically(kv.layer_begin, kv.layer_begin + kv.layers, allocates, [&] {
     for (int l = 0; l < kv.layers; ++l) {

@@ -70,7 +70,11 @@ SequenceStore::Handle::~Handle() {
 absl::StatusOr<std::unique_ptr<SequenceStore>> SequenceStore::Create(const StoreOptions& options,
                                                                      const KernelBackend* backend) {
   KVQ_ASSIGN_OR_RETURN(std::unique_ptr<PagePool> pool, PagePool::Create(options.pool));
-  return std::unique_ptr<SequenceStore>(new SequenceStore(options, backend, std::move(pool)));
+  std::unique_ptr<SequenceStore> store(new SequenceStore(options, backend, std::move(pool)));
+  if (options.make_pages) {
+    KVQ_ASSIGN_OR_RETURN(store->pages_, options.make_pages(store->pool_.get()));
+  }
+  return store;
 }
 
 SequenceStore::SequenceStore(const StoreOptions& options, const KernelBackend* backend,
@@ -97,7 +101,7 @@ std::shared_ptr<TenantPages> SequenceStore::TenantPagesFor(absl::string_view ten
 }
 
 PageAllocator* SequenceStore::PagesFor(absl::string_view tenant) {
-  if (tenant.empty()) return pool_.get();
+  if (tenant.empty()) return pages();
   absl::MutexLock lock(&mu_);
   return TenantPagesFor(tenant).get();  // Kept by tenant_pages_ for the store's life.
 }
@@ -121,6 +125,7 @@ std::vector<SequenceStore::TenantUsage> SequenceStore::TenantUsages() const {
 
 std::shared_ptr<PageAllocator> SequenceStore::SharedAllocator(const PageAllocator* a) const {
   if (a == pool_.get()) return pool_;
+  if (pages_ != nullptr && a == pages_.get()) return pages_;
   absl::MutexLock lock(&mu_);
   for (const auto& [name, p] : tenant_pages_) {
     if (p.get() == a) return p;

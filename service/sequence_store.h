@@ -35,6 +35,11 @@ struct StoreOptions {
   int max_sequences = 100000;
   // Evicted / expired ids remembered to answer NOT_FOUND with the reason.
   int tombstones = 100000;
+  // Where the default tenant's pages come from instead of the pool (the
+  // device page pool when serving from a GPU), made once by Create(). The
+  // pool is passed in and then holds the streams' host blocks (fp16 sink
+  // and tail: PageAllocator::AllocateHost). Tenants' pages stay in the pool.
+  std::function<absl::StatusOr<std::shared_ptr<PageAllocator>>(PagePool* pool)> make_pages;
 };
 
 // Why a sequence left the store (for NOT_FOUND messages and metrics).
@@ -154,6 +159,8 @@ class SequenceStore {
   // messages); null when the store does not know it.
   std::shared_ptr<PageAllocator> SharedAllocator(const PageAllocator* allocator) const;
   PagePool& pool() { return *pool_; }
+  // The default tenant's page allocator: StoreOptions::make_pages' or the pool.
+  PageAllocator* pages() const { return pages_ ? pages_.get() : pool_.get(); }
   // The pool, for a reader that keeps pages past the store's lifetime
   // (FetchDequant's messages hold references until gRPC drops them, which
   // may be after the server and the store are gone).
@@ -189,6 +196,9 @@ class SequenceStore {
   const StoreOptions options_;
   const KernelBackend* backend_;
   std::shared_ptr<PagePool> pool_;
+  // StoreOptions::make_pages' allocator (null: the pool); after pool_, so
+  // that it goes first (it draws host blocks from the pool).
+  std::shared_ptr<PageAllocator> pages_;
   StoreEvents events_;
 
   mutable absl::Mutex mu_;

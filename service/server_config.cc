@@ -15,6 +15,14 @@ ABSL_FLAG(int64_t, capacity_bytes, 0,
           "Page pool size in bytes; 0 uses --capacity_fraction of available memory");
 ABSL_FLAG(double, capacity_fraction, 0.25,
           "Fraction of available memory for the page pool when --capacity_bytes is 0");
+ABSL_FLAG(int64_t, device_capacity_bytes, 0,
+          "With the cuda backend: device memory for the pages (one allocation at start); 0 "
+          "uses --device_capacity_fraction of the free device memory");
+ABSL_FLAG(double, device_capacity_fraction, 0.8,
+          "Fraction of free device memory for the pages when --device_capacity_bytes is 0");
+ABSL_FLAG(int64_t, device_page_bytes, 128 << 10,
+          "Slot size of the device page pool: every page takes one, so at least the largest "
+          "page a sequence's scheme and shape make (a multiple of 64)");
 ABSL_FLAG(int64_t, slab_bytes, 1 << 20, "Page pool slab size (a multiple of 64)");
 ABSL_FLAG(bool, pool_huge_pages, true,
           "Ask for transparent huge pages on the page pool (madvise): fewer TLB misses when "
@@ -118,6 +126,29 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
     return bad("capacity_bytes", capacity, absl::StrCat("must hold at least one slab of ", slab, " bytes"));
   }
   c.store.pool.capacity_bytes = capacity;
+
+  // The device pool's capacity is checked against the device at start
+  // (DevicePagePool::Create): only the flags' own bounds here.
+  c.device_pool.capacity_bytes = absl::GetFlag(FLAGS_device_capacity_bytes);
+  if (c.device_pool.capacity_bytes < 0) {
+    return bad("device_capacity_bytes", c.device_pool.capacity_bytes, "must be >= 0");
+  }
+  c.device_pool.capacity_fraction = absl::GetFlag(FLAGS_device_capacity_fraction);
+  if (!(c.device_pool.capacity_fraction > 0.0 && c.device_pool.capacity_fraction <= 0.95)) {
+    return bad("device_capacity_fraction", c.device_pool.capacity_fraction,
+               "must be in (0, 0.95]");
+  }
+  c.device_pool.page_bytes = absl::GetFlag(FLAGS_device_page_bytes);
+  if (c.device_pool.page_bytes < 64 || c.device_pool.page_bytes % 64 != 0 ||
+      c.device_pool.page_bytes > (int64_t{64} << 20)) {
+    return bad("device_page_bytes", c.device_pool.page_bytes,
+               "must be a multiple of 64 in [64, 64 MiB]");
+  }
+  if (c.device_pool.capacity_bytes > 0 && c.device_pool.capacity_bytes < c.device_pool.page_bytes) {
+    return bad("device_capacity_bytes", c.device_pool.capacity_bytes,
+               absl::StrCat("must hold at least one page of --device_page_bytes=",
+                            c.device_pool.page_bytes));
+  }
 
   const int32_t ttl = absl::GetFlag(FLAGS_default_ttl_seconds);
   const int32_t max_ttl = absl::GetFlag(FLAGS_max_ttl_seconds);

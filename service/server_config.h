@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "service/backend_choice.h"
 #include "service/kvq_service.h"
 #include "service/metrics_https_server.h"
 #include "service/sequence_store.h"
@@ -24,6 +25,7 @@ struct ServerConfig {
   std::string tokens_file;  // Empty: no tenants (every call is the default tenant).
   absl::Duration tokens_reload_interval = absl::Seconds(1);
   StoreOptions store;
+  DevicePoolConfig device_pool;  // --device_*: the pages' pool with --backend=cuda.
   ServiceOptions service;
   TlsServerOptions tls;           // --tls_cert, --tls_key, --tls_client_ca.
   MetricsTlsOptions metrics_tls;  // --metrics_tls_cert, --metrics_tls_key.

@@ -26,6 +26,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/simd_dispatch.h"
 #include "kernels/malloc_tuning.h"
+#include "service/backend_choice.h"
 #include "service/exposure_check.h"
 #include "service/server_config.h"
 #ifdef KVQ_HAVE_CUDA_TRANSPORT
@@ -75,20 +76,36 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::string backend_name = config->backend == "auto" ? "cpu" : config->backend;
-  if (backend_name == "cuda") {
-    return Fail(absl::UnimplementedError(
-        "--backend=cuda: this build serves from host memory only; use --backend=cpu or auto"));
+  absl::StatusOr<kvq::BackendChoice> choice =
+      kvq::ChooseBackend(config->backend, kvq::ProbeBackends());
+  if (!choice.ok()) return Fail(choice.status());
+  // Which backend auto picked, and why (an explicit choice needs no line).
+  if (config->backend == "auto") std::printf("kvq-server: %s\n", choice->reason.c_str());
+  const std::string backend_name = choice->name;
+  const bool on_device = backend_name == "cuda";
+  if (on_device && !config->tokens_file.empty()) {
+    // Tenants' allocators (TenantPages) draw from the host pool.
+    return Fail(absl::FailedPreconditionError(
+        "--tokens_file: tenants are served from host memory only; use --backend=cpu"));
   }
   absl::StatusOr<const kvq::KernelBackend*> backend = kvq::BackendByName(backend_name);
   if (!backend.ok()) return Fail(backend.status());
   config->service.backend_name = backend_name;
+  if (on_device) {
+    // Pages in one device allocation; the host pool keeps the streams'
+    // fp16 sink and tail rows.
+    const kvq::DevicePoolConfig device_pool = config->device_pool;
+    config->store.make_pages = [device_pool](kvq::PagePool* host) {
+      return kvq::MakeDevicePagePool(device_pool, host);
+    };
+  }
 
   absl::StatusOr<std::unique_ptr<kvq::SequenceStore>> store =
       kvq::SequenceStore::Create(config->store, *backend);
   if (!store.ok()) return Fail(store.status());
-  absl::StatusOr<std::unique_ptr<kvq::Metrics>> metrics =
-      kvq::Metrics::Create(config->metrics_address, store->get(), "host", config->metrics_tls);
+  // The metrics' tier label says where the pages are.
+  absl::StatusOr<std::unique_ptr<kvq::Metrics>> metrics = kvq::Metrics::Create(
+      config->metrics_address, store->get(), on_device ? "device" : "host", config->metrics_tls);
   if (!metrics.ok()) return Fail(metrics.status());
   kvq::Metrics* m = metrics->get();
   (*store)->set_events({[m](kvq::GoneReason r) { m->RecordGone(r); },

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -62,6 +63,11 @@ absl::Status ServerProcess::Start(const std::vector<std::string>& extra_flags) {
   std::vector<std::string> args = {server_bin_, "--address=127.0.0.1:0",
                                    "--metrics_address=127.0.0.1:0", "--port_file=" + port_file,
                                    "--capacity_bytes=268435456", "--backend=cpu"};
+  // KVQ_TEST_SERVER_BACKEND=cuda runs the same tests against the device
+  // (scripts/gpu_check.sh); the last --backend wins.
+  if (const char* backend = std::getenv("KVQ_TEST_SERVER_BACKEND"); backend != nullptr) {
+    args.push_back(absl::StrCat("--backend=", backend));
+  }
   args.insert(args.end(), extra_flags.begin(), extra_flags.end());
   pid_ = fork();
   if (pid_ < 0) return absl::InternalError("fork failed");

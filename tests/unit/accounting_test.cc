@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/kv_stream.h"
+#include "tests/unit/hidden_page_allocator.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
@@ -27,8 +28,11 @@ std::string Describe(const ByteBreakdown& b) {
 
 class AccountingTest : public ::testing::TestWithParam<StreamParam> {};
 
-TEST_P(AccountingTest, AllocatorStreamAndAnalyticAgree) {
-  const StreamConfig config = GetParam().scheme.Config();
+// The body of AllocatorStreamAndAnalyticAgree for either counting
+// allocator (host memory, or pages the host cannot address).
+template <typename Allocator>
+void CheckAllocatorStreamAndAnalyticAgree(const StreamParam& param) {
+  const StreamConfig config = param.scheme.Config();
   const int d = config.head_dim;
   const int flush = config.spec.flush_tokens();
   const int n = config.spec.sink + 4 * flush + 37;
@@ -36,9 +40,9 @@ TEST_P(AccountingTest, AllocatorStreamAndAnalyticAgree) {
   const std::vector<std::vector<int>> patterns = {{n}, {1}, {37, 5, flush + 1, 2 * flush - 1}};
   for (const std::vector<int>& pattern : patterns) {
     const std::string label = absl::StrCat("appends of {", absl::StrJoin(pattern, ", "), "}");
-    TestAllocator allocator;
+    Allocator allocator;
     {
-      std::unique_ptr<KvStream> s = testutil::MakeStream(GetParam(), &allocator);
+      std::unique_ptr<KvStream> s = testutil::MakeStream(param, &allocator);
       ASSERT_NE(s, nullptr);
       int t = 0;
       for (size_t i = 0; t < n; ++i) {
@@ -66,6 +70,14 @@ TEST_P(AccountingTest, AllocatorStreamAndAnalyticAgree) {
   }
 }
 
+TEST_P(AccountingTest, AllocatorStreamAndAnalyticAgree) {
+  if (GetParam().hidden_pages) {
+    CheckAllocatorStreamAndAnalyticAgree<testutil::HiddenPageAllocator>(GetParam());
+  } else {
+    CheckAllocatorStreamAndAnalyticAgree<TestAllocator>(GetParam());
+  }
+}
+
 TEST_P(AccountingTest, EmptyStreamCostsOnlyItsFixedPart) {
   const StreamConfig config = GetParam().scheme.Config();
   TestAllocator allocator;
@@ -79,6 +91,11 @@ TEST_P(AccountingTest, EmptyStreamCostsOnlyItsFixedPart) {
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndSchemes, AccountingTest,
                          ::testing::ValuesIn(testutil::AllStreamParams()),
+                         [](const ::testing::TestParamInfo<StreamParam>& info) {
+                           return testutil::StreamParamName(info.param);
+                         });
+INSTANTIATE_TEST_SUITE_P(HiddenPages, AccountingTest,
+                         ::testing::ValuesIn(testutil::HiddenPageStreamParams()),
                          [](const ::testing::TestParamInfo<StreamParam>& info) {
                            return testutil::StreamParamName(info.param);
                          });

@@ -79,6 +79,9 @@ TEST_P(ForkTest, PrefixForkOnlyOnBlockBoundaries) {
 
 INSTANTIATE_TEST_SUITE_P(All, ForkTest, ::testing::ValuesIn(AllStreamParams()),
                          [](const auto& info) { return testutil::StreamParamName(info.param); });
+INSTANTIATE_TEST_SUITE_P(HiddenPages, ForkTest,
+                         ::testing::ValuesIn(testutil::HiddenPageStreamParams()),
+                         [](const auto& info) { return testutil::StreamParamName(info.param); });
 
 }  // namespace
 }  // namespace kvq

@@ -14,6 +14,7 @@
 #include "kernels/cpu/range_fit.h"
 #include "kernels/group_params.h"
 #include "kernels/numeric.h"
+#include "tests/unit/hidden_page_allocator.h"
 
 namespace kvq {
 namespace testutil {
@@ -130,6 +131,14 @@ std::vector<StreamParam> AllStreamParams() {
   return out;
 }
 
+std::vector<StreamParam> HiddenPageStreamParams(bool (*keep)(const QuantSpec&)) {
+  std::vector<StreamParam> out;
+  for (const SchemeCase& s : AllSchemeCases()) {
+    if (keep == nullptr || keep(s.Config().spec)) out.push_back({"cuda_host", s, true});
+  }
+  return out;
+}
+
 std::vector<StreamParam> StreamParamsWhere(bool (*keep)(const QuantSpec&)) {
   std::vector<StreamParam> out;
   for (const StreamParam& p : AllStreamParams()) {
@@ -145,6 +154,7 @@ std::string StreamParamName(const StreamParam& p) {
 void PrintTo(const StreamParam& p, std::ostream* os) {
   *os << p.backend << " " << p.scheme.spec << " head_dim=" << p.scheme.head_dim;
   if (!p.scheme.rope_label.empty()) *os << " rope=" << p.scheme.rope_label;
+  if (p.hidden_pages) *os << " hidden pages";
 }
 
 std::vector<float> MakeGaussian(size_t count, uint64_t seed) {
@@ -225,10 +235,18 @@ std::unique_ptr<KvStream> MakeStream(const StreamParam& p, PageAllocator* alloca
   absl::StatusOr<const KernelBackend*> backend = BackendByName(p.backend);
   EXPECT_TRUE(backend.ok()) << backend.status();
   if (!backend.ok()) return nullptr;
+  if (allocator == nullptr && p.hidden_pages) allocator = SharedHiddenPages();
   absl::StatusOr<std::unique_ptr<KvStream>> s = TryMakeStream(p.scheme.Config(), *backend, allocator);
   EXPECT_TRUE(s.ok()) << "creating " << p.scheme.spec << ": " << s.status();
   if (!s.ok()) return nullptr;
   return *std::move(s);
+}
+
+std::vector<uint8_t> PageBytes(const KvStream& s, int i) {
+  std::vector<uint8_t> out(s.layout().page_bytes);
+  const absl::Status st = s.allocator()->ReadBlock(s.page(i), 0, out.size(), out.data());
+  EXPECT_TRUE(st.ok()) << st;
+  return out;
 }
 
 absl::Status AppendRows(KvStream& s, const std::vector<float>& k, const std::vector<float>& v,
@@ -270,7 +288,8 @@ double ElementBound(const KvStream& s, Side side, int t, int c, float input, boo
   const SideLayout& S = L.side(side);
   const int d = L.head_dim;
   const int u = t - s.page_base();
-  const uint8_t* page = s.page(u / L.page_tokens);
+  const std::vector<uint8_t> bytes = PageBytes(s, u / L.page_tokens);
+  const uint8_t* page = bytes.data();
   const int row = u % L.page_tokens;
   *is_outlier = false;
   if (L.outliers_per_block > 0) {

@@ -41,8 +41,15 @@ const std::vector<std::string>& BackendNames();
 struct StreamParam {
   std::string backend;
   SchemeCase scheme;
+  // Pages from SharedHiddenPages() (hidden_page_allocator.h), which the
+  // host cannot address, where a test gives MakeStream no allocator.
+  bool hidden_pages = false;
 };
 std::vector<StreamParam> AllStreamParams();
+// cuda_host over hidden pages, every scheme: the stand-in for a device
+// backend whose pages only it can address; only the schemes `keep` passes
+// when given.
+std::vector<StreamParam> HiddenPageStreamParams(bool (*keep)(const QuantSpec&) = nullptr);
 // The backend x scheme pairs whose spec satisfies `keep`.
 std::vector<StreamParam> StreamParamsWhere(bool (*keep)(const QuantSpec&));
 std::string StreamParamName(const StreamParam& p);
@@ -68,6 +75,10 @@ std::unique_ptr<KvStream> MakeStream(const StreamParam& p, PageAllocator* alloca
 absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& config,
                                                         const KernelBackend* backend,
                                                         PageAllocator* allocator = nullptr);
+
+// Page `i` of `s` copied to the host through its allocator (pages may be
+// where the host cannot address them: hidden_page_allocator.h).
+std::vector<uint8_t> PageBytes(const KvStream& s, int i);
 
 // Appends rows [begin, end) of k and v ([*, d] floats).
 absl::Status AppendRows(KvStream& s, const std::vector<float>& k, const std::vector<float>& v,
