@@ -316,7 +316,6 @@ TEST(CudaAttentionLongContextTest, SplitAndMergedAt32k) {
   for (const char* scheme : {"fp16", "kivi4", "kivi2:pre_rope"}) {
     SCOPED_TRACE(scheme);
     testutil::SchemeCase sc{scheme, 128, {}, ""};
-    const StreamConfig config = sc.Config();
     const std::vector<float> k = testutil::MakeKeys(n, 128, 51), v = testutil::MakeValues(n, 128, 51);
     std::unique_ptr<KvStream> s = testutil::MakeStream({"cpu", sc});
     ASSERT_NE(s, nullptr);

@@ -57,7 +57,7 @@ std::unique_ptr<KvqClient> Connect(int port) {
 void CreateSequence(KvqClient& c, const std::string& id) {
   CreateOptions o;
   o.sequence_id = id;
-  o.config.layout = {kLayers, kHeads, kQHeads, kDim};
+  o.config.layout = {kLayers, kHeads, kQHeads, kDim, {}};
   o.config.scheme = "kivi4:g32:r64";
   ASSERT_TRUE(c.CreateSequence(o).ok());
 }
