@@ -50,6 +50,39 @@ class CountingPageAllocator final : public PageAllocator {
     base_->Free(block, bytes);
   }
 
+  // Where the blocks live and how they are reached: the base's answers
+  // (a device pool's pages are counted like the heap's).
+  bool host_accessible() const override { return base_->host_accessible(); }
+  absl::Status ReadBlock(const uint8_t* block, size_t offset, size_t bytes,
+                         uint8_t* out) override {
+    return base_->ReadBlock(block, offset, bytes, out);
+  }
+  absl::Status WriteBlock(uint8_t* block, size_t offset, const uint8_t* data,
+                          size_t bytes) override {
+    return base_->WriteBlock(block, offset, data, bytes);
+  }
+  absl::Status ZeroBlock(uint8_t* block, size_t offset, size_t bytes) override {
+    return base_->ZeroBlock(block, offset, bytes);
+  }
+  absl::Status CopyBlock(uint8_t* dst, const uint8_t* src, size_t bytes) override {
+    return base_->CopyBlock(dst, src, bytes);
+  }
+  uint8_t* HostAlias(const uint8_t* block) override { return base_->HostAlias(block); }
+  // A stream's host blocks (header, fp16 sink and tail) count too.
+  absl::StatusOr<uint8_t*> AllocateHost(size_t bytes) override {
+    absl::StatusOr<uint8_t*> p = base_->AllocateHost(bytes);
+    if (p.ok()) {
+      in_use_ += bytes;
+      ++blocks_;
+    }
+    return p;
+  }
+  void FreeHost(uint8_t* block, size_t bytes) override {
+    in_use_ -= bytes;
+    --blocks_;
+    base_->FreeHost(block, bytes);
+  }
+
   // Bytes requested by blocks not yet freed.
   size_t bytes_in_use() const { return in_use_.load(); }
   int64_t blocks_in_use() const { return blocks_.load(); }

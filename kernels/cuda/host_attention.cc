@@ -12,6 +12,7 @@
 #include "kernels/cuda/attention_hd.h"
 #include "kernels/cuda/device_stream_view.h"
 #include "kernels/cuda/host_program_backend.h"
+#include "kernels/cuda/stream_view_host.h"
 #include "kernels/kv_stream.h"
 #include "kernels/numeric.h"
 
@@ -26,33 +27,9 @@ struct HostStreamView {
   std::vector<float> value_levels;
 };
 
-// nuq levels of one side as floats, channel-major (hd::SideExtras' form);
-// empty for uniform codes.
-std::vector<float> LevelFloats(const KvStream& s, Side side) {
-  std::vector<float> levels;
-  if (!s.spec().nuq) return levels;
-  const int per_channel = 1 << s.layout().side(side).bits;
-  for (int c = 0; c < s.head_dim(); ++c) {
-    const uint16_t* h = s.levels(side, c);
-    for (int i = 0; i < per_channel; ++i) levels.push_back(HalfToFloat(h[i]));
-  }
-  return levels;
-}
-
-hd::SideExtras ExtrasFor(const KvStream& s, Side side, const std::vector<float>& levels) {
-  hd::SideExtras extras;
-  extras.levels = levels.empty() ? nullptr : levels.data();
-  if (s.layout().side(side).format == CodeFormat::kFp8E4m3) extras.fp8_scale = s.fp8_scale(side);
-  return extras;
-}
-
 void FillView(const KvStream& s, HostStreamView* h) {
   DeviceStreamView& v = h->view;
-  v.layout = s.layout();
-  v.sink_tokens = s.sink_tokens();
-  v.page_base = s.page_base();
-  v.quantized_tokens = s.quantized_tokens();
-  v.tail_tokens = s.tail_tokens();
+  v = ViewWithoutPointers(s);
   h->pages.clear();
   for (int p = 0; p < s.PagesFor(s.quantized_tokens()); ++p) {
     h->pages.push_back(HostPagePointer(s, p));
@@ -62,18 +39,10 @@ void FillView(const KvStream& s, HostStreamView* h) {
   v.sink_v = s.sink_row(Side::kValue, 0);
   v.tail_k = s.tail_row(Side::kKey, 0);
   v.tail_v = s.tail_row(Side::kValue, 0);
-  h->key_levels = LevelFloats(s, Side::kKey);
-  h->value_levels = LevelFloats(s, Side::kValue);
-  v.key_extras = ExtrasFor(s, Side::kKey, h->key_levels);
-  v.value_extras = ExtrasFor(s, Side::kValue, h->value_levels);
-  if (const Rope* rope = s.rope()) {
-    const RopeConfig& c = rope->config();
-    const bool linear = c.scaling == RopeConfig::Scaling::kLinear;
-    v.rope = hd::MakeRopeParams(c.theta, rope->rotary_dim(),
-                                c.pairing == RopeConfig::Pairing::kAdjacent,
-                                c.scaling == RopeConfig::Scaling::kNtk,
-                                linear ? c.factor : 1.0f, c.factor);
-  }
+  h->key_levels = LevelsAsFloats(s, Side::kKey);
+  h->value_levels = LevelsAsFloats(s, Side::kValue);
+  if (!h->key_levels.empty()) v.key_extras.levels = h->key_levels.data();
+  if (!h->value_levels.empty()) v.value_extras.levels = h->value_levels.data();
   v.rotation_signs = s.rotation() ? s.rotation()->signs().data() : nullptr;
 }
 

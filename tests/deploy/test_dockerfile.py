@@ -56,6 +56,12 @@ def packages_from_ldd():
         out = subprocess.run(["ldd", path], capture_output=True, text=True, check=True).stdout
         assert "not found" not in out, out
         libs |= set(re.findall(r"=>\s+(/\S+)", out))
+    # A build with the CUDA backend also loads the CUDA runtime from the
+    # toolkit; the Dockerfile's CPU image builds without it and its CUDA
+    # variant takes the runtime from its CUDA base image, so those
+    # libraries are no Debian package's.
+    cuda_prefix = os.path.realpath(os.environ.get("CUDA_HOME", "/usr/local/cuda")) + os.sep
+    libs = {lib for lib in libs if not os.path.realpath(lib).startswith(cuda_prefix)}
     candidates = {lib: [lib, "/usr" + lib, os.path.realpath(lib)] for lib in sorted(libs)}
     # One query for all: each dpkg-query reads the whole package database.
     paths = sorted({p for c in candidates.values() for p in c})

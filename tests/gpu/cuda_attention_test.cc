@@ -20,6 +20,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/attention_hd.h"
 #include "kernels/cuda/device_info.h"
+#include "kernels/cuda/stream_view_host.h"
 #include "kernels/kv_stream.h"
 #include "kernels/numeric.h"
 #include "tests/unit/test_util.h"
@@ -74,25 +75,11 @@ struct DeviceStream {
   }
 };
 
-std::vector<float> LevelFloats(const KvStream& s, Side side) {
-  std::vector<float> levels;
-  if (!s.spec().nuq) return levels;
-  const int per_channel = 1 << s.layout().side(side).bits;
-  for (int c = 0; c < s.head_dim(); ++c) {
-    for (int i = 0; i < per_channel; ++i) levels.push_back(HalfToFloat(s.levels(side, c)[i]));
-  }
-  return levels;
-}
-
 bool MakeDeviceStream(const KvStream& s, DeviceStream* out) {
   DeviceStreamView& v = out->view;
+  v = ViewWithoutPointers(s);
   const PageLayout& L = s.layout();
   const int d = s.head_dim();
-  v.layout = L;
-  v.sink_tokens = s.sink_tokens();
-  v.page_base = s.page_base();
-  v.quantized_tokens = s.quantized_tokens();
-  v.tail_tokens = s.tail_tokens();
   const int pages = s.PagesFor(s.quantized_tokens());
   std::vector<uint8_t> bytes(static_cast<size_t>(pages) * L.page_bytes);
   for (int p = 0; p < pages; ++p) std::copy_n(s.page(p), L.page_bytes, &bytes[p * L.page_bytes]);
@@ -109,18 +96,10 @@ bool MakeDeviceStream(const KvStream& s, DeviceStream* out) {
   v.tail_k = rows(s.tail_row(Side::kKey, 0), v.tail_tokens);
   v.tail_v = rows(s.tail_row(Side::kValue, 0), v.tail_tokens);
   for (Side side : {Side::kKey, Side::kValue}) {
+    const std::vector<float> levels = LevelsAsFloats(s, side);
+    if (levels.empty()) continue;
     hd::SideExtras& e = side == Side::kKey ? v.key_extras : v.value_extras;
-    const std::vector<float> levels = LevelFloats(s, side);
-    if (!levels.empty()) e.levels = static_cast<const float*>(out->Keep(Upload(levels)));
-    if (L.side(side).format == CodeFormat::kFp8E4m3) e.fp8_scale = s.fp8_scale(side);
-  }
-  if (const Rope* rope = s.rope()) {
-    const RopeConfig& c = rope->config();
-    const bool linear = c.scaling == RopeConfig::Scaling::kLinear;
-    v.rope = hd::MakeRopeParams(c.theta, rope->rotary_dim(),
-                                c.pairing == RopeConfig::Pairing::kAdjacent,
-                                c.scaling == RopeConfig::Scaling::kNtk, linear ? c.factor : 1.0f,
-                                c.factor);
+    e.levels = static_cast<const float*>(out->Keep(Upload(levels)));
   }
   if (s.rotation()) {
     v.rotation_signs = static_cast<const float*>(out->Keep(Upload(s.rotation()->signs())));

@@ -15,6 +15,9 @@
 #include "kernels/group_params.h"
 #include "kernels/numeric.h"
 #include "tests/unit/hidden_page_allocator.h"
+#if KVQ_HAVE_CUDA
+#include "kernels/cuda/device_page_pool.h"
+#endif
 
 namespace kvq {
 namespace testutil {
@@ -119,7 +122,13 @@ const std::vector<SchemeCase>& AllSchemeCases() {
 }
 
 const std::vector<std::string>& BackendNames() {
-  static const auto* names = new std::vector<std::string>{"ref", "cpu", "cuda_host"};
+  // "cuda" where this build has it and a device is present: every typed
+  // suite then runs on the device too (scripts/gpu_check.sh runs them).
+  static const auto* names = [] {
+    auto* n = new std::vector<std::string>{"ref", "cpu", "cuda_host"};
+    if (BackendByName("cuda").ok()) n->push_back("cuda");
+    return n;
+  }();
   return *names;
 }
 
@@ -231,11 +240,30 @@ absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& conf
   return KvStream::Create(config, backend, allocator);
 }
 
+// The pages of "cuda" streams: one device pool for the whole test binary
+// (the backend serves only streams whose pages are device memory).
+PageAllocator* SharedDevicePages() {
+#if KVQ_HAVE_CUDA
+  static PageAllocator* pool = [] () -> PageAllocator* {
+    DevicePagePoolOptions o;
+    o.capacity_bytes = size_t{1} << 30;
+    o.page_bytes = size_t{256} << 10;
+    absl::StatusOr<std::unique_ptr<DevicePagePool>> p = DevicePagePool::Create(o);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? p->release() : nullptr;
+  }();
+  return pool;
+#else
+  return nullptr;
+#endif
+}
+
 std::unique_ptr<KvStream> MakeStream(const StreamParam& p, PageAllocator* allocator) {
   absl::StatusOr<const KernelBackend*> backend = BackendByName(p.backend);
   EXPECT_TRUE(backend.ok()) << backend.status();
   if (!backend.ok()) return nullptr;
   if (allocator == nullptr && p.hidden_pages) allocator = SharedHiddenPages();
+  if (allocator == nullptr && p.backend == "cuda") allocator = SharedDevicePages();
   absl::StatusOr<std::unique_ptr<KvStream>> s = TryMakeStream(p.scheme.Config(), *backend, allocator);
   EXPECT_TRUE(s.ok()) << "creating " << p.scheme.spec << ": " << s.status();
   if (!s.ok()) return nullptr;
