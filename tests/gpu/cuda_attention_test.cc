@@ -23,39 +23,14 @@
 #include "kernels/cuda/stream_view_host.h"
 #include "kernels/kv_stream.h"
 #include "kernels/numeric.h"
+#include "tests/gpu/device_buffer.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
 namespace {
 
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-// A device buffer freed at scope exit.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    if (cudaMalloc(&ptr, bytes == 0 ? 1 : bytes) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(ptr); }
-};
-
-// Host bytes copied into a new device buffer (null on failure).
-std::unique_ptr<DeviceBuffer> Upload(const void* data, size_t bytes) {
-  auto b = std::make_unique<DeviceBuffer>(bytes);
-  if (b->ptr == nullptr) return nullptr;
-  if (bytes > 0 && cudaMemcpy(b->ptr, data, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
-    return nullptr;
-  }
-  return b;
-}
-template <class T>
-std::unique_ptr<DeviceBuffer> Upload(const std::vector<T>& v) {
-  return Upload(v.data(), v.size() * sizeof(T));
-}
+using testutil::DeviceBuffer;
+using testutil::Upload;
 
 // A KvStream's pages, fp16 rows, levels and rotation copied to the device,
 // and the DeviceStreamView over them (what the service's device residency

@@ -18,23 +18,13 @@
 #include "kernels/cuda/device_info.h"
 #include "kernels/kv_stream.h"
 #include "kernels/numeric.h"
+#include "tests/gpu/device_buffer.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
 namespace {
 
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-// A device buffer freed at scope exit.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    if (cudaMalloc(&ptr, bytes == 0 ? 1 : bytes) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  template <class T>
-  T* as() const { return static_cast<T*>(ptr); }
-};
+using testutil::DeviceBuffer;
 
 class CudaQuantizeTest : public ::testing::TestWithParam<testutil::SchemeCase> {};
 
