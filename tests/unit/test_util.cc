@@ -160,9 +160,14 @@ std::string StreamParamName(const StreamParam& p) {
   return absl::StrCat(p.backend, "_", p.scheme.Label());
 }
 
+void PrintTo(const SchemeCase& c, std::ostream* os) {
+  *os << c.spec << " head_dim=" << c.head_dim;
+  if (!c.rope_label.empty()) *os << " rope=" << c.rope_label;
+}
+
 void PrintTo(const StreamParam& p, std::ostream* os) {
-  *os << p.backend << " " << p.scheme.spec << " head_dim=" << p.scheme.head_dim;
-  if (!p.scheme.rope_label.empty()) *os << " rope=" << p.scheme.rope_label;
+  *os << p.backend << " ";
+  PrintTo(p.scheme, os);
   if (p.hidden_pages) *os << " hidden pages";
 }
 

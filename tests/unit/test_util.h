@@ -32,6 +32,10 @@ struct SchemeCase {
   std::string Label() const;    // Identifier-safe name.
 };
 
+// How gtest (and so ctest's test list) prints a case: the scheme as
+// written, the head_dim and the RoPE tag.
+void PrintTo(const SchemeCase& c, std::ostream* os);
+
 // Every scheme of the typed suites: the base names, the option variants and
 // combinations.
 const std::vector<SchemeCase>& AllSchemeCases();
