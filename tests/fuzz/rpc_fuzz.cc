@@ -258,8 +258,8 @@ class LiveHeapCheck {
   }
 
  private:
-  static constexpr int kWarmInputs = 2000;
-  static constexpr int kEveryInputs = 1000;
+  static constexpr int kWarmInputs = 500;
+  static constexpr int kEveryInputs = 250;
   static constexpr double kSlackBytes = 2048;
   static constexpr double kFloorBytes = 16 << 20;
   int64_t inputs_ = 0;
