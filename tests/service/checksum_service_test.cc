@@ -34,20 +34,6 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64, kTokens = 300;
 
-v1::Tensor Random(std::vector<int64_t> shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  v1::Tensor t;
-  t.set_dtype(v1::DTYPE_FP32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_data(v.data(), v.size() * sizeof(float));
-  return t;
-}
-
 // One kvq-server's service on a loopback port.
 struct Server {
   Server(SequenceStore* store, Metrics* metrics, double verify_fraction) {
@@ -109,8 +95,8 @@ class ChecksumServiceTest : public ::testing::Test {
     ASSERT_TRUE(stub().CreateSequence(&ctx, req, &resp).ok());
     v1::AppendRequest append;
     append.mutable_sequence()->set_sequence_id(id);
-    *append.mutable_chunk()->mutable_k() = Random({kLayers, kHeads, kTokens, kDim}, seed);
-    *append.mutable_chunk()->mutable_v() = Random({kLayers, kHeads, kTokens, kDim}, seed + 1);
+    *append.mutable_chunk()->mutable_k() = RandomTensor({kLayers, kHeads, kTokens, kDim}, seed);
+    *append.mutable_chunk()->mutable_v() = RandomTensor({kLayers, kHeads, kTokens, kDim}, seed + 1);
     grpc::ClientContext actx;
     v1::AppendResponse aresp;
     std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> w = stub().Append(&actx, &aresp);
@@ -160,7 +146,7 @@ class ChecksumServiceTest : public ::testing::Test {
     req.set_layer(1);
     v1::AttendItem* item = req.add_items();
     item->mutable_sequence()->set_sequence_id(id);
-    *item->mutable_q() = Random({1, kQHeads, kDim}, 77);
+    *item->mutable_q() = RandomTensor({1, kQHeads, kDim}, 77);
     grpc::ClientContext ctx;
     v1::AttendResponse resp;
     Answer a;
@@ -174,9 +160,9 @@ class ChecksumServiceTest : public ::testing::Test {
     req.set_layer(1);
     v1::AppendAttendItem* item = req.add_items();
     item->mutable_sequence()->set_sequence_id(id);
-    *item->mutable_k() = Random({kHeads, 1, kDim}, 5);
-    *item->mutable_v() = Random({kHeads, 1, kDim}, 6);
-    *item->mutable_q() = Random({1, kQHeads, kDim}, 7);
+    *item->mutable_k() = RandomTensor({kHeads, 1, kDim}, 5);
+    *item->mutable_v() = RandomTensor({kHeads, 1, kDim}, 6);
+    *item->mutable_q() = RandomTensor({1, kQHeads, kDim}, 7);
     return req;
   }
 

@@ -21,6 +21,7 @@
 #include "service/kvq_service.h"
 #include "service/metrics.h"
 #include "service/page_checksum.h"
+#include "tests/service/store_test_data.h"
 #include "tests/unit/hidden_page_allocator.h"
 #include "tests/unit/test_util.h"
 
@@ -28,20 +29,6 @@ namespace kvq {
 namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64, kTokens = 300;
-
-v1::Tensor Random(std::vector<int64_t> shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  v1::Tensor t;
-  t.set_dtype(v1::DTYPE_FP32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_data(v.data(), v.size() * sizeof(float));
-  return t;
-}
 
 // A store (host pages, or hidden ones) and its service on a loopback port.
 struct Node {
@@ -103,8 +90,8 @@ class DevicePagesServiceTest : public ::testing::TestWithParam<const char*> {
     ASSERT_TRUE(n.stub->CreateSequence(&ctx, req, &resp).ok());
     v1::AppendRequest append;
     append.mutable_sequence()->set_sequence_id(id);
-    *append.mutable_chunk()->mutable_k() = Random({kLayers, kHeads, kTokens, kDim}, seed);
-    *append.mutable_chunk()->mutable_v() = Random({kLayers, kHeads, kTokens, kDim}, seed + 1);
+    *append.mutable_chunk()->mutable_k() = RandomTensor({kLayers, kHeads, kTokens, kDim}, seed);
+    *append.mutable_chunk()->mutable_v() = RandomTensor({kLayers, kHeads, kTokens, kDim}, seed + 1);
     grpc::ClientContext actx;
     v1::AppendResponse aresp;
     std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> w = n.stub->Append(&actx, &aresp);
