@@ -20,4 +20,15 @@ absl::Status RetainMessageBuffers() {
 #endif
 }
 
+HeapUsage CurrentHeapUsage() {
+  HeapUsage h;
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  if (!kMallocIsGlibc) return h;
+  const struct mallinfo2 mi = mallinfo2();
+  h.in_use_bytes = mi.uordblks + mi.hblkhd;
+  h.free_bytes = mi.fordblks;
+#endif
+  return h;
+}
+
 }  // namespace kvq

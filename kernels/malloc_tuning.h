@@ -12,6 +12,8 @@
 #ifndef KVQ_KERNELS_MALLOC_TUNING_H_
 #define KVQ_KERNELS_MALLOC_TUNING_H_
 
+#include <cstddef>
+
 #include "absl/status/status.h"
 
 namespace kvq {
@@ -21,6 +23,15 @@ namespace kvq {
 // message buffers recycle without page faults. A no-op error where malloc
 // is not glibc's.
 absl::Status RetainMessageBuffers();
+
+// glibc's heap, for telling memory in use from freed memory kept mapped.
+struct HeapUsage {
+  size_t in_use_bytes = 0;  // Allocated: arena chunks plus mmapped ones.
+  size_t free_bytes = 0;    // Freed but still mapped in the arenas.
+};
+// The whole process's heap now (mallinfo2: walks every arena under its
+// lock, so for scrapes, not hot paths); zeros where malloc is not glibc's.
+HeapUsage CurrentHeapUsage();
 
 // False in a build whose allocator replaces glibc's (KVQ_SANITIZE=address):
 // glibc's settings and counters then describe memory nobody allocates from.

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/malloc_tuning.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -96,6 +97,17 @@ class Metrics::StoreCollector : public prometheus::Collectable {
                            "beside the pool (not in kvq_capacity_bytes).");
     Add(checksums, st.pool.checksum_bytes, tier);
     out.push_back(std::move(checksums));
+
+    // The heap besides the pool: what is allocated, and what is freed but
+    // kept mapped (up to 64 MiB with --retain_message_buffers), so a
+    // growing RSS can be told apart from memory in use.
+    const HeapUsage heap_usage = CurrentHeapUsage();
+    auto heap = Gauge("kvq_heap_bytes",
+                      "The process heap (glibc malloc; the page pool is mapped apart): in "
+                      "use, and freed but still mapped.");
+    Add(heap, static_cast<double>(heap_usage.in_use_bytes), {{"state", "in_use"}});
+    Add(heap, static_cast<double>(heap_usage.free_bytes), {{"state", "free"}});
+    out.push_back(std::move(heap));
 
     auto seqs = Gauge("kvq_sequences", "Sequences by state.");
     Add(seqs, st.sequences, {{"state", "active"}});

@@ -35,6 +35,7 @@
 #include "client/local_sequence.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "kernels/malloc_tuning.h"
 #include "tests/integration/server_client_fixture.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_helpers.h"
@@ -1134,6 +1135,12 @@ TEST_F(ServerBehaviorTest, MetricsAgreeWithStats) {
   EXPECT_GT(stats.bytes().total(), 0);
   EXPECT_EQ(stats.sequences(), 2);
   EXPECT_EQ(MetricValue(samples, "kvq_sequences", {{"state", "active"}}), 2.0);
+  // The server holds two sequences' streams and its gRPC state on the heap
+  // (zero only in a sanitizer build, whose allocator is not glibc's).
+  if (kMallocIsGlibc) {
+    EXPECT_GT(MetricValue(samples, "kvq_heap_bytes", {{"state", "in_use"}}), 1 << 20);
+  }
+  EXPECT_GE(MetricValue(samples, "kvq_heap_bytes", {{"state", "free"}}), 0.0);
   EXPECT_EQ(MetricValue(samples, "kvq_rpc_requests_total",
                         {{"method", "Attend"}, {"code", "INVALID_ARGUMENT"}}),
             static_cast<double>(kRejected));
