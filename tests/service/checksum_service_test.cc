@@ -26,6 +26,7 @@
 #include "service/metrics.h"
 #include "service/server_config.h"
 #include "tests/service/store_test_data.h"
+#include "tests/service/wire_test_data.h"
 
 ABSL_DECLARE_FLAG(double, verify_fraction);
 

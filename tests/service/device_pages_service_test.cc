@@ -21,7 +21,7 @@
 #include "service/kvq_service.h"
 #include "service/metrics.h"
 #include "service/page_checksum.h"
-#include "tests/service/store_test_data.h"
+#include "tests/service/wire_test_data.h"
 #include "tests/unit/hidden_page_allocator.h"
 #include "tests/unit/test_util.h"
 

@@ -9,26 +9,10 @@
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kvq/v1/kvq.pb.h"
 #include "service/sequence.h"
 #include "service/sequence_store.h"
 
 namespace kvq {
-
-// An fp32 wire tensor of `shape` with N(0, 1) entries from `seed`.
-inline v1::Tensor RandomTensor(const std::vector<int64_t>& shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  v1::Tensor t;
-  t.set_dtype(v1::DTYPE_FP32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_data(v.data(), v.size() * sizeof(float));
-  return t;
-}
 
 // A model of `layers` x `kv_heads` x `head_dim`, with twice as many query
 // heads as K/V heads (grouped-query attention).
