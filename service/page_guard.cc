@@ -13,7 +13,7 @@ absl::Status PageGuard::Verify(const Sequence& seq, int layer, int begin, int en
   return Finish(*check);
 }
 
-std::unique_ptr<PageReadCheck> PageGuard::StartRead() const {
+std::unique_ptr<PageReadCheck> PageGuard::StartRead() {
   if (!sampler_.Next()) return nullptr;
   return std::make_unique<PageReadCheck>(store_->pool());
 }

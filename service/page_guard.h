@@ -36,7 +36,7 @@ class PageGuard {
   // A read whose pages are checked as they are read (Attend: the backend's
   // threads run the check, KernelBackend::ChecksPages): the check to Add()
   // the read's ranges to, or nullptr when the sampler skips this read.
-  std::unique_ptr<PageReadCheck> StartRead() const;
+  std::unique_ptr<PageReadCheck> StartRead();
   // After such a read, with the sequences still locked: OK, or the check's
   // DATA_LOSS (logged and counted once).
   absl::Status Finish(const PageReadCheck& check);
@@ -48,7 +48,7 @@ class PageGuard {
  private:
   SequenceStore* store_;
   Metrics* metrics_;
-  mutable VerifySampler sampler_;
+  VerifySampler sampler_;
 };
 
 }  // namespace kvq

@@ -129,19 +129,37 @@ absl::StatusOr<uint8_t*> Upload(const Staging& staging) {
   return base;
 }
 
+// One side's nuq levels on their way to the device: added to the staging
+// buffer, then, once its device address is known, the side's extras.
+class StagedLevels {
+ public:
+  StagedLevels(const KvStream& s, Side side, Staging& staging) : s_(s), side_(side) {
+    const std::vector<float> levels = LevelsAsFloats(s, side);
+    has_levels_ = !levels.empty();
+    at_ = staging.Add(levels);
+  }
+  hd::SideExtras ExtrasAt(const uint8_t* base) const {
+    return ExtrasFor(s_, side_, has_levels_ ? reinterpret_cast<const float*>(base + at_) : nullptr);
+  }
+
+ private:
+  const KvStream& s_;
+  Side side_;
+  bool has_levels_ = false;
+  size_t at_ = 0;
+};
+
 absl::Status QuantizeOnDevice(const KvStream& s, Side side, const void* rows, size_t row_bytes,
                               DeviceRowType type, int n, uint8_t* page, int row0) {
   KVQ_RETURN_IF_ERROR(CheckDevicePages(s));
   Staging staging;
   const size_t rows_at = staging.Add(rows, static_cast<size_t>(n) * s.head_dim() * row_bytes);
-  const std::vector<float> levels = LevelsAsFloats(s, side);
-  const size_t levels_at = staging.Add(levels);
+  const StagedLevels levels(s, side, staging);
   KVQ_ASSIGN_OR_RETURN(uint8_t * base, Upload(staging));
   QuantizeJob job;
   job.page = page;
   job.rows = base + rows_at;
-  job.extras = ExtrasFor(s, side, levels.empty() ? nullptr
-                                                 : reinterpret_cast<const float*>(base + levels_at));
+  job.extras = levels.ExtrasAt(base);
   job.row0 = row0;
   job.n = n;
   return LaunchQuantizeRows(DeviceQuantSideOf(s.spec(), s.layout(), side), type, {&job, 1},
@@ -154,16 +172,13 @@ absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* pag
   KVQ_RETURN_IF_ERROR(CheckDevicePages(s));
   const int d = s.head_dim();
   Staging staging;
-  const std::vector<float> levels = LevelsAsFloats(s, side);
-  const size_t levels_at = staging.Add(levels);
-  const size_t out_bytes = static_cast<size_t>(n) * d * row_bytes;
-  const size_t out_at = staging.Reserve(out_bytes);
+  const StagedLevels levels(s, side, staging);
+  const size_t out_at = staging.Reserve(static_cast<size_t>(n) * d * row_bytes);
   KVQ_ASSIGN_OR_RETURN(uint8_t * base, Upload(staging));
   DequantizeJob job;
   job.page = page;
   job.out = base + out_at;
-  job.extras = ExtrasFor(s, side, levels.empty() ? nullptr
-                                                 : reinterpret_cast<const float*>(base + levels_at));
+  job.extras = levels.ExtrasAt(base);
   job.row0 = row0;
   job.n = n;
   KVQ_RETURN_IF_ERROR(LaunchDequantizeRows(DeviceQuantSideOf(s.spec(), s.layout(), side), type,
@@ -180,9 +195,9 @@ absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* pag
 // Where one task's pieces lie in the staging buffer.
 struct TaskOffsets {
   size_t pages = 0, sink_k = 0, sink_v = 0, tail_k = 0, tail_v = 0;
-  size_t key_levels = 0, value_levels = 0, signs = 0, q = 0, positions = 0;
+  size_t signs = 0, q = 0, positions = 0;
   size_t out = 0, lse = 0;
-  bool has_key_levels = false, has_value_levels = false, has_positions = false;
+  bool has_positions = false;
   int key_end = 0;
   int rows = 0;
 };
@@ -197,6 +212,8 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
   const size_t tasks_at =
       staging.Add(std::vector<uint8_t>(which.size() * sizeof(DeviceAttentionTask)));
   std::vector<TaskOffsets> at(which.size());
+  std::vector<StagedLevels> levels;  // Key then value of each task.
+  levels.reserve(2 * which.size());
   DecodeAttentionShape shape;
   shape.num_tasks = static_cast<int>(which.size());
   shape.head_dim = d;
@@ -216,12 +233,8 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
     o.sink_v = staging.Add(s.sink_row(Side::kValue, 0), s.sink_tokens() * row_bytes);
     o.tail_k = staging.Add(s.tail_row(Side::kKey, 0), s.tail_tokens() * row_bytes);
     o.tail_v = staging.Add(s.tail_row(Side::kValue, 0), s.tail_tokens() * row_bytes);
-    const std::vector<float> key_levels = LevelsAsFloats(s, Side::kKey);
-    const std::vector<float> value_levels = LevelsAsFloats(s, Side::kValue);
-    o.has_key_levels = !key_levels.empty();
-    o.has_value_levels = !value_levels.empty();
-    o.key_levels = staging.Add(key_levels);
-    o.value_levels = staging.Add(value_levels);
+    levels.emplace_back(s, Side::kKey, staging);  // levels[2 * i]
+    levels.emplace_back(s, Side::kValue, staging);
     if (s.rotation()) o.signs = staging.Add(s.rotation()->signs());
     // Queries compacted to [query][group][d]; outputs come back the same way.
     o.rows = t.num_queries * group;
@@ -262,10 +275,8 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
     v.sink_v = reinterpret_cast<const uint16_t*>(base + o.sink_v);
     v.tail_k = reinterpret_cast<const uint16_t*>(base + o.tail_k);
     v.tail_v = reinterpret_cast<const uint16_t*>(base + o.tail_v);
-    if (o.has_key_levels) v.key_extras.levels = reinterpret_cast<const float*>(base + o.key_levels);
-    if (o.has_value_levels) {
-      v.value_extras.levels = reinterpret_cast<const float*>(base + o.value_levels);
-    }
+    v.key_extras = levels[2 * i].ExtrasAt(base);
+    v.value_extras = levels[2 * i + 1].ExtrasAt(base);
     if (s.rotation()) v.rotation_signs = reinterpret_cast<const float*>(base + o.signs);
     dt.key_begin = t.key_begin;
     dt.key_end = o.key_end;
