@@ -1,6 +1,6 @@
 """The Python client's bearer token against a kvq-server with --tokens_file:
 unary calls, the Append and FetchDequant streams and DecodeStream all carry
-it; without it or with another tenant's, the answers of docs/RELIABILITY.md.
+it; without it or with another tenant's, the answers of docs/SECURITY.md.
 
 Needs the server binary: $KVQ_SERVER_BIN (ctest sets it), else skipped."""
 
