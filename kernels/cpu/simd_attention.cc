@@ -127,7 +127,7 @@ class SpreadPrefetch {
 // Rows [t, t + n) of `rows` (row_bytes apart) requested into L2 only
 // (prefetcht1 on x86), nothing when `rows` is nullptr: the 16-bit rows of
 // the next tile, a few per step of the loops that read this one. On the
-// Zen 4 machine of KERNELS.md 4z these made the fp16 path 1.8-2.2x faster
+// Zen 4 machine of KERNELS.md section 4 these made the fp16 path 1.8-2.2x faster
 // at 32k. The same requests into L1 (prefetcht0) gained
 // about a tenth (a tile's 16 KiB of keys and values plus the next one's is
 // all of L1), and a burst at the tile's start kept less than half the gain.
@@ -2519,7 +2519,7 @@ class RowPass {
           // values (AVX3_DL) 3/8 a few per token in the key loop and 3/8 in
           // the value kernel, else the rest in the key loop. (In the key
           // loop alone kivi4 was 6-10% slower; half there and half spread
-          // over the value loop, 4-9% slower at llama 32k: KERNELS.md 4r.)
+          // over the value loop, 4-9% slower at llama 32k: KERNELS.md section 7.)
           const auto [pf, pf_lines] = NextPageShare(r, m);
           const size_t pf_first = pf_lines / 4;
           PrefetchLines(pf, pf_first);
@@ -2632,7 +2632,7 @@ class RowPass {
   // Runs after KiviValueAccumulate over the same tile, so it reads the
   // tile's scales and zero points from Scratch::vparams instead of decoding
   // each entry's row again (that, and a division per entry, was about a fifth
-  // of a kivi2:outliers=1 decode: KERNELS.md 4zc).
+  // of a kivi2:outliers=1 decode: KERNELS.md section 7).
   template <int kBits, int D>
   void ValueOutliers(const uint8_t* page, int block, int row, int m, const float* P) {
     const PageLayout& L = s_.layout();
