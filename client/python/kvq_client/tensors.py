@@ -92,21 +92,23 @@ def from_tensor(tensor, field="tensor"):
     return bf16_bits_to_float32(np.frombuffer(tensor.data, dtype="<u2")).reshape(shape)
 
 
-def plan_chunks(layers, tokens, unit_bytes, max_bytes):
+def plan_chunks(layers, tokens, unit_bytes, max_bytes, token_unit=1):
     """Splits layers x tokens into (layer_begin, layers, token_begin, tokens)
-    rectangles of at most max_bytes, one token of one layer costing
-    unit_bytes: whole layers per chunk when a layer fits, else one layer per
-    chunk split along tokens (never less than one token). Layer-major, each
-    layer's tokens in order (the C++ client's PlanChunks with unit 1)."""
+    rectangles of at most max_bytes, `token_unit` tokens of one layer
+    costing unit_bytes: whole layers per chunk when a layer fits, else one
+    layer per chunk split along tokens at multiples of token_unit (never
+    less than one unit). Layer-major, each layer's tokens in order (the C++
+    client's PlanChunks)."""
     if layers <= 0 or tokens <= 0:
         return []
+    token_unit = max(int(token_unit), 1)
     unit_bytes = max(int(unit_bytes), 1)
     max_bytes = max(int(max_bytes), 1)
-    layer_bytes = tokens * unit_bytes
+    layer_bytes = -(-tokens // token_unit) * unit_bytes
     if layer_bytes <= max_bytes:
         per = min(layers, max_bytes // layer_bytes)
         return [(l, min(per, layers - l), 0, tokens) for l in range(0, layers, per)]
-    step = max(1, max_bytes // unit_bytes)
+    step = max(1, max_bytes // unit_bytes) * token_unit
     return [(l, 1, t, min(step, tokens - t)) for l in range(layers) for t in range(0, tokens, step)]
 
 
