@@ -253,3 +253,10 @@ def test_nuq_takes_codebooks_per_head():
     assert abs(e_nuq - e_plain) < 0.02 * e_plain
     pages = nuq.pages()
     assert kvq.quantize_pages("kivi4:nuq", k, k, codebooks=uniform_codebooks(4, HEADS)) == pages
+
+
+def test_kvq_client_is_the_grpc_client():
+    import kvq.client
+    import kvq_client
+    assert kvq.client.KvqClient is kvq_client.KvqClient
+    assert set(kvq.client.__all__) == set(kvq_client.__all__)
