@@ -18,11 +18,9 @@
 
 namespace kvq::hd {
 
-// Keys per flash-decoding split: a task's key range is cut into chunks of
-// this many tokens (from key_begin), each chunk's partial computed on its
-// own and the partials merged. 256 keeps a 32k context at 128 splits per
-// (task, row tile), enough blocks to fill an H100 with one decode request,
-// while each block still streams a few pages.
+// cuda_host's keys per flash-decoding split (rounded up to whole pages by
+// SplitTokensAtLeast): the device sizes its splits from the batch and the
+// SM count (DecodeAttentionSplitTokens), at least this many keys each.
 inline constexpr int kAttentionSplitTokens = 256;
 
 KVQ_HD float Exp(float x) {
