@@ -118,8 +118,8 @@ done
 
 # No binary or carried library may need a symbol version newer than Debian 12's.
 newest() {  # newest PREFIX FILE: the highest PREFIX_x.y.z version FILE references.
-  objdump -T "$2" | grep -o "(${1}_[0-9][0-9.]*)" | tr -d '()' | sed "s/^${1}_//" |
-    sort -V | tail -1
+  { objdump -T "$2" | grep -o "(${1}_[0-9][0-9.]*)" || true; } | tr -d '()' |
+    sed "s/^${1}_//" | sort -V | tail -1
 }
 too_new() { [[ -n "$1" && "$(printf '%s\n%s\n' "$1" "$2" | sort -V | tail -1)" != "$2" ]]; }
 for f in "$STAGE"/bin/* "$STAGE"/lib/*; do
