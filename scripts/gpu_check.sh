@@ -68,13 +68,13 @@ limit_for() {
 # (NCCL) missing here is a SKIPPED reason; any other missing one is a FAIL.
 missing_libs() { ldd "$1" 2>/dev/null | awk '/not found/ { print $1 }' | tr '\n' ' '; }
 
-# run STEP LIMIT CMD...: runs CMD under a timeout into $LOGS/STEP.log; sets
-# RC (124: timed out) and TOOK. Returns 1 (and records the row) when the
-# step could not run: no device, budget spent, a missing library.
-run() {
+# start STEP LIMIT CMD...: starts CMD in the background under a timeout,
+# into $LOGS/STEP.log. Returns 1 (and records the row) when the step cannot
+# run: no device, the stage's budget spent, a missing library.
+declare -A PIDS=() STARTS=()
+start() {
   local step="$1" limit="$2"
   shift 2
-  TOOK=0
   if [[ -n $NO_DEVICE ]]; then record "$step" "SKIPPED (no device: $NO_DEVICE)" 0 ""; return 1; fi
   local t
   t="$(limit_for "$limit")"
@@ -90,21 +90,31 @@ run() {
     record "$step" "FAIL (bundle incomplete: $(basename "$exe") needs ${miss% })" 0 ""
     return 1
   fi
-  local start=$SECONDS
-  timeout --kill-after=10 "$t" "$@" >"$LOGS/$step.log" 2>&1
-  RC=$?
-  TOOK=$((SECONDS - start))
-  if ((RC == 137)); then RC=124; fi
+  STARTS[$step]=$SECONDS
+  timeout --kill-after=10 "$t" "$@" >"$LOGS/$step.log" 2>&1 &
+  PIDS[$step]=$!
   return 0
 }
 
-# gtest_step STEP LIMIT WHAT BINARY [ARGS...]: runs a gtest binary and
-# records PASS only when it ran at least one case and none failed. WHAT
-# names the cases in messages ("cuda cases").
-gtest_step() {
-  local step="$1" limit="$2" what="$3"
-  shift 3
-  run "$step" "$limit" "$@" || return 0
+# finish STEP: waits for a started step; sets RC (124: timed out) and TOOK.
+finish() {
+  wait "${PIDS[$1]}"
+  RC=$?
+  TOOK=$((SECONDS - STARTS[$1]))
+  if ((RC == 137)); then RC=124; fi
+}
+
+# run STEP LIMIT CMD...: start, then finish.
+run() {
+  start "$@" || return 1
+  finish "$1"
+}
+
+# gtest_result STEP WHAT: the row of a finished gtest binary: PASS only
+# when it ran at least one case and none failed. WHAT names the cases in
+# messages ("cuda cases").
+gtest_result() {
+  local step="$1" what="$2"
   local log="$LOGS/$step.log" ran passed failed skipped
   ran="$(sed -n 's/^\[==========\] \([0-9]*\) tests\? from .* ran\..*/\1/p' "$log" | tail -1)"
   passed="$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests\?\..*/\1/p' "$log" | tail -1)"
@@ -113,7 +123,10 @@ gtest_step() {
   passed="${passed:-0}" failed="${failed:-0}" skipped="${skipped:-0}"
   local counts="$ran $what: $passed passed, $failed failed, $skipped skipped"
   if ((RC == 124)); then
-    record "$step" "FAIL (timed out after ${TOOK}s)" "$TOOK" "${ran:+$counts}"
+    # Killed before its summary: what it had finished.
+    local ok bad
+    ok="$(grep -c '^\[       OK \]' "$log")" bad="$(grep -c '^\[  FAILED  \] [A-Za-z]' "$log")"
+    record "$step" "FAIL (timed out after ${TOOK}s)" "$TOOK" "$ok $what passed, $bad failed before the timeout"
   elif [[ -z $ran ]]; then
     record "$step" "FAIL (exit $RC, no gtest summary)" "$TOOK" "$(tail -n 3 "$log" | tr '\n' ' ')"
   elif ((ran == 0)); then
@@ -126,6 +139,15 @@ gtest_step() {
   else
     record "$step" PASS "$TOOK" "$counts"
   fi
+}
+
+# gtest_step STEP LIMIT WHAT BINARY [ARGS...]: runs a gtest binary and
+# records its row.
+gtest_step() {
+  local step="$1" limit="$2" what="$3"
+  shift 3
+  run "$step" "$limit" "$@" || return 0
+  gtest_result "$step" "$what"
 }
 
 # first_test BINARY PATTERN: the first test of BINARY whose full name
@@ -177,17 +199,17 @@ if [[ -z $SANITIZER && -x ${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer ]]
   SANITIZER="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
 fi
 # NCCL: from KVQ_NCCL_LIB_DIR, else the nvidia-nccl-cu13 wheel in python3's
-# site-packages (nvidia/nccl/lib).
+# site-packages (nvidia/nccl/lib/libnccl.so.2, or wherever under nvidia/
+# the wheel puts it).
 NCCL_DIR="${KVQ_NCCL_LIB_DIR:-}"
 if [[ -z $NCCL_DIR ]] && command -v python3 >/dev/null; then
   NCCL_DIR="$(python3 - <<'EOF' 2>/dev/null
-import os, site, sys
-dirs = list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path
-for d in dirs:
-    lib = os.path.join(d, "nvidia", "nccl", "lib")
-    if os.path.isfile(os.path.join(lib, "libnccl.so.2")):
-        print(lib)
-        break
+import glob, os, site, sys
+dirs = sys.path + list(site.getsitepackages()) + [site.getusersitepackages()]
+found = [p for d in dirs if os.path.isdir(os.path.join(d, "nvidia"))
+         for p in sorted(glob.glob(os.path.join(d, "nvidia", "**", "libnccl.so.2"), recursive=True))]
+if found:
+    print(os.path.dirname(found[0]))
 EOF
 )"
 fi
@@ -238,9 +260,16 @@ full() {
   bench_step
   # The typed suites' "cuda" instances: every scheme appended, read, forked,
   # raw-paged and attended over on the device against the reference.
+  # The six run at once (each its own 1 GiB device pool; the machine's
+  # cores run their host-side references).
+  local started=()
   for suite in kv_stream_test attention_test attention_contract_test raw_pages_test fork_test \
                accounting_test; do
-    gtest_step "$suite" 60 "cuda cases" "$BIN/$suite" --gtest_filter='*/cuda_*-*/cuda_host_*'
+    start "$suite" 150 "$BIN/$suite" --gtest_filter='*/cuda_*-*/cuda_host_*' && started+=("$suite")
+  done
+  for suite in "${started[@]}"; do
+    finish "$suite"
+    gtest_result "$suite" "cuda cases"
   done
   gtest_step integration_cuda 120 cases env KVQ_TEST_SERVER_BACKEND=cuda \
     KVQ_SERVER_BIN="$BIN/kvq-server" KVQ_CLI_BIN="$BIN/kvq" "$BIN/client_server_test"

@@ -151,7 +151,8 @@ esac
 """
 
 
-def test_statuses_never_pass_a_step_that_ran_nothing(tmp_path):
+def stub_bundle(tmp_path: Path) -> Path:
+    """A bundle directory of gpu_check.sh and stub binaries."""
     bundle = tmp_path / "bundle"
     (bundle / "bin").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "gpu_check.sh", bundle / "gpu_check.sh")
@@ -162,8 +163,35 @@ def test_statuses_never_pass_a_step_that_ran_nothing(tmp_path):
         path = bundle / "bin" / name
         path.write_text(STUB)
         path.chmod(0o755)
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "CUDA_HOME": str(tmp_path / "no-cuda"),
-           "PATH": "/usr/bin:/bin", "KVQ_NCCL_LIB_DIR": str(tmp_path / "no-nccl")}
+    return bundle
+
+
+def stub_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVQ_NCCL_LIB_DIR", "PYTHONPATH")}
+    return {**env, "OUT": str(tmp_path / "out"), "CUDA_HOME": str(tmp_path / "no-cuda"),
+            "PATH": "/usr/bin:/bin", **extra}
+
+
+def test_statuses_find_nccl_in_pythons_site_packages(tmp_path):
+    bundle = stub_bundle(tmp_path)
+    site = tmp_path / "site"
+    lib = site / "nvidia" / "nccl" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnccl.so.2").write_bytes(b"")
+    found = subprocess.run(["bash", str(bundle / "gpu_check.sh"), "smoke"],
+                           env=stub_env(tmp_path, PYTHONPATH=str(site)), capture_output=True,
+                           text=True, timeout=120)
+    assert f"NCCL: {lib}/libnccl.so.2;" in found.stdout
+    absent = subprocess.run(["bash", str(bundle / "gpu_check.sh"), "smoke"],
+                            env=stub_env(tmp_path), capture_output=True, text=True, timeout=120)
+    if "NCCL: not found" not in absent.stdout:
+        pytest.skip("this machine's python3 has an NCCL wheel: its absence is not checkable")
+    assert "NCCL: not found: no nvidia-nccl-cu13 wheel" in absent.stdout
+
+
+def test_statuses_never_pass_a_step_that_ran_nothing(tmp_path):
+    bundle = stub_bundle(tmp_path)
+    env = stub_env(tmp_path, KVQ_NCCL_LIB_DIR=str(tmp_path / "no-nccl"))
     run = subprocess.run(["bash", str(bundle / "gpu_check.sh"), "smoke", "full"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
