@@ -79,17 +79,21 @@ start() {
   local t
   t="$(limit_for "$limit")"
   if ((t == 0)); then record "$step" "SKIPPED (the stage's time budget is spent)" 0 ""; return 1; fi
-  local exe="$1"
-  [[ $exe == "$SANITIZER" || $exe == env ]] && exe="$(printf '%s\n' "$@" | grep -m1 "^$BIN/")"
-  local miss
-  miss="$(missing_libs "$exe")"
-  if [[ $miss == *libnccl* ]]; then
-    record "$step" "SKIPPED (needs libnccl.so.2: $NCCL_NOTE)" 0 ""
-    return 1
-  elif [[ -n $miss ]]; then
-    record "$step" "FAIL (bundle incomplete: $(basename "$exe") needs ${miss% })" 0 ""
-    return 1
-  fi
+  # Every bundle binary the command names (KVQ_SERVER_BIN=... included) must
+  # find its libraries.
+  local arg exe miss
+  for arg in "$@"; do
+    exe="${arg#*=}"
+    [[ $exe == "$BIN"/* ]] || continue
+    miss="$(missing_libs "$exe")"
+    if [[ $miss == *libnccl* ]]; then
+      record "$step" "SKIPPED ($(basename "$exe") needs libnccl.so.2: $NCCL_NOTE)" 0 ""
+      return 1
+    elif [[ -n $miss ]]; then
+      record "$step" "FAIL (bundle incomplete: $(basename "$exe") needs ${miss% })" 0 ""
+      return 1
+    fi
+  done
   STARTS[$step]=$SECONDS
   timeout --kill-after=10 "$t" "$@" >"$LOGS/$step.log" 2>&1 &
   PIDS[$step]=$!
@@ -191,8 +195,13 @@ begin_stage() {
 # --- The device, the sanitizer, NCCL. ---
 DEVICE="$("$BIN/kvq-bench" device --probe 2>&1)"
 if [[ $? != 0 ]]; then
-  NO_DEVICE="$(echo "$DEVICE" | tail -1 | cut -c1-200)"
-  DEVICE="none"
+  if [[ -n "$(missing_libs "$BIN/kvq-bench")" ]]; then
+    # Not a missing device: the bundle is broken here; every step says how.
+    DEVICE="unknown: kvq-bench does not start (needs $(missing_libs "$BIN/kvq-bench"))"
+  else
+    NO_DEVICE="$(echo "$DEVICE" | tail -1 | cut -c1-200)"
+    DEVICE="none"
+  fi
 fi
 SANITIZER="$(command -v compute-sanitizer || true)"
 if [[ -z $SANITIZER && -x ${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer ]]; then
