@@ -19,6 +19,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,44 @@ def test_bundle_libraries_resolve_from_the_bundle(bundle):
                 path = Path(where.split(" (")[0]).resolve()
                 assert path.is_relative_to(bundle.resolve()), (
                     f"{f.name}: {name} resolves outside the bundle, to {path}")
+
+
+def test_bundle_server_starts_and_serves_metrics_with_an_empty_environment(bundle, tmp_path):
+    """The bundle's kvq-server, with nothing but the bundle's libraries, answers a scrape."""
+    port_file = tmp_path / "port"
+    server = subprocess.Popen(
+        [str(bundle / "bin" / "kvq-server"), "--backend=cpu", "--address=127.0.0.1:0",
+         "--metrics_address=127.0.0.1:0", "--capacity_bytes=67108864",
+         f"--port_file={port_file}"],
+        env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = None
+        for line in server.stdout:
+            m = re.search(r"metrics at (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                metrics = m.group(1)
+                break
+        assert metrics, "kvq-server printed no metrics address"
+        with urllib.request.urlopen(f"{metrics}/metrics", timeout=30) as r:
+            assert r.status == 200
+            assert "kvq_" in r.read().decode()
+        assert server.poll() is None, "kvq-server exited after the scrape"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_bundle_server_static_tls_leaves_the_metrics_workers_their_stack(bundle):
+    """glibc takes a thread's static TLS out of its stack, and Debian's civetweb
+    (the metrics endpoint) runs its workers on fixed stacks of about 100 KiB:
+    with 45 KiB of kvq's TLS plus NCCL's and the CUDA runtime's, the first
+    scrape overflowed one. kvq-server keeps its own under 16 KiB."""
+    headers = subprocess.run(["readelf", "-lW", str(bundle / "bin" / "kvq-server")],
+                             capture_output=True, text=True, check=True).stdout
+    tls = [line.split() for line in headers.splitlines() if line.split()[:1] == ["TLS"]]
+    assert len(tls) == 1, headers
+    memsz = int(tls[0][5], 16)
+    assert memsz <= 16 << 10, f"kvq-server's static TLS is {memsz} bytes"
 
 
 def test_bundle_check_without_a_device_skips_every_step(bundle, tmp_path):
