@@ -43,6 +43,27 @@ STAGE=""
 STAGE_END=0
 NO_DEVICE=""
 
+STARTED="$(date -u +%Y-%m-%dT%H:%MZ)"
+COMMIT="$(sed -n 's/^commit: //p' "$HERE/MANIFEST" 2>/dev/null)"
+
+# The results table so far.
+table() {
+  echo "## gpu_check ${STAGES[*]}: $STARTED, commit ${COMMIT:-unknown}"
+  echo
+  echo "device: $DEVICE; NCCL: $NCCL_NOTE; compute-sanitizer: ${SANITIZER:-not found}"
+  echo
+  echo "| stage | step | status | time | detail |"
+  echo "|---|---|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+}
+
+# $OUT/gpu_check.md and the logs as they are now: a run stopped from
+# outside still leaves what it had finished.
+save_results() {
+  table >"$OUT/gpu_check.md"
+  tar -C "$LOGS" -czf "$OUT/gpu_check_logs.tar.gz" . 2>/dev/null
+}
+
 # record STEP STATUS SECONDS DETAIL: one table row.
 record() {
   local detail="${4//|//}"
@@ -53,6 +74,7 @@ record() {
     *) any_fail=1 ;;
   esac
   echo "gpu_check: $STAGE/$1: $2 (${3}s) $detail" >&2
+  save_results
 }
 
 # The seconds a step may take: its own limit, cut to what is left of the
@@ -183,6 +205,7 @@ sanitizer_step() {
   summary="$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/$step.log" 2>/dev/null)"
   if [[ -n $summary ]]; then
     rows[-1]="${rows[-1]% |} ($test; $summary) |"
+    save_results
   fi
 }
 
@@ -290,18 +313,8 @@ full() {
 
 for s in "${STAGES[@]}"; do "$s"; done
 
-table="$(
-  echo "## gpu_check ${STAGES[*]}: $(date -u +%Y-%m-%dT%H:%MZ), $(sed -n 's/^commit: //p' "$HERE/MANIFEST" 2>/dev/null || echo 'commit unknown')"
-  echo
-  echo "device: $DEVICE; NCCL: $NCCL_NOTE; compute-sanitizer: ${SANITIZER:-not found}"
-  echo
-  echo "| stage | step | status | time | detail |"
-  echo "|---|---|---|---|---|"
-  printf '%s\n' "${rows[@]}"
-)"
-echo "$table"
-echo "$table" >"$OUT/gpu_check.md"
-tar -C "$LOGS" -czf "$OUT/gpu_check_logs.tar.gz" . 2>/dev/null
+echo "$(table)"
+save_results
 rm -rf "$LOGS"
 if ((any_fail)); then exit 1; fi
 if ((any_skip)); then exit 2; fi
