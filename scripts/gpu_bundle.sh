@@ -43,13 +43,13 @@ MAX_CXXABI=1.3.13
 
 die() { echo "gpu_bundle: $*" >&2; exit 1; }
 
-# The binaries gpu_check.sh runs: build-tree path, relative to $BUILD.
+# The binaries gpu_check.sh runs, by file name: found wherever the build
+# tree puts them.
 BINARIES=(
-  service/kvq-server client/kvq bench/kvq-bench
-  tests/gpu/device_page_pool_test tests/gpu/cuda_quantize_test tests/gpu/cuda_attention_test
-  tests/gpu/transport_gpu_test tests/integration/client_server_test
-  tests/unit/kv_stream_test tests/unit/attention_test tests/unit/attention_contract_test
-  tests/unit/raw_pages_test tests/unit/fork_test tests/unit/accounting_test
+  kvq-server kvq kvq-bench
+  device_page_pool_test cuda_quantize_test cuda_attention_test transport_gpu_test
+  client_server_test
+  kv_stream_test attention_test attention_contract_test raw_pages_test fork_test accounting_test
 )
 TARGETS=(kvq_server kvq_cli kvq_bench device_page_pool_test cuda_quantize_test
          cuda_attention_test transport_gpu_test client_server_test kv_stream_test attention_test
@@ -77,8 +77,14 @@ if [[ $DO_BUILD == 1 ]]; then
 fi
 grep -q '^KVQ_WITH_CUDA:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null ||
   die "$BUILD is not a CUDA build (KVQ_WITH_CUDA=ON in its CMakeCache.txt)"
-for b in "${BINARIES[@]}"; do
-  [[ -x "$BUILD/$b" ]] || die "missing $BUILD/$b: build the targets ${TARGETS[*]}"
+# Build-tree path of each binary, relative to $BUILD.
+declare -A built=()
+for name in "${BINARIES[@]}"; do
+  mapfile -t found < <(cd "$BUILD" && find . -path ./CMakeFiles -prune -o -path '*/CMakeFiles/*' \
+    -prune -o -type f -name "$name" -perm -u+x -print)
+  ((${#found[@]} == 1)) ||
+    die "found ${#found[@]} executables named $name in $BUILD (want 1): build the targets ${TARGETS[*]}"
+  built[$name]="${found[0]#./}"
 done
 
 STAGE_PARENT="$(mktemp -d)"
@@ -89,7 +95,8 @@ mkdir -p "$STAGE/bin" "$STAGE/lib"
 # Every library the binaries need, transitively (ldd resolves the closure),
 # that the bundle carries: soname -> resolved path.
 declare -A carried=()
-for b in "${BINARIES[@]}"; do
+for name in "${BINARIES[@]}"; do
+  b="${built[$name]}"
   while read -r line; do
     if [[ $line =~ ^([^[:space:]]+)[[:space:]]=\>[[:space:]]not[[:space:]]found ]]; then
       name="${BASH_REMATCH[1]}"
@@ -102,9 +109,9 @@ for b in "${BINARIES[@]}"; do
   done < <(ldd "$BUILD/$b")
 done
 
-for b in "${BINARIES[@]}"; do
-  dst="$STAGE/bin/$(basename "$b")"
-  cp "$BUILD/$b" "$dst"
+for name in "${BINARIES[@]}"; do
+  dst="$STAGE/bin/$name"
+  cp "$BUILD/${built[$name]}" "$dst"
   strip --strip-unneeded "$dst"
   patchelf --set-rpath '$ORIGIN/../lib' "$dst"
 done
