@@ -164,34 +164,25 @@ absl::StatusOr<double> CpuError(const Layer& layer, const StreamConfig& config) 
 #if KVQ_HAVE_CUDA
 
 // Stores sequence `seq` of the batch: the first by Append (the device
-// quantizes it), the others as copies of its raw pages (AppendPages, then
-// Append for an fp16 tail), which hold the same bytes and cost a copy
-// instead of a quantization. `raw` keeps the first sequence's pages per
-// head, read back once.
+// quantizes it), the others by CopyStream from the first (raw[h]: its
+// pages, read back once per head).
 absl::Status StoreSequence(const Layer& layer, const StreamConfig& config,
                            const KernelBackend* backend, PageAllocator* pages, int seq,
                            std::vector<std::string>& raw,
                            std::vector<std::unique_ptr<KvStream>>& streams) {
   raw.resize(kKvHeads);
   for (int h = 0; h < kKvHeads; ++h) {
+    const ConstTensorView k = Rows(layer.keys(h), layer.tokens);
+    const ConstTensorView v = Rows(layer.values(h), layer.tokens);
+    if (seq > 0) {
+      KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
+                           CopyStream(*streams[h], k, v, pages, &raw[h]));
+      streams.push_back(std::move(s));
+      continue;
+    }
     KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
                          KvStream::Create(config, backend, pages, nullptr));
-    const KvStream* first = seq == 0 ? nullptr : streams[h].get();
-    int done = 0;
-    if (first != nullptr && config.spec.sink == 0 && first->quantized_tokens() > 0 &&
-        s->AcceptsPages()) {
-      if (raw[h].empty()) {
-        KVQ_RETURN_IF_ERROR(first->AppendPagesTo(0, first->quantized_tokens(), &raw[h]));
-      }
-      KVQ_RETURN_IF_ERROR(s->AppendPages(reinterpret_cast<const uint8_t*>(raw[h].data()),
-                                         first->quantized_tokens()));
-      done = first->quantized_tokens();
-    }
-    if (done < layer.tokens) {
-      const size_t at = static_cast<size_t>(done) * kHeadDim;
-      KVQ_RETURN_IF_ERROR(s->Append(Rows(layer.keys(h) + at, layer.tokens - done),
-                                    Rows(layer.values(h) + at, layer.tokens - done)));
-    }
+    KVQ_RETURN_IF_ERROR(s->Append(k, v));
     streams.push_back(std::move(s));
   }
   return absl::OkStatus();
@@ -276,6 +267,36 @@ absl::StatusOr<DeviceBenchRow> RunScheme(const DeviceBenchOptions& options, cons
 #endif  // KVQ_HAVE_CUDA
 
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<KvStream>> CopyStream(const KvStream& source, ConstTensorView k,
+                                                     ConstTensorView v, PageAllocator* pages,
+                                                     std::string* raw) {
+  if (k.rows != source.num_tokens() || v.rows != source.num_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyStream: k and v hold ", k.rows, " and ",
+                                                   v.rows, " rows; the source holds ",
+                                                   source.num_tokens(), " tokens"));
+  }
+  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
+                       KvStream::Create(source.config(), source.backend(), pages, nullptr));
+  int copied = 0;
+  if (source.spec().sink == 0 && source.quantized_tokens() > 0 && s->AcceptsPages()) {
+    if (raw->empty()) {
+      KVQ_RETURN_IF_ERROR(source.AppendPagesTo(0, source.quantized_tokens(), raw));
+    }
+    KVQ_RETURN_IF_ERROR(
+        s->AppendPages(reinterpret_cast<const uint8_t*>(raw->data()), source.quantized_tokens()));
+    copied = source.quantized_tokens();
+  }
+  if (copied < k.rows) {
+    auto rest = [&](ConstTensorView t) {
+      t.data = t.row(copied);
+      t.rows -= copied;
+      return t;
+    };
+    KVQ_RETURN_IF_ERROR(s->Append(rest(k), rest(v)));
+  }
+  return s;
+}
 
 absl::StatusOr<std::string> ProbeDevice() {
 #if KVQ_HAVE_CUDA

@@ -19,11 +19,15 @@
 #ifndef KVQ_BENCH_DEVICE_BENCH_H_
 #define KVQ_BENCH_DEVICE_BENCH_H_
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "bench/kernels_bench.h"
+#include "kernels/kv_stream.h"
+#include "kernels/page_allocator.h"
+#include "kernels/tensor.h"
 
 namespace kvq {
 
@@ -63,6 +67,15 @@ struct DeviceBenchResult {
   std::vector<DeviceBenchRow> rows;
   double total_seconds = 0.0;
 };
+
+// A new stream (config, backend, pages) holding what `source` holds:
+// `source`'s quantized part copied as raw pages (read back once into
+// `*raw` when that is empty, reused after), the rest appended from rows
+// [copied, n) of `k` and `v`, the rows `source` was appended from. Costs a
+// copy instead of a quantization: the bench fills its batch this way.
+absl::StatusOr<std::unique_ptr<KvStream>> CopyStream(const KvStream& source, ConstTensorView k,
+                                                     ConstTensorView v, PageAllocator* pages,
+                                                     std::string* raw);
 
 // One line naming device 0 (name, memory, compute capability), or
 // FAILED_PRECONDITION when there is none or this build has no CUDA backend.

@@ -2,11 +2,16 @@
 // (one table row per check): no device needed.
 #include "bench/device_bench.h"
 
+#include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/kv_stream.h"
+#include "kernels/quant_spec.h"
 
 namespace kvq {
 namespace {
@@ -97,6 +102,68 @@ TEST(DeviceBenchTest, WithoutADeviceItSaysSo) {
   EXPECT_TRUE(result.status().message() == "no CUDA device (the driver reports none)" ||
               result.status().message() == "this kvq-bench is built without the CUDA backend")
       << result.status();
+}
+
+// The batch's copies hold exactly what the first sequence holds: every
+// token read back equal, with and without an fp16 tail or sink, and the
+// raw pages read once and reused.
+TEST(DeviceBenchTest, CopyStreamHoldsWhatTheSourceHolds) {
+  constexpr int kTokens = 1000, kDim = 128;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(kTokens * kDim), v(kTokens * kDim);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  const ConstTensorView kv_k{k.data(), DType::kFloat32, kTokens, kDim, 0};
+  const ConstTensorView kv_v{v.data(), DType::kFloat32, kTokens, kDim, 0};
+  const KernelBackend* cpu = *BackendByName("cpu");
+  for (const char* scheme : {"fp16", "int8", "kivi4", "kivi2", "kivi2:sink=4"}) {
+    SCOPED_TRACE(scheme);
+    StreamConfig config;
+    config.spec = *QuantSpec::Parse(scheme);
+    config.head_dim = kDim;
+    absl::StatusOr<std::unique_ptr<KvStream>> source =
+        KvStream::Create(config, cpu, HeapPageAllocator(), nullptr);
+    ASSERT_TRUE(source.ok()) << source.status();
+    ASSERT_TRUE((*source)->Append(kv_k, kv_v).ok());
+    std::string raw;
+    for (int copy = 0; copy < 2; ++copy) {
+      absl::StatusOr<std::unique_ptr<KvStream>> c =
+          CopyStream(**source, kv_k, kv_v, HeapPageAllocator(), &raw);
+      ASSERT_TRUE(c.ok()) << c.status();
+      ASSERT_EQ((*c)->num_tokens(), kTokens);
+      EXPECT_EQ((*c)->quantized_tokens(), (*source)->quantized_tokens());
+      std::vector<float> want_k(k.size()), want_v(v.size()), got_k(k.size()), got_v(v.size());
+      auto view = [](std::vector<float>& x) {
+        return TensorView{x.data(), DType::kFloat32, kTokens, kDim, 0};
+      };
+      ASSERT_TRUE((*source)->Read(0, kTokens, {}, view(want_k), view(want_v)).ok());
+      ASSERT_TRUE((*c)->Read(0, kTokens, {}, view(got_k), view(got_v)).ok());
+      EXPECT_EQ(got_k, want_k);
+      EXPECT_EQ(got_v, want_v);
+    }
+    // Pages were copied (not re-quantized) where the scheme allows it.
+    EXPECT_EQ(raw.empty(), config.spec.sink > 0);
+  }
+}
+
+TEST(DeviceBenchTest, CopyStreamRefusesRowsThatAreNotTheSources) {
+  StreamConfig config;
+  config.spec = *QuantSpec::Parse("fp16");
+  config.head_dim = 64;
+  std::unique_ptr<KvStream> source =
+      *KvStream::Create(config, *BackendByName("cpu"), HeapPageAllocator(), nullptr);
+  std::vector<float> rows(10 * 64, 1.0f);
+  const ConstTensorView t{rows.data(), DType::kFloat32, 10, 64, 0};
+  ASSERT_TRUE(source->Append(t, t).ok());
+  const ConstTensorView short_t{rows.data(), DType::kFloat32, 9, 64, 0};
+  std::string raw;
+  const absl::StatusOr<std::unique_ptr<KvStream>> c =
+      CopyStream(*source, short_t, t, HeapPageAllocator(), &raw);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.status().message(),
+            "CopyStream: k and v hold 9 and 10 rows; the source holds 10 tokens");
 }
 
 }  // namespace
