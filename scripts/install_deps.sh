@@ -17,6 +17,7 @@ packages=(
   curl  # Metrics TLS test: scrapes the HTTPS metrics port.
   libmicrohttpd-dev libgnutls28-dev  # HTTPS on the metrics port (--metrics_tls_*).
   clang libclang-rt-14-dev libomp-dev  # scripts/fuzz.sh: libFuzzer and clang's OpenMP.
+  patchelf xz-utils binutils  # scripts/gpu_bundle.sh: run paths, the archive, objdump/strip.
 )
 # The deploy checks (tests/deploy): a live Prometheus and promtool. The image
 # build (deploy/Dockerfile) sets KVQ_DEPLOY_TOOLS=0 to skip them.

@@ -185,9 +185,9 @@ def test_cpu_overlay_is_the_base_on_the_cpu_backend(rendered):
 def test_gpu_overlay_differs_from_cpu_only_in_backend_image_and_gpu_node(rendered):
     cpu, gpu = rendered["overlays/cpu"], rendered["overlays/gpu"]
     c = container(gpu)
-    # kvq-server refuses --backend=cuda until a CUDA backend ships; auto
-    # starts today and picks CUDA then.
-    assert c["args"] == ["--flagfile=/etc/kvq/kvq.flags", "--backend=auto"]
+    # The CUDA backend, its page pool sized from the GPU's free memory.
+    assert c["args"] == ["--flagfile=/etc/kvq/kvq.flags", "--backend=cuda",
+                         "--device_capacity_fraction=0.8"]
     assert c["image"] == "kvq:dev-cuda"
     assert c["resources"]["limits"] == {"cpu": "4", "memory": "10Gi", "nvidia.com/gpu": "1"}
     assert c["resources"]["requests"] == {"cpu": "4", "memory": "10Gi"}
@@ -197,6 +197,6 @@ def test_gpu_overlay_differs_from_cpu_only_in_backend_image_and_gpu_node(rendere
                                    "effect": "NoSchedule"}]
     prefix = "/StatefulSet/spec/template/spec"
     assert diff(by_kind(cpu), by_kind(gpu)) == [
-        f"{prefix}/containers/0/args/1", f"{prefix}/containers/0/image",
+        f"{prefix}/containers/0/args", f"{prefix}/containers/0/image",
         f"{prefix}/containers/0/resources/limits/nvidia.com/gpu", f"{prefix}/nodeSelector",
         f"{prefix}/tolerations"]
