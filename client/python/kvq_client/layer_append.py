@@ -26,7 +26,9 @@ class LayerAppend:
     """Not thread-safe: one producer adds layers, then calls finish()."""
 
     def __init__(self, client, sequence_id, max_chunk_bytes=1 << 20, wire=None,
-                 deadline=None):
+                 deadline=None, token_ids=None):
+        """`token_ids`: ids of the appended tokens (AppendRequest.token_ids),
+        sent first; kvq registers their completed blocks for prefix reuse."""
         self._client = client
         self._sequence_id = sequence_id
         self._max_chunk_bytes = max_chunk_bytes
@@ -38,6 +40,10 @@ class LayerAppend:
         self._future = client._stub.Append.future(iter(self._requests.get, _END),
                                                   timeout=timeout)
         self.wire_bytes = 0
+        if token_ids:
+            request = self._request()
+            request.token_ids.extend(int(t) for t in token_ids)
+            self._requests.put(request)
 
     def _request(self):
         request = pb.AppendRequest()

@@ -1,0 +1,290 @@
+"""The vLLM connector's halves (KvqScheduler, KvqWorker) against a real
+kvq-server, without vLLM: the recorded call sequence
+(tests/python/data/vllm_trace.json) replayed with real paged KV tensors, and
+the engine kept serving when kvq hangs, refuses connections or dies in the
+middle of a load.
+
+Needs torch and $KVQ_SERVER_BIN (ctest sets it)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kvq_client import KvqClient  # noqa: E402
+from kvq_client.circuit_breaker import BreakerState  # noqa: E402
+from live_server import needs_server, running_server, start_server  # noqa: E402
+from vllm_halves import engine, scheduler_output  # noqa: E402
+from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
+                              run_worker_event, token_kv)
+
+pytestmark = needs_server
+
+TRACE = os.path.join(os.path.dirname(__file__), "data", "vllm_trace.json")
+SERVER_FLAGS = ("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456",
+                "--backend=cpu", "--evict")
+
+
+@pytest.fixture(scope="module")
+def address():
+    with running_server(*SERVER_FLAGS) as a:
+        yield a
+
+
+def check_kv(got_k, got_v, want_k, want_v, scheme):
+    """fp16: the fp16 rounding, exactly. int8 (per-token-group scale): within
+    1/254 of the values' range per step, rounded. kivi4: half a 4-bit step
+    of the range (K spans 4.0, V 2.0), plus 1 % for the fp16 scale."""
+    if scheme == "fp16":
+        np.testing.assert_array_equal(got_k, want_k.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(got_v, want_v.astype(np.float16).astype(np.float32))
+        return
+    levels = 15 if scheme.startswith("kivi4") else 255
+    assert np.abs(got_k - want_k).max() <= 4.0 / levels / 2 * 1.01 + 2e-3
+    assert np.abs(got_v - want_v).max() <= 2.0 / levels / 2 * 1.01 + 2e-3
+    assert np.abs(got_k - want_k).max() > 0  # The scheme did quantize.
+
+
+def slots_of(block_ids, positions):
+    return [block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+
+def ranges(rs):
+    return [{"request_id": r.request_id, "begin": r.begin, "end": r.end,
+             "block_ids": list(r.block_ids)} for r in rs]
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "kivi4:g32:r128"])
+def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(address, scheme):
+    with open(TRACE) as f:
+        trace = json.load(f)
+    assert trace["model"]["layer_names"] == layer_names()
+    namespace = f"halves-{scheme}"
+    engines, tokens, prompts, last_load, loaded = {}, {}, {}, {}, {}
+    planned_saves = 0
+    meta, forward = None, None
+    for event in trace["events"]:
+        call, name = event["call"], event.get("engine")
+        if event["side"] == "engine":
+            if call == "add_request":
+                if name not in engines:
+                    # A 1 MiB load buffer: loads go a few layers at a time.
+                    # Lookups wait for their answer (the recording's did).
+                    engines[name] = engine(address, namespace, scheme, event["num_blocks"],
+                                           load_buffer_bytes=1 << 20, lookup_wait_seconds=10)
+                rid = event["request_id"]
+                prompts[rid] = list(event["prompt_token_ids"])
+                tokens[rid] = list(prompts[rid])
+            elif call == "forward":
+                forward = event
+            continue
+        scheduler, worker, cache = engines[name]
+        if event["side"] == "worker":
+            result = run_worker_event(worker, cache, meta, event, forward)
+            if "returned" in event:
+                assert sorted(result or []) == event["returned"], event
+            continue
+        rid = event.get("request_id")
+        if call == "get_num_new_matched_tokens":
+            # Saves commit in the background: what another engine saved is
+            # found once it committed, which the recording's synchronous
+            # saves had by then.
+            for _, w, _ in engines.values():
+                assert w.worker.drain(30)
+            while len(tokens[rid]) < event["num_tokens"]:
+                tokens[rid].append(1000 + len(tokens[rid]))
+            got = scheduler.lookup(rid, prompts[rid], len(tokens[rid]),
+                                   event["num_computed_tokens"])
+            assert [got, False] == event["returned"], rid
+        elif call == "update_state_after_alloc":
+            scheduler.after_alloc(rid, tokens[rid], event["num_external_tokens"])
+        elif call == "build_connector_meta":
+            meta = scheduler.build(scheduler_output(event["scheduler_output"]))
+            want = {k: [{f: v for f, v in r.items() if f != "sequence_id"} for r in rs]
+                    for k, rs in event["returned"].items()}
+            assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == want
+            planned_saves += sum(r.end - r.begin for r in meta.saves)
+            for r in meta.loads + meta.saves:
+                assert r.sequence_id == scheduler.planner.sequence_id(r.request_id)
+                assert r.namespace == namespace
+            last_load.update((r.request_id, r) for r in meta.loads)
+        elif call == "request_finished":
+            worker.worker.drain(30)
+            prompt = prompts[rid]
+            # kvq holds the whole prompt, every layer.
+            with KvqClient(address, namespace=namespace) as kvq:
+                K, V = kvq.fetch(scheduler.planner.sequence_id(rid), dtype="fp32")
+            assert K.shape == (len(layer_names()), KV_HEADS, len(prompt), HEAD_DIM)
+            for layer in (0, len(layer_names()) - 1):
+                want_k, want_v = token_kv(layer, range(len(prompt)), prompt)
+                check_kv(K[layer], V[layer], want_k, want_v, scheme)
+            # What this engine loaded sits in its paged cache, every layer.
+            r = last_load.get(rid)
+            if r is not None:
+                positions = range(r.begin, r.end)
+                for layer, lname in enumerate(layer_names()):
+                    got_k, got_v = cache.read(lname, slots_of(r.block_ids, positions))
+                    want_k, want_v = token_kv(layer, positions, prompt[r.begin:r.end])
+                    check_kv(got_k, got_v, want_k, want_v, scheme)
+                loaded[rid] = (r.begin, r.end)
+            scheduler.finished(rid)
+        else:
+            raise AssertionError(f"unknown scheduler call {call!r}")
+    assert loaded == {"req-b": (0, 256), "req-c2": (0, 150)}
+    counts = {}
+    for scheduler, worker, _ in engines.values():
+        worker.worker.drain(30)
+        for d in (scheduler.counters.take(), worker.worker.counters.take()):
+            for k, v in d.items():
+                if isinstance(v, int):
+                    counts[k] = counts.get(k, 0) + v
+        scheduler.shutdown()
+        worker.worker.shutdown()
+    # 256 + 150 tokens loaded; every planned save committed.
+    assert counts["tokens_loaded"] == 256 + 150
+    assert counts["tokens_saved"] == planned_saves
+    # Hits are counted at a request's first lookup: b's (c2's came back
+    # after its preemption).
+    assert counts["lookup_hits"] == 1 and counts["hit_tokens"] == 256
+    assert counts.get("load_failures", 0) == 0 and counts.get("save_failures", 0) == 0
+
+
+# ------------------------------------------------------------ failing safe
+
+
+def prefill(scheduler, worker, cache, rid, prompt, block_ids):
+    """One request through lookup, one prefill step and finish; returns the
+    external hit and the load errors the worker reported."""
+    hit = scheduler.lookup(rid, prompt, len(prompt), 0)
+    scheduler.after_alloc(rid, prompt, hit or 0)
+    meta = scheduler.build(scheduler_output({
+        "scheduled_new_reqs": [{"req_id": rid, "block_ids": [block_ids],
+                                "num_computed_tokens": hit or 0}],
+        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
+                                  "num_computed_tokens": []},
+        "num_scheduled_tokens": {rid: len(prompt) - (hit or 0)}}))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    slots = slots_of(block_ids, range(hit or 0, len(prompt)))
+    for layer, name in enumerate(layer_names()):
+        worker.wait_for_layer_load(name)
+        cache.forward_layer(layer, name, slots, list(range(hit or 0, len(prompt))),
+                            prompt[hit or 0:])
+        worker.save_kv_layer(name, cache.views[name], None)
+    worker.wait_for_save()
+    errors = worker.get_block_ids_with_load_errors()
+    worker.get_finished({rid})
+    worker.clear_connector_metadata()
+    scheduler.finished(rid)
+    return hit, errors
+
+
+PROMPT = list(range(10, 300))
+BLOCKS = list(range(1, 20))
+
+
+def test_refused_connections_cost_nothing_and_open_the_breaker(tmp_path):
+    with socket.socket() as s:  # Bound, then closed: nothing listens.
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    scheduler, worker, cache = engine(dead, "down", "int8", 64, breaker_failures=2,
+                                      breaker_backoff_seconds=60, lookup_wait_seconds=5)
+    for i in range(4):
+        hit, errors = prefill(scheduler, worker, cache, f"r{i}", PROMPT, BLOCKS)
+        assert hit == 0 and errors == set()  # Served, computing every token.
+    # Two refusals opened the breaker; the next two lookups never called.
+    assert scheduler.breaker.state == BreakerState.OPEN
+    counts = scheduler.counters.take()
+    assert counts["lookup_misses"] == 2 and counts["lookup_skipped"] == 2
+    assert counts["breaker_opened"] == 1 and counts["breaker_state"] == int(BreakerState.OPEN)
+    scheduler.shutdown()
+    worker.worker.shutdown()
+
+
+def test_a_hanging_kvq_never_blocks_the_scheduler_loop():
+    # A listener that never answers: connections open, gRPC never hears back.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        scheduler, worker, cache = engine(address, "hang", "int8", 64,
+                                          scheduler_deadline_seconds=0.5,
+                                          lookup_wait_seconds=0.0, breaker_failures=1,
+                                          breaker_backoff_seconds=60)
+        answers = []
+        while True:  # vLLM's scheduler loop asks again each step.
+            got = scheduler.lookup("r", PROMPT, len(PROMPT), 0)
+            answers.append(got)
+            if got is not None:
+                break
+            time.sleep(0.05)
+        # "Ask again" until the creation's 0.5 s deadline ran out, then no hit.
+        assert answers[0] is None and answers[-1] == 0 and len(answers) >= 3
+        assert scheduler.breaker.state == BreakerState.OPEN
+        # With the breaker open the next request is answered at once.
+        assert scheduler.lookup("r2", PROMPT, len(PROMPT), 0) == 0
+        assert scheduler.counters.take()["lookup_skipped"] == 1
+        scheduler.shutdown()
+        worker.worker.shutdown(timeout=1)
+
+
+def test_a_kvq_killed_mid_load_reports_the_blocks_and_the_engine_recomputes():
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = start_server(os.path.join(tmp, "port"), *SERVER_FLAGS)
+        try:
+            a = engine(address, "killed", "int8", 64, lookup_wait_seconds=10,
+                       breaker_failures=1, breaker_backoff_seconds=60,
+                       deadline_seconds=5, max_chunk_bytes=4096)
+            prefill(*a, "a", PROMPT, BLOCKS)
+            a[1].worker.drain(30)
+            b_sched, b_worker, b_cache = engine(address, "killed", "int8", 64,
+                                                lookup_wait_seconds=10, breaker_failures=1,
+                                                breaker_backoff_seconds=60, deadline_seconds=5,
+                                                max_chunk_bytes=4096, load_buffer_bytes=1)
+            hit = b_sched.lookup("b", PROMPT, len(PROMPT), 0)
+            # The whole kvq blocks of a's prompt (int8: 32-token blocks).
+            assert hit == 288
+            b_sched.after_alloc("b", PROMPT, hit)
+            meta = b_sched.build(scheduler_output({
+                "scheduled_new_reqs": [{"req_id": "b", "block_ids": [BLOCKS],
+                                        "num_computed_tokens": hit}],
+                "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [],
+                                          "new_block_ids": [], "num_computed_tokens": []},
+                "num_scheduled_tokens": {"b": len(PROMPT) - hit}}))
+            b_worker.bind_connector_metadata(meta)
+            # Killed once the load has started: one layer a fetch (a 1-byte
+            # buffer), so the first layers may arrive and the rest cannot.
+            b_worker.start_load_kv(None)
+            b_worker.wait_for_layer_load(layer_names()[0])
+            proc.kill()
+            proc.wait()
+            for name in layer_names()[1:]:
+                b_worker.wait_for_layer_load(name)
+            b_worker.wait_for_save()
+            errors = b_worker.get_block_ids_with_load_errors()
+            # vLLM recomputes every block of the loaded range.
+            assert errors == set(BLOCKS[:hit // BLOCK_SIZE])
+            counts = b_worker.worker.counters.take()
+            assert counts["load_failures"] == 1 and counts.get("tokens_loaded", 0) == 0
+            assert b_worker.worker.breaker.state == BreakerState.OPEN
+            # The next step's load is refused at once by the breaker.
+            b_worker.start_load_kv(None)
+            b_worker.wait_for_save()
+            assert b_worker.get_block_ids_with_load_errors() == set(BLOCKS[:hit // BLOCK_SIZE])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for s, w, _ in (a, (b_sched, b_worker, None)):
+            s.shutdown()
+            w.worker.shutdown(timeout=1)
