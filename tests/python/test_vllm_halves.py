@@ -8,11 +8,11 @@ Needs torch and $KVQ_SERVER_BIN (ctest sets it)."""
 
 import json
 import os
-import socket
+import shutil
 import subprocess
+import socket
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -288,3 +288,50 @@ def test_a_kvq_killed_mid_load_reports_the_blocks_and_the_engine_recomputes():
         for s, w, _ in (a, (b_sched, b_worker, None)):
             s.shutdown()
             w.worker.shutdown(timeout=1)
+
+
+# ------------------------------------------------- production wiring
+
+
+MAKE_CERTS = os.path.join(os.path.dirname(__file__), "..", "integration", "make_test_certs.sh")
+TOKEN = "vllm-connector-test-token-0123456789"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl tool")
+def test_two_replicas_with_mutual_tls_and_a_token_file_share_a_prefix(tmp_path):
+    """The shipped deployment's shape: two replicas (kvq_targets), mutual TLS
+    and a tenant token read from a file. Engine a saves a prompt; engine b,
+    with its own scheduler and worker clients, finds and loads it: every
+    channel sent each sequence to the same replica (no NOT_FOUND)."""
+    subprocess.run([MAKE_CERTS, str(tmp_path)], check=True, capture_output=True)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"tenant=vllm token={TOKEN}\n")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    flags = ("--metrics_address=", "--capacity_bytes=268435456", "--backend=cpu", "--evict",
+             f"--tls_cert={tmp_path}/server.pem", f"--tls_key={tmp_path}/server.key",
+             f"--tls_client_ca={tmp_path}/ca.pem", f"--tokens_file={tokens}")
+    with running_server(*flags) as r1, running_server(*flags) as r2:
+        wiring = dict(tls_ca=f"{tmp_path}/ca.pem", tls_cert=f"{tmp_path}/client.pem",
+                      tls_key=f"{tmp_path}/client.key", tls_server_name="localhost",
+                      token_file=str(token_file), lookup_wait_seconds=10)
+        engines = [engine("", "tls", "int8", 64, targets=f"{r1},{r2}", **wiring)
+                   for _ in range(2)]
+        for e in engines:
+            assert e[0]._settings.address == ""  # The replica list, not one address.
+        assert prefill(*engines[0], "a", PROMPT, BLOCKS) == (0, set())
+        engines[0][1].worker.drain(30)
+        hit, errors = prefill(*engines[1], "b", PROMPT + [7, 8, 9], BLOCKS)
+        assert hit == 288 and errors == set()
+        counts = engines[1][1].worker.counters.take()
+        assert counts["tokens_loaded"] == 288 and counts.get("rpc_failures", 0) == 0
+        # A wrong token is refused (UNAUTHENTICATED): no hit, the request runs.
+        bad = tmp_path / "bad-token"
+        bad.write_text("not-the-token-0123456789\n")
+        wrong = engine("", "tls", "int8", 64, targets=f"{r1},{r2}",
+                       **{**wiring, "token_file": str(bad)})
+        assert wrong[0].lookup("c", PROMPT, len(PROMPT), 0) == 0
+        for s, w, _ in engines + [wrong]:
+            w.worker.drain(30)
+            s.shutdown()
+            w.worker.shutdown()
