@@ -12,6 +12,7 @@ import threading
 from typing import Any, Dict, Optional
 
 from .circuit_breaker import CircuitBreaker
+from .client import RetryPolicy
 from .sharding import ReplicaSet, ShardedClient
 
 # Near-lossless on a prefix hit (docs/VLLM.md, "What a hit costs"); kivi4 and
@@ -194,7 +195,10 @@ class Clients:
         self.replica_set = (ReplicaSet(dns=s.dns, refresh=s.dns_refresh_seconds) if s.dns else
                             ReplicaSet(targets=[t for t in (s.targets or s.address).split(",")
                                                 if t.strip()]))
-        self._kwargs = dict(deadline=s.deadline_seconds, tls=s.tls, tls_ca=s.tls_ca or None,
+        # No retries: a failed call costs one deadline and vLLM recomputes;
+        # the circuit breaker decides when to try kvq again.
+        self._kwargs = dict(deadline=s.deadline_seconds, retry=RetryPolicy(max_attempts=1),
+                            tls=s.tls, tls_ca=s.tls_ca or None,
                             tls_cert=s.tls_cert or None, tls_key=s.tls_key or None,
                             tls_server_name=s.tls_server_name or None, token=s.read_token(),
                             max_message_bytes=max(64 << 20, 2 * s.max_chunk_bytes))
