@@ -168,20 +168,45 @@ def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOC
     return scheduler, worker, cache
 
 
-def scheduler_output(j):
-    new = [NewRequestData(req_id=n["req_id"], prompt_token_ids=n["prompt_token_ids"],
-                          mm_features=[], sampling_params=None, pooling_params=None,
-                          block_ids=tuple(n["block_ids"]),
-                          num_computed_tokens=n["num_computed_tokens"], lora_request=None)
-           for n in j["scheduled_new_reqs"]]
+def _fields(cls):
+    import dataclasses
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def scheduler_output(j, prompts):
+    """vLLM's SchedulerOutput of a recorded step. Since 0.34 a resumed
+    request comes back among the new requests with its whole block list
+    (CachedRequestData has no resumed_req_ids): a recorded resumed request
+    is moved there."""
     c = j["scheduled_cached_reqs"]
-    cached = CachedRequestData(
-        req_ids=c["req_ids"], resumed_req_ids=set(c["resumed_req_ids"]),
-        new_token_ids=[[] for _ in c["req_ids"]], all_token_ids={},
-        new_block_ids=[None if b is None else tuple(b) for b in c["new_block_ids"]],
-        num_computed_tokens=c["num_computed_tokens"], num_output_tokens=[0] * len(c["req_ids"]))
+    resumed_as_new = "resumed_req_ids" not in _fields(CachedRequestData)
+    new_items = [(n["req_id"], n["block_ids"], n["num_computed_tokens"])
+                 for n in j["scheduled_new_reqs"]]
+    cached_idx = list(range(len(c["req_ids"])))
+    if resumed_as_new:
+        new_items += [(c["req_ids"][i], c["new_block_ids"][i], c["num_computed_tokens"][i])
+                      for i in cached_idx if c["req_ids"][i] in c["resumed_req_ids"]]
+        cached_idx = [i for i in cached_idx if c["req_ids"][i] not in c["resumed_req_ids"]]
+    extra = {"prefill_token_ids": None} if "prefill_token_ids" in _fields(NewRequestData) else {}
+    new = []
+    for rid, blocks, computed in new_items:
+        if extra:
+            extra["prefill_token_ids"] = prompts[rid]
+        new.append(NewRequestData(req_id=rid, prompt_token_ids=prompts[rid], mm_features=[],
+                                  sampling_params=None, pooling_params=None,
+                                  block_ids=tuple(blocks), num_computed_tokens=computed,
+                                  lora_request=None, **extra))
+    ids = [c["req_ids"][i] for i in cached_idx]
+    cached_args = dict(
+        req_ids=ids, new_token_ids=[[] for _ in ids],
+        new_block_ids=[None if c["new_block_ids"][i] is None else tuple(c["new_block_ids"][i])
+                       for i in cached_idx],
+        num_computed_tokens=[c["num_computed_tokens"][i] for i in cached_idx],
+        num_output_tokens=[0] * len(ids))
+    if not resumed_as_new:
+        cached_args.update(resumed_req_ids=set(c["resumed_req_ids"]), all_token_ids={})
     return SchedulerOutput(
-        scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+        scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(**cached_args),
         num_scheduled_tokens=j["num_scheduled_tokens"],
         total_num_scheduled_tokens=sum(j["num_scheduled_tokens"].values()),
         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
@@ -264,10 +289,15 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
             scheduler.update_state_after_alloc(request, kv_blocks,
                                                event["num_external_tokens"])
         elif call == "build_connector_meta":
-            meta = scheduler.build_connector_meta(scheduler_output(event["scheduler_output"]))
-            want = {k: [{f: v for f, v in r.items() if f != "sequence_id"} for r in rs]
+            meta = scheduler.build_connector_meta(
+                scheduler_output(event["scheduler_output"], prompts))
+            # Sequence ids are drawn (the recording's were named); the order
+            # of requests within a step follows vLLM's lists.
+            order = lambda rs: sorted(rs, key=lambda r: r["request_id"])  # noqa: E731
+            want = {k: order([{f: v for f, v in r.items() if f != "sequence_id"} for r in rs])
                     for k, rs in event["returned"].items()}
-            assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == want
+            assert {"loads": order(ranges(meta.loads)),
+                    "saves": order(ranges(meta.saves))} == want
             # vLLM pickles the scheduler output to its worker processes.
             meta = pickle.loads(pickle.dumps(meta))
             # A request's last load (earlier ones' blocks may have been
@@ -326,7 +356,7 @@ def test_a_cache_salt_gets_a_namespace_of_its_own(address, model_dir):
     assert scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
     namespaces = scheduler._scheduler._namespaces
     assert namespaces["plain"] == "salt"
-    assert namespaces["salted"].startswith("salt/salt=") and "tenant-1" not in namespaces["salted"]
+    assert namespaces["salted"].startswith("salt:salt-") and "tenant-1" not in namespaces["salted"]
     for r in (salted, plain):
         scheduler.request_finished(r, [])
     scheduler.shutdown()
@@ -345,7 +375,7 @@ def test_unreachable_kvq_means_no_hit_and_no_saves(model_dir):
         "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
                                   "num_computed_tokens": []},
         "num_scheduled_tokens": {"r": 290}, "finished_req_ids": [],
-        "has_sync_kv_loads": False}))
+        "has_sync_kv_loads": False}, {"r": request.prompt_token_ids}))
     assert meta.loads == [] and meta.saves == []
     assert scheduler.request_finished(request, list(range(19))) == (False, None)
     scheduler.shutdown()

@@ -1,6 +1,7 @@
 """The vLLM connector's settings, clients and circuit breaker, without vLLM
 or a server (kvq_client/vllm_settings.py, circuit_breaker.py)."""
 
+import re
 import types
 
 import grpc
@@ -32,7 +33,9 @@ def test_settings_reject_unknown_keys_conflicts_and_pre_rope():
     s = KvqSettings.from_extra_config({"other": 1, "kvq_tls": "true",
                                        "kvq_scheduler_deadline_seconds": "0.25"}, "org/model")
     assert (s.address, s.namespace, s.scheme, s.tls, s.scheduler_deadline_seconds) == \
-        ("localhost:50051", "vllm/org/model", "int8", True, 0.25)
+        ("localhost:50051", "vllm:org_model", "int8", True, 0.25)
+    with pytest.raises(ValueError, match="kvq_namespace must have 1 to 96 characters, letters"):
+        KvqSettings.from_extra_config({"kvq_namespace": "team/a"}, "m")
 
 
 def test_token_file_is_read_and_an_empty_or_missing_one_is_refused(tmp_path):
@@ -59,16 +62,20 @@ def test_failure_policy_is_set_to_recompute_or_refused():
     assert config.kv_load_failure_policy == "recompute"
 
 
-def test_salt_lora_and_rank_make_separate_namespaces():
-    base = "vllm/m"
+def test_salt_lora_and_rank_make_separate_namespaces_kvq_accepts():
+    base = "vllm:m"
     assert request_namespace(base, None, None) == base
     salted = request_namespace(base, "tenant-1", None)
     assert salted != base and "tenant-1" not in salted  # Hashed, never sent.
     assert salted == request_namespace(base, "tenant-1", None)
     assert salted != request_namespace(base, "tenant-2", None)
-    assert request_namespace(base, None, "sql-adapter") == "vllm/m/lora=sql-adapter"
+    assert request_namespace(base, None, "sql/adapter v2") == "vllm:m:lora-sql_adapter_v2"
     assert rank_namespace(base, 0, 1) == base
-    assert {rank_namespace(base, r, 2) for r in range(2)} == {"vllm/m/tp2-0", "vllm/m/tp2-1"}
+    assert {rank_namespace(base, r, 2) for r in range(2)} == {"vllm:m:tp2-0", "vllm:m:tp2-1"}
+    # kvq takes at most 128 characters: a long name keeps a hash of itself.
+    long = request_namespace("vllm:" + "m" * 90, "salt", "lora-" + "x" * 60)
+    assert len(long) == 128 and re.fullmatch(r"[A-Za-z0-9_.:-]+", long)
+    assert long != request_namespace("vllm:" + "m" * 90, "salt", "lora-" + "x" * 61)
 
 
 def test_every_client_of_a_replica_set_places_a_sequence_alike():

@@ -56,7 +56,7 @@ class KvqScheduler:
     def namespace_of(self, cache_salt: Optional[str], lora_name: Optional[str]) -> str:
         base = self._settings.namespace
         if self._epoch:
-            base += f"/epoch={self._epoch}"
+            base += f":epoch-{self._epoch}"
         return request_namespace(base, cache_salt, lora_name)
 
     def lookup(self, request_id: str, prompt_token_ids: Sequence[int], num_tokens: int,
@@ -155,10 +155,12 @@ class KvqScheduler:
             self.planner.scheduled(plan, new.req_id, new.block_ids[0], True,
                                    new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM < 0.34 lists a resumed request here (its blocks all new);
+        # 0.34 sends it again among the new requests.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, rid in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
-            self.planner.scheduled(plan, rid, blocks[0] if blocks else None,
-                                   rid in cached.resumed_req_ids,
+            self.planner.scheduled(plan, rid, blocks[0] if blocks else None, rid in resumed,
                                    cached.num_computed_tokens[i], scheduled.get(rid, 0))
         for r in plan.loads + plan.saves:
             r.namespace = self._namespaces.get(r.request_id, self._settings.namespace)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import threading
 from typing import Any, Dict, Optional
 
@@ -41,7 +42,7 @@ class KvqSettings:
     # Secret), not both.
     token: str = ""
     token_file: str = ""
-    namespace: str = ""                # "" -> "vllm/<model>"
+    namespace: str = ""                # "" -> "vllm:<model>"
     scheme: str = DEFAULT_SCHEME
     ttl_seconds: int = 0               # 0: the server's default lease
     deadline_seconds: float = 30.0     # each worker-side call (fetch, append)
@@ -81,7 +82,7 @@ class KvqSettings:
             values[name] = _typed(k, extra[k], type(default))
         s = cls(**values)
         if not s.namespace:
-            s.namespace = f"vllm/{model}"
+            s.namespace = fit_namespace("vllm:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model))
         s.check()
         return s
 
@@ -92,6 +93,11 @@ class KvqSettings:
                              f"and kvq_dns, got {', '.join('kvq_' + p for p in places)}")
         if not places:
             self.address = "localhost:50051"
+        if self.namespace and (len(self.namespace) > 96 or
+                               not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.namespace)):
+            raise ValueError(f"kvq_namespace must have 1 to 96 characters, letters, digits "
+                             f"and - _ . : (kvq's rule, less room for the connector's "
+                             f"suffixes), got {len(self.namespace)} characters")
         if "pre_rope" in self.scheme.split(":"):
             raise ValueError(f"kvq_scheme {self.scheme!r}: vLLM's cache holds keys after "
                              "RoPE, so pre_rope schemes cannot be used")
@@ -165,6 +171,18 @@ def apply_failure_policy(kv_transfer_config: Any, settings: KvqSettings) -> None
         "kvq_failure_policy=require to let the connector set it")
 
 
+_NAMESPACE_MAX = 128  # kvq's limit (letters, digits and - _ . :).
+
+
+def fit_namespace(name: str) -> str:
+    """`name` as kvq accepts it: other characters become "_", and a name
+    over 128 characters keeps its first 95 and a hash of the whole."""
+    name = re.sub(r"[^A-Za-z0-9_.:-]", "_", name)
+    if len(name) <= _NAMESPACE_MAX:
+        return name
+    return name[:95] + ":" + hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
 def request_namespace(base: str, cache_salt: Optional[str], lora_name: Optional[str]) -> str:
     """The kvq namespace of a request: its prefixes are shared only with
     requests of the same cache salt (vLLM's per-tenant prefix isolation) and
@@ -172,16 +190,16 @@ def request_namespace(base: str, cache_salt: Optional[str], lora_name: Optional[
     hashed, never sent."""
     out = base
     if lora_name:
-        out += f"/lora={lora_name}"
+        out += f":lora-{lora_name}"
     if cache_salt:
-        out += "/salt=" + hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
-    return out
+        out += ":salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
+    return fit_namespace(out)
 
 
 def rank_namespace(namespace: str, rank: int, world_size: int) -> str:
     """Tensor-parallel ranks hold different KV heads in the same layout: each
     rank's sequences live in a namespace of their own so prefixes never mix."""
-    return namespace if world_size == 1 else f"{namespace}/tp{world_size}-{rank}"
+    return namespace if world_size == 1 else fit_namespace(f"{namespace}:tp{world_size}-{rank}")
 
 
 class Clients:
