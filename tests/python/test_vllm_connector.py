@@ -410,3 +410,44 @@ def test_a_silent_kvq_never_blocks_the_lookup(model_dir, caplog):
         assert not scheduler._planner.known("r")
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_planned_saves_publish_kv_events_with_vllms_block_hashes(address, model_dir):
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
+                                             maybe_convert_block_hash)
+    init_none_hash(sha256)
+    scheduler, worker, _ = engine(model_dir, address, "events", "fp16", "e")
+    prompt = list(range(10, 60))  # 50 tokens: 3 whole blocks of 16.
+    request = Request(request_id="r", prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    assert len(request.block_hashes) == 3
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
+
+    def step(computed, scheduled, new):
+        j = {"scheduled_new_reqs": [{"req_id": "r", "block_ids": [[1, 2, 3, 4]],
+                                     "num_computed_tokens": computed}] if new else [],
+             "scheduled_cached_reqs": {"req_ids": [] if new else ["r"], "resumed_req_ids": [],
+                                       "new_block_ids": [] if new else [None],
+                                       "num_computed_tokens": [] if new else [computed]},
+             "num_scheduled_tokens": {"r": scheduled}, "finished_req_ids": [],
+             "has_sync_kv_loads": False}
+        scheduler.build_connector_meta(scheduler_output(j, {"r": prompt}))
+        return scheduler.take_events()
+
+    # A 20-token chunk completes block 0; the rest completes blocks 1 and 2.
+    [first] = step(0, 20, True)
+    [second] = step(20, 30, False)
+    assert isinstance(first, BlockStored) and first.medium == "kvq"
+    hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == \
+        ([hashes[0]], None, prompt[:16])
+    assert (second.block_hashes, second.parent_block_hash, second.token_ids) == \
+        (hashes[1:3], hashes[0], prompt[16:48])
+    assert scheduler.take_events() == []
+    scheduler.request_finished(request, [1, 2, 3, 4])
+    scheduler.shutdown()
+    worker.shutdown()

@@ -32,6 +32,12 @@ from .vllm_settings import DEFAULT_SCHEME, KvqSettings, apply_failure_policy  # 
 from .vllm_stats import COUNTS, SAMPLES, ConnectorCounters, is_empty, merge, reduce
 from .vllm_worker import KvqWorker, layer_order  # noqa: F401
 
+try:  # KV events for KV-aware routers.
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+except ImportError:  # pragma: no cover
+    BlockStored = maybe_convert_block_hash = None
+
 try:  # vLLM's stats and Prometheus hooks (absent from older releases).
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                        KVConnectorStats)
@@ -103,6 +109,9 @@ class KvqConnector(KVConnectorBase_V1):
         world = vllm_config.parallel_config.tensor_parallel_size
         self._counters = ConnectorCounters()
         self._scheduler: Optional[KvqScheduler] = None
+        self._requests: Dict[str, "Request"] = {}  # Scheduled, for KV events.
+        self._events: List[Any] = []
+        self._events_sent: Dict[str, int] = {}     # Request -> blocks announced.
         self._worker: Optional[KvqWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KvqScheduler(self._settings, self._layout,
@@ -136,15 +145,46 @@ class KvqConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
+        self._requests[request.request_id] = request
         self._scheduler.after_alloc(request.request_id, request.all_token_ids,
                                     num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         plan = self._scheduler.build(scheduler_output)
+        for r in plan.saves:
+            self._stored_events(r)
         return KvqConnectorMetadata(loads=plan.loads, saves=plan.saves)
+
+    def _stored_events(self, r: TokenRange) -> None:
+        """BlockStored (medium "kvq") for the vLLM blocks a save completes,
+        with vLLM's own block hashes, for KV-aware routers. Sent when the
+        save is planned: a save that fails later is not taken back."""
+        request = self._requests.get(r.request_id)
+        hashes = getattr(request, "block_hashes", None) if request is not None else None
+        if not hashes or BlockStored is None:
+            return
+        bs = self._block_size
+        first = self._events_sent.get(r.request_id, 0)
+        last = min(r.end // bs, len(hashes))
+        if last <= first:
+            return
+        lora = getattr(request, "lora_request", None)
+        self._events.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(request.all_token_ids[first * bs:last * bs]), block_size=bs,
+            lora_id=getattr(lora, "adapter_id", None) if lora else None, medium="kvq",
+            lora_name=getattr(lora, "name", None) if lora else None))
+        self._events_sent[r.request_id] = last
+
+    def take_events(self):
+        events, self._events = self._events, []
+        return events
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._events_sent.pop(request.request_id, None)
         self._scheduler.finished(request.request_id)
         # Saves were copied to the host in their step: vLLM may free the blocks.
         return False, None
