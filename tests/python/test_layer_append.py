@@ -78,3 +78,34 @@ def test_rejects_mismatched_shapes(kvq):
         stream.finish()  # Names the sequence even with no layer added.
     assert e.value.code == grpc.StatusCode.NOT_FOUND
     assert e.value.details == 'sequence "never-created" in namespace "layer-append" does not exist'
+
+
+@pytest.mark.parametrize("scheme", ["int8", "kivi4:g32:r128:sink=4", "kivi2:g32:r128"])
+def test_pages_quantized_here_store_what_the_server_would(kvq, scheme):
+    """Layer by layer with client-side quantization, in two appends (the
+    second starting off a block boundary): what is stored reads back exactly
+    as the same tokens sent dense and quantized by the server, and fewer
+    bytes travel."""
+    quant = LayerAppend.quantizer(scheme, DIM)
+    if quant is None:
+        pytest.skip("kvq's native module is not installed")
+    k, v = kv(300, 3)
+    layout = ModelLayout(LAYERS, HEADS, HEADS, DIM)
+    wire = {}
+    tag = scheme.replace(":", "-").replace("=", "")
+    for sid, q in ((f"q-{tag}", quant), (f"d-{tag}", None)):
+        kvq.create_sequence(layout, scheme=scheme, sequence_id=sid)
+        wire[sid] = 0
+        for begin, end in ((0, 100), (100, 300)):
+            stream = LayerAppend(kvq, sid, max_chunk_bytes=8192, quantize=q,
+                                 start_tokens=begin)
+            for layer in range(LAYERS):
+                stream.add_layer(layer, k[layer, :, begin:end], v[layer, :, begin:end])
+            assert stream.finish() == end
+            wire[sid] += stream.wire_bytes
+    Kq, Vq = kvq.fetch(f"q-{tag}", dtype="fp32")
+    Kd, Vd = kvq.fetch(f"d-{tag}", dtype="fp32")
+    np.testing.assert_array_equal(Kq, Kd)
+    np.testing.assert_array_equal(Vq, Vd)
+    assert np.abs(Kq - k.astype(np.float32)).max() > 0  # The scheme did quantize.
+    assert wire[f"q-{tag}"] < 0.75 * wire[f"d-{tag}"]

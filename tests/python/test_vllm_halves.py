@@ -23,6 +23,8 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.dirname(__file__))
 from kvq_client import KvqClient  # noqa: E402
 from kvq_client.circuit_breaker import BreakerState  # noqa: E402
+from kvq_client.layer_append import LayerAppend  # noqa: E402
+from kvq_client.quantized_append import split_for_pages  # noqa: E402
 from live_server import needs_server, running_server, start_server  # noqa: E402
 from vllm_halves import engine, scheduler_output  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
@@ -55,6 +57,18 @@ def check_kv(got_k, got_v, want_k, want_v, scheme):
     assert np.abs(got_k - want_k).max() > 0  # The scheme did quantize.
 
 
+def expected_wire_bytes(quant, start, tokens):
+    """Payload bytes of a save of `tokens` tokens onto `start` stored ones,
+    every layer: raw pages for what quantized_append.split_for_pages pages,
+    fp16 for the rest (all of it without the native module)."""
+    token_bytes = KV_HEADS * HEAD_DIM * 2 * 2
+    if quant is None:
+        return len(layer_names()) * tokens * token_bytes
+    split = split_for_pages(quant[1], start, tokens)
+    pages = -(-split.paged // split.page_tokens) * KV_HEADS * split.page_bytes
+    return len(layer_names()) * ((split.dense_head + split.dense_tail) * token_bytes + pages)
+
+
 def slots_of(block_ids, positions):
     return [block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
 
@@ -71,7 +85,8 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(address, s
     assert trace["model"]["layer_names"] == layer_names()
     namespace = f"halves-{scheme}"
     engines, tokens, prompts, last_load, loaded = {}, {}, {}, {}, {}
-    planned_saves = 0
+    planned_saves, wire_bytes = 0, 0
+    quant = LayerAppend.quantizer(scheme, HEAD_DIM)
     meta, forward = None, None
     for event in trace["events"]:
         call, name = event["call"], event.get("engine")
@@ -113,7 +128,9 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(address, s
             want = {k: [{f: v for f, v in r.items() if f != "sequence_id"} for r in rs]
                     for k, rs in event["returned"].items()}
             assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == want
-            planned_saves += sum(r.end - r.begin for r in meta.saves)
+            for r in meta.saves:
+                planned_saves += r.end - r.begin
+                wire_bytes += expected_wire_bytes(quant, r.begin, r.end - r.begin)
             for r in meta.loads + meta.saves:
                 assert r.sequence_id == scheduler.planner.sequence_id(r.request_id)
                 assert r.namespace == namespace
@@ -153,6 +170,12 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(address, s
     # 256 + 150 tokens loaded; every planned save committed.
     assert counts["tokens_loaded"] == 256 + 150
     assert counts["tokens_saved"] == planned_saves
+    # Saves travel quantized where kvq's native module is installed: raw
+    # pages made on the client, the rest dense fp16 (expected_wire_bytes).
+    assert counts["bytes_saved"] == wire_bytes
+    dense = planned_saves * len(layer_names()) * KV_HEADS * HEAD_DIM * 2 * 2
+    if quant is not None and scheme != "fp16":
+        assert wire_bytes < 0.61 * dense  # int8: 0.59, kivi4 (its fp16 window): 0.60.
     # Hits are counted at a request's first lookup: b's (c2's came back
     # after its preemption).
     assert counts["lookup_hits"] == 1 and counts["hit_tokens"] == 256

@@ -61,6 +61,9 @@ class KvqSettings:
     max_chunk_bytes: int = 1 << 20     # per Append / FetchDequant message
     load_buffer_bytes: int = 64 << 20  # host buffer of a load
     release_on_finish: bool = True
+    # Saves travel as raw pages quantized here by kvq's native kernels where
+    # the scheme has them (not fp8_e4m3); false sends them dense.
+    quantize_on_client: bool = True
     # Generated tokens are saved too (multi-turn reuse), a chunk of at least
     # this many at a time; 0 saves prompt tokens only.
     save_decode_tokens: int = 128

@@ -365,18 +365,18 @@ class KvqWorker:
                     client, _ = self._client(r)
                     owner = client.client_for(sid)
                     stream = LayerAppend(owner, sid, self._settings.max_chunk_bytes,
-                                         wire=WIRE[hk.dtype], token_ids=r.token_ids,
-                                         deadline=self._settings.deadline_seconds)
+                                         token_ids=r.token_ids,
+                                         deadline=self._settings.deadline_seconds,
+                                         quantize=self._quantizer(), start_tokens=r.begin)
                     streams[sid] = entry = (stream, set(), time.monotonic())
             stream = entry[0]
             if stream is None:
                 return
             if event is not None:
                 event.synchronize()
-            k, v = hk, hv
-            if k.dtype == torch.bfloat16:  # numpy has no bfloat16; bf16 on the wire.
-                k, v = k.float(), v.float()
-            stream.add_layer(layer, k.numpy(), v.numpy())
+            # Raw pages quantized here where the scheme has them; dense
+            # tokens in the cache's dtype (bf16 as bf16 bits).
+            stream.add_layer(layer, hk, hv)
             entry[1].add(layer)
         elif kind == "commit":
             _, _, saves = item
@@ -423,6 +423,19 @@ class KvqWorker:
                 except KvqError as e:  # Its lease expires it anyway.
                     self._note(e)
                     logger.warning("kvq: release of %s failed: %s", sid, e)
+
+    def _quantizer(self):
+        """LayerAppend.quantizer for the sequences' scheme, once; None sends
+        dense (the server quantizes)."""
+        if not hasattr(self, "_quantize"):
+            self._quantize = None
+            if self._settings.quantize_on_client:
+                try:
+                    self._quantize = LayerAppend.quantizer(self._settings.scheme,
+                                                           self._layout.head_dim)
+                except ValueError as e:
+                    logger.warning("kvq: scheme %s is sent dense: %s", self._settings.scheme, e)
+        return self._quantize
 
     # ----------------------------------------------------------- finish
 
