@@ -261,6 +261,27 @@ def test_a_hanging_kvq_never_blocks_the_scheduler_loop():
         worker.worker.shutdown(timeout=1)
 
 
+def test_the_lookups_of_one_step_share_one_wait():
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        scheduler, worker, _ = engine(address, "budget", "int8", 64, lookup_wait_seconds=0.2,
+                                      scheduler_deadline_seconds=5)
+        # The first new request spends the step's 0.2 s; the others of the
+        # same step do not wait at all.
+        assert [scheduler.lookup(f"r{i}", PROMPT, len(PROMPT), 0) for i in range(5)] == \
+            [None] * 5
+        assert scheduler._wait_left <= 0
+        scheduler.build(scheduler_output({
+            "scheduled_new_reqs": [], "num_scheduled_tokens": {},
+            "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [],
+                                      "new_block_ids": [], "num_computed_tokens": []}}))
+        assert scheduler._wait_left == pytest.approx(0.2)  # A new step, a new budget.
+        scheduler.shutdown()
+        worker.worker.shutdown(timeout=1)
+
+
 def test_a_kvq_killed_mid_load_reports_the_blocks_and_the_engine_recomputes():
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = start_server(os.path.join(tmp, "port"), *SERVER_FLAGS)

@@ -5,8 +5,9 @@ A lookup never blocks vLLM's scheduler loop on kvq: the first lookup of a
 request starts, on a background thread, the creation of its kvq sequences
 (one per tensor-parallel rank, each with the prompt's token ids, so kvq
 starts it with the longest stored prefix of whole blocks) and waits at most
-kvq_lookup_wait_seconds for the answer; if it is not there yet the lookup
-answers None and vLLM asks again next step. Later lookups answer from what
+kvq_lookup_wait_seconds for the answer (a budget all lookups of one
+scheduler step share); if it is not there yet the lookup answers None and
+vLLM asks again next step. Later lookups answer from what
 the creation learned, with no call to kvq. A request is therefore created
 once however often vLLM asks; it is released when it finishes (by the
 workers, after their last commit, when they saw it; here otherwise).
@@ -50,6 +51,7 @@ class KvqScheduler:
         self._namespaces: Dict[str, str] = {}   # request -> its kvq namespace
         self._seen_by_workers: Set[str] = set()
         self._epoch = 0
+        self._wait_left = settings.lookup_wait_seconds  # This step's lookup wait budget.
 
     # ------------------------------------------------------------ lookup
 
@@ -80,11 +82,14 @@ class KvqScheduler:
             pending = self._pending[rid] = (future, time.monotonic())
             self._namespaces[rid] = namespace
         future, started = pending
-        if not future.done():
+        if not future.done() and self._wait_left > 0:
+            # All lookups of one scheduler step share one wait budget.
+            t0 = time.monotonic()
             try:
-                future.result(timeout=self._settings.lookup_wait_seconds)
+                future.result(timeout=self._wait_left)
             except Exception:  # noqa: BLE001  Read below, once done.
                 pass
+            self._wait_left -= time.monotonic() - t0
         if not future.done():
             return None  # vLLM asks again next step.
         del self._pending[rid]
@@ -149,6 +154,7 @@ class KvqScheduler:
         """The step's loads and saves from vLLM's SchedulerOutput (read by
         attribute: scheduled_new_reqs, scheduled_cached_reqs,
         num_scheduled_tokens)."""
+        self._wait_left = self._settings.lookup_wait_seconds  # A new step begins.
         plan = StepPlan()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:

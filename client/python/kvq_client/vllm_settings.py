@@ -208,7 +208,7 @@ def rank_namespace(namespace: str, rank: int, world_size: int) -> str:
 class Clients:
     """One ShardedClient per namespace over one ReplicaSet (shared DNS
     refresh), built from the settings. Thread-safe; at most `max_namespaces`
-    kept (the least recently used closed)."""
+    kept (the least recently used dropped)."""
 
     def __init__(self, settings: KvqSettings, max_namespaces: int = 64):
         self._settings = settings
@@ -235,8 +235,9 @@ class Clients:
                                   **self._kwargs)
             self._clients[namespace] = c  # Most recently used last.
             if len(self._clients) > self._max:
-                oldest = next(iter(self._clients))
-                self._clients.pop(oldest).close()
+                # Dropped, not closed: a call in flight may still use it;
+                # its channels close when the last reference goes.
+                self._clients.pop(next(iter(self._clients)))
             return c
 
     def close(self) -> None:
