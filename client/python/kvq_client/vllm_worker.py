@@ -222,7 +222,8 @@ class KvqWorker:
                     for i in range(n):
                         per_layer[begin + i].append((K[i], V[i]))
                 except (KvqError, ValueError) as e:
-                    self._note(e if isinstance(e, KvqError) else None)
+                    if isinstance(e, KvqError):  # A ValueError says nothing of kvq.
+                        self._note(e)
                     with load.cond:
                         load.failed.add(ri)
                     self._fail_range(r, e)
