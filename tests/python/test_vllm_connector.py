@@ -70,6 +70,15 @@ def test_asks_for_piecewise_cuda_graphs_so_layer_saves_run():
     assert KvqConnector.requires_piecewise_for_cudagraph({}) is True
 
 
+def test_is_a_best_effort_cache_for_vllms_preemption(model_dir):
+    # vLLM's default for a producer is True (its hand-off must be delivered).
+    config = vllm_config(model_dir, unreachable_address(), "delivery", "int8", "e")
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert config.kv_transfer_config.is_kv_producer
+    assert scheduler.requires_kv_delivery is False
+    scheduler.shutdown()
+
+
 def test_sets_vllms_load_failure_policy_to_recompute_or_refuses(model_dir):
     # vLLM's default "fail" would fail a user's request on a kvq miss.
     config = vllm_config(model_dir, unreachable_address(), "policy", "int8", "e")

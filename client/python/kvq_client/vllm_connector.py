@@ -124,6 +124,12 @@ class KvqConnector(KVConnectorBase_V1):
                                      counters=self._counters)
 
     @property
+    def requires_kv_delivery(self) -> bool:
+        # kvq is a best-effort cache: a save dropped by a preemption is a
+        # later miss, never a reason for vLLM to recompute the request.
+        return False
+
+    @property
     def _planner(self):
         return self._scheduler.planner
 
