@@ -23,8 +23,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.dirname(__file__))
 from kvq_client import KvqClient  # noqa: E402
 from kvq_client.circuit_breaker import BreakerState  # noqa: E402
-from kvq_client.layer_append import LayerAppend  # noqa: E402
-from kvq_client.quantized_append import split_for_pages  # noqa: E402
+from kvq_client import quantized_append  # noqa: E402
 from live_server import needs_server, running_server, start_server  # noqa: E402
 from vllm_halves import engine, scheduler_output  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
@@ -57,14 +56,24 @@ def check_kv(got_k, got_v, want_k, want_v, scheme):
     assert np.abs(got_k - want_k).max() > 0  # The scheme did quantize.
 
 
-def expected_wire_bytes(quant, start, tokens):
+def geometry_of(scheme):
+    """The page geometry the worker quantizes `scheme` with; None where it
+    sends dense (no native module, or no raw pages)."""
+    native = quantized_append.native()
+    if native is None:
+        return None
+    geometry = native.page_geometry(scheme, HEAD_DIM)
+    return geometry if quantized_append.why_not_quantized(geometry, None) is None else None
+
+
+def expected_wire_bytes(geometry, start, tokens):
     """Payload bytes of a save of `tokens` tokens onto `start` stored ones,
     every layer: raw pages for what quantized_append.split_for_pages pages,
     fp16 for the rest (all of it without the native module)."""
     token_bytes = KV_HEADS * HEAD_DIM * 2 * 2
-    if quant is None:
+    if geometry is None:
         return len(layer_names()) * tokens * token_bytes
-    split = split_for_pages(quant[1], start, tokens)
+    split = quantized_append.split_for_pages(geometry, start, tokens)
     pages = -(-split.paged // split.page_tokens) * KV_HEADS * split.page_bytes
     return len(layer_names()) * ((split.dense_head + split.dense_tail) * token_bytes + pages)
 
@@ -86,7 +95,7 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(address, s
     namespace = f"halves-{scheme}"
     engines, tokens, prompts, last_load, loaded = {}, {}, {}, {}, {}
     planned_saves, wire_bytes = 0, 0
-    quant = LayerAppend.quantizer(scheme, HEAD_DIM)
+    quant = geometry_of(scheme)
     meta, forward = None, None
     for event in trace["events"]:
         call, name = event["call"], event.get("engine")

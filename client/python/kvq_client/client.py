@@ -46,7 +46,6 @@ kernels, the `kvq` module of this package) wherever the scheme allows.
 
 import dataclasses
 import itertools
-import math
 import queue
 import random
 import threading
@@ -58,7 +57,7 @@ import numpy as np
 
 from . import _proto, quantized_append
 from .auth import with_token
-from .tensors import assemble_fetch, from_tensor, plan_chunks, to_tensor
+from .tensors import assemble_fetch, from_tensor, to_tensor
 from .tensors import prompt_arrays as _prompt_arrays
 from .tensors import wire_dtype as _wire_dtype
 
@@ -471,28 +470,16 @@ class KvqClient:
         layers, heads, tokens, dim = host_k.shape
         in_wire = "bf16" if host_k.dtype == np.uint16 else host_k.dtype
         dense = _wire_dtype(wire_dtype or in_wire)
-        chunks, scheme, geometry = [], None, None
+        scheme, geometry = None, None
         quantized = self._quantized_layout(sequence_id, dim, quantize, wire_dtype, deadline)
         if quantized is not None:
             scheme, geometry, start = quantized
             dense = _wire_dtype(quantized_append.dense_wire(geometry, in_wire))
             split = quantized_append.split_for_pages(geometry, start, tokens)
         else:
-            split = quantized_append.PageSplit(tokens, 0, 0, 0, 0, 1)
-        token_bytes = 2 * heads * dim * {pb.DTYPE_FP32: 4, pb.DTYPE_FP16: 2, pb.DTYPE_BF16: 2}[dense]
-        for l0, n, t0, t in plan_chunks(layers, split.dense_head, token_bytes, max_chunk_bytes):
-            chunks.append(("dense", l0, n, t0, t, n * t * token_bytes))
-        if split.paged:
-            unit = math.lcm(split.block_tokens, split.page_tokens)
-            unit_bytes = heads * (unit // split.page_tokens) * split.page_bytes
-            for l0, n, t0, t in plan_chunks(layers, split.paged, unit_bytes, max_chunk_bytes,
-                                            token_unit=unit):
-                pages = -(-t // split.page_tokens)
-                chunks.append(("pages", l0, n, split.dense_head + t0, t,
-                               n * heads * pages * split.page_bytes))
-        for l0, n, t0, t in plan_chunks(layers, split.dense_tail, token_bytes, max_chunk_bytes):
-            chunks.append(("dense", l0, n, split.dense_head + split.paged + t0, t,
-                           n * t * token_bytes))
+            split = quantized_append.dense_split(tokens)
+        item = {pb.DTYPE_FP32: 4, pb.DTYPE_FP16: 2, pb.DTYPE_BF16: 2}[dense]
+        chunks = quantized_append.plan_append(split, layers, heads, dim, item, max_chunk_bytes)
         total = sum(c[-1] for c in chunks)
         codebooks = self._codebooks.get(sequence_id)
         sent = {"bytes": 0, "chunks": 0, "message_bytes": 0}
@@ -516,12 +503,9 @@ class KvqClient:
                     if geometry["nuq"]:
                         first_book = (layer_begin + l0) * heads
                         books = codebooks[first_book:first_book + n * heads]
-                    p = request.chunk.pages
-                    p.layers, p.tokens = n, t
-                    p.page_bytes, p.page_tokens = split.page_bytes, split.page_tokens
-                    p.page_data = _native().quantize_pages(
-                        scheme, k[l0:l0 + n, :, t0:t0 + t], v[l0:l0 + n, :, t0:t0 + t],
-                        codebooks=books)
+                    quantized_append.fill_pages(request.chunk.pages, scheme, split,
+                                                k[l0:l0 + n, :, t0:t0 + t],
+                                                v[l0:l0 + n, :, t0:t0 + t], books)
                 sent["message_bytes"] += request.ByteSize()
                 yield request
                 sent["bytes"] += payload

@@ -7,13 +7,11 @@ chunks as soon as they are added, while later layers are still being
 computed. The server commits the stream when finish() half-closes it, all or
 nothing, like any Append; cancel() (or a failure) stores nothing.
 
-With `quantize` (LayerAppend.quantizer) each layer's tokens that the server
-would quantize travel as raw pages made here by kvq's native kernels
-(QuantizedPages, byte for byte the server's), the rest dense, as
-KvqClient.append_prompt splits them (quantized_append.py).
+Given the sequence's scheme and its stored length, each layer's tokens the
+server would quantize go as raw pages quantized here (quantized_append.py),
+as KvqClient.append_prompt sends them.
 """
 
-import math
 import queue
 
 import grpc
@@ -21,7 +19,7 @@ import numpy as np
 
 from . import _proto, quantized_append
 from .client import KvqError
-from .tensors import plan_chunks, prompt_arrays, to_tensor, wire_dtype
+from .tensors import prompt_arrays, to_tensor, wire_dtype
 
 pb, _ = _proto.modules()
 
@@ -31,26 +29,23 @@ _END = object()
 class LayerAppend:
     """Not thread-safe: one producer adds layers, then calls finish()."""
 
-    @staticmethod
-    def quantizer(scheme, head_dim):
-        """(canonical scheme, page geometry) for `quantize`, or None where
-        the native module is missing or the scheme has no raw pages (fp8,
-        nuq: its codebooks live with the sequence's creator)."""
-        native = quantized_append.native()
-        if native is None:
-            return None
-        geometry = native.page_geometry(scheme, head_dim)
-        if quantized_append.why_not_quantized(geometry, None) is not None:
-            return None
-        return geometry["scheme"], geometry
-
     def __init__(self, client, sequence_id, max_chunk_bytes=1 << 20, wire=None,
-                 deadline=None, token_ids=None, quantize=None, start_tokens=0):
-        """`token_ids`: ids of the appended tokens (AppendRequest.token_ids),
-        sent first; kvq registers their completed blocks for prefix reuse.
-        `quantize`: LayerAppend.quantizer()'s answer for the sequence's
-        scheme, with `start_tokens` the tokens it stores now (every layer)."""
+                 deadline=None, scheme=None, start_tokens=0, head_dim=None, token_ids=None):
+        """scheme (the sequence's), start_tokens (the tokens it stores now)
+        and head_dim: layers go as raw pages where the scheme has them and
+        the native module is installed (nuq goes dense: no codebooks here);
+        `wire` is then the dtype of the dense tokens other than kivi's (fp16).
+        Without a scheme every token goes dense in `wire`. `token_ids`: ids
+        of the appended tokens (AppendRequest.token_ids), sent first; kvq
+        registers their completed blocks for prefix reuse."""
         self._client = client
+        self._scheme = None
+        native = quantized_append.native()
+        if scheme is not None and head_dim is not None and native is not None:
+            geometry = native.page_geometry(scheme, head_dim)
+            if quantized_append.why_not_quantized(geometry, None) is None:
+                self._scheme, self._geometry = geometry["scheme"], geometry
+                self._start, self._head_dim = start_tokens, head_dim
         self._sequence_id = sequence_id
         self._max_chunk_bytes = max_chunk_bytes
         self._wire = wire
@@ -61,8 +56,6 @@ class LayerAppend:
         self._future = client._stub.Append.future(iter(self._requests.get, _END),
                                                   timeout=timeout)
         self.wire_bytes = 0
-        self._quantize = quantize
-        self._start = start_tokens
         if token_ids:
             request = self._request()
             request.token_ids.extend(int(t) for t in token_ids)
@@ -84,44 +77,32 @@ class LayerAppend:
         if k.ndim != 3 or tuple(k.shape) != tuple(v.shape):
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
                              "[kv_heads, tokens, head_dim]")
+        # k, v for the native quantizer (torch read in place); host_k, host_v
+        # numpy for dense chunks (bfloat16 as its bits: bf16 on the wire).
         k, v, host_k, host_v = prompt_arrays(k[None], v[None])
-        in_wire = "bf16" if host_k.dtype == np.uint16 else host_k.dtype
-        wire = wire_dtype(self._wire or in_wire)
-        _, heads, tokens, dim = host_k.shape
-        if self._quantize is None:
-            split = quantized_append.PageSplit(tokens, 0, 0, 0, 0, 1)
+        k, v, host_k, host_v = k[0], v[0], host_k[0], host_v[0]
+        heads, tokens, dim = host_k.shape
+        in_wire = wire_dtype(self._wire or ("bf16" if host_k.dtype == np.uint16
+                                            else host_k.dtype))
+        if self._scheme is not None:
+            if dim != self._head_dim:
+                raise ValueError(f"k has head_dim {dim}, the sequence {self._head_dim}")
+            split = quantized_append.split_for_pages(self._geometry, self._start, tokens)
+            wire = wire_dtype(quantized_append.dense_wire(self._geometry, in_wire))
         else:
-            scheme, geometry = self._quantize
-            split = quantized_append.split_for_pages(geometry, self._start, tokens)
-            wire = wire_dtype(quantized_append.dense_wire(geometry, in_wire))
+            split, wire = quantized_append.dense_split(tokens), in_wire
         item = 4 if wire == pb.DTYPE_FP32 else 2
-        self._dense(layer, host_k, host_v, 0, split.dense_head, wire, 2 * heads * dim * item)
-        if split.paged:
-            unit = math.lcm(split.block_tokens, split.page_tokens)
-            unit_bytes = heads * (unit // split.page_tokens) * split.page_bytes
-            for _, _, t0, t in plan_chunks(1, split.paged, unit_bytes, self._max_chunk_bytes,
-                                           token_unit=unit):
-                t0 += split.dense_head
-                request = self._request()
-                request.chunk.layer_begin = layer
-                p = request.chunk.pages
-                p.layers, p.tokens = 1, t
-                p.page_bytes, p.page_tokens = split.page_bytes, split.page_tokens
-                p.page_data = quantized_append.native().quantize_pages(
-                    scheme, k[:, :, t0:t0 + t], v[:, :, t0:t0 + t])
-                self.wire_bytes += len(p.page_data)
-                self._requests.put(request)
-        self._dense(layer, host_k, host_v, split.dense_head + split.paged, split.dense_tail,
-                    wire, 2 * heads * dim * item)
-
-    def _dense(self, layer, host_k, host_v, begin, tokens, wire, token_bytes):
-        for _, _, t0, t in plan_chunks(1, tokens, token_bytes, self._max_chunk_bytes):
-            t0 += begin
+        for kind, _, _, t0, t, payload in quantized_append.plan_append(
+                split, 1, heads, dim, item, self._max_chunk_bytes):
             request = self._request()
             request.chunk.layer_begin = layer
-            to_tensor(host_k[:, :, t0:t0 + t], wire, out=request.chunk.k)
-            to_tensor(host_v[:, :, t0:t0 + t], wire, out=request.chunk.v)
-            self.wire_bytes += len(request.chunk.k.data) + len(request.chunk.v.data)
+            if kind == "dense":
+                to_tensor(host_k[None, :, t0:t0 + t], wire, out=request.chunk.k)
+                to_tensor(host_v[None, :, t0:t0 + t], wire, out=request.chunk.v)
+            else:
+                quantized_append.fill_pages(request.chunk.pages, self._scheme, split,
+                                            k[None, :, t0:t0 + t], v[None, :, t0:t0 + t])
+            self.wire_bytes += payload
             self._requests.put(request)
 
     def finish(self):

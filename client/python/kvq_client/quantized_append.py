@@ -13,7 +13,9 @@ same split).
 
 import dataclasses
 import math
-from typing import Optional
+from typing import List, Optional, Tuple
+
+from .tensors import plan_chunks
 
 
 @dataclasses.dataclass
@@ -46,6 +48,45 @@ def split_for_pages(geometry, start_tokens, tokens):
     split.paged = rest // block * block
     split.dense_tail = rest - split.paged
     return split
+
+
+def dense_split(tokens):
+    """The PageSplit that sends every token dense."""
+    return PageSplit(tokens, 0, 0, 0, 0, 1)
+
+
+# (kind "dense" or "pages", layer_begin, layers, token_begin, tokens, payload bytes)
+Chunk = Tuple[str, int, int, int, int, int]
+
+
+def plan_append(split, layers, heads, dim, dense_item_bytes, max_chunk_bytes) -> List[Chunk]:
+    """The chunks of an append of `layers` layers split by `split`: the
+    dense head, the pages (whole page and block units per chunk), the dense
+    tail, each within max_chunk_bytes of payload where a unit fits."""
+    chunks = []
+    token_bytes = 2 * heads * dim * dense_item_bytes
+    for l0, n, t0, t in plan_chunks(layers, split.dense_head, token_bytes, max_chunk_bytes):
+        chunks.append(("dense", l0, n, t0, t, n * t * token_bytes))
+    if split.paged:
+        unit = math.lcm(split.block_tokens, split.page_tokens)
+        unit_bytes = heads * (unit // split.page_tokens) * split.page_bytes
+        for l0, n, t0, t in plan_chunks(layers, split.paged, unit_bytes, max_chunk_bytes,
+                                        token_unit=unit):
+            pages = -(-t // split.page_tokens)
+            chunks.append(("pages", l0, n, split.dense_head + t0, t,
+                           n * heads * pages * split.page_bytes))
+    for l0, n, t0, t in plan_chunks(layers, split.dense_tail, token_bytes, max_chunk_bytes):
+        chunks.append(("dense", l0, n, split.dense_head + split.paged + t0, t,
+                       n * t * token_bytes))
+    return chunks
+
+
+def fill_pages(out, scheme, split, k, v, codebooks=None):
+    """Fills a kvq.v1.QuantizedPages with the pages of k and v ([layers,
+    kv_heads, tokens, head_dim], the chunk's tokens), quantized here."""
+    out.layers, out.tokens = k.shape[0], k.shape[2]
+    out.page_bytes, out.page_tokens = split.page_bytes, split.page_tokens
+    out.page_data = native().quantize_pages(scheme, k, v, codebooks=codebooks)
 
 
 def native():

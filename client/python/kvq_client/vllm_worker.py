@@ -365,10 +365,15 @@ class KvqWorker:
                 else:
                     client, _ = self._client(r)
                     owner = client.client_for(sid)
+                    # Raw pages quantized here where the scheme has them
+                    # (and kvq's native module is installed).
+                    scheme = self._settings.scheme if self._settings.quantize_on_client \
+                        else None
                     stream = LayerAppend(owner, sid, self._settings.max_chunk_bytes,
                                          token_ids=r.token_ids,
                                          deadline=self._settings.deadline_seconds,
-                                         quantize=self._quantizer(), start_tokens=r.begin)
+                                         scheme=scheme, start_tokens=r.begin,
+                                         head_dim=self._layout.head_dim)
                     streams[sid] = entry = (stream, set(), time.monotonic())
             stream = entry[0]
             if stream is None:
@@ -424,19 +429,6 @@ class KvqWorker:
                 except KvqError as e:  # Its lease expires it anyway.
                     self._note(e)
                     logger.warning("kvq: release of %s failed: %s", sid, e)
-
-    def _quantizer(self):
-        """LayerAppend.quantizer for the sequences' scheme, once; None sends
-        dense (the server quantizes)."""
-        if not hasattr(self, "_quantize"):
-            self._quantize = None
-            if self._settings.quantize_on_client:
-                try:
-                    self._quantize = LayerAppend.quantizer(self._settings.scheme,
-                                                           self._layout.head_dim)
-                except ValueError as e:
-                    logger.warning("kvq: scheme %s is sent dense: %s", self._settings.scheme, e)
-        return self._quantize
 
     # ----------------------------------------------------------- finish
 
