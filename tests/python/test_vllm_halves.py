@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kvq_client import KvqClient  # noqa: E402
 from kvq_client.circuit_breaker import BreakerState  # noqa: E402
 from kvq_client import quantized_append  # noqa: E402
+from kvq_client.vllm_plan import TokenRange  # noqa: E402
 from live_server import needs_server, running_server, start_server  # noqa: E402
 from vllm_halves import engine, scheduler_output  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
@@ -268,6 +269,38 @@ def test_a_hanging_kvq_never_blocks_the_scheduler_loop():
         assert scheduler.counters.take()["lookup_skipped"] == 1
         scheduler.shutdown()
         worker.worker.shutdown(timeout=1)
+
+
+def test_a_hanging_kvq_costs_a_load_one_deadline_and_never_holds_a_save():
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        scheduler, worker, cache = engine(address, "hang", "int8", 64, deadline_seconds=0.5,
+                                          save_deadline_seconds=60, breaker_failures=1,
+                                          breaker_backoff_seconds=60)
+        scheduler.shutdown()
+        w = worker.worker
+        load = TokenRange("r", "s0123", 0, 64, BLOCKS, namespace="hang")
+        save = TokenRange("q", "s4567", 0, 32, BLOCKS[4:], namespace="hang")
+        # The save's Append never commits: wait_for_save does not wait for it.
+        for layer, name in enumerate(layer_names()):
+            w.save_layer(name, cache.views[name], [save])
+        w.wait_for_save()
+        assert not w.drain(0.2)  # Still in flight, the step is done.
+        # The load's first fetch runs out its 0.5 s: the blocks go back to
+        # vLLM, and the breaker opens.
+        w.start_load([load])
+        for name in layer_names():
+            w.wait_for_layer(name)
+        assert w.take_load_errors() == set(BLOCKS[:4])
+        assert w.breaker.state == BreakerState.OPEN
+        # The next load is refused at once.
+        w.start_load([load])
+        assert w.take_load_errors() == set(BLOCKS[:4])
+        counts = w.counters.take()
+        assert counts["load_failures"] == 2 and counts["rpc_failures"] == 1
+        w.shutdown(timeout=1)
 
 
 def test_the_lookups_of_one_step_share_one_wait():

@@ -45,7 +45,12 @@ class KvqSettings:
     namespace: str = ""                # "" -> "vllm:<model>"
     scheme: str = DEFAULT_SCHEME
     ttl_seconds: int = 0               # 0: the server's default lease
-    deadline_seconds: float = 30.0     # each worker-side call (fetch, append)
+    # Each fetch of a load (one layer group, at most load_buffer_bytes): the
+    # forward pass waits for it, so a hung kvq costs a step this much until
+    # the breaker opens. Each save's Append (in the background) gets
+    # save_deadline_seconds.
+    deadline_seconds: float = 5.0
+    save_deadline_seconds: float = 30.0
     # The scheduler's calls (CreateSequence at a request's first lookup,
     # Stats, Release) run off vLLM's scheduler loop; a lookup waits at most
     # lookup_wait_seconds for its answer and otherwise tells vLLM to ask
@@ -111,7 +116,7 @@ class KvqSettings:
         if self.failure_policy not in ("set", "require"):
             raise ValueError(f"kvq_failure_policy = {self.failure_policy!r} must be \"set\" "
                              "or \"require\"")
-        for name in ("scheduler_deadline_seconds", "deadline_seconds"):
+        for name in ("scheduler_deadline_seconds", "deadline_seconds", "save_deadline_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kvq_{name} = {getattr(self, name)} must be > 0")
         if self.lookup_wait_seconds < 0 or self.save_decode_tokens < 0:

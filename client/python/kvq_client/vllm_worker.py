@@ -371,7 +371,7 @@ class KvqWorker:
                         else None
                     stream = LayerAppend(owner, sid, self._settings.max_chunk_bytes,
                                          token_ids=r.token_ids,
-                                         deadline=self._settings.deadline_seconds,
+                                         deadline=self._settings.save_deadline_seconds,
                                          scheme=scheme, start_tokens=r.begin,
                                          head_dim=self._layout.head_dim)
                     streams[sid] = entry = (stream, set(), time.monotonic())
