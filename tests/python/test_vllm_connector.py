@@ -460,3 +460,24 @@ def test_planned_saves_publish_kv_events_with_vllms_block_hashes(address, model_
     scheduler.request_finished(request, [1, 2, 3, 4])
     scheduler.shutdown()
     worker.shutdown()
+
+
+def test_prometheus_metrics_count_what_the_stats_carry(model_dir):
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    config = vllm_config(model_dir, unreachable_address(), "prom", "int8", "e")
+    prom = KvqConnector.build_prom_metrics(
+        config, {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["model_name", "engine"], {0: ["m", "0"]})
+    labels = {"model_name": "m", "engine": "0"}
+    stats = KvqConnector.build_kv_connector_stats(
+        {"tokens_loaded": 256, "bytes_saved": 1000, "load_failures": 1,
+         "load_seconds": [0.02, 0.3], "breaker_state": 1})
+    prom.observe(stats.to_dict(), 0)
+    prom.observe({"tokens_loaded": 44, "breaker_state": 0}, 0)
+    value = lambda name: REGISTRY.get_sample_value(name, labels)  # noqa: E731
+    assert value("vllm:kvq_tokens_loaded_total") == 300
+    assert value("vllm:kvq_bytes_saved_total") == 1000
+    assert value("vllm:kvq_load_failures_total") == 1
+    assert value("vllm:kvq_load_seconds_count") == 2
+    assert value("vllm:kvq_load_seconds_sum") == pytest.approx(0.32)
+    assert value("vllm:kvq_breaker_state") == 0  # The latest report.
