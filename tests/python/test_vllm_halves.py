@@ -421,3 +421,84 @@ def test_two_replicas_with_mutual_tls_and_a_token_file_share_a_prefix(tmp_path):
             w.worker.drain(30)
             s.shutdown()
             w.worker.shutdown()
+
+
+# -------------------------------------------------- tensor parallelism
+
+
+def tp_engine(address, namespace, world=2):
+    """A scheduler and `world` workers, each rank holding KV_HEADS / world
+    heads in its own paged cache (vLLM's per-layer view)."""
+    from kvq_client.client import ModelLayout
+    from kvq_client.vllm_scheduler import KvqScheduler
+    from kvq_client.vllm_settings import KvqSettings
+    from kvq_client.vllm_worker import KvqWorker
+    heads = KV_HEADS // world
+    layout = ModelLayout(len(layer_names()), heads, 14 // world, HEAD_DIM)
+    s = KvqSettings(address=address, namespace=namespace, scheme="int8",
+                    lookup_wait_seconds=10)
+    s.check()
+    scheduler = KvqScheduler(s, layout, save=True, load=True, world_size=world)
+    ranks = []
+    for rank in range(world):
+        worker = KvqWorker(s, layout, BLOCK_SIZE, rank=rank, world_size=world)
+        views = {n: torch.zeros(64, BLOCK_SIZE, heads, 2 * HEAD_DIM,
+                                dtype=torch.float16).permute(0, 2, 1, 3)
+                 for n in layer_names()}
+        worker.register_caches(views)
+        ranks.append((worker, views))
+    return scheduler, ranks
+
+
+def tp_step(scheduler, ranks, rid, prompt, hit):
+    scheduler.after_alloc(rid, prompt, hit)
+    plan = scheduler.build(scheduler_output({
+        "scheduled_new_reqs": [{"req_id": rid, "block_ids": [BLOCKS],
+                                "num_computed_tokens": hit}],
+        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
+                                  "num_computed_tokens": []},
+        "num_scheduled_tokens": {rid: len(prompt) - hit}}))
+    heads = KV_HEADS // len(ranks)
+    slots = torch.as_tensor(slots_of(BLOCKS, range(hit, len(prompt))))
+    for rank, (worker, views) in enumerate(ranks):
+        worker.start_load(plan.loads)
+        for layer, name in enumerate(layer_names()):
+            worker.wait_for_layer(name)
+            k, v = token_kv(layer, range(hit, len(prompt)), prompt[hit:])
+            part = slice(rank * heads, (rank + 1) * heads)
+            rows = torch.from_numpy(np.concatenate([k[part], v[part]], -1)).transpose(0, 1)
+            views[name][slots // BLOCK_SIZE, :, slots % BLOCK_SIZE] = rows.half()
+            worker.save_layer(name, views[name], plan.saves)
+        worker.wait_for_save()
+        assert worker.take_load_errors() == set()
+        assert worker.drain(30)
+    return plan
+
+
+def test_tensor_parallel_ranks_keep_their_own_heads_in_their_own_sequences(address):
+    a, a_ranks = tp_engine(address, "tp")
+    assert a.lookup("a", PROMPT, len(PROMPT), 0) == 0
+    plan = tp_step(a, a_ranks, "a", PROMPT, 0)
+    ids = plan.saves[0].sequence_id.split(",")
+    assert len(ids) == 2
+    # Each rank's sequence holds that rank's head, in the rank's namespace.
+    for rank, sid in enumerate(ids):
+        with KvqClient(address, namespace=f"tp:tp2-{rank}") as kvq:
+            K, _ = kvq.fetch(sid, dtype="fp32")
+        want_k, _ = token_kv(5, range(len(PROMPT)), PROMPT)
+        assert K.shape == (len(layer_names()), 1, len(PROMPT), HEAD_DIM)
+        assert np.abs(K[5] - want_k[rank:rank + 1]).max() <= 4.0 / 255 / 2 * 1.01 + 2e-3
+    # Another engine finds the prefix on both ranks and each loads its head.
+    b, b_ranks = tp_engine(address, "tp")
+    assert b.lookup("b", PROMPT, len(PROMPT), 0) == 288
+    tp_step(b, b_ranks, "b", PROMPT, 288)
+    want_k, _ = token_kv(7, range(288), PROMPT[:288])
+    for rank, (_, views) in enumerate(b_ranks):
+        slots = torch.as_tensor(slots_of(BLOCKS, range(288)))
+        got = views[layer_names()[7]][slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]
+        got_k = got.transpose(0, 1)[..., :HEAD_DIM].float().numpy()
+        assert np.abs(got_k - want_k[rank:rank + 1]).max() <= 4.0 / 255 / 2 * 1.01 + 2e-3
+    for s, ranks in ((a, a_ranks), (b, b_ranks)):
+        s.shutdown()
+        for w, _ in ranks:
+            w.shutdown()
