@@ -502,3 +502,50 @@ def test_tensor_parallel_ranks_keep_their_own_heads_in_their_own_sequences(addre
         s.shutdown()
         for w, _ in ranks:
             w.shutdown()
+
+
+def test_generated_tokens_are_found_by_the_next_turn(address):
+    """Multi-turn reuse: engine a prefills 64 tokens and generates 40; the
+    first 32 generated go to kvq with their ids. Engine b's prompt (the
+    conversation so far plus a new message) finds 96 tokens: the prompt and
+    the generated block."""
+    a_sched, a_worker, a_cache = engine(address, "turns", "int8", 64, lookup_wait_seconds=10,
+                                        save_decode_tokens=32)
+    prompt = list(range(500, 564))
+    tokens = list(prompt)
+    assert a_sched.lookup("a", prompt, len(prompt), 0) == 0
+    a_sched.after_alloc("a", tokens, 0)
+
+    def step(new, computed, scheduled):
+        j = {"scheduled_new_reqs": [{"req_id": "a", "block_ids": [BLOCKS],
+                                     "num_computed_tokens": computed}] if new else [],
+             "scheduled_cached_reqs": {"req_ids": [] if new else ["a"], "resumed_req_ids": [],
+                                       "new_block_ids": [] if new else [None],
+                                       "num_computed_tokens": [] if new else [computed]},
+             "num_scheduled_tokens": {"a": scheduled}}
+        meta = a_sched.build(scheduler_output(j))
+        a_worker.bind_connector_metadata(meta)
+        a_worker.start_load_kv(None)
+        positions = list(range(computed, computed + scheduled))
+        for layer, name in enumerate(layer_names()):
+            a_worker.wait_for_layer_load(name)
+            a_cache.forward_layer(layer, name, slots_of(BLOCKS, positions), positions,
+                                  tokens[computed:computed + scheduled])
+            a_worker.save_kv_layer(name, a_cache.views[name], None)
+        a_worker.wait_for_save()
+        return meta.saves
+
+    saves = step(True, 0, 64)
+    for i in range(40):  # Each decode step computes the token sampled last.
+        tokens.append(7000 + i)
+        saves += step(False, 64 + i, 1)
+    assert [(r.begin, r.end, r.token_ids) for r in saves] == \
+        [(0, 64, []), (64, 96, tokens[64:96])]
+    assert a_worker.worker.drain(30)
+    assert a_worker.worker.counters.take().get("save_failures", 0) == 0
+    b_sched, b_worker, _ = engine(address, "turns", "int8", 64, lookup_wait_seconds=10)
+    turn2 = tokens[:100] + list(range(9000, 9020))
+    assert b_sched.lookup("b", turn2, len(turn2), 0) == 96
+    for s, w in ((a_sched, a_worker), (b_sched, b_worker)):
+        s.shutdown()
+        w.worker.shutdown()
