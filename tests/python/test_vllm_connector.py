@@ -34,8 +34,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noq
 from vllm.v1.request import Request  # noqa: E402
 
 from kvq_client import KvqClient  # noqa: E402
-from kvq_client.vllm_connector import (KvqConnector, KvqConnectorMetadata,  # noqa: E402
-                                       KvqSettings)
+from kvq_client.vllm_connector import KvqConnector, KvqConnectorMetadata  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, MODEL_CONFIG,  # noqa: E402

@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-import numpy as np
 import torch
 
 from .circuit_breaker import CircuitBreaker
