@@ -211,6 +211,8 @@ def test_errors_carry_the_cpp_message():
         layer.attend(rand((3, 1, DIM), 0, np.float32))
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         layer.append(np.zeros((HEADS, 1, DIM), np.int32), np.zeros((HEADS, 1, DIM), np.int32))
+    with pytest.raises(RuntimeError, match="fp8_e4m3 streams do not take raw pages"):
+        kvq.quantize_pages("fp8_e4m3", rand((HEADS, 8, DIM), 0), rand((HEADS, 8, DIM), 0))
     with pytest.raises(ValueError, match="raw pages hold whole blocks of 128 tokens"):
         kvq.quantize_pages("kivi4", rand((HEADS, 100, DIM), 0), rand((HEADS, 100, DIM), 0))
 

@@ -409,6 +409,9 @@ nb::bytes QuantizePages(const std::string& scheme, const AnyArray& k, const AnyA
                                        books.size())
                               .c_str());
   }
+  if (config.spec.kind == SchemeKind::kFp8E4m3) {  // As KvStream::AppendPages says.
+    throw std::runtime_error("fp8_e4m3 streams do not take raw pages: the scale is per stream");
+  }
   const int flush = config.spec.flush_tokens();
   if (first.tokens % flush != 0) {
     throw nb::value_error(absl::StrCat("k has ", first.tokens, " tokens: raw pages hold whole "
