@@ -352,7 +352,7 @@ def unreachable_address():
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_a_cache_salt_gets_a_namespace_of_its_own(address, model_dir):
+def test_a_cache_salt_or_a_lora_gets_a_namespace_of_its_own(address, model_dir):
     scheduler, worker, _ = engine(model_dir, address, "salt", "fp16", "e")
     prompt = list(range(10, 300))
     salted = Request(request_id="salted", prompt_token_ids=prompt,
@@ -360,12 +360,19 @@ def test_a_cache_salt_gets_a_namespace_of_its_own(address, model_dir):
                      cache_salt="tenant-1")
     plain = Request(request_id="plain", prompt_token_ids=prompt,
                     sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    from vllm.lora.request import LoRARequest
+    lora = Request(request_id="lora", prompt_token_ids=prompt,
+                   sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                   lora_request=LoRARequest(lora_name="sql-adapter", lora_int_id=3,
+                                              lora_path="/adapters/sql"))
     assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
     assert scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(lora, 0) == (0, False)
     namespaces = scheduler._scheduler._namespaces
     assert namespaces["plain"] == "salt"
     assert namespaces["salted"].startswith("salt:salt-") and "tenant-1" not in namespaces["salted"]
-    for r in (salted, plain):
+    assert namespaces["lora"] == "salt:lora-sql-adapter"
+    for r in (salted, plain, lora):
         scheduler.request_finished(r, [])
     scheduler.shutdown()
     worker.shutdown()
