@@ -334,7 +334,7 @@ absl::Status KvqService::DoFetchDevice(const v1::FetchDeviceRequest& req,
         const size_t at = (static_cast<size_t>(l - lb) * heads + h) * per_head;
         TensorView ko{k.data() + at, dtype, te - tb, dim, 0};
         TensorView vo{v.data() + at, dtype, te - tb, dim, 0};
-        KVQ_RETURN_IF_ERROR(seq->stream(l, h).Read(tb, te, ro, ko, vo));
+        KVQ_RETURN_IF_ERROR(seq->committed_stream(l, h).Read(tb, te, ro, ko, vo));
       }
     }
     return absl::OkStatus();

@@ -154,7 +154,7 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
     }
     for (int h = 0; h < m.num_kv_heads; ++h) {
       AttentionTask t;
-      t.stream = &s.stream(layer, h);
+      t.stream = &s.committed_stream(layer, h);
       t.key_begin = j.key_begin;
       t.key_end = end;
       t.num_queries = j.num_queries;
@@ -594,14 +594,14 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
         return absl::InvalidArgumentError("dtype must be unset for a raw fetch");
       }
-      const KvStream& s = seq_->stream(lb, 0);
+      const KvStream& s = seq_->committed_stream(lb, 0);
       if (s.spec().kind == SchemeKind::kFp8E4m3) {
         return absl::FailedPreconditionError("raw fetch is not available for fp8_e4m3");
       }
       const int base = s.page_base();
       const int pt = s.layout().page_tokens;
       int quantized = std::numeric_limits<int>::max();
-      for (int l = lb; l < le; ++l) quantized = std::min(quantized, seq_->stream(l, 0).quantized_tokens());
+      for (int l = lb; l < le; ++l) quantized = std::min(quantized, seq_->committed_stream(l, 0).quantized_tokens());
       if (tb < base || te > base + quantized || (tb - base) % pt != 0) {
         return absl::OutOfRangeError(absl::StrCat(
             "a raw fetch covers quantized tokens: [token_begin, token_end) must start on a page "
@@ -641,7 +641,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       return st;
     }
     if (req_.raw()) {
-      const KvStream& s0 = seq_->stream(p.layer, 0);
+      const KvStream& s0 = seq_->committed_stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
       const size_t page_bytes = s0.layout().page_bytes;
       RawFetchMessage msg(p.layer, p.begin, 1, n, static_cast<int64_t>(page_bytes),
@@ -654,7 +654,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       const std::shared_ptr<PageAllocator> owner =
           service_->store()->SharedAllocator(s0.allocator());
       for (int h = 0; h < m.num_kv_heads; ++h) {
-        const KvStream& s = seq_->stream(p.layer, h);
+        const KvStream& s = seq_->committed_stream(p.layer, h);
         const bool pooled = owner != nullptr && s.allocator() == owner.get();
         KVQ_RETURN_IF_ERROR(s.VisitPages(
             p.begin - s.page_base(), p.end - s.page_base(), [&](const uint8_t* page, bool full) {
@@ -677,7 +677,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     for (int h = 0; h < m.num_kv_heads; ++h) {
       TensorView ko{msg.k_data() + h * per_head, dtype_, n, m.head_dim, 0};
       TensorView vo{msg.v_data() + h * per_head, dtype_, n, m.head_dim, 0};
-      KVQ_RETURN_IF_ERROR(seq_->stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
+      KVQ_RETURN_IF_ERROR(seq_->committed_stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
     }
     out_ = msg.Release();
     return absl::OkStatus();

@@ -128,6 +128,10 @@ class Sequence {
   int committed_tokens(int layer) const;
   // Tokens stored in every layer that readers may see.
   int committed_num_tokens() const;
+  // What readers read: the stream as committed, its snapshot while a
+  // transaction is open. (The open append may have quantized the committed
+  // fp16 tail already; the snapshot still holds it as committed.)
+  const KvStream& committed_stream(int layer, int head) const;
 
   // Shares the first `tokens` tokens of the committed state (Fork of every
   // stream, or of its snapshot while a transaction is open).
@@ -149,8 +153,6 @@ class Sequence {
  private:
   Sequence(std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config);
   ConstTensorView DenseView(const DenseKv& kv, const uint8_t* base, int layer, int head) const;
-  // The stream as committed: its snapshot while a transaction is open.
-  const KvStream& committed_stream(int layer, int head) const;
   // Checks that `token` owns the open transaction and clears both.
   absl::Status EndTransaction(TransactionToken& token);
   // Runs `body` (which appends to the streams of layers [begin, end)) so

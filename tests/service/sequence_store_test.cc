@@ -196,6 +196,34 @@ TEST(SequenceStoreTest, OnlyTheTransactionsOwnerEndsIt) {
   EXPECT_EQ((*h)->num_tokens(), 40);
 }
 
+// Readers read the committed streams: the open append quantized the
+// committed fp16 tail of this kivi sequence (a flush), but a read during the
+// transaction still returns the committed tokens as they were, which is
+// also what a rollback leaves.
+TEST(SequenceStoreTest, ReadsDuringATransactionReturnTheCommittedValues) {
+  auto store = MakeStore(8 << 20, false);
+  absl::StatusOr<SequenceStore::Handle> h = store->Create(Args("a", "kivi2:g32:r128"));
+  ASSERT_TRUE(h.ok());
+  Kv kv = MakeKv(200, 11);
+  auto read = [&](const KvStream& s) {
+    std::vector<float> k(100 * kDim), v(k.size());
+    EXPECT_TRUE(s.Read(0, 100, {}, Floats(k.data(), 100, kDim), Floats(v.data(), 100, kDim)).ok());
+    k.insert(k.end(), v.begin(), v.end());
+    return k;
+  };
+  absl::MutexLock lock(&(*h)->mu());
+  ASSERT_TRUE((*h)->AppendDense(kv.view(100)).ok());
+  const std::vector<float> committed = read((*h)->committed_stream(1, 1));
+  absl::StatusOr<TransactionToken> txn = (*h)->BeginTransaction();
+  ASSERT_TRUE(txn.ok()) << txn.status();
+  ASSERT_TRUE((*h)->AppendDense(kv.view(200)).ok());
+  // The open append flushed the tail: tokens [0, 100) are quantized there.
+  ASSERT_NE(read((*h)->stream(1, 1)), committed);
+  EXPECT_EQ(read((*h)->committed_stream(1, 1)), committed);
+  ASSERT_TRUE((*h)->Rollback(*txn).ok());
+  EXPECT_EQ(read((*h)->committed_stream(1, 1)), committed);
+}
+
 // A fork taken while an append stream is open holds the committed tokens
 // only, and the stream's later commit does not reach it.
 TEST(SequenceStoreTest, ForkDuringATransactionSeesTheCommittedTokens) {
