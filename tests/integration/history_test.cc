@@ -34,6 +34,15 @@ int64_t EnvInt(const char* name, int64_t fallback) {
   return v != nullptr && absl::SimpleAtoi(v, &out) ? out : fallback;
 }
 
+const char* CodeName(int code) {
+  static const char* const kNames[] = {
+      "OK",        "CANCELLED",         "UNKNOWN",        "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  return code >= 0 && code < 17 ? kNames[code] : "?";
+}
+
 struct Fault {
   const char* name;
   std::vector<std::string> flags;
@@ -84,12 +93,11 @@ TEST(HistoryTest, RandomConcurrentCallsShowNoAnomaly) {
     reads += report.reads_checked;
     attention += report.attention_checked;
     for (const Op& op : history.ops()) {
-      const char* what = op.outcome == Outcome::kOk     ? "ok"
+      const char* what = op.outcome == Outcome::kOk       ? "ok"
                          : op.outcome == Outcome::kFailed ? "failed"
                                                           : "indeterminate";
       ++by_outcome[absl::StrCat(KindName(op.kind), " ", what)];
-      if (op.code == 8) ++by_outcome["RESOURCE_EXHAUSTED"];
-      if (op.code == 10) ++by_outcome["ABORTED"];
+      if (op.code > 0) ++by_outcome[absl::StrCat("code ", CodeName(op.code))];
       if (op.message.find("expired") != std::string::npos) ++by_outcome["expired lease seen"];
     }
     ++histories;
