@@ -601,7 +601,9 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       const int base = s.page_base();
       const int pt = s.layout().page_tokens;
       int quantized = std::numeric_limits<int>::max();
-      for (int l = lb; l < le; ++l) quantized = std::min(quantized, seq_->committed_stream(l, 0).quantized_tokens());
+      for (int l = lb; l < le; ++l) {
+        quantized = std::min(quantized, seq_->committed_stream(l, 0).quantized_tokens());
+      }
       if (tb < base || te > base + quantized || (tb - base) % pt != 0) {
         return absl::OutOfRangeError(absl::StrCat(
             "a raw fetch covers quantized tokens: [token_begin, token_end) must start on a page "
@@ -1040,7 +1042,8 @@ grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
       resp->set_num_tokens(seq->committed_num_tokens());
       resp->set_scheme(seq->config().spec.ToString());
       bytes = seq->Bytes();
-      elements = int64_t{seq->committed_num_tokens()} * m.num_layers * m.num_kv_heads * m.head_dim * 2;
+      elements =
+          int64_t{seq->committed_num_tokens()} * m.num_layers * m.num_kv_heads * m.head_dim * 2;
       fp16 = elements * 2;
     }
     FillBytes(bytes, resp->mutable_bytes());

@@ -303,7 +303,8 @@ CheckReport Check(const History& history) {
     if (op.kind == OpKind::kAttend) {
       const Op& read = ops[op.read_op];
       std::optional<std::vector<TokenRef>> tokens = Attributed(read);
-      if (read.outcome != Outcome::kOk || !tokens || op.key_end > static_cast<int>(tokens->size()) ||
+      if (read.outcome != Outcome::kOk || !tokens ||
+          op.key_end > static_cast<int>(tokens->size()) ||
           checker.RecreatedBetween(op.seq, nullptr, read.invoked_ns, op.answered_ns)) {
         continue;  // The sequence may have been made again in between.
       }
@@ -318,7 +319,8 @@ CheckReport Check(const History& history) {
       bool placed = false;
       for (const Op* r : good_reads) {
         if (r->seq != op.seq) continue;
-        auto at = std::find(r->read.begin(), r->read.end(), std::optional<TokenRef>(TokenRef{op.id, 0}));
+        const std::optional<TokenRef> own = TokenRef{op.id, 0};
+        auto at = std::find(r->read.begin(), r->read.end(), own);
         if (at == r->read.end()) continue;
         std::vector<TokenRef> keys;
         for (auto t = r->read.begin(); t <= at; ++t) keys.push_back(**t);

@@ -67,7 +67,9 @@ bool Flags(const CheckReport& r, AnomalyKind kind) {
 
 std::string Describe(const CheckReport& r) {
   std::string s;
-  for (const Anomaly& a : r.anomalies) s += std::string(AnomalyName(a.kind)) + ": " + a.detail + "\n";
+  for (const Anomaly& a : r.anomalies) {
+    s += std::string(AnomalyName(a.kind)) + ": " + a.detail + "\n";
+  }
   return s;
 }
 
