@@ -243,7 +243,14 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
   KVQ_RETURN_IF_ERROR(mover.Receive(absl::MakeSpan(k), absl::MakeSpan(v), tenant));
 
   absl::MutexLock lock(&seq->mu());
-  KVQ_RETURN_IF_ERROR(store_->WithEviction(&*seq, [&] { return seq->BeginTransaction(); }));
+  // ABORTED while an Append stream holds the sequence; this call then owns
+  // nothing and leaves that stream's transaction alone.
+  TransactionToken txn;
+  KVQ_RETURN_IF_ERROR(store_->WithEviction(&*seq, [&] {
+    absl::StatusOr<TransactionToken> begun = seq->BeginTransaction();
+    if (begun.ok()) txn = std::move(*begun);
+    return begun.status();
+  }));
   const int before = seq->layer_tokens(0);
   DenseKv kv{req.layer_begin(), static_cast<int>(s[0]), static_cast<int>(s[2]), dtype, k.data(),
              v.data()};
@@ -256,8 +263,9 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
                                                    " stored tokens"));
     }
   }
+  if (st.ok()) st = store_->CheckLive(*seq);  // Released while the payloads moved.
   if (!st.ok()) {
-    seq->Rollback();
+    KVQ_RETURN_IF_ERROR(seq->Rollback(txn));
     return st;
   }
   if (req.token_ids_size() > 0) {
@@ -265,7 +273,7 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
                             req.token_ids().end());
   }
   guard_.Seal(*seq, kv.layer_begin, kv.layer_begin + kv.layers);
-  seq->Commit();
+  KVQ_RETURN_IF_ERROR(seq->Commit(txn));
   store_->RegisterPrefixBlocks(seq.shared());
   resp->set_num_tokens(seq->num_tokens());
   resp->set_bytes_stored(seq->Bytes().total());
@@ -326,7 +334,7 @@ absl::Status KvqService::DoFetchDevice(const v1::FetchDeviceRequest& req,
         const size_t at = (static_cast<size_t>(l - lb) * heads + h) * per_head;
         TensorView ko{k.data() + at, dtype, te - tb, dim, 0};
         TensorView vo{v.data() + at, dtype, te - tb, dim, 0};
-        KVQ_RETURN_IF_ERROR(seq->stream(l, h).Read(tb, te, ro, ko, vo));
+        KVQ_RETURN_IF_ERROR(seq->committed_stream(l, h).Read(tb, te, ro, ko, vo));
       }
     }
     return absl::OkStatus();

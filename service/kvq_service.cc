@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -24,18 +25,22 @@ absl::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
 }
 
-// Reader locks on several sequences, taken in address order (no deadlock).
-class ReadLocks {
+// Locks (Lock: absl::ReaderMutexLock or absl::MutexLock) on several
+// sequences, each once, taken in address order (no deadlock).
+template <typename Lock>
+class SequenceLocks {
  public:
-  explicit ReadLocks(std::vector<Sequence*> seqs) {
+  explicit SequenceLocks(std::vector<Sequence*> seqs) {
     std::sort(seqs.begin(), seqs.end());
     seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
-    for (Sequence* s : seqs) locks_.push_back(std::make_unique<absl::ReaderMutexLock>(&s->mu()));
+    for (Sequence* s : seqs) locks_.push_back(std::make_unique<Lock>(&s->mu()));
   }
 
  private:
-  std::vector<std::unique_ptr<absl::ReaderMutexLock>> locks_;
+  std::vector<std::unique_ptr<Lock>> locks_;
 };
+using ReadLocks = SequenceLocks<absl::ReaderMutexLock>;
+using WriteLocks = SequenceLocks<absl::MutexLock>;
 
 absl::StatusOr<ModelShape> ShapeFromWire(const v1::ModelLayout& l) {
   ModelShape m;
@@ -149,7 +154,7 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
     }
     for (int h = 0; h < m.num_kv_heads; ++h) {
       AttentionTask t;
-      t.stream = &s.stream(layer, h);
+      t.stream = &s.committed_stream(layer, h);
       t.key_begin = j.key_begin;
       t.key_end = end;
       t.num_queries = j.num_queries;
@@ -379,10 +384,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
   void OnCancel() override {}
 
   void OnDone() override {
-    if (seq_.shared() && !committed_) {
-      absl::MutexLock lock(&seq_->mu());
-      seq_->Rollback();
-    }
+    RollbackOwn();
     delete this;
   }
 
@@ -399,8 +401,12 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
                                                          req.sequence().sequence_id(),
                                                          tenant_name_));
       absl::MutexLock lock(&seq_->mu());
+      // Refused (ABORTED: another stream holds the sequence), this stream
+      // owns no transaction and its end leaves the other's alone.
       KVQ_RETURN_IF_ERROR(service_->store()->WithEviction(&*seq_, [&] {
-        return seq_->BeginTransaction();
+        absl::StatusOr<TransactionToken> begun = seq_->BeginTransaction();
+        if (begun.ok()) txn_ = std::move(*begun);
+        return begun.status();
       }));
     } else if (!req.sequence().sequence_id().empty() &&
                (req.sequence().sequence_id() != seq_->id() ||
@@ -465,8 +471,12 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
   absl::Status Commit() {
     if (!seq_.shared()) return absl::InvalidArgumentError("append stream carried no message");
     absl::MutexLock lock(&seq_->mu());
-    seq_->Commit();
-    committed_ = true;
+    // Released (or removed) while the stream was open: nothing is stored.
+    if (absl::Status live = service_->store()->CheckLive(*seq_); !live.ok()) {
+      KVQ_RETURN_IF_ERROR(seq_->Rollback(txn_));
+      return live;
+    }
+    KVQ_RETURN_IF_ERROR(seq_->Commit(txn_));
     service_->store()->RegisterPrefixBlocks(seq_.shared());
     v1::AppendResponse resp;
     resp.set_num_tokens(seq_->num_tokens());
@@ -476,12 +486,15 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
     return absl::OkStatus();
   }
 
+  // Undoes this stream's own transaction, if it still holds one.
+  void RollbackOwn() {
+    if (!txn_.held()) return;
+    absl::MutexLock lock(&seq_->mu());
+    seq_->Rollback(txn_).IgnoreError();  // The token owns the open transaction.
+  }
+
   void Done(const absl::Status& st) {
-    if (!st.ok() && seq_.shared() && !committed_) {
-      absl::MutexLock lock(&seq_->mu());
-      seq_->Rollback();
-      committed_ = true;  // Nothing left to undo.
-    }
+    if (!st.ok()) RollbackOwn();
     timer_.Finish(static_cast<int>(st.code()));
     Finish(ToGrpc(st));
   }
@@ -495,7 +508,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
   grpc::ByteBuffer in_;  // The message read.
   AppendMessage msg_;    // in_ decoded.
   SequenceStore::Handle seq_;
-  bool committed_ = false;
+  TransactionToken txn_;  // Held from the first message until commit or rollback.
 };
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvqService::Append(grpc::CallbackServerContext* ctx,
@@ -581,14 +594,16 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
         return absl::InvalidArgumentError("dtype must be unset for a raw fetch");
       }
-      const KvStream& s = seq_->stream(lb, 0);
+      const KvStream& s = seq_->committed_stream(lb, 0);
       if (s.spec().kind == SchemeKind::kFp8E4m3) {
         return absl::FailedPreconditionError("raw fetch is not available for fp8_e4m3");
       }
       const int base = s.page_base();
       const int pt = s.layout().page_tokens;
       int quantized = std::numeric_limits<int>::max();
-      for (int l = lb; l < le; ++l) quantized = std::min(quantized, seq_->stream(l, 0).quantized_tokens());
+      for (int l = lb; l < le; ++l) {
+        quantized = std::min(quantized, seq_->committed_stream(l, 0).quantized_tokens());
+      }
       if (tb < base || te > base + quantized || (tb - base) % pt != 0) {
         return absl::OutOfRangeError(absl::StrCat(
             "a raw fetch covers quantized tokens: [token_begin, token_end) must start on a page "
@@ -628,7 +643,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       return st;
     }
     if (req_.raw()) {
-      const KvStream& s0 = seq_->stream(p.layer, 0);
+      const KvStream& s0 = seq_->committed_stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
       const size_t page_bytes = s0.layout().page_bytes;
       RawFetchMessage msg(p.layer, p.begin, 1, n, static_cast<int64_t>(page_bytes),
@@ -641,7 +656,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       const std::shared_ptr<PageAllocator> owner =
           service_->store()->SharedAllocator(s0.allocator());
       for (int h = 0; h < m.num_kv_heads; ++h) {
-        const KvStream& s = seq_->stream(p.layer, h);
+        const KvStream& s = seq_->committed_stream(p.layer, h);
         const bool pooled = owner != nullptr && s.allocator() == owner.get();
         KVQ_RETURN_IF_ERROR(s.VisitPages(
             p.begin - s.page_base(), p.end - s.page_base(), [&](const uint8_t* page, bool full) {
@@ -664,7 +679,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     for (int h = 0; h < m.num_kv_heads; ++h) {
       TensorView ko{msg.k_data() + h * per_head, dtype_, n, m.head_dim, 0};
       TensorView vo{msg.v_data() + h * per_head, dtype_, n, m.head_dim, 0};
-      KVQ_RETURN_IF_ERROR(seq_->stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
+      KVQ_RETURN_IF_ERROR(seq_->committed_stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
     }
     out_ = msg.Release();
     return absl::OkStatus();
@@ -859,12 +874,24 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     items.push_back(std::move(item));
   }
   std::vector<AttendJob> jobs;
+  // Every item's sequence stays locked from the check below to its append:
+  // an Append stream that opened since the checks above is refused here,
+  // before any item is appended (its transaction would otherwise take in,
+  // and could roll back, this call's acknowledged tokens).
+  std::vector<Sequence*> seqs;
+  for (Item& item : items) seqs.push_back(&*item.seq);
+  std::optional<WriteLocks> locks(std::in_place, seqs);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].seq->in_transaction()) {
+      return absl::AbortedError(
+          absl::StrCat("items[", i, "]: an append stream is in progress on this sequence"));
+    }
+  }
   for (size_t i = 0; i < items.size(); ++i) {
     Item& item = items[i];
     AttendJob j;
     j.field = absl::StrCat("items[", i, "]");
     {
-      absl::MutexLock lock(&item.seq->mu());
       const int before = item.seq->layer_tokens(req.layer());
       KVQ_RETURN_IF_ERROR(Prefixed(store_->WithEviction(&*item.seq, [&] {
                                      return item.seq->AppendDense(item.kv);
@@ -880,6 +907,7 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     j.seq = std::move(item.seq);
     jobs.push_back(std::move(j));
   }
+  locks.reset();  // Attention takes reader locks.
   return RunAttention(*store_->backend(), &kernel_thread_, metrics_, &guard_, method, req.layer(),
                       jobs, req.softmax_scale(), resp, packed);
 }
@@ -1009,10 +1037,13 @@ grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
       absl::ReaderMutexLock lock(&seq->mu());
       const ModelShape& m = seq->shape();
       resp->set_sequences(1);
-      resp->set_num_tokens(seq->num_tokens());
+      // Tokens as readers see them (an open append stream's are not yet);
+      // bytes are what the sequence references now, its pages included.
+      resp->set_num_tokens(seq->committed_num_tokens());
       resp->set_scheme(seq->config().spec.ToString());
       bytes = seq->Bytes();
-      elements = int64_t{seq->num_tokens()} * m.num_layers * m.num_kv_heads * m.head_dim * 2;
+      elements =
+          int64_t{seq->committed_num_tokens()} * m.num_layers * m.num_kv_heads * m.head_dim * 2;
       fp16 = elements * 2;
     }
     FillBytes(bytes, resp->mutable_bytes());

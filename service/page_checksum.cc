@@ -77,7 +77,7 @@ void SealFullPages(const Sequence& seq, PagePool& pool, int layer_begin, int lay
 void PageReadCheck::Add(const Sequence& seq, int layer, int begin, int end) {
   std::vector<const uint8_t*> blocks;
   for (int h = 0; h < seq.shape().num_kv_heads; ++h) {
-    const KvStream& s = seq.stream(layer, h);
+    const KvStream& s = seq.committed_stream(layer, h);  // What readers read.
     const PageAllocator* sums_at = Keeper(s, pool_);
     if (sums_at == nullptr) continue;
     const int pt = s.layout().page_tokens;

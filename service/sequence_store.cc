@@ -210,29 +210,43 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   return Handle(this, shared);
 }
 
+absl::Status SequenceStore::GoneError(const std::string& key, absl::string_view ns,
+                                      absl::string_view id) const {
+  if (auto g = gone_.find(key); g != gone_.end()) {
+    switch (g->second) {
+      case GoneReason::kEvicted:
+        return absl::NotFoundError(
+            absl::StrCat(Describe(ns, id), " was evicted to free memory; recompute it"));
+      case GoneReason::kExpired:
+        return absl::NotFoundError(
+            absl::StrCat(Describe(ns, id), " expired: its lease ran out while idle"));
+      case GoneReason::kReleased:
+        return absl::NotFoundError(absl::StrCat(Describe(ns, id), " was released"));
+      case GoneReason::kCorrupted:
+        return absl::NotFoundError(absl::StrCat(
+            Describe(ns, id), " was removed: a page failed its checksum; append it again"));
+    }
+  }
+  return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
+}
+
+absl::Status SequenceStore::CheckLive(const Sequence& seq) const {
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(seq.tenant, seq.ns(), seq.id());
+  auto it = live_.find(key);
+  if (it != live_.end() && it->second.seq.get() == &seq) return absl::OkStatus();
+  if (it != live_.end()) {  // Released, then created again under the same id.
+    return absl::NotFoundError(absl::StrCat(Describe(seq.ns(), seq.id()), " was released"));
+  }
+  return GoneError(key, seq.ns(), seq.id());
+}
+
 absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, absl::string_view id,
                                                          absl::string_view tenant) {
   absl::MutexLock lock(&mu_);
   const std::string key = Key(tenant, ns, id);
   auto it = live_.find(key);
-  if (it == live_.end()) {
-    if (auto g = gone_.find(key); g != gone_.end()) {
-      switch (g->second) {
-        case GoneReason::kEvicted:
-          return absl::NotFoundError(absl::StrCat(Describe(ns, id),
-                                                  " was evicted to free memory; recompute it"));
-        case GoneReason::kExpired:
-          return absl::NotFoundError(
-              absl::StrCat(Describe(ns, id), " expired: its lease ran out while idle"));
-        case GoneReason::kReleased:
-          return absl::NotFoundError(absl::StrCat(Describe(ns, id), " was released"));
-        case GoneReason::kCorrupted:
-          return absl::NotFoundError(absl::StrCat(
-              Describe(ns, id), " was removed: a page failed its checksum; append it again"));
-      }
-    }
-    return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
-  }
+  if (it == live_.end()) return GoneError(key, ns, id);
   std::shared_ptr<Sequence> seq = it->second.seq;
   ++seq->active_calls;
   seq->last_used = absl::Now();
@@ -290,15 +304,14 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
   }
   std::unique_ptr<Sequence> fork;
   {
+    // A fork sees what a read would: the committed tokens, without those
+    // of an append stream still open on the source.
     absl::MutexLock lock(&src->mu());
-    if (src->in_transaction()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(Describe(ns, source), " has an append stream in progress"));
-    }
-    const int n = tokens == 0 ? src->num_tokens() : tokens;
-    if (n < 0 || n > src->num_tokens()) {
-      return absl::OutOfRangeError(absl::StrCat("num_tokens = ", tokens, " is not in [0, ",
-                                                src->num_tokens(), "]"));
+    const int committed = src->committed_num_tokens();
+    const int n = tokens == 0 ? committed : tokens;
+    if (n < 0 || n > committed) {
+      return absl::OutOfRangeError(
+          absl::StrCat("num_tokens = ", tokens, " is not in [0, ", committed, "]"));
     }
     KVQ_RETURN_IF_ERROR(WithEviction(&*src, [&]() -> absl::Status {
       KVQ_ASSIGN_OR_RETURN(fork, src->Fork(std::string(ns), id, n));
@@ -568,7 +581,7 @@ StoreStats SequenceStore::CollectStats(const absl::string_view* tenant) const {
   for (const auto& seq : live) {
     absl::ReaderMutexLock lock(&seq->mu());
     st.bytes += seq->Bytes();
-    const int64_t tokens = seq->num_tokens();
+    const int64_t tokens = seq->committed_num_tokens();
     st.tokens_by_scheme[seq->config().spec.ToString()] += tokens;
     st.fp16_equivalent_bytes += tokens * seq->shape().num_layers * seq->shape().num_kv_heads *
                                 seq->shape().head_dim * 2 * 2;

@@ -113,6 +113,10 @@ class SequenceStore {
   // evicted. Refreshes the lease.
   absl::StatusOr<Handle> Get(absl::string_view ns, absl::string_view id,
                              absl::string_view tenant = {});
+  // OK while `seq` (a handle's) is the live sequence of its key; else the
+  // NOT_FOUND that Get would answer (released, removed as corrupted). Lock
+  // order allows calling it with the sequence locked.
+  absl::Status CheckLive(const Sequence& seq) const;
   // Removes the sequence; returns the bytes it referenced. With eviction
   // enabled its pages stay as prefix cache until evicted.
   absl::StatusOr<int64_t> Release(absl::string_view ns, absl::string_view id,
@@ -185,6 +189,9 @@ class SequenceStore {
   // has none.
   bool EvictCachedOf(absl::string_view tenant);
   void Unuse(Sequence* seq);
+  // NOT_FOUND for `key`, naming why it is gone when a tombstone says.
+  absl::Status GoneError(const std::string& key, absl::string_view ns, absl::string_view id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Tombstone(const std::string& key, GoneReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts one sequence other than `keep`; false if none is evictable.
   bool EvictOne(const Sequence* keep);
