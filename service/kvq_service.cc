@@ -887,20 +887,28 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
           absl::StrCat("items[", i, "]: an append stream is in progress on this sequence"));
     }
   }
+  // All or nothing: an item that fails (the pool full after eviction) undoes
+  // the items appended before it, and their pages are sealed only once every
+  // item is in.
+  std::vector<int> before(items.size());
+  std::vector<Sequence::AppendUndo> undo(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     Item& item = items[i];
+    before[i] = item.seq->layer_tokens(req.layer());
+    if (items.size() > 1) undo[i] = item.seq->UndoPoint(item.kv);
+    absl::Status st = store_->WithEviction(&*item.seq, [&] { return item.seq->AppendDense(item.kv); });
+    if (!st.ok()) {
+      for (size_t u = i; u-- > 0;) items[u].seq->UndoAppend(items[u].kv, undo[u]);
+      return Prefixed(st, absl::StrCat("items[", i, "]: "));
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    Item& item = items[i];
+    guard_.Seal(*item.seq, req.layer(), req.layer() + 1);
     AttendJob j;
     j.field = absl::StrCat("items[", i, "]");
-    {
-      const int before = item.seq->layer_tokens(req.layer());
-      KVQ_RETURN_IF_ERROR(Prefixed(store_->WithEviction(&*item.seq, [&] {
-                                     return item.seq->AppendDense(item.kv);
-                                   }),
-                                   j.field + ": "));
-      guard_.Seal(*item.seq, req.layer(), req.layer() + 1);
-      for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before + t);
-      j.key_end = before + item.kv.tokens;
-    }
+    for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before[i] + t);
+    j.key_end = before[i] + item.kv.tokens;
     j.q_storage = std::move(item.q_floats);
     j.q = j.q_storage.data();
     j.num_queries = item.kv.tokens;

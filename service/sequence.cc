@@ -153,6 +153,25 @@ absl::Status Sequence::AppendDense(const DenseKv& kv) {
   });
 }
 
+Sequence::AppendUndo Sequence::UndoPoint(const DenseKv& kv) const {
+  AppendUndo undo;
+  for (int l = 0; l < kv.layers; ++l) {
+    for (int head = 0; head < shape_.num_kv_heads; ++head) {
+      undo.push_back(stream(kv.layer_begin + l, head).UndoPoint(kv.tokens));
+    }
+  }
+  return undo;
+}
+
+void Sequence::UndoAppend(const DenseKv& kv, const AppendUndo& undo) {
+  size_t i = 0;
+  for (int l = 0; l < kv.layers; ++l) {
+    for (int head = 0; head < shape_.num_kv_heads; ++head) {
+      stream(kv.layer_begin + l, head).Undo(undo[i++]);
+    }
+  }
+}
+
 absl::Status Sequence::AppendRaw(const RawPagesKv& raw) {
   if (raw.layers < 1 || raw.layer_begin < 0 || raw.layer_begin + raw.layers > shape_.num_layers) {
     return absl::OutOfRangeError(absl::StrCat("layers [", raw.layer_begin, ", ",

@@ -108,6 +108,14 @@ class Sequence {
   // The checks AppendDense makes before touching anything.
   absl::Status ValidateDense(const DenseKv& kv) const;
   absl::Status AppendRaw(const RawPagesKv& pages);
+  // Taken right before AppendDense(kv), what UndoAppend needs to take that
+  // append back after it succeeded, one checkpoint per stream of kv's
+  // layers: a multi-item call (AppendAttend) undoes the items before one
+  // that failed, so the call changes nothing. Nothing may append to, fork or
+  // seal those layers in between.
+  using AppendUndo = std::vector<KvStream::AppendCheckpoint>;
+  AppendUndo UndoPoint(const DenseKv& kv) const;
+  void UndoAppend(const DenseKv& kv, const AppendUndo& undo);
 
   // Snapshots for multi-message all-or-nothing (the Append stream): Begin
   // forks every stream (sharing pages) and returns the token that owns the

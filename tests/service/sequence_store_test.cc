@@ -39,13 +39,18 @@ CreateSequenceArgs Args(const std::string& id, const std::string& scheme = "kivi
 // K/V of `tokens` tokens of this test's model.
 Kv MakeKv(int tokens, uint64_t seed) { return RandomKv(kLayers, kHeads, kDim, tokens, seed); }
 
-std::vector<float> ReadAll(Sequence& s, int layer, int head) {
-  absl::ReaderMutexLock lock(&s.mu());
+// Every K/V value of one stream; the caller holds the sequence's lock.
+std::vector<float> ReadAllLocked(Sequence& s, int layer, int head) {
   const int n = s.layer_tokens(layer);
   std::vector<float> k(static_cast<size_t>(n) * kDim), v(k.size());
   EXPECT_TRUE(s.stream(layer, head).Read(0, n, {}, Floats(k.data(), n, kDim), Floats(v.data(), n, kDim)).ok());
   k.insert(k.end(), v.begin(), v.end());
   return k;
+}
+
+std::vector<float> ReadAll(Sequence& s, int layer, int head) {
+  absl::ReaderMutexLock lock(&s.mu());
+  return ReadAllLocked(s, layer, head);
 }
 
 TEST(SequenceStoreTest, CreateRejectsBadInputWithTheField) {
@@ -327,6 +332,49 @@ TEST(SequenceStoreTest, ReleasedSequencesDoNotGrowThePrefixRegistry) {
   }
   EXPECT_LE(store->Stats().prefix_entries, 1024);
   EXPECT_EQ(store->Stats().pool.used_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace kvq
+
+namespace kvq {
+namespace {
+
+// UndoAppend takes back an append that succeeded, byte for byte, also one
+// that flushed the fp16 tail into new pages (the tail rows are restored).
+TEST(SequenceStoreTest, UndoAppendRestoresTheStreamsAndThePool) {
+  auto store = MakeStore(4 << 20, /*evict=*/false);
+  int n = 0;
+  for (const char* scheme : {"fp16", "kivi2:g32:r32", "kivi4:g32:r32:sink=4"}) {
+    SCOPED_TRACE(scheme);
+    absl::StatusOr<SequenceStore::Handle> h = store->Create(Args(absl::StrCat("undo", n++), scheme));
+    ASSERT_TRUE(h.ok()) << h.status();
+    Sequence& s = **h;
+    Kv first = MakeKv(45, 7), next = MakeKv(40, 8);
+    absl::MutexLock lock(&s.mu());
+    ASSERT_TRUE(s.AppendDense(first.view(45)).ok());
+    std::vector<std::vector<float>> before;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int head = 0; head < kHeads; ++head) before.push_back(ReadAllLocked(s, l, head));
+    }
+    const size_t used = store->pool().Stats().used_bytes;
+    const DenseKv kv = next.view(40);
+    Sequence::AppendUndo undo = s.UndoPoint(kv);
+    ASSERT_TRUE(s.AppendDense(kv).ok());
+    ASSERT_EQ(s.num_tokens(), 85);
+    s.UndoAppend(kv, undo);
+    EXPECT_EQ(s.num_tokens(), 45);
+    EXPECT_EQ(store->pool().Stats().used_bytes, used);
+    int i = 0;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int head = 0; head < kHeads; ++head) {
+        EXPECT_EQ(ReadAllLocked(s, l, head), before[i++]) << "layer " << l << " head " << head;
+      }
+    }
+    // The stream goes on as if the undone append never happened.
+    ASSERT_TRUE(s.AppendDense(kv).ok());
+    EXPECT_EQ(s.num_tokens(), 85);
+  }
 }
 
 }  // namespace
