@@ -6,6 +6,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/quoted.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -25,11 +26,6 @@ absl::Status CheckName(absl::string_view field, absl::string_view name, bool all
     }
   }
   return absl::OkStatus();
-}
-
-std::string Describe(absl::string_view ns, absl::string_view id) {
-  return ns.empty() ? absl::StrCat("sequence \"", id, "\"")
-                    : absl::StrCat("sequence \"", id, "\" in namespace \"", ns, "\"");
 }
 
 }  // namespace
@@ -163,14 +159,16 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   config.head_dim = args.shape.head_dim;
   config.rope = args.shape.rope;
   if (absl::Status st = config.Validate(); !st.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("scheme \"", args.scheme, "\" with head_dim ",
-                                                   args.shape.head_dim, ": ", st.message()));
+    return absl::InvalidArgumentError(absl::StrCat("scheme ", Quoted(args.scheme),
+                                                   " with head_dim ", args.shape.head_dim, ": ",
+                                                   st.message()));
   }
   std::string id = args.id;
   {
     absl::MutexLock lock(&mu_);
     if (!id.empty() && live_.contains(Key(args.tenant, args.ns, id))) {
-      return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
+      return absl::AlreadyExistsError(
+          absl::StrCat(DescribeSequence(args.ns, id), " already exists"));
     }
     if (static_cast<int>(live_.size()) >= options_.max_sequences) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -202,7 +200,7 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   absl::MutexLock lock(&mu_);
   const std::string key = Key(args.tenant, args.ns, id);
   if (live_.contains(key)) {
-    return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
+    return absl::AlreadyExistsError(absl::StrCat(DescribeSequence(args.ns, id), " already exists"));
   }
   gone_.erase(key);
   live_[key] = Entry{shared};
@@ -219,19 +217,20 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, a
     if (auto g = gone_.find(key); g != gone_.end()) {
       switch (g->second) {
         case GoneReason::kEvicted:
-          return absl::NotFoundError(absl::StrCat(Describe(ns, id),
-                                                  " was evicted to free memory; recompute it"));
+          return absl::NotFoundError(
+              absl::StrCat(DescribeSequence(ns, id), " was evicted to free memory; recompute it"));
         case GoneReason::kExpired:
           return absl::NotFoundError(
-              absl::StrCat(Describe(ns, id), " expired: its lease ran out while idle"));
+              absl::StrCat(DescribeSequence(ns, id), " expired: its lease ran out while idle"));
         case GoneReason::kReleased:
-          return absl::NotFoundError(absl::StrCat(Describe(ns, id), " was released"));
+          return absl::NotFoundError(absl::StrCat(DescribeSequence(ns, id), " was released"));
         case GoneReason::kCorrupted:
-          return absl::NotFoundError(absl::StrCat(
-              Describe(ns, id), " was removed: a page failed its checksum; append it again"));
+          return absl::NotFoundError(
+              absl::StrCat(DescribeSequence(ns, id),
+                           " was removed: a page failed its checksum; append it again"));
       }
     }
-    return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
+    return absl::NotFoundError(absl::StrCat(DescribeSequence(ns, id), " does not exist"));
   }
   std::shared_ptr<Sequence> seq = it->second.seq;
   ++seq->active_calls;
@@ -249,9 +248,9 @@ absl::StatusOr<int64_t> SequenceStore::Release(absl::string_view ns, absl::strin
     if (it == live_.end()) {
       if (gone_.contains(key)) {
         return absl::NotFoundError(
-            absl::StrCat(Describe(ns, id), " was already ", GoneReasonName(gone_[key])));
+            absl::StrCat(DescribeSequence(ns, id), " was already ", GoneReasonName(gone_[key])));
       }
-      return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
+      return absl::NotFoundError(absl::StrCat(DescribeSequence(ns, id), " does not exist"));
     }
     seq = std::move(it->second.seq);
     live_.erase(it);
@@ -285,7 +284,7 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
     absl::MutexLock lock(&mu_);
     if (id.empty()) id = absl::StrFormat("seq-%d-fork", ++next_id_[tenant]);
     if (live_.contains(Key(tenant, ns, id))) {
-      return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
+      return absl::AlreadyExistsError(absl::StrCat(DescribeSequence(ns, id), " already exists"));
     }
   }
   std::unique_ptr<Sequence> fork;
@@ -293,7 +292,7 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
     absl::MutexLock lock(&src->mu());
     if (src->in_transaction()) {
       return absl::FailedPreconditionError(
-          absl::StrCat(Describe(ns, source), " has an append stream in progress"));
+          absl::StrCat(DescribeSequence(ns, source), " has an append stream in progress"));
     }
     const int n = tokens == 0 ? src->num_tokens() : tokens;
     if (n < 0 || n > src->num_tokens()) {
@@ -312,7 +311,7 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
   absl::MutexLock lock(&mu_);
   const std::string key = Key(tenant, ns, id);
   if (live_.contains(key)) {
-    return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
+    return absl::AlreadyExistsError(absl::StrCat(DescribeSequence(ns, id), " already exists"));
   }
   gone_.erase(key);
   live_[key] = Entry{shared};
