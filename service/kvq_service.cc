@@ -332,6 +332,7 @@ grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext
         resp->set_scheme(seq->config().spec.ToString());
         resp->set_num_tokens(seq->num_tokens());
         resp->set_block_tokens(seq->block_tokens());
+        resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(seq->ttl)));
         return absl::OkStatus();
       });
 }
@@ -961,6 +962,7 @@ grpc::ServerUnaryReactor* KvqService::Fork(grpc::CallbackServerContext* ctx,
         absl::ReaderMutexLock lock(&f->mu());
         resp->set_sequence_id(f->id());
         resp->set_num_tokens(f->num_tokens());
+        resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(f->ttl)));
         return absl::OkStatus();
       });
 }

@@ -149,10 +149,9 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   KVQ_RETURN_IF_ERROR(CheckName("sequence_id", args.id, /*allow_empty=*/true));
   KVQ_ASSIGN_OR_RETURN(QuantSpec spec, QuantSpec::Parse(args.scheme));
   KVQ_RETURN_IF_ERROR(args.shape.Validate());
-  if (args.ttl < absl::ZeroDuration() || args.ttl > options_.max_ttl) {
-    return absl::InvalidArgumentError(absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(args.ttl),
-                                                   " exceeds the maximum ",
-                                                   absl::ToInt64Seconds(options_.max_ttl)));
+  if (args.ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(args.ttl), " must be >= 0"));
   }
   StreamConfig config;
   config.spec = spec;
@@ -194,7 +193,10 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
       seq->tenant = args.tenant;
     }
   }
-  seq->ttl = args.ttl == absl::ZeroDuration() ? options_.default_ttl : args.ttl;
+  // A lease above the maximum is capped to it, as the proto promises; the
+  // response reports the lease granted.
+  seq->ttl = args.ttl == absl::ZeroDuration() ? options_.default_ttl
+                                              : std::min(args.ttl, options_.max_ttl);
   seq->last_used = absl::Now();
   std::shared_ptr<Sequence> shared(std::move(seq));
   absl::MutexLock lock(&mu_);
@@ -273,10 +275,9 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
                                                           absl::Duration ttl,
                                                           absl::string_view tenant) {
   KVQ_RETURN_IF_ERROR(CheckName("new_sequence_id", new_id, /*allow_empty=*/true));
-  if (ttl < absl::ZeroDuration() || ttl > options_.max_ttl) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ttl_seconds = ", absl::ToInt64Seconds(ttl), " exceeds the maximum ",
-        absl::ToInt64Seconds(options_.max_ttl)));
+  if (ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(ttl), " must be >= 0"));
   }
   KVQ_ASSIGN_OR_RETURN(Handle src, Get(ns, source, tenant));
   std::string id(new_id);
@@ -304,7 +305,7 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
       return absl::OkStatus();
     }));
   }
-  fork->ttl = ttl == absl::ZeroDuration() ? src->ttl : ttl;
+  fork->ttl = ttl == absl::ZeroDuration() ? src->ttl : std::min(ttl, options_.max_ttl);
   fork->last_used = absl::Now();
   fork->tenant = std::string(tenant);
   std::shared_ptr<Sequence> shared(std::move(fork));

@@ -346,5 +346,37 @@ TEST_F(ErrorContractTest, UndecodableRequestsAreInvalidArgumentNamingTheFieldOnE
   EXPECT_EQ(Tokens("kept"), 40);
 }
 
+TEST_F(ErrorContractTest, LeasesAboveTheMaximumAreCappedAndReported) {
+  // The server runs with --max_ttl_seconds=100 --default_ttl_seconds=60.
+  struct Case {
+    uint32_t asked, granted;
+  };
+  for (const Case& c :
+       {Case{0, 60}, Case{30, 30}, Case{100, 100}, Case{101, 100}, Case{4000000000u, 100}}) {
+    grpc::ClientContext ctx;
+    v1::CreateSequenceRequest req;
+    req.set_namespace_(ns_);
+    req.set_sequence_id(absl::StrCat("ttl-", c.asked));
+    req.set_scheme("int8");
+    req.set_ttl_seconds(c.asked);
+    SetLayout(req.mutable_layout());
+    v1::CreateSequenceResponse resp;
+    const grpc::Status st = stub_->CreateSequence(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << c.asked << ": " << st.error_message();
+    EXPECT_EQ(resp.ttl_seconds(), c.granted) << "asked " << c.asked;
+  }
+  for (const Case& c : {Case{0, 30}, Case{7, 7}, Case{500, 100}}) {
+    grpc::ClientContext ctx;
+    v1::ForkRequest req;
+    *req.mutable_source() = Ref("ttl-30");
+    req.set_new_sequence_id(absl::StrCat("fork-", c.asked));
+    req.set_ttl_seconds(c.asked);
+    v1::ForkResponse resp;
+    const grpc::Status st = stub_->Fork(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << c.asked << ": " << st.error_message();
+    EXPECT_EQ(resp.ttl_seconds(), c.granted) << "fork asked " << c.asked << " (source: 30)";
+  }
+}
+
 }  // namespace
 }  // namespace kvq
