@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -253,6 +254,11 @@ absl::Status KvqService::Admit(const grpc::CallbackServerContext* ctx,
   tenant->reset();
   if (tenants_ == nullptr) return absl::OkStatus();
   const auto& md = ctx->client_metadata();
+  // Two tokens would leave which one counts to the order of the headers.
+  if (md.count("authorization") > 1) {
+    return absl::UnauthenticatedError(
+        "more than one authorization header; send exactly one bearer token");
+  }
   auto it = md.find("authorization");
   absl::StatusOr<std::shared_ptr<Tenant>> t =
       it == md.end() ? tenants_->Authenticate(false, {})
@@ -786,6 +792,9 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     KVQ_ASSIGN_OR_RETURN(pq, CheckTensor(req.q(), "q", {n, -1, pk.shape[2]}));
   }
   std::vector<Item> items;
+  // Which item names each sequence: one sequence twice in one call would
+  // be appended twice and attend over its own step twice.
+  absl::flat_hash_map<const Sequence*, int> item_of;
   // Check every item before appending any.
   for (int i = 0; i < n; ++i) {
     const v1::AppendAttendItem& it = req.items(i);
@@ -793,6 +802,11 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     absl::StatusOr<SequenceStore::Handle> h =
         store_->Get(it.sequence().namespace_(), it.sequence().sequence_id(), tenant);
     if (!h.ok()) return Prefixed(h.status(), field + ".sequence: ");
+    if (auto [first, inserted] = item_of.emplace(&**h, i); !inserted) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " names the same sequence as items[",
+                                                     first->second,
+                                                     "]; a sequence may appear once per call"));
+    }
     Item item{std::move(*h), {}, {}, {}};
     const ModelShape& m = item.seq->shape();
     // Attention runs every item in one call of one GQA group size: checked

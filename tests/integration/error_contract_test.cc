@@ -378,5 +378,115 @@ TEST_F(ErrorContractTest, LeasesAboveTheMaximumAreCappedAndReported) {
   }
 }
 
+TEST_F(ErrorContractTest, OneSequenceTwiceInAnAppendAttendIsRefusedAndNothingIsStored) {
+  ASSERT_NO_FATAL_FAILURE(CreateWithTokens("a", 40));
+  ASSERT_NO_FATAL_FAILURE(CreateWithTokens("b", 40));
+  v1::AppendAttendRequest req;
+  req.set_layer(0);
+  for (const char* id : {"a", "b", "a"}) {
+    v1::AppendAttendItem* it = req.add_items();
+    *it->mutable_sequence() = Ref(id);
+    Fill(it->mutable_k(), {kHeads, 1, kDim}, 0.5f);
+    Fill(it->mutable_v(), {kHeads, 1, kDim}, 0.25f);
+    Fill(it->mutable_q(), {1, kQHeads, kDim}, 0.125f);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    const grpc::Status st = stub_->AppendAttend(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(st.error_message(),
+              "items[2] names the same sequence as items[0]; a sequence may appear once per call");
+  }
+  // The same through a DecodeStream step.
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub_->DecodeStream(&ctx);
+    v1::DecodeRequest step;
+    *step.mutable_step() = req;
+    ASSERT_TRUE(stream->Write(step));
+    stream->WritesDone();
+    v1::DecodeResponse resp;
+    EXPECT_FALSE(stream->Read(&resp));
+    const grpc::Status st = stream->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(
+        absl::StrContains(st.error_message(), "items[2] names the same sequence as items[0]"))
+        << st.error_message();
+  }
+  EXPECT_EQ(LayerTokens("a", 0), 40);
+  EXPECT_EQ(LayerTokens("b", 0), 40) << "the other item is not appended either";
+  // Without the repeat the same call goes through.
+  req.mutable_items()->RemoveLast();
+  grpc::ClientContext ctx;
+  v1::AttendResponse resp;
+  ASSERT_TRUE(stub_->AppendAttend(&ctx, req, &resp).ok());
+  EXPECT_EQ(LayerTokens("a", 0), 41);
+  EXPECT_EQ(LayerTokens("b", 0), 41);
+}
+
+TEST_F(ErrorContractTest, AnEmptyKeyRangeIsOkWithZeroOutAndMinusInfinityLse) {
+  ASSERT_NO_FATAL_FAILURE(CreateWithTokens("full", 40));
+  ASSERT_NO_FATAL_FAILURE(CreateWithTokens("empty", 0));
+  v1::AttendRequest req;
+  req.set_layer(1);
+  v1::AttendItem* ranged = req.add_items();
+  *ranged->mutable_sequence() = Ref("full");
+  Fill(ranged->mutable_q(), {2, kQHeads, kDim}, 0.5f);
+  ranged->set_key_begin(17);
+  ranged->set_key_end(17);
+  v1::AttendItem* none = req.add_items();
+  *none->mutable_sequence() = Ref("empty");
+  Fill(none->mutable_q(), {1, kQHeads, kDim}, 0.5f);
+  grpc::ClientContext ctx;
+  v1::AttendResponse resp;
+  const grpc::Status st = stub_->Attend(&ctx, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(resp.results_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    const std::vector<float> out = Floats(resp.results(i).out());
+    const std::vector<float> lse = Floats(resp.results(i).lse());
+    ASSERT_EQ(out.size(), static_cast<size_t>((i == 0 ? 2 : 1) * kQHeads * kDim));
+    ASSERT_EQ(lse.size(), static_cast<size_t>((i == 0 ? 2 : 1) * kQHeads));
+    for (float x : out) EXPECT_EQ(x, 0.0f) << "item " << i;
+    for (float x : lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity()) << "item " << i;
+  }
+  // A range outside the stored tokens is still OUT_OF_RANGE.
+  ranged->set_key_begin(41);
+  ranged->set_key_end(41);
+  grpc::ClientContext ctx2;
+  EXPECT_EQ(stub_->Attend(&ctx2, req, &resp).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+}
+
+TEST(ErrorContractTenantTest, TwoAuthorizationHeadersAreUnauthenticated) {
+  char dir[] = "/tmp/kvq-contract-it-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string tokens = std::string(dir) + "/tokens";
+  std::ofstream(tokens) << "tenant=a token=tenant-a-token-0123456789\n"
+                        << "tenant=b token=tenant-b-token-9876543210\n";
+  ServerProcess server(KVQ_SERVER_BIN);
+  ASSERT_TRUE(server.Start({"--tokens_file=" + tokens}).ok());
+  std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  auto stats = [&](const std::vector<std::string>& headers) {
+    grpc::ClientContext ctx;
+    for (const std::string& h : headers) ctx.AddMetadata("authorization", h);
+    v1::StatsRequest req;
+    v1::StatsResponse resp;
+    return stub->Stats(&ctx, req, &resp);
+  };
+  const std::string a = "Bearer tenant-a-token-0123456789";
+  const std::string b = "Bearer tenant-b-token-9876543210";
+  EXPECT_TRUE(stats({a}).ok());
+  for (const std::vector<std::string>& twice : {std::vector<std::string>{a, b}, {a, a}, {b, "x"}}) {
+    const grpc::Status st = stats(twice);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(st.error_message(),
+              "more than one authorization header; send exactly one bearer token");
+  }
+  std::remove(tokens.c_str());
+  rmdir(dir);
+}
+
 }  // namespace
 }  // namespace kvq
