@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/build_info.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "service/kernel_thread.h"
 #include "service/metrics.h"
@@ -30,7 +31,7 @@ struct ServiceOptions {
   // Default size of one FetchDequant response message.
   int64_t fetch_chunk_bytes = int64_t{1} << 20;
   std::string backend_name = "cpu";
-  std::string version = "0.1.0";
+  std::string version = std::string(KvqVersion());
   // Share of reads that verify page checksums (--verify_fraction).
   double verify_fraction = 1.0;
   // Longest a device payload transfer may wait for its peer (the call's
