@@ -137,6 +137,7 @@ absl::Status DecodeRequest(const grpc::ByteBuffer& buffer, Message* message) {
 }
 
 absl::Status EncodeResponse(const Message& message, grpc::ByteBuffer* buffer) {
+  buffer->Clear();  // A stream's buffer still holds the previous message.
   bool own_buffer = false;
   grpc::Status st = grpc::SerializationTraits<Message>::Serialize(message, buffer, &own_buffer);
   if (!st.ok()) return absl::InternalError(absl::StrCat("response: ", st.error_message()));

@@ -46,7 +46,7 @@ absl::Status DescribeUndecodable(const google::protobuf::Message& prototype,
 // Parses `buffer` into `message` (cleared first), then CheckStringFields.
 absl::Status DecodeRequest(const grpc::ByteBuffer& buffer, google::protobuf::Message* message);
 
-// `message` serialized into `buffer`.
+// `message` serialized into `buffer` (its previous contents dropped).
 absl::Status EncodeResponse(const google::protobuf::Message& message, grpc::ByteBuffer* buffer);
 
 }  // namespace kvq

@@ -376,6 +376,20 @@ TEST_F(ErrorContractTest, LeasesAboveTheMaximumAreCappedAndReported) {
     ASSERT_TRUE(st.ok()) << c.asked << ": " << st.error_message();
     EXPECT_EQ(resp.ttl_seconds(), c.granted) << "fork asked " << c.asked << " (source: 30)";
   }
+  // The C++ client reports the lease granted too.
+  CreateOptions create;
+  create.sequence_id = "client-ttl";
+  create.config = Config();
+  create.ttl_seconds = 1000;
+  absl::StatusOr<SequenceInfo> info = client_->CreateSequence(create);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->ttl_seconds, 100u);
+  ForkOptions fork;
+  fork.new_sequence_id = "client-ttl-fork";
+  fork.ttl_seconds = 20;
+  absl::StatusOr<ForkResult> forked = client_->Fork("client-ttl", fork);
+  ASSERT_TRUE(forked.ok()) << forked.status();
+  EXPECT_EQ(forked->ttl_seconds, 20u);
 }
 
 TEST_F(ErrorContractTest, OneSequenceTwiceInAnAppendAttendIsRefusedAndNothingIsStored) {
@@ -423,6 +437,23 @@ TEST_F(ErrorContractTest, OneSequenceTwiceInAnAppendAttendIsRefusedAndNothingIsS
   ASSERT_TRUE(stub_->AppendAttend(&ctx, req, &resp).ok());
   EXPECT_EQ(LayerTokens("a", 0), 41);
   EXPECT_EQ(LayerTokens("b", 0), 41);
+  // And so does a stream of such steps, each answered in turn.
+  grpc::ClientContext stream_ctx;
+  auto stream = stub_->DecodeStream(&stream_ctx);
+  for (int layer : {1, 0}) {
+    v1::DecodeRequest step;
+    *step.mutable_step() = req;
+    step.mutable_step()->set_layer(layer);
+    ASSERT_TRUE(stream->Write(step));
+    v1::DecodeResponse answer;
+    ASSERT_TRUE(stream->Read(&answer)) << "layer " << layer;
+    EXPECT_EQ(answer.result().results_size(), 2);
+  }
+  stream->WritesDone();
+  const grpc::Status finished = stream->Finish();
+  EXPECT_TRUE(finished.ok()) << finished.error_message();
+  EXPECT_EQ(LayerTokens("a", 0), 42);
+  EXPECT_EQ(LayerTokens("a", 1), 41);
 }
 
 TEST_F(ErrorContractTest, AnEmptyKeyRangeIsOkWithZeroOutAndMinusInfinityLse) {

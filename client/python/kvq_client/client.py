@@ -129,6 +129,7 @@ class SequenceInfo:
     scheme: str        # Canonical.
     num_tokens: int    # A reused prefix already present.
     block_tokens: int
+    ttl_seconds: int = 0  # The idle lease granted (capped to the server's maximum).
 
 
 @dataclasses.dataclass
@@ -425,7 +426,7 @@ class KvqClient:
             to_tensor(np.asarray(value_levels, np.float32), out=c.value_levels)
         r = self._call(lambda t, _: self._stub.CreateSequence(request, timeout=t),
                        idempotent=False, deadline=deadline)
-        return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens)
+        return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens, r.ttl_seconds)
 
     def append_prompt(self, sequence_id, k, v, layer_begin=0, max_chunk_bytes=1 << 20,
                       wire_dtype=None, token_ids=None, progress: Optional[Progress] = None,
