@@ -44,6 +44,7 @@
 #include "bench/kernels_bench.h"
 #include "bench/rpc_bench.h"
 #include "bench/soak_bench.h"
+#include "kernels/build_info.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON document instead of the table.");
 ABSL_FLAG(bool, quick, false,
@@ -158,6 +159,7 @@ int KernelsMain(const std::string& command) {
 }  // namespace kvq
 
 int main(int argc, char** argv) {
+  if (kvq::PrintVersionIfAsked(argc, argv, "kvq-bench")) return 0;
   absl::SetProgramUsageMessage(
       "kvq-bench <subcommand> [flags]\n"
       "  kernels   bits/element, attention error and decode speed of every scheme\n"

@@ -15,6 +15,7 @@
 #include "kernels/status_macros.h"
 #include "service/kvq_service.h"
 #include "service/tensor_codec.h"
+#include "service/unary_call.h"
 
 namespace kvq {
 namespace {
@@ -68,66 +69,50 @@ absl::Status NoTransport(TransportKind kind) {
       ", or found no GPU; send the tensors over gRPC (transport \"grpc\")"));
 }
 
-// A unary handler around `body`: admit, time, size-check, count, finish.
-template <typename Req, typename Resp, typename Body>
-grpc::ServerUnaryReactor* Unary(KvqService* service, RpcMethod method,
-                                grpc::CallbackServerContext* ctx, const Req* req, Resp* resp,
-                                Body body) {
-  RpcTimer timer(service->metrics(), method);
-  service->metrics()->AddReceivedBytes(method, req->ByteSizeLong());
-  std::shared_ptr<Tenant> tenant;
-  absl::Status st = service->Admit(ctx, &tenant);
-  timer.set_tenant(tenant.get());
-  if (st.ok()) st = service->CheckSize(*req);
-  if (st.ok()) {
-    const std::string name = tenant ? tenant->name() : std::string();
-    // The call's own deadline bounds its transfers (none: infinite).
-    const absl::Time deadline = absl::FromChrono(ctx->deadline());
-    st = body(name, deadline);
-  }
-  if (st.ok()) service->metrics()->AddSentBytes(method, resp->ByteSizeLong());
-  timer.Finish(static_cast<int>(st.code()));
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpc(st));
-  return reactor;
-}
-
 }  // namespace
 
 grpc::ServerUnaryReactor* KvqService::OpenTransfer(grpc::CallbackServerContext* ctx,
-                                                   const v1::OpenTransferRequest* req,
-                                                   v1::OpenTransferResponse* resp) {
-  return Unary(this, RpcMethod::kOpenTransfer, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time deadline) {
-                 return DoOpenTransfer(*req, resp, tenant, deadline);
-               });
+                                                   const grpc::ByteBuffer* raw_req,
+                                                   grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::OpenTransferRequest, v1::OpenTransferResponse>(
+      this, RpcMethod::kOpenTransfer, ctx, raw_req, raw_resp,
+      [&](const v1::OpenTransferRequest& req, v1::OpenTransferResponse* resp,
+          const CallInfo& call) {
+        return DoOpenTransfer(req, resp, call.tenant_name, call.deadline);
+      });
 }
 
 grpc::ServerUnaryReactor* KvqService::CloseTransfer(grpc::CallbackServerContext* ctx,
-                                                    const v1::CloseTransferRequest* req,
-                                                    v1::CloseTransferResponse* resp) {
-  return Unary(this, RpcMethod::kCloseTransfer, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time) {
-                 return sessions_.Close(req->session_id(), tenant);
-               });
+                                                    const grpc::ByteBuffer* raw_req,
+                                                    grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::CloseTransferRequest, v1::CloseTransferResponse>(
+      this, RpcMethod::kCloseTransfer, ctx, raw_req, raw_resp,
+      [&](const v1::CloseTransferRequest& req, v1::CloseTransferResponse* resp,
+          const CallInfo& call) { return sessions_.Close(req.session_id(), call.tenant_name); });
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendDevice(grpc::CallbackServerContext* ctx,
-                                                   const v1::AppendDeviceRequest* req,
-                                                   v1::AppendResponse* resp) {
-  return Unary(this, RpcMethod::kAppendDevice, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time deadline) {
-                 return DoAppendDevice(*req, resp, tenant, deadline);
-               });
+                                                   const grpc::ByteBuffer* raw_req,
+                                                   grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::AppendDeviceRequest, v1::AppendResponse>(
+      this, RpcMethod::kAppendDevice, ctx, raw_req, raw_resp,
+      [&](const v1::AppendDeviceRequest& req, v1::AppendResponse* resp, const CallInfo& call) {
+        return DoAppendDevice(req, resp, call.tenant_name, call.deadline);
+      });
 }
 
 grpc::ServerUnaryReactor* KvqService::FetchDevice(grpc::CallbackServerContext* ctx,
-                                                  const v1::FetchDeviceRequest* req,
-                                                  v1::FetchDeviceResponse* resp) {
-  return Unary(this, RpcMethod::kFetchDevice, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time deadline) {
-                 return DoFetchDevice(*req, resp, tenant, deadline);
-               });
+                                                  const grpc::ByteBuffer* raw_req,
+                                                  grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::FetchDeviceRequest, v1::FetchDeviceResponse>(
+      this, RpcMethod::kFetchDevice, ctx, raw_req, raw_resp,
+      [&](const v1::FetchDeviceRequest& req, v1::FetchDeviceResponse* resp, const CallInfo& call) {
+        return DoFetchDevice(req, resp, call.tenant_name, call.deadline);
+      });
 }
 
 absl::Status KvqService::DoOpenTransfer(const v1::OpenTransferRequest& req,
@@ -221,9 +206,12 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
   const auto& s = req.shape();
   if (s.size() != 4 || s[0] < 1 || s[1] != m.num_kv_heads || s[2] < 1 ||
       s[3] != m.head_dim) {
+    // Of a shape of any other rank only the rank is repeated.
     return absl::InvalidArgumentError(absl::StrCat(
-        "shape = [", absl::StrJoin(s, ", "), "] must be [layers >= 1, ", m.num_kv_heads,
-        ", tokens >= 1, ", m.head_dim, "] for this sequence"));
+        s.size() == 4 ? absl::StrCat("shape = [", absl::StrJoin(s, ", "), "]")
+                      : absl::StrCat("shape has ", s.size(), " dimensions; it"),
+        " must be [layers >= 1, ", m.num_kv_heads, ", tokens >= 1, ", m.head_dim,
+        "] for this sequence"));
   }
   if (req.layer_begin() < 0 || s[0] > m.num_layers - req.layer_begin()) {
     return absl::OutOfRangeError(absl::StrCat("layers [", req.layer_begin(), ", ",

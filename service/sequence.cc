@@ -4,6 +4,7 @@
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quoted.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -258,6 +259,11 @@ ByteBreakdown Sequence::Bytes() const {
   ByteBreakdown b;
   for (const auto& s : streams_) b += s->AllocatedBytes();
   return b;
+}
+
+std::string DescribeSequence(absl::string_view ns, absl::string_view id) {
+  return ns.empty() ? absl::StrCat("sequence ", Quoted(id))
+                    : absl::StrCat("sequence ", Quoted(id), " in namespace ", Quoted(ns));
 }
 
 }  // namespace kvq

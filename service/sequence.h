@@ -182,6 +182,10 @@ class Sequence {
   std::vector<int32_t> token_ids_;
 };
 
+// `sequence "id"` or `sequence "id" in namespace "ns"` for messages, each
+// name cut to a short prefix (kernels/quoted.h).
+std::string DescribeSequence(absl::string_view ns, absl::string_view id);
+
 }  // namespace kvq
 
 #endif  // KVQ_SERVICE_SEQUENCE_H_

@@ -28,7 +28,7 @@ namespace kvq {
 struct StoreOptions {
   PagePoolOptions pool;
   absl::Duration default_ttl = absl::Minutes(10);
-  absl::Duration max_ttl = absl::Hours(24);
+  absl::Duration max_ttl = absl::Hours(24);  // A longer lease asked for is capped to it.
   // When the pool is full, evict released (prefix-cache) and then idle
   // sequences, least recently used first, instead of failing.
   bool evict_when_full = false;
@@ -58,7 +58,7 @@ struct CreateSequenceArgs {
   std::string id;  // Empty: generated.
   ModelShape shape;
   std::string scheme;
-  absl::Duration ttl = absl::ZeroDuration();  // Zero: default.
+  absl::Duration ttl = absl::ZeroDuration();  // Zero: default; capped to max_ttl.
   std::vector<Codebook> codebooks;
   std::vector<int32_t> prompt_token_ids;
 };
