@@ -68,6 +68,10 @@ class KvqService final
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
                                            const v1::CreateSequenceRequest* req,
                                            v1::CreateSequenceResponse* resp) override;
+  // Read-only prefix probe (service/match_prefix.cc).
+  grpc::ServerUnaryReactor* MatchPrefix(grpc::CallbackServerContext* ctx,
+                                        const v1::MatchPrefixRequest* req,
+                                        v1::MatchPrefixResponse* resp) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
                                                     grpc::ByteBuffer* resp) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchDequant(grpc::CallbackServerContext* ctx,
@@ -108,6 +112,8 @@ class KvqService final
                               absl::string_view tenant = {});
   absl::Status DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp,
                         absl::string_view tenant = {});
+  absl::Status DoMatchPrefix(const v1::MatchPrefixRequest& req, v1::MatchPrefixResponse* resp,
+                             absl::string_view tenant);
 
   // The caller's tenant (null for the default tenant) once its token and
   // its rate allow the call: UNAUTHENTICATED or RESOURCE_EXHAUSTED.
