@@ -223,6 +223,23 @@ absl::StatusOr<SequenceInfo> KvqClient::CreateSequence(const CreateOptions& opti
                       response.block_tokens(), response.ttl_seconds()};
 }
 
+absl::StatusOr<PrefixMatch> KvqClient::MatchPrefix(const SequenceConfig& config,
+                                                   const std::vector<int32_t>& prompt_token_ids,
+                                                   const CallOptions& call) {
+  KVQ_RETURN_IF_ERROR(config.ToStreamConfig().status());
+  v1::MatchPrefixRequest request;
+  request.set_namespace_(options_.ns);
+  ToProto(config.layout, request.mutable_layout());
+  request.set_scheme(config.scheme);
+  for (const Codebook& c : config.codebooks) ToProto(c, request.add_codebooks());
+  request.mutable_prompt_token_ids()->Assign(prompt_token_ids.begin(), prompt_token_ids.end());
+  v1::MatchPrefixResponse response;
+  KVQ_RETURN_IF_ERROR(Call(true, call, [&](grpc::ClientContext* ctx, int) {
+    return stub_->MatchPrefix(ctx, request, &response);
+  }));
+  return PrefixMatch{response.matched_tokens(), response.block_tokens()};
+}
+
 absl::StatusOr<AppendResult> KvqClient::SendPlan(absl::string_view sequence_id,
                                                  const HostTensor& k, const HostTensor& v,
                                                  const AppendPlan& plan,

@@ -108,6 +108,13 @@ struct CreateOptions {
   CallOptions call;
 };
 
+// MatchPrefix's answer: the leading prompt tokens a CreateSequence with the
+// same config would reuse now (0 or sink + k * block_tokens).
+struct PrefixMatch {
+  int matched_tokens = 0;
+  int block_tokens = 0;
+};
+
 struct SequenceInfo {
   std::string sequence_id;
   std::string scheme;  // Canonical.
@@ -292,6 +299,13 @@ class KvqClient {
   // ALREADY_EXISTS for an id in use; INVALID_ARGUMENT for a bad layout or
   // scheme (checked locally first: no round trip for a typo).
   absl::StatusOr<SequenceInfo> CreateSequence(const CreateOptions& options);
+
+  // Read-only probe of the server's prefix cache under this client's
+  // namespace and `config` (layout, scheme, codebooks): creates, forks and
+  // pins nothing. Idempotent (retried). INVALID_ARGUMENT for a bad config.
+  absl::StatusOr<PrefixMatch> MatchPrefix(const SequenceConfig& config,
+                                          const std::vector<int32_t>& prompt_token_ids,
+                                          const CallOptions& call = {});
 
   // Streams k and v ([layers, kv_heads, tokens, head_dim], same dtype) as
   // dense chunks of at most max_chunk_bytes. One all-or-nothing append.

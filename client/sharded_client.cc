@@ -340,24 +340,11 @@ absl::StatusOr<SequenceInfo> ShardedKvqClient::CreateSequence(const CreateOption
   const std::vector<std::string>& reps = snap->replicas;
   if (reps.empty()) return absl::FailedPreconditionError("no replicas");
   const std::string& ns = options_.client.ns;
-  const int p = options_.prefix_tokens;
-  const std::string prefix_key =
-      p > 0 && static_cast<int>(options.prompt_token_ids.size()) >= p
-          ? PrefixKey(ns, options.prompt_token_ids, p)
-          : std::string();
+  const std::string prefix_key = PromptKey(options.prompt_token_ids);
   absl::Status last;
   for (size_t attempt = 0; attempt < reps.size(); ++attempt) {
     std::string id = RandomId();
-    const std::vector<int> ranking =
-        RendezvousRanking(prefix_key.empty() ? SequenceKey(ns, id) : prefix_key, reps);
-    // The best replica not known to be down (all down: the best).
-    std::string target = reps[ranking[0]];
-    for (int i : ranking) {
-      if (!IsDown(reps[i])) {
-        target = reps[i];
-        break;
-      }
-    }
+    const std::string target = FirstUp(prefix_key.empty() ? SequenceKey(ns, id) : prefix_key, reps);
     if (reps[RendezvousWinner(SequenceKey(ns, id), reps)] != target) {
       KVQ_ASSIGN_OR_RETURN(id, DrawIdFor(reps, target));
     }
@@ -371,6 +358,39 @@ absl::StatusOr<SequenceInfo> ShardedKvqClient::CreateSequence(const CreateOption
     if (info.status().code() != absl::StatusCode::kUnavailable) return last;
   }
   return last;
+}
+
+std::string ShardedKvqClient::PromptKey(const std::vector<int32_t>& prompt_token_ids) const {
+  const int p = options_.prefix_tokens;
+  return p > 0 && static_cast<int>(prompt_token_ids.size()) >= p
+             ? PrefixKey(options_.client.ns, prompt_token_ids, p)
+             : std::string();
+}
+
+std::string ShardedKvqClient::FirstUp(absl::string_view key,
+                                      const std::vector<std::string>& replicas) {
+  const std::vector<int> ranking = RendezvousRanking(key, replicas);
+  for (int i : ranking) {
+    if (!IsDown(replicas[i])) return replicas[i];
+  }
+  return replicas[ranking[0]];
+}
+
+absl::StatusOr<PrefixMatch> ShardedKvqClient::MatchPrefix(
+    const SequenceConfig& config, const std::vector<int32_t>& prompt_token_ids,
+    const CallOptions& call) {
+  KVQ_RETURN_IF_ERROR(config.ToStreamConfig().status());
+  std::shared_ptr<const ReplicaSet::Snapshot> snap = replicas_->Get();
+  const std::vector<std::string>& reps = snap->replicas;
+  if (reps.empty()) return absl::FailedPreconditionError("no replicas");
+  const std::string key = PromptKey(prompt_token_ids);
+  if (key.empty() && reps.size() > 1) return PrefixMatch{};
+  const std::string target = FirstUp(key, reps);
+  KVQ_ASSIGN_OR_RETURN(std::shared_ptr<KvqClient> client, ClientForReplica(target));
+  absl::StatusOr<PrefixMatch> match = client->MatchPrefix(config, prompt_token_ids, call);
+  NoteStatus(target, match.status());
+  if (!match.ok()) return OnReplica(match.status(), target);
+  return match;
 }
 
 absl::StatusOr<AppendResult> ShardedKvqClient::AppendPrompt(absl::string_view sequence_id,

@@ -119,6 +119,14 @@ class ShardedKvqClient {
   // See the placement rule above. INVALID_ARGUMENT as KvqClient;
   // UNAVAILABLE when every replica is.
   absl::StatusOr<SequenceInfo> CreateSequence(const CreateOptions& options);
+  // KvqClient::MatchPrefix (read-only) asked of the replica CreateSequence
+  // would place this prompt on: the prefix key's first replica not known to
+  // be down. A prompt shorter than prefix_tokens is placed uniformly: over
+  // several replicas no one holds its prefix predictably, so the answer is
+  // 0 matched tokens without a call.
+  absl::StatusOr<PrefixMatch> MatchPrefix(const SequenceConfig& config,
+                                          const std::vector<int32_t>& prompt_token_ids,
+                                          const CallOptions& call = {});
   absl::StatusOr<AppendResult> AppendPrompt(absl::string_view sequence_id, const HostTensor& k,
                                             const HostTensor& v, const AppendOptions& options = {});
   absl::StatusOr<AppendResult> AppendPromptQuantized(absl::string_view sequence_id,
@@ -210,6 +218,10 @@ class ShardedKvqClient {
   absl::StatusOr<std::string> DrawIdFor(const std::vector<std::string>& replicas,
                                         absl::string_view target);
   std::string RandomId();
+  // The best-ranked replica for `key` not known to be down (all down: the best).
+  std::string FirstUp(absl::string_view key, const std::vector<std::string>& replicas);
+  // PrefixKey of the prompt's first prefix_tokens ids; "" when shorter.
+  std::string PromptKey(const std::vector<int32_t>& prompt_token_ids) const;
   void MarkDown(absl::string_view replica);
   bool IsDown(absl::string_view replica);
   void NoteStatus(absl::string_view replica, const absl::Status& status);

@@ -17,6 +17,7 @@
 #include "service/append_decoder.h"
 #include "service/fetch_encoder.h"
 #include "service/request_decoder.h"
+#include "service/sequence_args.h"
 #include "service/tensor_codec.h"
 #include "service/unary_call.h"
 
@@ -44,34 +45,6 @@ class SequenceLocks {
 };
 using ReadLocks = SequenceLocks<absl::ReaderMutexLock>;
 using WriteLocks = SequenceLocks<absl::MutexLock>;
-
-absl::StatusOr<ModelShape> ShapeFromWire(const v1::ModelLayout& l) {
-  ModelShape m;
-  m.num_layers = l.num_layers();
-  m.num_kv_heads = l.num_kv_heads();
-  m.num_q_heads = l.num_q_heads();
-  m.head_dim = l.head_dim();
-  const v1::RopeParams& r = l.rope();
-  m.rope.theta = r.theta() == 0.0f ? 10000.0f : r.theta();
-  m.rope.rotary_dim = r.rotary_dim();
-  m.rope.factor = r.factor() == 0.0f ? 1.0f : r.factor();
-  switch (r.pairing()) {
-    case v1::RopeParams::PAIRING_HALF_SPLIT: m.rope.pairing = RopeConfig::Pairing::kHalfSplit; break;
-    case v1::RopeParams::PAIRING_ADJACENT: m.rope.pairing = RopeConfig::Pairing::kAdjacent; break;
-    default: return absl::InvalidArgumentError("layout.rope.pairing is not a known pairing");
-  }
-  switch (r.scaling()) {
-    case v1::RopeParams::SCALING_NONE: m.rope.scaling = RopeConfig::Scaling::kNone; break;
-    case v1::RopeParams::SCALING_LINEAR: m.rope.scaling = RopeConfig::Scaling::kLinear; break;
-    case v1::RopeParams::SCALING_NTK: m.rope.scaling = RopeConfig::Scaling::kNtk; break;
-    default: return absl::InvalidArgumentError("layout.rope.scaling is not a known scaling");
-  }
-  KVQ_RETURN_IF_ERROR(m.Validate());
-  if (absl::Status st = m.rope.Validate(m.head_dim); !st.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("layout.", st.message()));
-  }
-  return m;
-}
 
 void FillBytes(const ByteBreakdown& b, v1::ByteBreakdown* out) {
   out->set_codes(b.codes);
@@ -310,32 +283,12 @@ grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext
       this, RpcMethod::kCreateSequence, ctx, raw_req, raw_resp,
       [&](const v1::CreateSequenceRequest& req, v1::CreateSequenceResponse* resp,
           const CallInfo& call) -> absl::Status {
-        CreateSequenceArgs args;
-        args.tenant = call.tenant_name;
-        args.ns = req.namespace_();
+        KVQ_ASSIGN_OR_RETURN(CreateSequenceArgs args,
+                             SequenceArgsFromWire(call.tenant_name, req.namespace_(),
+                                                  req.layout(), req.scheme(), req.codebooks(),
+                                                  req.prompt_token_ids()));
         args.id = req.sequence_id();
-        KVQ_ASSIGN_OR_RETURN(args.shape, ShapeFromWire(req.layout()));
-        args.scheme = req.scheme();
         args.ttl = absl::Seconds(req.ttl_seconds());
-        absl::StatusOr<QuantSpec> spec = QuantSpec::Parse(req.scheme());
-        if (!spec.ok()) return spec.status();
-        for (int i = 0; i < req.codebooks_size(); ++i) {
-          const std::string field = absl::StrCat("codebooks[", i, "]");
-          const int levels = 1 << spec->bits;
-          Codebook cb;
-          cb.bits = spec->bits;
-          cb.head_dim = args.shape.head_dim;
-          KVQ_ASSIGN_OR_RETURN(WireTensor k,
-                               CheckTensor(req.codebooks(i).key_levels(), field + ".key_levels",
-                                           {args.shape.head_dim, levels}));
-          KVQ_ASSIGN_OR_RETURN(WireTensor v,
-                               CheckTensor(req.codebooks(i).value_levels(), field + ".value_levels",
-                                           {args.shape.head_dim, levels}));
-          cb.key_levels = ToFloats(k);
-          cb.value_levels = ToFloats(v);
-          args.codebooks.push_back(std::move(cb));
-        }
-        args.prompt_token_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
         KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Create(args));
         absl::MutexLock lock(&seq->mu());
         if (!args.prompt_token_ids.empty()) seq->token_ids() = args.prompt_token_ids;
@@ -1080,6 +1033,19 @@ grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
         resp->set_compression_vs_fp16(bytes.total() ? static_cast<double>(fp16) / bytes.total()
                                                     : 0.0);
         return absl::OkStatus();
+      });
+}
+
+// ------------------------------------------------------------- MatchPrefix
+
+grpc::ServerUnaryReactor* KvqService::MatchPrefix(grpc::CallbackServerContext* ctx,
+                                                  const grpc::ByteBuffer* raw_req,
+                                                  grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::MatchPrefixRequest, v1::MatchPrefixResponse>(
+      this, RpcMethod::kMatchPrefix, ctx, raw_req, raw_resp,
+      [&](const v1::MatchPrefixRequest& req, v1::MatchPrefixResponse* resp,
+          const CallInfo& call) -> absl::Status {
+        return DoMatchPrefix(req, resp, call.tenant_name);
       });
 }
 

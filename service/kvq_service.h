@@ -71,7 +71,8 @@ using RawKvCacheService =
     v1::KvCache::WithRawCallbackMethod_CloseTransfer<
     v1::KvCache::WithRawCallbackMethod_AppendDevice<
     v1::KvCache::WithRawCallbackMethod_FetchDevice<
-        v1::KvCache::Service>>>>>>>>>>>>>>;
+    v1::KvCache::WithRawCallbackMethod_MatchPrefix<
+        v1::KvCache::Service>>>>>>>>>>>>>>>;
 // clang-format on
 
 class KvqService final : public RawKvCacheService {
@@ -92,6 +93,10 @@ class KvqService final : public RawKvCacheService {
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
                                            const grpc::ByteBuffer* req,
                                            grpc::ByteBuffer* resp) override;
+  // Read-only prefix probe (service/match_prefix.cc).
+  grpc::ServerUnaryReactor* MatchPrefix(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* req,
+                                        grpc::ByteBuffer* resp) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
                                                     grpc::ByteBuffer* resp) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchDequant(grpc::CallbackServerContext* ctx,
@@ -131,6 +136,8 @@ class KvqService final : public RawKvCacheService {
                               absl::string_view tenant = {});
   absl::Status DoAttend(const v1::AttendRequest& req, v1::AttendResponse* resp,
                         absl::string_view tenant = {});
+  absl::Status DoMatchPrefix(const v1::MatchPrefixRequest& req, v1::MatchPrefixResponse* resp,
+                             absl::string_view tenant);
 
   // The caller's tenant (null for the default tenant) once its token and
   // its rate allow the call: UNAUTHENTICATED or RESOURCE_EXHAUSTED.

@@ -45,7 +45,7 @@ absl::string_view RpcMethodName(RpcMethod m) {
   static const char* const kNames[kNumRpcMethods] = {
       "GetServerInfo", "CreateSequence", "Append", "FetchDequant", "Attend",
       "AppendAttend",  "DecodeStream",   "Fork",   "Release",      "Stats",
-      "OpenTransfer",  "CloseTransfer",  "AppendDevice", "FetchDevice"};
+      "OpenTransfer",  "CloseTransfer",  "AppendDevice", "FetchDevice",  "MatchPrefix"};
   return kNames[static_cast<int>(m)];
 }
 

@@ -38,8 +38,9 @@ enum class RpcMethod {
   kCloseTransfer,
   kAppendDevice,
   kFetchDevice,
+  kMatchPrefix,
 };
-inline constexpr int kNumRpcMethods = 14;
+inline constexpr int kNumRpcMethods = 15;
 inline constexpr int kNumStatusCodes = 17;  // grpc::StatusCode 0..16.
 absl::string_view RpcMethodName(RpcMethod m);
 

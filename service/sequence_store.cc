@@ -144,15 +144,10 @@ void SequenceStore::Tombstone(const std::string& key, GoneReason reason) {
   if (events_.on_gone) events_.on_gone(reason);
 }
 
-absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequenceArgs& args) {
+absl::StatusOr<StreamConfig> SequenceStore::ConfigFor(const CreateSequenceArgs& args) const {
   KVQ_RETURN_IF_ERROR(CheckName("namespace", args.ns, /*allow_empty=*/true));
-  KVQ_RETURN_IF_ERROR(CheckName("sequence_id", args.id, /*allow_empty=*/true));
   KVQ_ASSIGN_OR_RETURN(QuantSpec spec, QuantSpec::Parse(args.scheme));
   KVQ_RETURN_IF_ERROR(args.shape.Validate());
-  if (args.ttl < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(args.ttl), " must be >= 0"));
-  }
   StreamConfig config;
   config.spec = spec;
   config.head_dim = args.shape.head_dim;
@@ -161,6 +156,16 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
     return absl::InvalidArgumentError(absl::StrCat("scheme ", Quoted(args.scheme),
                                                    " with head_dim ", args.shape.head_dim, ": ",
                                                    st.message()));
+  }
+  return config;
+}
+
+absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequenceArgs& args) {
+  KVQ_RETURN_IF_ERROR(CheckName("sequence_id", args.id, /*allow_empty=*/true));
+  KVQ_ASSIGN_OR_RETURN(StreamConfig config, ConfigFor(args));
+  if (args.ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(args.ttl), " must be >= 0"));
   }
   std::string id = args.id;
   {
@@ -510,31 +515,26 @@ void SequenceStore::RegisterPrefixBlocks(const std::shared_ptr<Sequence>& seq) {
   }
 }
 
+std::shared_ptr<Sequence> SequenceStore::RegisteredPrefix(uint64_t hash, bool drop_dead,
+                                                          int* tokens) {
+  absl::MutexLock lock(&mu_);
+  auto it = prefixes_.find(hash);
+  if (it == prefixes_.end()) return nullptr;
+  std::shared_ptr<Sequence> source = it->second.seq.lock();
+  *tokens = it->second.tokens;
+  if (!source && drop_dead) prefixes_.erase(it);
+  return source;
+}
+
 absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const CreateSequenceArgs& args,
                                                                       const Sequence& fresh) {
   std::vector<uint64_t> hashes = ChainHashes(fresh, args.prompt_token_ids);
   for (int k = static_cast<int>(hashes.size()) - 1; k >= 0; --k) {
-    std::shared_ptr<Sequence> source;
     int tokens = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = prefixes_.find(hashes[k]);
-      if (it == prefixes_.end()) continue;
-      source = it->second.seq.lock();
-      tokens = it->second.tokens;
-      if (!source) {
-        prefixes_.erase(it);
-        continue;
-      }
-    }
+    std::shared_ptr<Sequence> source = RegisteredPrefix(hashes[k], /*drop_dead=*/true, &tokens);
+    if (!source) continue;
     absl::MutexLock lock(&source->mu());
-    const std::vector<int32_t>& ids = source->token_ids();
-    if (source->tenant != fresh.tenant || source->in_transaction() ||
-        source->num_tokens() < tokens ||
-        static_cast<int>(ids.size()) < tokens ||
-        !std::equal(ids.begin(), ids.begin() + tokens, args.prompt_token_ids.begin())) {
-      continue;  // A hash collision or a source that changed: never serve wrong KV.
-    }
+    if (!ServesPrefix(*source, fresh.tenant, tokens, args.prompt_token_ids)) continue;
     std::unique_ptr<Sequence> fork;
     absl::Status st = WithEviction(source.get(), [&]() -> absl::Status {
       KVQ_ASSIGN_OR_RETURN(fork, source->Fork(fresh.ns(), fresh.id(), tokens));
@@ -545,6 +545,37 @@ absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const Creat
     return fork;
   }
   return std::unique_ptr<Sequence>();
+}
+
+bool SequenceStore::ServesPrefix(Sequence& source, absl::string_view tenant, int tokens,
+                                 absl::Span<const int32_t> ids) {
+  const std::vector<int32_t>& stored = source.token_ids();
+  return source.tenant == tenant && !source.in_transaction() && source.num_tokens() >= tokens &&
+         static_cast<int>(stored.size()) >= tokens && static_cast<int>(ids.size()) >= tokens &&
+         std::equal(stored.begin(), stored.begin() + tokens, ids.begin());
+}
+
+absl::StatusOr<int> SequenceStore::MatchPrefix(const CreateSequenceArgs& args,
+                                               int* block_tokens) {
+  KVQ_ASSIGN_OR_RETURN(StreamConfig config, ConfigFor(args));
+  // A scratch sequence on the heap (not the pool) gives the block size and
+  // the fingerprint exactly as Create computes them; it never enters the
+  // store.
+  KVQ_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> probe,
+                       Sequence::Create(args.ns, "", args.shape, config, args.codebooks, backend_,
+                                        /*allocator=*/nullptr));
+  probe->tenant = args.tenant;
+  *block_tokens = probe->block_tokens();
+  std::vector<uint64_t> hashes = ChainHashes(*probe, args.prompt_token_ids);
+  for (int k = static_cast<int>(hashes.size()) - 1; k >= 0; --k) {
+    int tokens = 0;
+    // Read-only: a dead entry is left for Create (or the sweep) to drop.
+    std::shared_ptr<Sequence> source = RegisteredPrefix(hashes[k], /*drop_dead=*/false, &tokens);
+    if (!source) continue;
+    absl::ReaderMutexLock lock(&source->mu());
+    if (ServesPrefix(*source, args.tenant, tokens, args.prompt_token_ids)) return tokens;
+  }
+  return 0;
 }
 
 // ------------------------------------------------------------------- stats

@@ -109,6 +109,12 @@ class SequenceStore {
   // ALREADY_EXISTS, INVALID_ARGUMENT (scheme, layout, codebooks),
   // RESOURCE_EXHAUSTED. The handle's sequence may start with a reused prefix.
   absl::StatusOr<Handle> Create(const CreateSequenceArgs& args);
+  // Read-only: the prompt tokens (whole blocks, with the sink) that Create
+  // with `args` would reuse now, 0 if none; `block_tokens` gets the reuse
+  // granularity. Validates like Create (INVALID_ARGUMENT) but allocates
+  // nothing from the pool, forks nothing and touches no lease, prefix entry
+  // or counter. Only `args.tenant`'s prefixes count.
+  absl::StatusOr<int> MatchPrefix(const CreateSequenceArgs& args, int* block_tokens);
   // NOT_FOUND naming whether the id was never known, released, expired or
   // evicted. Refreshes the lease.
   absl::StatusOr<Handle> Get(absl::string_view ns, absl::string_view id,
@@ -199,6 +205,17 @@ class SequenceStore {
   uint64_t Fingerprint(const Sequence& seq) const;
   absl::StatusOr<std::unique_ptr<Sequence>> ReusePrefix(const CreateSequenceArgs& args,
                                                         const Sequence& fresh);
+  // The live sequence registered under prefix `hash` and its length in
+  // `tokens`; null when none or gone (a gone entry is erased if `drop_dead`).
+  std::shared_ptr<Sequence> RegisteredPrefix(uint64_t hash, bool drop_dead, int* tokens);
+  // The stream config Create and MatchPrefix build from `args` (namespace,
+  // scheme, layout): INVALID_ARGUMENT naming the field.
+  absl::StatusOr<StreamConfig> ConfigFor(const CreateSequenceArgs& args) const;
+  // Whether `source` (locked by the caller) holds `tokens` tokens equal to
+  // the start of `ids`, committed, for `tenant`: never serve wrong KV on a
+  // hash collision or from a source that changed since it registered.
+  static bool ServesPrefix(Sequence& source, absl::string_view tenant, int tokens,
+                           absl::Span<const int32_t> ids);
 
   const StoreOptions options_;
   const KernelBackend* backend_;

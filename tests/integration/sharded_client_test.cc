@@ -111,6 +111,12 @@ TEST_F(ShardedClientTest, SequencesSpreadEvenlyAndPrefixesMeet) {
     EXPECT_EQ(c->ReplicaOf(info->sequence_id).value(), c->ReplicaOf(first).value());
     EXPECT_EQ(info->num_tokens, 64) << "the shared prefix was not reused";
   }
+  // The read-only probe asks the prefix's replica: it sees the prefix.
+  std::vector<int32_t> longer = prompt;
+  longer.push_back(99);
+  absl::StatusOr<PrefixMatch> match = c->MatchPrefix(config_, longer);
+  ASSERT_TRUE(match.ok()) << match.status();
+  EXPECT_EQ(match->matched_tokens, 64);
 }
 
 TEST_F(ShardedClientTest, AKilledReplicaCostsOnlyItsOwnSequences) {

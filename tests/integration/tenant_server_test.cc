@@ -15,7 +15,9 @@
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "client/kvq_client.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "kvq/v1/kvq.grpc.pb.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_helpers.h"
 
@@ -387,6 +389,92 @@ TEST_F(TenantServerTest, RawFetchOfATenantsPagesGivesEveryByteBackOnRelease) {
     used = a->Stats()->used_bytes();
     return used == 0;
   })) << used;
+}
+
+// MatchPrefix, the read-only prefix probe: the count CreateSequence would
+// reuse, for the caller's tenant only, nothing changed by it, and the codes
+// of bad fields.
+TEST_F(TenantServerTest, MatchPrefixAnswersOwnTenantsPrefixAndChangesNothing) {
+  std::unique_ptr<KvqClient> a = Client(kTokenA), b = Client(kTokenB);
+  std::vector<int32_t> prompt(600);
+  for (int i = 0; i < 600; ++i) prompt[i] = 1000 + 7 * i;
+  CreateOptions create;
+  create.sequence_id = "src";
+  create.config = Config();
+  create.prompt_token_ids = prompt;
+  ASSERT_TRUE(a->CreateSequence(create).ok());
+  ASSERT_TRUE(a->AppendPrompt("src", Random({kLayers, kHeads, 600, kDim}, 1),
+                              Random({kLayers, kHeads, 600, kDim}, 2))
+                  .ok());
+
+  // kivi2:g32:r128 (no sink): blocks of 128 tokens, 4 of them stored whole.
+  absl::StatusOr<PrefixMatch> m = a->MatchPrefix(Config(), prompt);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->matched_tokens, 512);
+  EXPECT_EQ(m->block_tokens, 128);
+  std::vector<int32_t> head(prompt.begin(), prompt.begin() + 300);
+  EXPECT_EQ(a->MatchPrefix(Config(), head)->matched_tokens, 256);
+  EXPECT_EQ(a->MatchPrefix(Config("kivi4:g32:r128"), prompt)->matched_tokens, 0);
+  EXPECT_EQ(Client(kTokenA, "other-ns")->MatchPrefix(Config(), prompt)->matched_tokens, 0);
+
+  // Tenant B, same namespace and prompt: exactly the answer of a prompt
+  // never stored.
+  absl::StatusOr<PrefixMatch> foreign = b->MatchPrefix(Config(), prompt);
+  ASSERT_TRUE(foreign.ok()) << foreign.status();
+  EXPECT_EQ(foreign->matched_tokens, 0);
+  EXPECT_EQ(foreign->block_tokens, 128);
+
+  // Probes change nothing: the server's figures and A's are as they were.
+  const v1::StatsResponse before = *a->Stats();
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(a->MatchPrefix(Config(), prompt).ok());
+  const v1::StatsResponse after = *a->Stats();
+  EXPECT_EQ(after.sequences(), before.sequences());
+  EXPECT_EQ(after.used_bytes(), before.used_bytes());
+  EXPECT_EQ(after.pages_used(), before.pages_used());
+  EXPECT_EQ(after.bytes().total(), before.bytes().total());
+  // And CreateSequence reuses what the probe announced.
+  create.sequence_id = "reuse";
+  absl::StatusOr<SequenceInfo> reused = a->CreateSequence(create);
+  ASSERT_TRUE(reused.ok()) << reused.status();
+  EXPECT_EQ(reused->num_tokens, m->matched_tokens);
+
+  // Bad fields, sent raw (the client checks its config first).
+  auto stub = v1::KvCache::NewStub(
+      grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+  v1::MatchPrefixRequest req;
+  req.set_namespace_("ns");
+  req.mutable_layout()->set_num_layers(kLayers);
+  req.mutable_layout()->set_num_kv_heads(kHeads);
+  req.mutable_layout()->set_num_q_heads(kQHeads);
+  req.mutable_layout()->set_head_dim(kDim);
+  req.set_scheme("kivi2:g32:r128");
+  v1::MatchPrefixResponse resp;
+  {
+    grpc::ClientContext ctx;  // No token.
+    EXPECT_EQ(stub->MatchPrefix(&ctx, req, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  const auto call = [&](const v1::MatchPrefixRequest& r) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kTokenA));
+    return stub->MatchPrefix(&ctx, r, &resp);
+  };
+  EXPECT_TRUE(call(req).ok());
+  v1::MatchPrefixRequest bad = req;
+  bad.set_scheme("kivi2:" + std::string(10000, 'x'));
+  grpc::Status st = call(bad);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message().substr(0, 300);
+  EXPECT_LT(st.error_message().size(), 400u) << st.error_message().substr(0, 400);
+  bad = req;
+  bad.mutable_layout()->set_head_dim(0);
+  st = call(bad);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "head_dim")) << st.error_message();
+  bad = req;
+  bad.set_namespace_(std::string(1000, 'n'));
+  st = call(bad);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "namespace")) << st.error_message();
+  EXPECT_LT(st.error_message().size(), 400u);
 }
 
 }  // namespace

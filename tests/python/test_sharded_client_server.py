@@ -68,6 +68,9 @@ def test_spread_and_prefix_placement(servers):
         rng = np.random.default_rng(0)
         k = rng.standard_normal((LAYERS, HEADS, 64, DIM)).astype(np.float32)
         kvq.append_prompt(first.sequence_id, k, k)  # The ids came with the create.
+        # The read-only probe asks the prefix's replica: it sees the prefix.
+        probe = kvq.match_prefix(layout(), scheme="fp16", prompt_token_ids=prompt + [99])
+        assert probe.matched_tokens == 64
         for i in range(6):
             s = kvq.create_sequence(layout(), scheme="fp16", prompt_token_ids=prompt + [i])
             assert kvq.replica_of(s.sequence_id) == kvq.replica_of(first.sequence_id)

@@ -226,6 +226,38 @@ PROMPT = list(range(10, 300))
 BLOCKS = list(range(1, 20))
 
 
+def test_lookups_change_nothing_on_the_server_and_creation_waits_for_allocation(address):
+    a_sched, a_worker, a_cache = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
+    assert prefill(a_sched, a_worker, a_cache, "a", PROMPT, BLOCKS) == (0, set())
+    with KvqClient(address) as kvq:
+        before = kvq.stats()
+        b_sched, b_worker, _ = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
+        hits = [b_sched.lookup(f"b{i}", PROMPT, len(PROMPT), 0) for i in range(20)]
+        # int8 shares 32-token blocks: 9 whole ones of the 290 saved tokens.
+        assert hits == [288] * 20
+        assert b_sched.lookup("b0", PROMPT, len(PROMPT), 0) == 288  # Answered locally.
+        after = kvq.stats()
+        assert (after.sequences, after.used_bytes, after.pages_used) == \
+            (before.sequences, before.used_bytes, before.pages_used)
+        assert after == before
+        # vLLM allocated b0's blocks: now its sequence is created, holding the
+        # prefix the lookup announced, and the step loads it.
+        b_sched.after_alloc("b0", PROMPT, 288)
+        meta = b_sched.build(scheduler_output({
+            "scheduled_new_reqs": [{"req_id": "b0", "block_ids": [BLOCKS],
+                                    "num_computed_tokens": 288}],
+            "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
+                                      "num_computed_tokens": []},
+            "num_scheduled_tokens": {"b0": len(PROMPT) - 288}}))
+        assert [(r.begin, r.end) for r in meta.loads] == [(0, 288)]
+        sid = meta.loads[0].sequence_id
+        assert sid and kvq.stats().sequences == before.sequences + 1
+        b_sched.shutdown()
+        b_worker.worker.shutdown(timeout=1)
+        a_sched.shutdown()
+        a_worker.worker.shutdown(timeout=1)
+
+
 def test_refused_connections_cost_nothing_and_open_the_breaker(tmp_path):
     with socket.socket() as s:  # Bound, then closed: nothing listens.
         s.bind(("127.0.0.1", 0))
@@ -251,7 +283,7 @@ def test_a_hanging_kvq_never_blocks_the_scheduler_loop():
         silent.listen(64)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         scheduler, worker, cache = engine(address, "hang", "int8", 64,
-                                          scheduler_deadline_seconds=0.5,
+                                          lookup_deadline_seconds=0.5,
                                           lookup_wait_seconds=0.0, breaker_failures=1,
                                           breaker_backoff_seconds=60)
         answers = []
@@ -261,7 +293,7 @@ def test_a_hanging_kvq_never_blocks_the_scheduler_loop():
             if got is not None:
                 break
             time.sleep(0.05)
-        # "Ask again" until the creation's 0.5 s deadline ran out, then no hit.
+        # "Ask again" until the probe's 0.5 s deadline ran out, then no hit.
         assert answers[0] is None and answers[-1] == 0 and len(answers) >= 3
         assert scheduler.breaker.state == BreakerState.OPEN
         # With the breaker open the next request is answered at once.
@@ -309,7 +341,7 @@ def test_the_lookups_of_one_step_share_one_wait():
         silent.listen(64)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         scheduler, worker, _ = engine(address, "budget", "int8", 64, lookup_wait_seconds=0.2,
-                                      scheduler_deadline_seconds=5)
+                                      lookup_deadline_seconds=5)
         # The first new request spends the step's 0.2 s; the others of the
         # same step do not wait at all.
         assert [scheduler.lookup(f"r{i}", PROMPT, len(PROMPT), 0) for i in range(5)] == \

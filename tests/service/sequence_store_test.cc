@@ -307,6 +307,59 @@ TEST(SequenceStoreTest, PrefixReuseSharesPagesOfTheSameTokens) {
   EXPECT_TRUE((*third)->token_ids().empty());
 }
 
+// MatchPrefix answers what Create would reuse and changes nothing: no
+// sequence, no pool byte, no registry entry (not even a dead one dropped).
+TEST(SequenceStoreTest, MatchPrefixIsReadOnlyAndAgreesWithCreate) {
+  auto store = MakeStore(16 << 20, false);
+  std::vector<int32_t> ids(600);
+  for (int i = 0; i < 600; ++i) ids[i] = 1000 + i;
+  {
+    absl::StatusOr<SequenceStore::Handle> first = store->Create(Args("first"));
+    ASSERT_TRUE(first.ok());
+    absl::MutexLock lock(&(*first)->mu());
+    ASSERT_TRUE((*first)->AppendDense(MakeKv(600, 6).view(600)).ok());
+    (*first)->token_ids() = ids;
+    store->RegisterPrefixBlocks(first->shared());
+  }
+  CreateSequenceArgs probe = Args("");
+  probe.prompt_token_ids = ids;
+  probe.prompt_token_ids[590] = 7;  // Differs after 4 full blocks of 128.
+  const StoreStats before = store->Stats();
+  int block = 0;
+  EXPECT_EQ(store->MatchPrefix(probe, &block).value_or(-1), 512);
+  EXPECT_EQ(block, 128);
+  CreateSequenceArgs foreign = probe;
+  foreign.tenant = "someone-else";
+  EXPECT_EQ(store->MatchPrefix(foreign, &block).value_or(-1), 0);
+  CreateSequenceArgs other_scheme = probe;
+  other_scheme.scheme = "kivi4";
+  EXPECT_EQ(store->MatchPrefix(other_scheme, &block).value_or(-1), 0);
+  CreateSequenceArgs bad = Args("", "kivi5");
+  EXPECT_EQ(store->MatchPrefix(bad, &block).status(), store->Create(bad).status());
+  const StoreStats after = store->Stats();
+  EXPECT_EQ(after.sequences, before.sequences);
+  EXPECT_EQ(after.prefix_entries, before.prefix_entries);
+  EXPECT_EQ(after.pool.used_bytes, before.pool.used_bytes);
+
+  CreateSequenceArgs create = probe;
+  create.id = "second";
+  absl::StatusOr<SequenceStore::Handle> second = store->Create(create);
+  ASSERT_TRUE(second.ok());
+  {
+    absl::ReaderMutexLock lock(&(*second)->mu());
+    EXPECT_EQ((*second)->num_tokens(), 512);
+  }
+  *second = SequenceStore::Handle();
+  // Released (no eviction: gone): nothing to match, and the probe leaves
+  // its dead registry entries for Create or the sweep.
+  ASSERT_TRUE(store->Release("tenant", "first").ok());
+  ASSERT_TRUE(store->Release("tenant", "second").ok());
+  const int64_t entries = store->Stats().prefix_entries;
+  EXPECT_GT(entries, 0);
+  EXPECT_EQ(store->MatchPrefix(probe, &block).value_or(-1), 0);
+  EXPECT_EQ(store->Stats().prefix_entries, entries);
+}
+
 // Prompts that are never repeated register blocks whose sequences are then
 // released: the registry must not keep an entry per block ever stored (as
 // kvq-bench soak's shared-prefix prompts, each with its own suffix, did:

@@ -2,13 +2,14 @@
 decode-worker example and docs/CLIENTS.md)."""
 
 from .client import (AppendResult, AttendQuery, DecodeItem, DecodeSession, KvqClient, KvqError,
-                     ModelLayout, RetryPolicy, RopeParams, SequenceInfo)
+                     MatchResult, ModelLayout, RetryPolicy, RopeParams, SequenceInfo)
 from .sharding import ReplicaSet, ShardedClient
 from .tensors import (bf16_bits_to_float32, float32_to_bf16_bits, from_tensor, plan_chunks,
                       to_tensor)
 
 __all__ = [
     "AppendResult", "AttendQuery", "DecodeItem", "DecodeSession", "KvqClient", "KvqError",
-    "ModelLayout", "ReplicaSet", "RetryPolicy", "RopeParams", "SequenceInfo", "ShardedClient",
+    "MatchResult", "ModelLayout", "ReplicaSet", "RetryPolicy", "RopeParams", "SequenceInfo",
+    "ShardedClient",
     "bf16_bits_to_float32", "float32_to_bf16_bits", "from_tensor", "plan_chunks", "to_tensor",
 ]

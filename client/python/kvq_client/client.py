@@ -125,6 +125,25 @@ class ModelLayout:
         return m
 
 
+def _fill_prefix_fields(request, layout, prompt_token_ids, codebooks):
+    """The fields CreateSequence and MatchPrefix share: layout, prompt ids,
+    codebooks (nuq: (key_levels, value_levels) per (layer, kv head))."""
+    request.layout.CopyFrom(layout.to_proto() if isinstance(layout, ModelLayout) else layout)
+    request.prompt_token_ids.extend(prompt_token_ids or [])
+    for key_levels, value_levels in codebooks or []:
+        c = request.codebooks.add()
+        to_tensor(np.asarray(key_levels, np.float32), out=c.key_levels)
+        to_tensor(np.asarray(value_levels, np.float32), out=c.value_levels)
+
+
+@dataclasses.dataclass
+class MatchResult:
+    """MatchPrefix's answer: the leading prompt tokens a create_sequence with
+    the same layout and scheme would reuse now (0 or sink + k * block)."""
+    matched_tokens: int
+    block_tokens: int
+
+
 @dataclasses.dataclass
 class SequenceInfo:
     sequence_id: str
@@ -424,12 +443,7 @@ class KvqClient:
         value_levels) float32 arrays [head_dim, 2^bits] per (layer, kv head)."""
         request = pb.CreateSequenceRequest(namespace=self.namespace, sequence_id=sequence_id,
                                            scheme=scheme, ttl_seconds=ttl_seconds)
-        request.layout.CopyFrom(layout.to_proto() if isinstance(layout, ModelLayout) else layout)
-        request.prompt_token_ids.extend(prompt_token_ids or [])
-        for key_levels, value_levels in codebooks or []:
-            c = request.codebooks.add()
-            to_tensor(np.asarray(key_levels, np.float32), out=c.key_levels)
-            to_tensor(np.asarray(value_levels, np.float32), out=c.value_levels)
+        _fill_prefix_fields(request, layout, prompt_token_ids, codebooks)
         r = self._call(lambda t, _: self._stub.CreateSequence(request, timeout=t),
                        idempotent=False, deadline=deadline)
         if codebooks:
@@ -437,6 +451,18 @@ class KvqClient:
                 (np.asarray(kl, np.float32).ravel().tolist(),
                  np.asarray(vl, np.float32).ravel().tolist()) for kl, vl in codebooks]
         return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens, r.ttl_seconds)
+
+    def match_prefix(self, layout, scheme="kivi4:g32:r128:sink=4", prompt_token_ids=None,
+                     codebooks=None, deadline=None):
+        """Read-only probe of the server's prefix cache (MatchPrefix): how
+        many leading tokens of prompt_token_ids a create_sequence with this
+        layout, scheme and codebooks would start with. Creates, forks, pins
+        and extends the lease of nothing; idempotent (retried)."""
+        request = pb.MatchPrefixRequest(namespace=self.namespace, scheme=scheme)
+        _fill_prefix_fields(request, layout, prompt_token_ids, codebooks)
+        r = self._call(lambda t, _: self._stub.MatchPrefix(request, timeout=t),
+                       idempotent=True, deadline=deadline)
+        return MatchResult(r.matched_tokens, r.block_tokens)
 
     def append_prompt(self, sequence_id, k, v, layer_begin=0, max_chunk_bytes=1 << 20,
                       wire_dtype=None, token_ids=None, progress: Optional[Progress] = None,

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from .client import AttendQuery, DecodeItem, KvqClient, KvqError, _ClosedOnExit
+from .client import AttendQuery, DecodeItem, KvqClient, KvqError, MatchResult, _ClosedOnExit
 
 _M64 = (1 << 64) - 1
 
@@ -384,14 +384,11 @@ class ShardedClient:
             return self._on_owner(sequence_id, lambda c: c.create_sequence(
                 layout, scheme, sequence_id, prompt_token_ids=prompt, **kwargs))
         replicas = self.replica_set.replicas
-        pkey = (prefix_key(self.namespace, prompt, self.prefix_tokens)
-                if 0 < self.prefix_tokens <= len(prompt) else None)
+        pkey = self._prefix_key(prompt)
         last = None
         for _ in replicas:
             sid = self._new_id()
-            order = ranking(pkey or sequence_key(self.namespace, sid), replicas)
-            target = next((replicas[i] for i in order if not self._is_down(replicas[i])),
-                          replicas[order[0]])
+            target = self._first_up(pkey or sequence_key(self.namespace, sid), replicas)
             if replicas[winner(sequence_key(self.namespace, sid), replicas)] != target:
                 sid = self._draw_id_for(replicas, target)
             try:
@@ -403,6 +400,42 @@ class ShardedClient:
                 if e.code != grpc.StatusCode.UNAVAILABLE:
                     raise last from None
         raise last
+
+    def _prefix_key(self, prompt):
+        """The key that places a prompt's sequence, None where placement is
+        uniform (prompt shorter than prefix_tokens)."""
+        if 0 < self.prefix_tokens <= len(prompt):
+            return prefix_key(self.namespace, prompt, self.prefix_tokens)
+        return None
+
+    def _first_up(self, key, replicas):
+        order = ranking(key, replicas)
+        return next((replicas[i] for i in order if not self._is_down(replicas[i])),
+                    replicas[order[0]])
+
+    def match_prefix(self, layout, scheme="kivi4:g32:r128:sink=4", prompt_token_ids=None,
+                     **kwargs):
+        """As KvqClient.match_prefix (read-only), asked of the replica that
+        create_sequence would place this prompt on: the prefix's winner,
+        where shared prefixes meet. A prompt placed uniformly (shorter than
+        prefix_tokens) over several replicas has no predictable replica:
+        MatchResult(0, 0) without a call."""
+        prompt = list(prompt_token_ids or [])
+        replicas = self.replica_set.replicas
+        if not replicas:
+            raise KvqError(grpc.StatusCode.FAILED_PRECONDITION, "no replicas")
+        pkey = self._prefix_key(prompt)
+        if pkey is None:
+            if len(replicas) > 1:
+                return MatchResult(0, 0)
+            pkey = b""
+        target = self._first_up(pkey, replicas)
+        try:
+            return self.client_for_replica(target).match_prefix(
+                layout, scheme, prompt_token_ids=prompt, **kwargs)
+        except KvqError as e:
+            self._note(target, e)
+            raise self._on_replica(e, target) from None
 
     def append_prompt(self, sequence_id, k, v, **kwargs):
         return self._on_owner(sequence_id, lambda c: c.append_prompt(sequence_id, k, v, **kwargs))

@@ -6,8 +6,8 @@
         "kv_connector_extra_config": {"kvq_dns": "kvq.kvq.svc.cluster.local:50051"}}'
 
 This module adapts vLLM's KVConnectorBase_V1 to the two halves that do the
-work without vLLM: KvqScheduler (vllm_scheduler.py: lookups off the
-scheduler loop, per-step plans) and KvqWorker (vllm_worker.py: layer-wise
+work without vLLM: KvqScheduler (vllm_scheduler.py: read-only lookups off
+the scheduler loop, sequences created after allocation, per-step plans) and KvqWorker (vllm_worker.py: layer-wise
 asynchronous loads, saves committed in the background). It adds what only
 vLLM has: its request objects, the tensor-parallel rank, the load-failure
 policy, and the connector's stats and Prometheus metrics.

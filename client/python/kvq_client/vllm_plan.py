@@ -54,6 +54,7 @@ class _Request:
     block_ids: List[int] = dataclasses.field(default_factory=list)
     # The request's token ids as vLLM grows them (prompt, then generated).
     all_token_ids: Sequence[int] = ()
+    saving: bool = True          # False: its sequences could not be created.
 
 
 class StepPlanner:
@@ -87,10 +88,28 @@ class StepPlanner:
 
     def add_request(self, request_id: str, sequence_id: str, prompt_len: int,
                     stored_tokens: int) -> None:
-        """Records the kvq sequence created for a request; `stored_tokens` is
-        CreateSequenceResponse.num_tokens (the reused prefix)."""
+        """Records a looked-up request: `sequence_id` its kvq sequences ("":
+        not created yet, see set_sequence), `stored_tokens` what kvq holds of
+        its prompt (MatchPrefix, or CreateSequenceResponse.num_tokens)."""
         self._requests[request_id] = _Request(sequence_id, prompt_len, stored_tokens,
                                               stored_tokens)
+
+    def set_sequence(self, request_id: str, sequence_id: str,
+                     stored_tokens: Optional[int]) -> None:
+        """The sequences created for a looked-up request (after allocation)
+        and the tokens they started with (CreateSequenceResponse.num_tokens),
+        or "" and None where creation failed: its planned load then fails on
+        the workers (vLLM recomputes) and nothing of it is saved. A creation
+        that found less than the lookup lowers what later loads rely on."""
+        r = self._requests.get(request_id)
+        if r is None:
+            return
+        r.sequence_id = sequence_id
+        if stored_tokens is None:
+            r.saving = False
+            return
+        r.matched = min(r.matched, stored_tokens)
+        r.stored = stored_tokens  # No save is planned before the sequence exists.
 
     def saved_past_match(self, request_id: str) -> bool:
         """Whether saves were planned past the tokens kvq held at creation: a
@@ -149,7 +168,7 @@ class StepPlanner:
             if computed - r.stored >= self.save_decode_tokens:
                 end = computed
                 token_ids = [int(t) for t in r.all_token_ids[r.stored:end]]
-        if self.save and end > r.stored:
+        if self.save and r.saving and end > r.stored:
             plan.saves.append(TokenRange(request_id, r.sequence_id, r.stored, end,
                                          list(r.block_ids), token_ids))
             r.stored = end

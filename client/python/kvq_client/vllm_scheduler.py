@@ -1,16 +1,25 @@
 """The scheduler half of the vLLM connector (vllm_connector.py), without vLLM
 or torch, so that CI without vLLM drives it against a real server.
 
-A lookup never blocks vLLM's scheduler loop on kvq: the first lookup of a
-request starts, on a background thread, the creation of its kvq sequences
-(one per tensor-parallel rank, each with the prompt's token ids, so kvq
-starts it with the longest stored prefix of whole blocks) and waits at most
-kvq_lookup_wait_seconds for the answer (a budget all lookups of one
-scheduler step share); if it is not there yet the lookup answers None and
-vLLM asks again next step. Later lookups answer from what
-the creation learned, with no call to kvq. A request is therefore created
-once however often vLLM asks; it is released when it finishes (by the
-workers, after their last commit, when they saw it; here otherwise).
+A lookup (vLLM's get_num_new_matched_tokens, which must have no side
+effects) is a read-only MatchPrefix per tensor-parallel rank: it asks how
+many leading prompt tokens kvq holds under the request's namespace, layout
+and scheme, and creates, forks or pins nothing on the server. It runs on a
+background thread with a short deadline (kvq_lookup_deadline_seconds), and
+the lookup waits at most kvq_lookup_wait_seconds for the answer (a budget
+all lookups of one scheduler step share); if it is not there yet the lookup
+answers None and vLLM asks again next step. Later lookups answer from what
+the probe learned, with no call to kvq.
+
+The request's kvq sequences (one per rank, created with the prompt's token
+ids, so kvq starts each with the longest stored prefix of whole blocks) are
+created once vLLM allocated its blocks (update_state_after_alloc, where the
+scheduler may change state), in the background; build_connector_meta waits
+for them (each call bounded by kvq_scheduler_deadline_seconds). Where the
+creation fails, the request's planned load fails on the workers (vLLM
+recomputes those tokens) and nothing of it is saved. Sequences are released
+when the request finishes (by the workers, after their last commit, when
+they saw it; here otherwise).
 
 While the circuit breaker is open, lookups answer 0 at once: requests run
 without kvq and vLLM computes every token itself.
@@ -22,6 +31,8 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import grpc
 
 from .circuit_breaker import CircuitBreaker
 from .client import KvqError, ModelLayout
@@ -47,7 +58,9 @@ class KvqScheduler:
         self.planner = StepPlanner(save=save, load=load,
                                    save_decode_tokens=settings.save_decode_tokens)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvq-lookup")
-        self._pending: Dict[str, Tuple[Future, float]] = {}
+        self._pending: Dict[str, Tuple[Future, float]] = {}   # request -> its MatchPrefix
+        self._prompts: Dict[str, List[int]] = {}     # request -> prompt, until created
+        self._creating: Dict[str, Future] = {}       # request -> its CreateSequence calls
         self._namespaces: Dict[str, str] = {}   # request -> its kvq namespace
         self._seen_by_workers: Set[str] = set()
         self._epoch = 0
@@ -78,7 +91,7 @@ class KvqScheduler:
                 self.counters.breaker_state = int(self.breaker.state)
                 return 0
             namespace = self.namespace_of(cache_salt, lora_name)
-            future = self._pool.submit(self._create, namespace, list(prompt_token_ids))
+            future = self._pool.submit(self._match, namespace, list(prompt_token_ids))
             pending = self._pending[rid] = (future, time.monotonic())
             self._namespaces[rid] = namespace
         future, started = pending
@@ -99,15 +112,27 @@ class KvqScheduler:
         if error is not None:
             self._namespaces.pop(rid, None)
             self.counters.add("lookup_misses")
-            logger.warning("kvq: no sequence for request %s (%s); it runs without the cache",
+            logger.warning("kvq: lookup of request %s failed (%s); it runs without the cache",
                            rid, error)
             return 0
-        sequence_ids, stored = future.result()
-        self.planner.add_request(rid, sequence_ids, len(prompt_token_ids), stored)
+        # Its sequences are created after allocation (update_state_after_alloc).
+        self.planner.add_request(rid, "", len(prompt_token_ids), future.result())
+        self._prompts[rid] = list(prompt_token_ids)
         matched = self.planner.matched_tokens(rid, num_tokens, num_computed)
         self.counters.add("lookup_hits" if matched > 0 else "lookup_misses")
         self.counters.add("hit_tokens", matched)
         return matched
+
+    def _match(self, namespace: str, prompt: List[int]) -> int:
+        """Read-only: the prompt tokens every rank's kvq holds (MatchPrefix)."""
+        matched = None
+        for rank in range(self._world_size):
+            ns = rank_namespace(namespace, rank, self._world_size)
+            r = self._clients.get(ns).match_prefix(
+                self._layout, scheme=self._settings.scheme, prompt_token_ids=prompt,
+                deadline=self._settings.lookup_deadline_seconds)
+            matched = r.matched_tokens if matched is None else min(matched, r.matched_tokens)
+        return int(matched or 0)
 
     def _create(self, namespace: str, prompt: List[int]) -> Tuple[str, int]:
         """Creates the request's sequence on every rank; (ids joined by ",",
@@ -149,12 +174,45 @@ class KvqScheduler:
                     num_external_tokens: int) -> None:
         self.planner.track_tokens(request_id, all_token_ids)
         self.planner.after_alloc(request_id, num_external_tokens)
+        prompt = self._prompts.get(request_id)
+        if prompt is not None and request_id not in self._creating and \
+                (self.planner.save or num_external_tokens > 0):
+            # The first allocation of a looked-up request: create its
+            # sequences now (state changes belong here, not in the lookup).
+            del self._prompts[request_id]
+            namespace = self._namespaces.get(request_id, self._settings.namespace)
+            self._creating[request_id] = self._pool.submit(self._create, namespace, prompt)
+
+    def _await_creations(self) -> None:
+        """Gives the planner the sequences created since the last step."""
+        for rid, future in list(self._creating.items()):
+            del self._creating[rid]
+            try:
+                sequence_ids, stored = future.result(
+                    timeout=self._settings.scheduler_deadline_seconds)
+                error = None
+            except KvqError as e:
+                error = e
+            except Exception as e:  # noqa: BLE001  A timeout: as a failed creation.
+                error = e
+            self._note(error if isinstance(error, KvqError) or error is None else
+                       KvqError(grpc.StatusCode.DEADLINE_EXCEEDED, str(error)))
+            if error is None:
+                self.planner.set_sequence(rid, sequence_ids, stored)
+            else:
+                logger.warning("kvq: no sequence for request %s (%s); it runs without the "
+                               "cache", rid, error)
+                self.planner.set_sequence(rid, "", None)
+                if self._settings.release_on_finish:
+                    namespace = self._namespaces.get(rid, self._settings.namespace)
+                    future.add_done_callback(lambda f, ns=namespace: self._release_created(f, ns))
 
     def build(self, scheduler_output: Any) -> StepPlan:
         """The step's loads and saves from vLLM's SchedulerOutput (read by
         attribute: scheduled_new_reqs, scheduled_cached_reqs,
         num_scheduled_tokens)."""
         self._wait_left = self._settings.lookup_wait_seconds  # A new step begins.
+        self._await_creations()
         plan = StepPlan()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -180,6 +238,8 @@ class KvqScheduler:
             return
         namespace = self._namespaces.get(request_id, self._settings.namespace)
         sid = self.planner.sequence_id(request_id).split(",")[0]
+        if not sid:
+            return
         ns = rank_namespace(namespace, 0, self._world_size)
 
         def stats():
@@ -201,7 +261,9 @@ class KvqScheduler:
         """Forgets a request. Sequences the workers saw are theirs to release
         after their last commit; the others are released here (in the
         background)."""
-        pending = self._pending.pop(request_id, None)
+        self._pending.pop(request_id, None)  # A lookup holds nothing on the server.
+        self._prompts.pop(request_id, None)
+        creating = self._creating.pop(request_id, None)
         namespace = self._namespaces.pop(request_id, None)
         sequence_ids = self.planner.finish(request_id)
         if request_id in self._seen_by_workers:
@@ -209,13 +271,14 @@ class KvqScheduler:
             return
         if not self._settings.release_on_finish or namespace is None:
             return
-        if pending is not None:  # Still being created: release when it is.
-            def release_later(f: Future) -> None:
-                if f.exception() is None:
-                    self._release_all(namespace, f.result()[0])
-            pending[0].add_done_callback(release_later)
-        elif sequence_ids is not None:
+        if creating is not None:  # Still being created: release when it is.
+            creating.add_done_callback(lambda f: self._release_created(f, namespace))
+        elif sequence_ids:
             self._pool.submit(self._release_all, namespace, sequence_ids)
+
+    def _release_created(self, future: Future, namespace: str) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._release_all(namespace, future.result()[0])
 
     def _release_all(self, namespace: str, sequence_ids: str) -> None:
         for rank, sid in enumerate(sequence_ids.split(",")):

@@ -51,10 +51,13 @@ class KvqSettings:
     # save_deadline_seconds.
     deadline_seconds: float = 5.0
     save_deadline_seconds: float = 30.0
-    # The scheduler's calls (CreateSequence at a request's first lookup,
-    # Stats, Release) run off vLLM's scheduler loop; a lookup waits at most
-    # lookup_wait_seconds for its answer and otherwise tells vLLM to ask
-    # again next step. Each call gives up after scheduler_deadline_seconds.
+    # The scheduler's calls run off vLLM's scheduler loop. A lookup is a
+    # read-only MatchPrefix that gives up after lookup_deadline_seconds; the
+    # lookup waits at most lookup_wait_seconds for its answer and otherwise
+    # tells vLLM to ask again next step. CreateSequence (once vLLM allocated
+    # the request's blocks), Stats and Release give up after
+    # scheduler_deadline_seconds.
+    lookup_deadline_seconds: float = 0.2
     scheduler_deadline_seconds: float = 1.0
     lookup_wait_seconds: float = 0.02
     # Circuit breaker: after breaker_failures consecutive service failures
@@ -116,7 +119,8 @@ class KvqSettings:
         if self.failure_policy not in ("set", "require"):
             raise ValueError(f"kvq_failure_policy = {self.failure_policy!r} must be \"set\" "
                              "or \"require\"")
-        for name in ("scheduler_deadline_seconds", "deadline_seconds", "save_deadline_seconds"):
+        for name in ("lookup_deadline_seconds", "scheduler_deadline_seconds", "deadline_seconds",
+                     "save_deadline_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kvq_{name} = {getattr(self, name)} must be > 0")
         if self.lookup_wait_seconds < 0 or self.save_decode_tokens < 0:

@@ -213,6 +213,8 @@ class KvqWorker:
                 K, V = self._host(shape, host_dtype), self._host(shape, host_dtype)
                 try:
                     client, sid = self._client(r)
+                    if not sid:  # The scheduler could not create it.
+                        raise ValueError("its kvq sequence was not created")
                     client.fetch(sid, layer_begin=begin, token_begin=r.begin, dtype=wire,
                                  max_chunk_bytes=self._settings.max_chunk_bytes,
                                  out=(K.numpy(), V.numpy()))
@@ -355,10 +357,10 @@ class KvqWorker:
             entry = streams.get(sid)
             if entry is None:
                 committed = self._committed.get(sid)
-                if (committed is not None and committed != r.begin) or \
+                if not sid or (committed is not None and committed != r.begin) or \
                         not self.breaker.allow():
-                    # An earlier save failed (appending would misplace) or
-                    # kvq is being skipped.
+                    # Not created, an earlier save failed (appending would
+                    # misplace) or kvq is being skipped.
                     streams[sid] = entry = (None, set(), 0.0)
                     self._committed[sid] = -1
                 else:
@@ -418,7 +420,7 @@ class KvqWorker:
                 if i != self._rank:
                     continue
                 self._committed.pop(sid, None)
-                if not self._settings.release_on_finish or not self.breaker.allow():
+                if not sid or not self._settings.release_on_finish or not self.breaker.allow():
                     continue
                 try:
                     ns = rank_namespace(namespace, self._rank, self._world_size)
