@@ -84,6 +84,7 @@ absl::Status DecodeFaithfulCache::AppendAttend(int layer, int n, const float* k,
   const int ld = q_heads * d;
   const int start = static_cast<int>(quantized_at_[layer].size()) - n;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int page_base = streams_->kv_stream(layer, 0).page_base();
   std::vector<float> p_fp16, p_quant;  // Scores, then probabilities, by key view.
   for (int hq = 0; hq < q_heads; ++hq) {
     const Views& w = views(layer, hq / group);
@@ -101,11 +102,14 @@ absl::Status DecodeFaithfulCache::AppendAttend(int layer, int n, const float* k,
         const int p = start + i0 + r;
         float* a = &p_fp16[static_cast<size_t>(r) * keys];
         float* b = &p_quant[static_cast<size_t>(r) * keys];
-        float max = -std::numeric_limits<float>::infinity();
-        for (int j = 0; j <= p; ++j) {
-          a[j] = Quantized(layer, p, j) ? b[j] : a[j];
-          max = std::max(max, a[j]);
+        // Keys [quantized_begin, quantized_end) are read quantized by query p.
+        const int quantized_begin = page_base;
+        const int quantized_end = page_base + quantized_at_[layer][p];  // <= p + 1.
+        if (quantized_end > quantized_begin) {
+          std::copy(b + quantized_begin, b + quantized_end, a + quantized_begin);
         }
+        float max = -std::numeric_limits<float>::infinity();
+        for (int j = 0; j <= p; ++j) max = std::max(max, a[j]);
         double sum = 0.0;
         for (int j = 0; j <= p; ++j) {
           a[j] = std::exp(a[j] - max);
@@ -114,7 +118,7 @@ absl::Status DecodeFaithfulCache::AppendAttend(int layer, int n, const float* k,
         const float inv = static_cast<float>(1.0 / sum);
         for (int j = 0; j <= p; ++j) {
           const float weight = a[j] * inv;
-          const bool quantized = Quantized(layer, p, j);
+          const bool quantized = j >= quantized_begin && j < quantized_end;
           a[j] = quantized ? 0.0f : weight;
           b[j] = quantized ? weight : 0.0f;
         }

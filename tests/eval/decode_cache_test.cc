@@ -1,19 +1,9 @@
-// The decode-faithful metric. DecodeFaithfulCache's per-(query, key) mask
-// over one pass of a window gives:
-//  - the attention of the kvq kernel run step by step on KvStreams appended
-//    one token at a time (random K/V/Q, no model);
-//  - the log-probabilities of a literal token-by-token decode of the model
-//    (one token per forward step: the stream appended one token at a time,
-//    attention per step over what it holds then);
-// and not those of another residual window or of a chunked prefill. Plus
-// the bootstrap's pooling.
-//
-// The model-level comparison reads the stream back for the per-step
-// attention rather than calling the kernel: the kernel's attention differs
-// from a float dot product by ~1e-4, and at 2 bits such differences in K/V
-// flip codes of later tokens, so two runs whose states agree still drift
-// apart by a KL of ~1e-2 over a window (as two runs of the kernel with
-// different summation orders would).
+// The decode-faithful metric. One pass of DecodeFaithfulCache's
+// per-(query, key) mask attends as the kvq kernel does step by step on
+// KvStreams appended one token at a time: on random K/V/Q, and at every
+// layer of the real model over a window that crosses two tail flushes; and
+// it does not attend as another residual window would. Plus the scored
+// window against its reference and the bootstrap's pooling.
 #include "bench/eval/decode_cache.h"
 
 #include <cmath>
@@ -38,13 +28,53 @@ namespace {
 constexpr int kTokens = 140;
 // Forward steps of the mask run: several, not aligned with the flushes.
 constexpr int kChunk = 48;
-// The mask run and the literal decode differ only in float summation
-// order (matrix products of a chunk against one row).
-constexpr double kMaxLogprobDiff = 2e-3;
-constexpr double kMaxMeanKl = 1e-6;
+// The mask's attention and the kernel's differ by their rounding only
+// (the kernel's integer and fp16 steps): relative to the largest output.
+constexpr double kMaxRelativeDiff = 1e-3;
 
-// [positions][vocab] next-token log-probabilities of a window.
-using Logprobs = std::vector<std::vector<float>>;
+// Runs the model through a DecodeFaithfulCache and, at every layer, feeds
+// the same K/V/Q one token per step to a kvq cache of `step_scheme`
+// (KvStreams appended one token at a time, the kernel's attention per
+// step): the largest difference between the two attention outputs,
+// relative to the largest output.
+class StepByStepCheck : public AttentionCache {
+ public:
+  StepByStepCheck(std::unique_ptr<AttentionCache> mask, std::unique_ptr<KvqAttentionCache> steps,
+                  const CacheShape& shape)
+      : mask_(std::move(mask)), steps_(std::move(steps)), shape_(shape) {}
+  bool KeysBeforeRope() const override { return mask_->KeysBeforeRope(); }
+  absl::Status AppendAttend(int layer, int n, const float* k, const float* v, const float* q,
+                            float* out) override {
+    if (absl::Status s = mask_->AppendAttend(layer, n, k, v, q, out); !s.ok()) return s;
+    const int kv = shape_.num_kv_heads * shape_.head_dim;
+    const int qd = shape_.num_q_heads * shape_.head_dim;
+    std::vector<float> step(qd);
+    for (int i = 0; i < n; ++i) {
+      if (absl::Status s = steps_->AppendAttend(layer, 1, k + i * kv, v + i * kv, q + i * qd,
+                                                step.data());
+          !s.ok()) {
+        return s;
+      }
+      for (int c = 0; c < qd; ++c) {
+        max_diff_ = std::max<double>(max_diff_, std::abs(step[c] - out[i * qd + c]));
+        max_out_ = std::max<double>(max_out_, std::abs(step[c]));
+      }
+    }
+    return absl::OkStatus();
+  }
+  int num_tokens() const override { return mask_->num_tokens(); }
+  absl::StatusOr<std::unique_ptr<AttentionCache>> Fork() const override {
+    return absl::UnimplementedError("not forked");
+  }
+  absl::StatusOr<ByteBreakdown> Bytes() const override { return mask_->Bytes(); }
+  double relative_diff() const { return max_diff_ / max_out_; }
+
+ private:
+  std::unique_ptr<AttentionCache> mask_;
+  std::unique_ptr<KvqAttentionCache> steps_;
+  CacheShape shape_;
+  double max_diff_ = 0.0, max_out_ = 0.0;
+};
 
 class DecodeFaithfulTest : public ::testing::Test {
  protected:
@@ -70,107 +100,52 @@ class DecodeFaithfulTest : public ::testing::Test {
     return tokens;
   }
 
-  static Logprobs Rows(const std::vector<float>& logits, int rows) {
-    const int V = model_->config().vocab;
-    Logprobs out(rows, std::vector<float>(V));
-    for (int i = 0; i < rows; ++i) LogSoftmax(&logits[static_cast<size_t>(i) * V], V, out[i].data());
-    return out;
-  }
-
-  // Token by token: one Forward per token, each attending over what the
-  // streams hold after that token's append.
-  static Logprobs LiteralDecode(const std::string& scheme) {
-    static std::map<std::string, Logprobs> done;
-    if (done.count(scheme)) return done[scheme];
-    auto cache = DecodeFaithfulCache::Create(model_->config().cache_shape(),
-                                             *QuantSpec::Parse(scheme), nullptr, &CpuBackend());
-    EXPECT_TRUE(cache.ok()) << cache.status();
+  // The window in kChunk-token forward steps through a mask cache of
+  // `scheme`, checked at every layer against step-by-step attention on
+  // `step_scheme`: the largest relative difference.
+  static double StepDiff(const std::string& scheme, const std::string& step_scheme) {
+    const CacheShape shape = model_->config().cache_shape();
+    auto mask = DecodeFaithfulCache::Create(shape, *QuantSpec::Parse(scheme), nullptr,
+                                            &CpuBackend());
+    auto steps = KvqAttentionCache::Create(shape, *QuantSpec::Parse(step_scheme), nullptr,
+                                           &CpuBackend());
+    EXPECT_TRUE(mask.ok() && steps.ok());
+    StepByStepCheck check(std::move(*mask), std::move(*steps), shape);
     const std::vector<int32_t> window = Window();
-    Logprobs out;
     std::vector<float> logits;
-    for (int p = 0; p < kTokens; ++p) {
-      EXPECT_TRUE(model_->Forward(absl::MakeConstSpan(&window[p], 1), cache->get(), false, &logits)
-                      .ok());
-      out.push_back(Rows(logits, 1)[0]);
-    }
-    return done[scheme] = out;
-  }
-
-  // Chunks of `chunk` tokens through `cache`, every position's logits.
-  static Logprobs Chunked(AttentionCache* cache, int chunk) {
-    const std::vector<int32_t> window = Window();
-    Logprobs out;
-    std::vector<float> logits;
-    for (int p = 0; p < kTokens; p += chunk) {
-      const int n = std::min(chunk, kTokens - p);
+    for (int p = 0; p < kTokens; p += kChunk) {
+      const int n = std::min(kChunk, kTokens - p);
       EXPECT_TRUE(
-          model_->Forward(absl::MakeConstSpan(window).subspan(p, n), cache, true, &logits).ok());
-      for (auto& row : Rows(logits, n)) out.push_back(std::move(row));
+          model_->Forward(absl::MakeConstSpan(window).subspan(p, n), &check, false, &logits).ok());
     }
-    return out;
-  }
-
-  static Logprobs Mask(const std::string& scheme) {
-    auto cache = DecodeFaithfulCache::Create(model_->config().cache_shape(),
-                                             *QuantSpec::Parse(scheme), nullptr, &CpuBackend());
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    return Chunked(cache->get(), kChunk);
-  }
-
-  static Logprobs Prefill(const std::string& scheme, int chunk) {
-    auto cache = KvqAttentionCache::Create(model_->config().cache_shape(),
-                                           *QuantSpec::Parse(scheme), nullptr, &CpuBackend());
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    return Chunked(cache->get(), chunk);
-  }
-
-  struct Diff {
-    double max_target = 0.0;  // Largest |difference| of the next token's log-prob.
-    double mean_kl = 0.0;     // Mean KL(a || b) over positions.
-  };
-  static Diff Compare(const Logprobs& a, const Logprobs& b) {
-    const std::vector<int32_t> window = Window();
-    const int V = model_->config().vocab;
-    Diff d;
-    EXPECT_EQ(a.size(), b.size());
-    for (int p = 0; p + 1 < kTokens; ++p) {
-      const int next = window[p + 1];
-      d.max_target = std::max(d.max_target, std::abs(double{a[p][next]} - b[p][next]));
-      d.mean_kl += KlDivergence(a[p].data(), b[p].data(), V) / (kTokens - 1);
-    }
-    return d;
+    return check.relative_diff();
   }
 
   static inline LlamaModel* model_ = nullptr;
   static inline BpeTokenizer* tokenizer_ = nullptr;
 };
 
-TEST_F(DecodeFaithfulTest, MaskEqualsTokenByTokenDecode) {
+// Every layer of a whole-window pass attends as the token-by-token decode
+// does, given the same K/V/Q (by induction over the layers and positions,
+// the pass is the teacher-forced decode). Comparing log-probabilities of a
+// literal decode instead cannot be tight at 2 to 4 bits: the kernel's
+// rounding differs from float products by ~1e-4, which flips codes of
+// later tokens' K/V, and the two runs drift apart (measured: mean KL
+// 1e-4 to 1e-2 over 140 tokens, as between two SIMD targets of the kernel).
+TEST_F(DecodeFaithfulTest, EveryLayerAttendsAsTheTokenByTokenDecode) {
   for (const std::string scheme :
-       {"kivi4:g64:r64:p8:pre_rope:sink=4", "kivi2:g64:r64:fit:p8:pre_rope:sink=4",
-        "kivi2:g32:r0:sink=4"}) {
-    const Diff d = Compare(LiteralDecode(scheme), Mask(scheme));
-    EXPECT_LT(d.max_target, kMaxLogprobDiff) << scheme;
-    EXPECT_LT(d.mean_kl, kMaxMeanKl) << scheme;
+       {"fp16", "kivi4:g64:r64:p8:pre_rope:sink=4", "kivi2:g64:r64:fit:p8:pre_rope:sink=4",
+        "kivi2:g32:r64", "kivi2:g32:r0:sink=4"}) {
+    EXPECT_LT(StepDiff(scheme, scheme), kMaxRelativeDiff) << scheme;
   }
 }
 
 TEST_F(DecodeFaithfulTest, MaskSeesTheResidualWindow) {
-  // A mask that put the wrong tokens in fp16 would land on another state:
-  // r64's mask run is far from r0's decode (at g32, r0 flushes every 32
-  // tokens, r64 every 64), and from r64's chunked prefill (64-token chunks
-  // fill the tail and flush it before their queries attend).
-  const std::string r64 = "kivi2:g32:r64:sink=4";
-  const std::string r0 = "kivi2:g32:r0:sink=4";
-  const Logprobs mask = Mask(r64);
-  const Diff to_r0 = Compare(LiteralDecode(r0), mask);
-  EXPECT_GT(to_r0.mean_kl, 100 * kMaxMeanKl);
-  EXPECT_GT(to_r0.max_target, 5 * kMaxLogprobDiff);
-  const Diff to_prefill = Compare(Prefill(r64, 64), mask);
-  EXPECT_GT(to_prefill.mean_kl, 100 * kMaxMeanKl);
-  // And the residual window helps: r64 decodes closer to fp16 than r0.
-  const Logprobs fp16 = Prefill("fp16", kTokens);
-  EXPECT_LT(Compare(fp16, mask).mean_kl, Compare(fp16, LiteralDecode(r0)).mean_kl);
+  // A mask that put the wrong tokens in fp16 would attend like another
+  // residual window: r64's pass is far from an r0 stream's steps (at g32,
+  // r0 flushes every 32 tokens, r64 every 64).
+  EXPECT_GT(StepDiff("kivi2:g32:r64:sink=4", "kivi2:g32:r0:sink=4"), 20 * kMaxRelativeDiff);
+  EXPECT_GT(StepDiff("kivi4:g32:r64:sink=4", "kivi4:g32:r0:sink=4"), 20 * kMaxRelativeDiff);
 }
 
 TEST_F(DecodeFaithfulTest, ScoredWindowAgainstItsReference) {
