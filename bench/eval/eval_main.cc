@@ -53,7 +53,8 @@ ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({"512", "
 ABSL_FLAG(int, windows, 5, "Windows per corpus and context");
 ABSL_FLAG(std::vector<std::string>, metrics, std::vector<std::string>({"decode", "prefill"}),
           "Perplexity metrics: decode (every position scored with the cache state "
-          "token-by-token decoding gives it; in-process only) and prefill (chunked prefill, each "
+          "token-by-token decoding gives it; in-process only, skipped with --server) and "
+          "prefill (chunked prefill, each "
           "chunk stored before its queries attend)");
 ABSL_FLAG(int, bootstrap_resamples, 1000,
           "Resamples of the windows for the 95% intervals of pooled dPPL and KL");
@@ -415,10 +416,16 @@ int Main(int argc, char** argv) {
     }
   }
   if (run_decode && client) {
-    std::fprintf(stderr, "kvq-eval: --metrics=decode runs in-process only (it reads each "
-                 "token's stored form back as it is appended); with --server use "
-                 "--metrics=prefill\n");
-    return 2;
+    // The decode metric reads each token's stored form back as it is
+    // appended, which a server sequence does not offer per step.
+    if (!run_prefill) {
+      std::fprintf(stderr, "kvq-eval: --metrics=decode runs in-process only; with --server "
+                   "use --metrics=prefill\n");
+      return 2;
+    }
+    std::fprintf(stderr, "kvq-eval: --server: the decode metric runs in-process only; "
+                 "scoring the prefill metric\n");
+    run_decode = false;
   }
   const int64_t total_steps =
       static_cast<int64_t>(all_windows.size()) * specs.size() * (run_decode + run_prefill) +
