@@ -68,12 +68,9 @@ absl::StatusOr<std::unique_ptr<KvqAttentionCache>> KvqAttentionCache::Create(
   return cache;
 }
 
-absl::Status KvqAttentionCache::AppendAttend(int layer, int n, const float* k, const float* v,
-                                             const float* q, float* out) {
+absl::Status KvqAttentionCache::Append(int layer, int n, const float* k, const float* v) {
   const int d = shape_.head_dim;
   const int kv_heads = shape_.num_kv_heads;
-  const int q_heads = shape_.num_q_heads;
-  const int group = q_heads / kv_heads;
   const int start = stream(layer, 0).num_tokens();
   if (rope_ != nullptr && !layers_.Contains(layer)) {
     // An fp16 layer of a pre_rope cache: store the keys as the fp16 scheme
@@ -91,6 +88,17 @@ absl::Status KvqAttentionCache::AppendAttend(int layer, int n, const float* k, c
     const ConstTensorView vh{v + h * d, DType::kFloat32, n, d, kv_heads * d};
     KVQ_RETURN_IF_ERROR(stream(layer, h).Append(kh, vh));
   }
+  return absl::OkStatus();
+}
+
+absl::Status KvqAttentionCache::AppendAttend(int layer, int n, const float* k, const float* v,
+                                             const float* q, float* out) {
+  const int d = shape_.head_dim;
+  const int kv_heads = shape_.num_kv_heads;
+  const int q_heads = shape_.num_q_heads;
+  const int group = q_heads / kv_heads;
+  const int start = stream(layer, 0).num_tokens();
+  KVQ_RETURN_IF_ERROR(Append(layer, n, k, v));
   positions_.resize(n);
   std::iota(positions_.begin(), positions_.end(), start);
   lse_.resize(static_cast<size_t>(n) * q_heads);

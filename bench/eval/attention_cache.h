@@ -91,6 +91,14 @@ class KvqAttentionCache : public AttentionCache {
   absl::StatusOr<std::unique_ptr<AttentionCache>> Fork() const override;
   absl::StatusOr<ByteBreakdown> Bytes() const override;
 
+  // The append half of AppendAttend: stores `n` tokens of `layer` without
+  // attending (DecodeFaithfulCache appends one token at a time through it
+  // and reads back what each step's attention would see).
+  absl::Status Append(int layer, int n, const float* k, const float* v);
+  const KvStream& kv_stream(int layer, int head) const {
+    return *streams_[layer * shape_.num_kv_heads + head];
+  }
+
  private:
   KvqAttentionCache(const CacheShape& shape, const QuantSpec& spec, const KernelBackend* backend,
                     LayerRange layers)

@@ -95,6 +95,31 @@ double KlDivergence(const float* log_p, const float* log_q, int n) {
 
 int ArgMax(const float* x, int n) { return static_cast<int>(std::max_element(x, x + n) - x); }
 
+void ScorePositions(absl::Span<const int32_t> window, int pos, int rows, int vocab,
+                    const std::vector<float>& logits, const Reference* reference,
+                    Reference* reference_out, std::vector<float>* lp, WindowResult* r) {
+  const int C = static_cast<int>(window.size());
+  const int V = vocab;
+  lp->resize(static_cast<size_t>(rows) * V);
+  double nll = 0.0, kl = 0.0;
+  int64_t scored = 0;
+#pragma omp parallel for schedule(static) reduction(+ : nll, kl, scored)
+  for (int i = 0; i < rows; ++i) {
+    const int p = pos + i;
+    float* row = &(*lp)[static_cast<size_t>(i) * V];
+    LogSoftmax(&logits[static_cast<size_t>(i) * V], V, row);
+    if (p >= C - 1) continue;  // The last token predicts nothing in the window.
+    nll -= row[window[p + 1]];
+    ++scored;
+    const size_t at = static_cast<size_t>(p) * V;
+    if (reference) kl += KlDivergence(&reference->logprobs[at], row, V);
+    if (reference_out) std::copy_n(row, V, &reference_out->logprobs[at]);
+  }
+  r->nll_sum += nll;
+  r->kl_sum += kl;
+  r->scored += scored;
+}
+
 absl::StatusOr<WindowResult> RunWindow(LlamaModel& model, absl::Span<const int32_t> window,
                                        AttentionCache* cache, const WindowOptions& options,
                                        const Reference* reference, Reference* reference_out) {
@@ -118,26 +143,8 @@ absl::StatusOr<WindowResult> RunWindow(LlamaModel& model, absl::Span<const int32
   std::vector<float> logits, lp;
   std::vector<float> last_lp(V);  // Next-token log-probs after the prefix.
 
-  // Scores rows of a chunk starting at `pos`: row i predicts window[pos+i+1].
   auto score = [&](int pos, int rows) {
-    lp.resize(static_cast<size_t>(rows) * V);
-    double nll = 0.0, kl = 0.0;
-    int64_t scored = 0;
-#pragma omp parallel for schedule(static) reduction(+ : nll, kl, scored)
-    for (int i = 0; i < rows; ++i) {
-      const int p = pos + i;
-      float* row = &lp[static_cast<size_t>(i) * V];
-      LogSoftmax(&logits[static_cast<size_t>(i) * V], V, row);
-      if (p >= C - 1) continue;
-      nll -= row[window[p + 1]];
-      ++scored;
-      const size_t at = static_cast<size_t>(p) * V;
-      if (reference) kl += KlDivergence(&reference->logprobs[at], row, V);
-      if (reference_out) std::copy_n(row, V, &reference_out->logprobs[at]);
-    }
-    r.nll_sum += nll;
-    r.kl_sum += kl;
-    r.scored += scored;
+    ScorePositions(window, pos, rows, V, logits, reference, reference_out, &lp, &r);
     if (pos <= prefix - 1 && prefix - 1 < pos + rows) {
       std::copy_n(&lp[static_cast<size_t>(prefix - 1 - pos) * V], V, last_lp.begin());
     }

@@ -48,6 +48,15 @@ absl::StatusOr<WindowResult> RunWindow(LlamaModel& model, absl::Span<const int32
                                        AttentionCache* cache, const WindowOptions& options,
                                        const Reference* reference, Reference* reference_out);
 
+// Scores the log-softmax of `rows` rows of logits [rows][vocab] for window
+// positions pos.. (row i predicts window[pos + i + 1]; the window's last
+// position predicts nothing): adds the NLL, KL(reference || these) when
+// `reference` is given, and the count to r; copies the rows into
+// reference_out->logprobs when given; leaves the log-probs in lp.
+void ScorePositions(absl::Span<const int32_t> window, int pos, int rows, int vocab,
+                    const std::vector<float>& logits, const Reference* reference,
+                    Reference* reference_out, std::vector<float>* lp, WindowResult* r);
+
 // Passkey retrieval: a 5-digit key stated once at `depth` (0..1) of filler
 // text `context` tokens long, then asked for.
 struct PasskeyPrompt {

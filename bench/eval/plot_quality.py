@@ -48,10 +48,11 @@ OTHER_STYLE = {"marker": "^", "linestyle": ":"}
 REFERENCE_SCHEMES = {"fp16", "f16", "bf16", "fp32"}
 
 
-def load_rows(paths: list[Path]) -> list[dict]:
-    """All rows of all files; rows without an engine count as kvq's, and a
-    row measured again (same engine, scheme, corpus, context) keeps the later
-    file's figures."""
+def load_rows(paths: list[Path], metric: str | None = None) -> list[dict]:
+    """All rows of all files (only those of `metric` when given; rows
+    without one were scored on chunked prefill); rows without an engine
+    count as kvq's, and a row measured again (same engine, scheme, metric,
+    corpus, context) keeps the later file's figures."""
     rows = {}
     for p in paths:
         data = json.loads(p.read_text())
@@ -59,7 +60,11 @@ def load_rows(paths: list[Path]) -> list[dict]:
         for r in file_rows:
             r = dict(r)
             r.setdefault("engine", "kvq")
-            rows[(r["engine"], r["scheme"], r.get("corpus"), r.get("context"))] = r
+            r.setdefault("metric", "prefill")
+            if metric is not None and r["metric"] != metric:
+                continue
+            rows[(r["engine"], r["scheme"], r["metric"], r.get("corpus"),
+                  r.get("context"))] = r
     return list(rows.values())
 
 
@@ -236,11 +241,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--corpus", default="all",
                     help="corpus to plot (default: 'all', the rows pooled over "
                          "corpora by tokens that kvq-eval and the peer write)")
+    ap.add_argument("--metric", default="decode", choices=("decode", "prefill"),
+                    help="perplexity metric to plot (rows without one are prefill)")
     ap.add_argument("--no-labels", action="store_true",
                     help="no scheme names next to the ΔPPL points")
     args = ap.parse_args(argv)
 
-    rows = load_rows(args.results)
+    rows = load_rows(args.results, args.metric)
     if not rows:
         ap.error("no rows in the input")
     corpora = sorted({r.get("corpus", "?") for r in rows

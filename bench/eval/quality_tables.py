@@ -2,7 +2,7 @@
 """Renders kvq-eval (and llama.cpp peer) result JSON as the markdown tables
 of docs/QUALITY.md, so the figures there are pasted, never typed.
 
-    python3 bench/eval/quality_tables.py kvq.json [peer.json ...] [--corpus all]
+    python3 bench/eval/quality_tables.py kvq.json [peer.json ...] [--corpus all] [--metric decode]
 
 Prints one table per context: scheme, bits/element (measured allocation),
 KV MiB, perplexity, ΔPPL against the engine's own fp16/f16 cache, mean KL,
@@ -16,15 +16,25 @@ import re
 import sys
 
 
-def load(paths):
-    """All rows of all files; a row measured again (same engine, scheme,
-    corpus and context, e.g. the fp16 reference of a later run) keeps the
-    later file's figures."""
+def metric_of(row):
+    """The perplexity metric a row measured: kvq-eval names it ("decode" or
+    "prefill"); rows without the field (older files, the llama.cpp peer)
+    were scored on chunked prefill."""
+    return row.get("metric", "prefill")
+
+
+def load(paths, metric=None):
+    """All rows of all files (only those of `metric` when given); a row
+    measured again (same engine, scheme, metric, corpus and context, e.g.
+    the fp16 reference of a later run) keeps the later file's figures."""
     rows = {}
     for path in paths:
         with open(path) as f:
             for r in json.load(f)["rows"]:
-                rows[(r.get("engine", "kvq"), r["scheme"], r["corpus"], r["context"])] = r
+                if metric is not None and metric_of(r) != metric:
+                    continue
+                rows[(r.get("engine", "kvq"), r["scheme"], metric_of(r), r["corpus"],
+                      r["context"])] = r
     return list(rows.values())
 
 
@@ -134,8 +144,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+")
     ap.add_argument("--corpus", default="all")
+    ap.add_argument("--metric", default="decode", choices=("decode", "prefill"),
+                    help="perplexity metric of the tables (rows without one are prefill)")
     args = ap.parse_args()
-    rows = load(args.results)
+    rows = load(args.results, args.metric)
     print("\n".join(tables(rows, args.corpus) + targets(rows, args.corpus)))
 
 

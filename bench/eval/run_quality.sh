@@ -26,7 +26,7 @@ source "$root/scripts/env.sh"
 "$root/scripts/fetch_eval_data.sh"
 kvq_build --target kvq_eval >/dev/null
 eval_bin="$KVQ_BUILD/bench/eval/kvq-eval"
-windows="${KVQ_QUALITY_WINDOWS:-1}"
+windows="${KVQ_QUALITY_WINDOWS:-5}"
 corpora="${KVQ_QUALITY_CORPORA:-austen,code,kjv}"
 mkdir -p "$out" "$root/docs/img"
 
@@ -104,6 +104,9 @@ for r in 0-4 5-9 10-14 15-19 20-24 25-29; do layer_probe+=("$p8_3@$r"); done
 "$eval_bin" --schemes="$(join "$p8_3" "${layer_probe[@]}")" --contexts=2048 --corpora=austen,code \
   --passkey_contexts= --gen_tokens=32 --out="$out/probe_layers_kivi3.json"
 
-python3 "$root/bench/eval/quality_tables.py" "$out"/kvq_*.json "$out"/llamacpp_*.json
+# The decode metric (kvq's rows), then chunked prefill (where the llama.cpp
+# peer's rows are).
+python3 "$root/bench/eval/quality_tables.py" --metric=decode "$out"/kvq_*.json "$out"/llamacpp_*.json
+python3 "$root/bench/eval/quality_tables.py" --metric=prefill "$out"/kvq_*.json "$out"/llamacpp_*.json
 python3 "$root/bench/eval/plot_quality.py" "$out"/kvq_*.json "$out"/llamacpp_*.json \
   --out-dir "$root/docs/img"

@@ -17,7 +17,7 @@ import pytest
 SOURCE = pathlib.Path(os.environ.get("KVQ_SOURCE_DIR", pathlib.Path(__file__).parents[2]))
 REFERENCE = SOURCE / "docs" / "quality" / "quick_reference.json"
 # Fields that are timings or process figures, not results.
-VOLATILE = {"prefill_ms", "decode_ms_per_token", "decode_tokens_per_s"}
+VOLATILE = {"prefill_ms", "decode_ms_per_token", "decode_tokens_per_s", "scoring_ms"}
 
 
 def run_quick(tmp_path, name):
@@ -36,10 +36,29 @@ def runs(tmp_path_factory):
     return run_quick(tmp, "a"), run_quick(tmp, "b")
 
 
-def row(result, scheme, corpus="all"):
-    rows = [r for r in result["rows"] if r["scheme"] == scheme and r["corpus"] == corpus]
-    assert len(rows) == 1, (scheme, corpus, result["rows"])
+def row(result, scheme, corpus="all", metric="prefill"):
+    rows = [r for r in result["rows"]
+            if r["scheme"] == scheme and r["corpus"] == corpus and r["metric"] == metric]
+    assert len(rows) == 1, (scheme, corpus, metric, result["rows"])
     return rows[0]
+
+
+def test_every_row_names_its_metric(runs):
+    assert {r["metric"] for r in runs[0]["rows"]} == {"decode", "prefill"}
+    for scheme in ("fp16", "kivi4", "kivi4:pre_rope:sink=4"):
+        decode = row(runs[0], scheme, metric="decode")
+        prefill = row(runs[0], scheme)
+        assert decode["tokens_scored"] == prefill["tokens_scored"]
+        assert decode["kv_bytes"] == prefill["kv_bytes"]
+
+
+def test_decode_metric_of_fp16_is_the_model(runs):
+    # An fp16 cache holds the same values however it is filled: the two
+    # metrics differ by float rounding only.
+    decode = row(runs[0], "fp16", metric="decode")
+    prefill = row(runs[0], "fp16")
+    assert abs(decode["ppl"] / prefill["ppl"] - 1) < 1e-3, (decode, prefill)
+    assert decode["delta_ppl_pct"] == 0 and decode["kl_mean"] == 0
 
 
 def test_fp16_matches_llamacpp_f16_cache(runs):

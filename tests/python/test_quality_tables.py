@@ -62,3 +62,16 @@ def test_mixed_bits_compete_by_their_mean_code_width():
     assert "`kivi2:g64:r64:p8` | 2.43 | +80.00 | missed: +74.00 pts over |" in two, \
         "kivi2:v3 (2.5 bits on average) is not a 2-bit configuration"
     assert "kivi4:v3" not in four + three, "3.5 bits on average: in no family"
+
+
+def test_metric_selects_rows_and_keeps_both(tmp_path):
+    # kvq-eval writes a decode and a prefill row per scheme; files without
+    # the field (older runs, the llama.cpp peer) are prefill.
+    decode = dict(row("kivi4", 4.5, 0.4), metric="decode")
+    prefill = dict(row("kivi4", 4.5, 1.0), metric="prefill")
+    old = dict(row("kivi2", 2.5, 40.0))
+    a = tmp_path / "a.json"
+    write(a, [decode, prefill, old])
+    assert len(tables.load([a])) == 3
+    assert [r["delta_ppl_pct"] for r in tables.load([a], "decode")] == [0.4]
+    assert sorted(r["delta_ppl_pct"] for r in tables.load([a], "prefill")) == [1.0, 40.0]
