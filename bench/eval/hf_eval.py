@@ -312,6 +312,8 @@ def main(argv: list[str]) -> int:
                          "windows file's)")
     ap.add_argument("--max-windows", type=int, help="at most N windows per (corpus, context)")
     ap.add_argument("--max-context", type=int, help="only windows of at most N tokens")
+    ap.add_argument("--min-context", type=int, default=0,
+                    help="only windows (and passkey prompts) of at least N tokens")
     ap.add_argument("--passkey-schemes", default=None,
                     help="schemes that run the windows file's passkey prompts (default: all)")
     ap.add_argument("--skip-decode", action="store_true",
@@ -358,7 +360,9 @@ def main(argv: list[str]) -> int:
     else:
         windows = spec["windows"]
         prompts = spec.get("passkey", {}).get("prompts", [])
-    windows = pick_windows(windows, args.max_windows, args.max_context)
+    windows = pick_windows([w for w in windows if w["context"] >= args.min_context],
+                           args.max_windows, args.max_context)
+    prompts = [p for p in prompts if p["context"] >= args.min_context]
     if args.max_context is not None:
         prompts = [p for p in prompts if p["context"] <= args.max_context]
 

@@ -167,7 +167,10 @@ class _RemoteStore:
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         s = self.sequence
-        s.client.append_prompt(s.sequence_id, k[None], v[None], layer_begin=self.layer)
+        # Dense fp32, quantized by the server: client-side pages assume every
+        # layer at the same length, which a layer-by-layer step breaks.
+        s.client.append_prompt(s.sequence_id, k[None], v[None], layer_begin=self.layer,
+                               quantize=False)
         s.tokens[self.layer] += k.shape[1]
 
     def read(self, begin: int, end: int):
