@@ -1,4 +1,6 @@
-"""kvq.hf.KvqCache in transformers' generate() on a real model.
+"""kvq.hf.KvqCache in transformers' generate() on a real model, with kvq's
+fused attention ("fused": the model's attention implementation is "kvq")
+and with the model's own attention over dequantized K/V ("dequantized").
 
 SmolLM2-135M from the eval data dir's GGUF (scripts/fetch_eval_data.sh),
 loaded by transformers' GGUF loader in fp32. Opt-in like the vLLM tests:
@@ -17,7 +19,7 @@ transformers = pytest.importorskip("transformers",
                                    reason="transformers is not installed (KVQ_WITH_TORCH=1)")
 pytest.importorskip("kvq._native", reason="the kvq package is not installed (pip install .)")
 
-from kvq.hf import KvqCache, model_geometry  # noqa: E402
+from kvq.hf import KvqCache, model_geometry, use_kvq_attention  # noqa: E402
 from live_server import SERVER_BIN, running_server  # noqa: E402
 from test_tokenizer_parity import MODEL_FILE_NAME, eval_data_dir  # noqa: E402
 
@@ -50,6 +52,17 @@ def prompt(model):
     return ids[:, :PROMPT_TOKENS]
 
 
+ATTENTION = ["fused", "dequantized"]
+
+
+def attend_by(model, attention):
+    """Makes `model` attend with kvq's fused kernel or with sdpa."""
+    if attention == "fused":
+        use_kvq_attention(model)
+    else:
+        model.set_attn_implementation("sdpa")
+
+
 def generate(model, prompt, cache):
     out = model.generate(prompt, past_key_values=cache, max_new_tokens=NEW_TOKENS,
                          do_sample=False, return_dict_in_generate=True, output_scores=True)
@@ -59,6 +72,7 @@ def generate(model, prompt, cache):
 @pytest.fixture(scope="module")
 def reference(model, prompt):
     """DynamicCache's greedy tokens and their teacher-forced log-probs."""
+    attend_by(model, "dequantized")
     tokens, _ = generate(model, prompt, transformers.DynamicCache(config=model.config))
     return tokens, teacher_forced(model, prompt, tokens, transformers.DynamicCache(
         config=model.config))
@@ -78,7 +92,9 @@ def mean_kl(p, q):
     return float((p.exp() * (p - q)).sum(-1).clamp(min=0).mean())
 
 
-def test_fp16_cache_generates_dynamic_caches_tokens(model, prompt, reference):
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_fp16_cache_generates_dynamic_caches_tokens(model, prompt, reference, attention):
+    attend_by(model, attention)
     cache = KvqCache(model.config, "fp16")
     tokens, _ = generate(model, prompt, cache)
     assert tokens.tolist() == reference[0].tolist()
@@ -86,26 +102,29 @@ def test_fp16_cache_generates_dynamic_caches_tokens(model, prompt, reference):
     geometry = model_geometry(model.config)
     elements = 2 * geometry["num_layers"] * geometry["num_kv_heads"] * geometry["head_dim"]
     bytes_ = cache.bytes_by_component()
-    # fp16: two bytes per element stored, pages rounded up.
-    assert bytes_["codes"] == 2 * elements * cache.get_seq_length() or \
-        bytes_["codes"] + bytes_["padding"] >= 2 * elements * cache.get_seq_length()
+    # fp16: two bytes of codes per element stored (whole pages: padding apart).
+    assert bytes_["codes"] == 2 * elements * cache.get_seq_length()
     assert sum(v for k, v in bytes_.items() if k != "total") == bytes_["total"]
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("scheme", sorted(KL_BOUNDS))
-def test_quantized_cache_within_kl_bound(model, prompt, reference, scheme):
+def test_quantized_cache_within_kl_bound(model, prompt, reference, scheme, attention):
+    attend_by(model, attention)
     tokens, ref_lp = reference
     cache = KvqCache(model.config, scheme)
     lp = teacher_forced(model, prompt, tokens, cache)
     kl = mean_kl(ref_lp, lp)
-    print(f"{scheme}: mean KL {kl:.5f} over {lp.shape[0]} positions")
+    print(f"{scheme} ({attention}): mean KL {kl:.5f} over {lp.shape[0]} positions")
     assert 0 < kl < KL_BOUNDS[scheme], kl
-    fp16 = KvqCache(model.config, "fp16")
-    teacher_forced(model, prompt, tokens, fp16)
-    assert cache.bytes_by_component()["total"] < fp16.bytes_by_component()["total"]
+    geometry = model_geometry(model.config)
+    fp16_bytes = (2 * 2 * geometry["num_layers"] * geometry["num_kv_heads"] *
+                  geometry["head_dim"] * cache.get_seq_length())
+    assert cache.bytes_by_component()["total"] < fp16_bytes
 
 
 def test_pre_rope_keys_come_back_after_rope(model, prompt):
+    attend_by(model, "dequantized")
     # The sink's 4 tokens are stored in fp16: after the cache undoes the
     # model's RoPE and kvq applies its own, they read back as the post-RoPE
     # keys DynamicCache holds, to fp16 precision. A wrong pairing or angle
@@ -121,6 +140,13 @@ def test_pre_rope_keys_come_back_after_rope(model, prompt):
         assert torch.allclose(got, want, rtol=2e-3, atol=2e-3), (layer, (got - want).abs().max())
 
 
+def test_fused_attention_needs_a_kvq_cache(model, prompt):
+    use_kvq_attention(model)
+    with pytest.raises(ValueError, match="attends over a KvqCache"):
+        with torch.inference_mode():
+            model(prompt[:, :4], past_key_values=transformers.DynamicCache(config=model.config))
+
+
 def test_pre_rope_refused_for_rope_kvq_does_not_apply(model):
     config = model.config.__class__.from_dict(model.config.to_dict())
     config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -133,9 +159,13 @@ def test_pre_rope_refused_for_rope_kvq_does_not_apply(model):
 
 @pytest.mark.skipif(not os.access(SERVER_BIN, os.X_OK),
                     reason="KVQ_SERVER_BIN does not name a kvq-server binary")
-@pytest.mark.parametrize("scheme", ["kivi4", "kivi4:pre_rope:sink=4"])
-def test_remote_cache_gives_in_process_results(model, prompt, scheme):
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_remote_cache_gives_in_process_results(model, prompt, attention):
+    # Fused: the server's Attend RPC; dequantized: its FetchDequant.
     from kvq_client import KvqClient
+
+    attend_by(model, attention)
+    scheme = "kivi4:pre_rope:sink=4"
 
     local = KvqCache(model.config, scheme)
     local_tokens, local_scores = generate(model, prompt, local)
