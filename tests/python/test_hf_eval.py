@@ -100,8 +100,13 @@ def test_transformers_forward_reproduces_kvq_eval_quick(tmp_path):
     # Two forward passes in fp32 over the same dequantized weights: the same
     # perplexity to rounding.
     assert abs(hf["fp16"]["ppl"] / cxx["fp16"]["ppl"] - 1) < 1e-3
-    # ΔPPL on 511 tokens moves by tenths of a point from rounding alone
-    # (test_eval_quick.py); int8 is nearly exact, kivi4 within half a point.
+    # int8 (one scale per row): measured 0.05 points apart (−0.18% against
+    # −0.13%).
     assert abs(hf["int8"]["delta_ppl_pct"] - cxx["int8"]["delta_ppl_pct"]) < 0.1
+    # kivi4 on 511 tokens: a last-bit difference in one layer flips codes of
+    # the next layers, and kvq-eval's own ΔPPL has ranged from 0.30% to
+    # 1.96% over SIMD targets and kernel versions with KL 0.0067..0.0078
+    # (test_eval_quick.py): the KL is the steady figure.
     kivi = "kivi4:pre_rope:sink=4"
-    assert abs(hf[kivi]["delta_ppl_pct"] - cxx[kivi]["delta_ppl_pct"]) < 0.5
+    assert abs(hf[kivi]["delta_ppl_pct"] - cxx[kivi]["delta_ppl_pct"]) < 1.0
+    assert 0.7 < hf[kivi]["kl_mean"] / cxx[kivi]["kl_mean"] < 1.3
