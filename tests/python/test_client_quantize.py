@@ -19,7 +19,8 @@ LAYERS, HEADS, QHEADS, DIM = 2, 2, 4, 64
 
 @pytest.fixture(scope="module")
 def address():
-    with running_server("--capacity_bytes=268435456", "--backend=cpu") as addr:
+    with running_server("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456",
+                        "--backend=cpu") as addr:
         yield addr
 
 
@@ -95,6 +96,18 @@ def test_client_pages_are_the_servers_pages(client, scheme):
     for a, b in zip(client.fetch(by_client, dtype="fp32"), client.fetch(by_server, dtype="fp32")):
         assert (a == b).all()
     assert client.stats(by_client).bytes == client.stats(by_server).bytes
+
+
+def test_nuq_pages_with_the_clients_codebooks(client):
+    levels = np.tile(np.linspace(0, 1, 8) ** 1.5, (DIM, 1)).astype(np.float32)
+    books = [(levels, levels)] * (LAYERS * HEADS)
+    k, v = prompt(300, 5)
+    by_server = client.create_sequence(layout(), scheme="kivi3:nuq", codebooks=books).sequence_id
+    by_client = client.create_sequence(layout(), scheme="kivi3:nuq", codebooks=books).sequence_id
+    client.append_prompt(by_server, k, v, quantize=False)
+    r = client.append_prompt(by_client, k, v, quantize=True)
+    assert r.wire_bytes < (k.nbytes + v.nbytes) / 2
+    assert stored_pages(client, by_client) == stored_pages(client, by_server)
 
 
 def test_bf16_torch_prompt_is_quantized_from_its_bits(client):

@@ -211,6 +211,8 @@ def test_errors_carry_the_cpp_message():
         layer.attend(rand((3, 1, DIM), 0, np.float32))
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         layer.append(np.zeros((HEADS, 1, DIM), np.int32), np.zeros((HEADS, 1, DIM), np.int32))
+    with pytest.raises(RuntimeError, match="fp8_e4m3 streams do not take raw pages"):
+        kvq.quantize_pages("fp8_e4m3", rand((HEADS, 8, DIM), 0), rand((HEADS, 8, DIM), 0))
     with pytest.raises(ValueError, match="raw pages hold whole blocks of 128 tokens"):
         kvq.quantize_pages("kivi4", rand((HEADS, 100, DIM), 0), rand((HEADS, 100, DIM), 0))
 
@@ -229,3 +231,34 @@ def test_corrupt_pages_are_rejected_and_nothing_is_stored():
     with pytest.raises(ValueError, match="kv head 1: "):
         c.append_pages(bytes(pages), 128)
     assert c.num_tokens == 0 and c.bytes_by_component()["codes"] == 0
+
+
+def uniform_codebooks(bits, heads):
+    levels = np.tile(np.arange(2 ** bits) / (2 ** bits - 1), (DIM, 1)).astype(np.float32)
+    return [(levels.ravel().tolist(), levels.ravel().tolist())] * heads
+
+
+def test_nuq_takes_codebooks_per_head():
+    with pytest.raises(ValueError, match="has nuq: it needs 2 codebooks"):
+        kvq.KvLayer("kivi4:nuq", HEADS, DIM)
+    nuq = kvq.KvLayer("kivi4:nuq", HEADS, DIM, codebooks=uniform_codebooks(4, HEADS))
+    plain = kvq.KvLayer("kivi4", HEADS, DIM)
+    k = rand((HEADS, 256, DIM), 18)
+    nuq.append(k, k)
+    plain.append(k, k)
+    assert nuq.bytes_by_component()["codebook"] == HEADS * 2 * DIM * 16 * 2  # fp16 levels.
+    # Uniform levels quantize as well as plain kivi (not bit for bit: the
+    # levels are fp16 and the rounding is to the nearest level).
+    kf = k.astype(np.float32)
+    e_nuq = np.abs(nuq.read()[0] - kf).mean()
+    e_plain = np.abs(plain.read()[0] - kf).mean()
+    assert abs(e_nuq - e_plain) < 0.02 * e_plain
+    pages = nuq.pages()
+    assert kvq.quantize_pages("kivi4:nuq", k, k, codebooks=uniform_codebooks(4, HEADS)) == pages
+
+
+def test_kvq_client_is_the_grpc_client():
+    import kvq.client
+    import kvq_client
+    assert kvq.client.KvqClient is kvq_client.KvqClient
+    assert set(kvq.client.__all__) == set(kvq_client.__all__)

@@ -20,8 +20,9 @@ __all__ = ["KvLayer", "client", "page_geometry", "quantize_pages", "scheme_names
 
 
 def __getattr__(name):
-    # kvq.client: the gRPC client, imported on first use (it needs grpcio).
+    # kvq.client (the gRPC client) is imported on first use: the kernels
+    # alone need no grpcio.
     if name == "client":
-        import kvq_client
-        return kvq_client
+        import importlib
+        return importlib.import_module("kvq.client")
     raise AttributeError(f"module 'kvq' has no attribute {name!r}")

@@ -86,8 +86,8 @@ def generate(force=False):
         raise ImportError(
             f"kvq_client: the generated modules are missing and {proto} was not found; "
             "run client/python/generate.sh from a kvq checkout (or set KVQ_PROTO_DIR)")
-    try:
-        from grpc_tools import protoc
+    try:  # Checked here for an error that says what to install.
+        import grpc_tools.protoc  # noqa: F401
     except ImportError as e:
         raise ImportError("kvq_client: generating the gRPC modules needs grpcio-tools "
                           "(scripts/install_deps.sh installs it)") from e

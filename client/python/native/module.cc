@@ -9,6 +9,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -16,7 +17,9 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -216,7 +219,10 @@ nb::dict ByteDict(const ByteBreakdown& b) {
   return d;
 }
 
-// The Python KvLayer: the C++ one plus what its constructor was given.
+// The Python KvLayer: the C++ one behind a lock. The kernels run without
+// the GIL, so Python threads may call into one layer at once: appends
+// (writers) exclude everything else, reads and attention share it, as
+// KvStream requires.
 class PyKvLayer {
  public:
   PyKvLayer(const std::string& scheme, int num_kv_heads, int head_dim,
@@ -231,14 +237,19 @@ class PyKvLayer {
                                    MakeCodebooks(config, codebooks)));
   }
 
-  KvLayer& layer() { return *layer_; }
-  const KvLayer& layer() const { return *layer_; }
+  // f(layer) under the shared lock: the properties.
+  template <typename F>
+  auto With(F f) const {
+    std::shared_lock lock(mu_);
+    return f(*layer_);
+  }
 
   void Append(const AnyArray& k, const AnyArray& v) {
     const HeadsView kv = View(k, "k"), vv = View(v, "v");
     absl::Status st;
     {
       nb::gil_scoped_release release;
+      std::unique_lock lock(mu_);
       st = layer_->Append(kv, vv);
     }
     Raise(st);
@@ -264,6 +275,7 @@ class PyKvLayer {
     absl::Status st;
     {
       nb::gil_scoped_release release;
+      std::shared_lock lock(mu_);
       st = layer_->Read(begin, n_end, kv, vv);
     }
     Raise(st);
@@ -318,6 +330,7 @@ class PyKvLayer {
     absl::Status st;
     {
       nb::gil_scoped_release release;
+      std::shared_lock lock(mu_);
       st = layer_->Attend(qc.data(), hq, len, pos, scale.value_or(0.0f), od, ld);
     }
     Raise(st);
@@ -327,10 +340,16 @@ class PyKvLayer {
 
   nb::bytes Pages(int begin, std::optional<int> end) const {
     std::string data;
+    absl::Status st;
     {
       nb::gil_scoped_release release;
-      data = Value(layer_->Pages(begin, end.value_or(layer_->stream(0).quantized_tokens())));
+      std::shared_lock lock(mu_);
+      absl::StatusOr<std::string> pages =
+          layer_->Pages(begin, end.value_or(layer_->stream(0).quantized_tokens()));
+      if (pages.ok()) data = *std::move(pages);
+      st = pages.status();
     }
+    Raise(st);
     return nb::bytes(data.data(), data.size());
   }
 
@@ -342,6 +361,7 @@ class PyKvLayer {
     absl::Status st;
     {
       nb::gil_scoped_release release;
+      std::unique_lock lock(mu_);
       st = layer_->AppendPages(static_cast<const uint8_t*>(view.buf),
                                static_cast<size_t>(view.len), tokens);
     }
@@ -351,7 +371,14 @@ class PyKvLayer {
 
  private:
   std::unique_ptr<KvLayer> layer_;
+  mutable std::shared_mutex mu_;
 };
+
+// A read-only property (or method) of the layer, computed under its shared lock.
+template <typename F>
+auto Prop(F f) {
+  return [f](const PyKvLayer& l) { return l.With(f); };
+}
 
 // Raw pages of a prompt's K and V ([heads, tokens, head_dim] for one
 // layer or [layers, heads, tokens, head_dim]), in QuantizedPages order
@@ -381,6 +408,9 @@ nb::bytes QuantizePages(const std::string& scheme, const AnyArray& k, const AnyA
                                        heads * layers, " codebooks (one per layer and kv head), got ",
                                        books.size())
                               .c_str());
+  }
+  if (config.spec.kind == SchemeKind::kFp8E4m3) {  // As KvStream::AppendPages says.
+    throw std::runtime_error("fp8_e4m3 streams do not take raw pages: the scale is per stream");
   }
   const int flush = config.spec.flush_tokens();
   if (first.tokens % flush != 0) {
@@ -457,6 +487,8 @@ nb::dict PageGeometry(const std::string& scheme, int head_dim, int page_tokens) 
 }  // namespace kvq
 
 NB_MODULE(_native, m) {
+  using kvq::KvLayer;
+  using kvq::Prop;
   using kvq::PyKvLayer;
   m.doc() = "kvq's quantized KV kernels (kvq::kernels) in Python";
   nb::class_<PyKvLayer>(m, "KvLayer",
@@ -469,35 +501,49 @@ NB_MODULE(_native, m) {
            nb::arg("rope_pairing") = "half_split", nb::arg("rope_scaling") = "none",
            nb::arg("rope_factor") = 1.0f, nb::arg("page_tokens") = 0,
            nb::arg("backend") = "cpu", nb::arg("codebooks") = nb::none())
-      .def_prop_ro("num_tokens", [](const PyKvLayer& l) { return l.layer().num_tokens(); })
-      .def_prop_ro("num_kv_heads", [](const PyKvLayer& l) { return l.layer().num_kv_heads(); })
-      .def_prop_ro("head_dim", [](const PyKvLayer& l) { return l.layer().head_dim(); })
+      .def_prop_ro("num_tokens",
+                   Prop([](const KvLayer& x) { return x.num_tokens(); }))
+      .def_prop_ro("num_kv_heads",
+                   Prop([](const KvLayer& x) { return x.num_kv_heads(); }))
+      .def_prop_ro("head_dim",
+                   Prop([](const KvLayer& x) { return x.head_dim(); }))
       .def_prop_ro("scheme",
-                   [](const PyKvLayer& l) { return l.layer().config().spec.ToString(); })
+                   Prop([](const KvLayer& x) { return x.config().spec.ToString(); }))
       .def_prop_ro("sink_tokens",
-                   [](const PyKvLayer& l) { return l.layer().stream(0).sink_tokens(); })
+                   Prop([](const KvLayer& x) { return x.stream(0).sink_tokens(); }))
       .def_prop_ro("quantized_tokens",
-                   [](const PyKvLayer& l) { return l.layer().stream(0).quantized_tokens(); })
+                   Prop([](const KvLayer& x) { return x.stream(0).quantized_tokens(); }))
       .def_prop_ro("tail_tokens",
-                   [](const PyKvLayer& l) { return l.layer().stream(0).tail_tokens(); })
+                   Prop([](const KvLayer& x) { return x.stream(0).tail_tokens(); }))
       .def_prop_ro("page_tokens",
-                   [](const PyKvLayer& l) { return l.layer().stream(0).layout().page_tokens; })
+                   Prop([](const KvLayer& x) { return x.stream(0).layout().page_tokens; }))
       .def_prop_ro("page_bytes",
-                   [](const PyKvLayer& l) { return l.layer().stream(0).layout().page_bytes; })
+                   Prop([](const KvLayer& x) { return x.stream(0).layout().page_bytes; }))
       .def_prop_ro("flush_tokens",
-                   [](const PyKvLayer& l) { return l.layer().config().spec.flush_tokens(); })
+                   Prop([](const KvLayer& x) { return x.config().spec.flush_tokens(); }))
       .def_prop_ro("accepts_pages",
-                   [](const PyKvLayer& l) { return l.layer().stream(0).AcceptsPages(); })
-      .def("append", &PyKvLayer::Append, nb::arg("k"), nb::arg("v"))
+                   Prop([](const KvLayer& x) { return x.stream(0).AcceptsPages(); }))
+      .def("append", &PyKvLayer::Append, nb::arg("k"), nb::arg("v"),
+           "Appends k, v [num_kv_heads, tokens, head_dim] (float32/float16/bfloat16, "
+           "numpy or torch CPU), read in place. Nothing is stored on error.")
       .def("read", &PyKvLayer::Read, nb::arg("begin") = 0, nb::arg("end") = nb::none(),
-           nb::kw_only(), nb::arg("out_k") = nb::none(), nb::arg("out_v") = nb::none())
+           nb::kw_only(), nb::arg("out_k") = nb::none(), nb::arg("out_v") = nb::none(),
+           "(K, V) dequantized float32 [num_kv_heads, end - begin, head_dim], keys post-RoPE; "
+           "written into out_k / out_v (C-contiguous float32) when given.")
       .def("attend", &PyKvLayer::Attend, nb::arg("q"), nb::kw_only(),
            nb::arg("scale") = nb::none(), nb::arg("positions") = nb::none(),
-           nb::arg("return_lse") = false)
-      .def("pages", &PyKvLayer::Pages, nb::arg("begin") = 0, nb::arg("end") = nb::none())
-      .def("append_pages", &PyKvLayer::AppendPages, nb::arg("data"), nb::arg("tokens"))
+           nb::arg("return_lse") = false,
+           "Fused attention of q float32 [num_q_heads, q_len, head_dim] over the stored "
+           "K/V: out of q's shape (and lse [num_q_heads, q_len] with return_lse). Causal, "
+           "the queries at the last q_len positions unless positions are given.")
+      .def("pages", &PyKvLayer::Pages, nb::arg("begin") = 0, nb::arg("end") = nb::none(),
+           "Raw pages of quantized tokens [begin, end) (counted after the sink), "
+           "[kv_head][page]: the bytes a kvq server stores for this layer.")
+      .def("append_pages", &PyKvLayer::AppendPages, nb::arg("data"), nb::arg("tokens"),
+           "Appends `tokens` tokens given as raw pages ([kv_head][page], as pages() "
+           "returns them); all or nothing.")
       .def("bytes_by_component",
-           [](const PyKvLayer& l) { return kvq::ByteDict(l.layer().Bytes()); });
+           Prop([](const KvLayer& x) { return kvq::ByteDict(x.Bytes()); }));
   m.def("quantize_pages", &kvq::QuantizePages, nb::arg("scheme"), nb::arg("k"), nb::arg("v"),
         nb::kw_only(), nb::arg("page_tokens") = 0, nb::arg("backend") = "cpu",
         nb::arg("codebooks") = nb::none());
