@@ -94,18 +94,19 @@ def throughput(scheme: str, tokens: int, repeats: int, client) -> dict:
 
 # ------------------------------------------------- 2. a cache in transformers
 
-def cache_child(model_dir: str, cache: str, tokens: int, new_tokens: int, threads: int) -> dict:
+def cache_child(cache: str, tokens: int, new_tokens: int, threads: int) -> dict:
     """One cache in this (fresh) process: prefill `tokens` in CHUNK-token
     chunks, then generate() `new_tokens` greedily."""
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # A GGUF-loaded model cannot be saved for the children to share: each
+    # converts it.
+    model = AutoModelForCausalLM.from_pretrained(str(data_dir()), gguf_file=MODEL_FILE_NAME,
+                                                 dtype=torch.float32).eval()
     text = (data_dir() / "corpora" / "austen.txt").read_text()[300_000:]
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(data_dir()), gguf_file=MODEL_FILE_NAME)
     ids = tokenizer(text[:tokens * 8], return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids[:, :tokens]
     if cache == "DynamicCache":
@@ -151,11 +152,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--skip", choices=["throughput", "transformers"], action="append",
                     default=[])
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    ap.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "CACHE"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", metavar="CACHE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(cache_child(args.child[0], args.child[1], args.tokens, args.new_tokens,
-                                     args.threads)))
+        print(json.dumps(cache_child(args.child, args.tokens, args.new_tokens, args.threads)))
         return 0
 
     result = {"throughput": [], "transformers": []}
@@ -196,35 +196,22 @@ def main(argv: list[str]) -> int:
             tmp.cleanup()
 
     if "transformers" not in args.skip:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        with tempfile.TemporaryDirectory() as model_dir:
-            # Converted from the GGUF once; each child loads the saved copy.
-            model = AutoModelForCausalLM.from_pretrained(str(data_dir()),
-                                                         gguf_file=MODEL_FILE_NAME,
-                                                         dtype=torch.float32)
-            model.save_pretrained(model_dir)
-            AutoTokenizer.from_pretrained(str(data_dir()),
-                                          gguf_file=MODEL_FILE_NAME).save_pretrained(model_dir)
-            del model
-            print(f"\nSmolLM2-135M, {args.tokens}-token context through transformers "
-                  f"({args.threads} threads, each cache in a fresh process):")
-            print(f"{'cache':22} {'KV MiB':>8} {'peak RSS MiB':>13} {'RSS growth MiB':>15} "
-                  f"{'prefill s':>10} {'generate tok/s':>15}")
-            for cache in args.caches.split(","):
-                proc = subprocess.run([sys.executable, __file__, "--child", model_dir, cache,
-                                       f"--tokens={args.tokens}",
-                                       f"--new-tokens={args.new_tokens}",
-                                       f"--threads={args.threads}"],
-                                      capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise SystemExit(f"{cache}: {proc.stderr[-2000:]}")
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
-                result["transformers"].append(row)
-                print(f"{cache:22} {row['kv_bytes'] / 2**20:8.1f} {row['peak_rss'] / 2**20:13.0f} "
-                      f"{row['rss_growth'] / 2**20:15.0f} {row['prefill_s']:10.1f} "
-                      f"{row['generate_tokens_per_s']:15.2f}", flush=True)
+        print(f"\nSmolLM2-135M, {args.tokens}-token context through transformers "
+              f"({args.threads} threads, each cache in a fresh process):")
+        print(f"{'cache':22} {'KV MiB':>8} {'peak RSS MiB':>13} {'RSS growth MiB':>15} "
+              f"{'prefill s':>10} {'generate tok/s':>15}")
+        for cache in args.caches.split(","):
+            proc = subprocess.run([sys.executable, __file__, "--child", cache,
+                                   f"--tokens={args.tokens}", f"--new-tokens={args.new_tokens}",
+                                   f"--threads={args.threads}"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"{cache}: {proc.stderr[-2000:]}")
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            result["transformers"].append(row)
+            print(f"{cache:22} {row['kv_bytes'] / 2**20:8.1f} {row['peak_rss'] / 2**20:13.0f} "
+                  f"{row['rss_growth'] / 2**20:15.0f} {row['prefill_s']:10.1f} "
+                  f"{row['generate_tokens_per_s']:15.2f}", flush=True)
     result["load_average"] = os.getloadavg()
     print(f"\nload average at the end: {result['load_average'][0]:.1f} "
           f"on {os.cpu_count()} cores")
