@@ -8,7 +8,8 @@
 2. A --tokens-token SmolLM2 cache through transformers (the model from the
    eval data dir's GGUF): DynamicCache and KvqCache fp16 / kivi4, each in a
    fresh process: the K/V bytes the cache allocates, the process's peak RSS
-   and its growth over the loaded model, and generate() tokens/s for
+   from the loaded model on (the peak is reset after the GGUF conversion) and
+   its growth over the loaded model, and generate() tokens/s for
    --new-tokens tokens after that context.
 
     python3 bench/python_bench.py --server-bin=build/service/kvq-server
@@ -46,7 +47,20 @@ def data_dir() -> Path:
 
 
 def peak_rss() -> int:
+    """The process's peak resident set (VmHWM) since start or since
+    reset_peak_rss()."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> None:
+    """Sets the peak to the current resident set (Linux: clear_refs 5), so
+    the peak measured next is the cache's, not the model conversion's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 # ----------------------------------------------------------- 1. throughput
@@ -118,6 +132,10 @@ def cache_child(cache: str, tokens: int, new_tokens: int, threads: int) -> dict:
         if attention == "fused":
             use_kvq_attention(model)
         past = KvqCache(model.config, scheme)
+    import gc
+
+    gc.collect()
+    reset_peak_rss()
     base_rss = peak_rss()
     with torch.inference_mode():
         t0 = time.perf_counter()
