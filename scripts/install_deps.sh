@@ -58,9 +58,10 @@ fi
 # for the vLLM connector's tests, which skip without it. Pinned: the recorded
 # call sequence (tests/python/data/vllm_trace.json) is from this version.
 if [[ "${KVQ_WITH_VLLM:-0}" == 1 ]]; then python_packages+=(vllm:vllm==0.33.0); fi
-# KVQ_WITH_TORCH=1: torch and transformers (PyPI's torch wheel brings CUDA
-# libraries: about 4 GB), for the transformers cache (kvq.hf) and its tests
-# and the transformers mode of kvq-eval (docs/PYTHON.md), which skip without them.
+# KVQ_WITH_TORCH=1: torch, transformers and accelerate (its GGUF loader) for
+# the transformers cache (kvq.hf), its tests and kvq-eval's transformers mode
+# (docs/PYTHON.md), which skip without them. PyPI's torch wheel brings CUDA
+# libraries and triton: 5.3 GB installed.
 if [[ "${KVQ_WITH_TORCH:-0}" == 1 ]]; then
   python_packages+=(torch:torch transformers:transformers accelerate:accelerate)
 fi
