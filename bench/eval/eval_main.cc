@@ -78,6 +78,9 @@ ABSL_FLAG(bool, json, false, "Print JSON instead of the table");
 ABSL_FLAG(std::string, out, "", "Also write the JSON to this file");
 ABSL_FLAG(std::string, dump_windows, "",
           "Write the evaluation windows (token ids) as JSON for the llama.cpp peer");
+ABSL_FLAG(bool, dump_only, false,
+          "With --dump_windows: write the protocol file and exit without evaluating (for "
+          "the transformers mode, bench/eval/hf_eval.py)");
 ABSL_FLAG(bool, quick, false,
           "Short CI slice: first corpus, one 512-token window, fp16, kivi4 and "
           "kivi4:pre_rope:sink=4, no passkey");
@@ -343,15 +346,35 @@ int Main(int argc, char** argv) {
   }
   if (!absl::GetFlag(FLAGS_dump_windows).empty()) {
     std::ofstream out(absl::GetFlag(FLAGS_dump_windows));
+    // The whole protocol, for the engines that run it on these windows
+    // (bench/eval/llamacpp_peer.py, bench/eval/hf_eval.py): the windows,
+    // the prefill chunk, the decode length and the passkey prompts.
     out << "{\"model\": " << JsonString(std::filesystem::path(model_path).filename().string())
-        << ", \"chunk\": " << absl::GetFlag(FLAGS_chunk) << ", \"windows\": [";
+        << ", \"chunk\": " << absl::GetFlag(FLAGS_chunk) << ", \"gen_tokens\": " << gen_tokens
+        << ", \"windows_per_corpus\": " << windows << ", \"windows\": [";
     for (size_t i = 0; i < all_windows.size(); ++i) {
       const Window& w = all_windows[i];
       out << (i ? ",\n" : "\n") << "{\"corpus\": " << JsonString(w.corpus)
           << ", \"context\": " << w.context << ", \"index\": " << w.index << ", \"tokens\": ["
           << absl::StrJoin(w.tokens, ",") << "]}";
     }
-    out << "]}\n";
+    out << "],\n\"passkey\": {\"intro\": " << JsonString(kPasskeyIntro) << ", \"needle\": ["
+        << JsonString(kPasskeyNeedle[0]) << ", " << JsonString(kPasskeyNeedle[1]) << ", "
+        << JsonString(kPasskeyNeedle[2]) << "], \"question\": " << JsonString(kPasskeyQuestion)
+        << ", \"filler\": " << JsonString(kPasskeyFiller)
+        << ", \"answer_tokens\": " << kPasskeyAnswerTokens << ", \"prompts\": [";
+    bool first_prompt = true;
+    for (int c : passkey_contexts) {
+      for (size_t d = 0; d < depths.size(); ++d) {
+        const PasskeyPrompt prompt = MakePasskeyPrompt(tokenizer, c, depths[d], 1000 + d);
+        out << (first_prompt ? "\n" : ",\n") << "{\"context\": " << c << ", \"depth\": "
+            << depths[d] << ", \"key\": " << JsonString(prompt.key) << ", \"tokens\": ["
+            << absl::StrJoin(prompt.tokens, ",") << "]}";
+        first_prompt = false;
+      }
+    }
+    out << "]}}\n";
+    if (absl::GetFlag(FLAGS_dump_only)) return out.good() ? 0 : 1;
   }
 
   // Caches: in-process, or sequences on a kvq-server.

@@ -192,16 +192,11 @@ PasskeyPrompt MakePasskeyPrompt(const BpeTokenizer& tokenizer, int context, doub
   std::mt19937_64 rng(seed);
   PasskeyPrompt p;
   p.key = absl::StrFormat("%05d", static_cast<int>(rng() % 90000) + 10000);
-  const std::vector<int32_t> intro = tokenizer.Encode(
-      "There is an important piece of information hidden inside a lot of irrelevant text. "
-      "Find it and memorize it. I will quiz you about it.");
+  const std::vector<int32_t> intro = tokenizer.Encode(kPasskeyIntro);
   const std::vector<int32_t> needle = tokenizer.Encode(
-      absl::StrCat(" The pass key is ", p.key, ". Remember it. ", p.key, " is the pass key."));
-  const std::vector<int32_t> question =
-      tokenizer.Encode(" What is the pass key? The pass key is");
-  const std::vector<int32_t> filler = tokenizer.Encode(
-      " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
-      "again.");
+      absl::StrCat(kPasskeyNeedle[0], p.key, kPasskeyNeedle[1], p.key, kPasskeyNeedle[2]));
+  const std::vector<int32_t> question = tokenizer.Encode(kPasskeyQuestion);
+  const std::vector<int32_t> filler = tokenizer.Encode(kPasskeyFiller);
   const int budget = context - static_cast<int>(intro.size() + needle.size() + question.size());
   const int units = std::max(0, budget / static_cast<int>(filler.size()));
   const int before = static_cast<int>(std::lround(depth * units));
@@ -227,10 +222,10 @@ absl::StatusOr<bool> RunPasskey(LlamaModel& model, const BpeTokenizer& tokenizer
                                       false, &logits));
   }
   std::vector<int32_t> out;
-  for (int s = 0; s < 8; ++s) {
+  for (int s = 0; s < kPasskeyAnswerTokens; ++s) {
     const int32_t next = ArgMax(logits.data(), V);
     out.push_back(next);
-    if (s + 1 < 8) {
+    if (s + 1 < kPasskeyAnswerTokens) {
       KVQ_RETURN_IF_ERROR(model.Forward(absl::MakeConstSpan(&next, 1), cache, false, &logits));
     }
   }

@@ -58,7 +58,21 @@ void ScorePositions(absl::Span<const int32_t> window, int pos, int rows, int voc
                     Reference* reference_out, std::vector<float>* lp, WindowResult* r);
 
 // Passkey retrieval: a 5-digit key stated once at `depth` (0..1) of filler
-// text `context` tokens long, then asked for.
+// text `context` tokens long, then asked for. The prompt is intro, whole
+// filler units with the needle (kPasskeyNeedle joined by the key twice)
+// before unit round(depth * units), then the question; kvq-eval
+// --dump_windows writes these texts and the prompts for other engines.
+inline constexpr char kPasskeyIntro[] =
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.";
+inline constexpr const char* kPasskeyNeedle[3] = {" The pass key is ", ". Remember it. ",
+                                                  " is the pass key."};
+inline constexpr char kPasskeyQuestion[] = " What is the pass key? The pass key is";
+inline constexpr char kPasskeyFiller[] =
+    " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+    "again.";
+// Tokens the passkey probe generates greedily for its answer.
+inline constexpr int kPasskeyAnswerTokens = 8;
 struct PasskeyPrompt {
   std::vector<int32_t> tokens;
   std::string key;

@@ -369,14 +369,18 @@ def main(argv: list[str]) -> int:
                 ev.close()
 
     rows = result_rows(acc)
-    result = {"tool": "llama.cpp", "version": llama_cpp.__version__,
-              "rows": rows}
+    write_result({"tool": "llama.cpp", "version": llama_cpp.__version__, "rows": rows},
+                 args.out)
+    return 0
+
+
+def write_result(result: dict, out: Path | None) -> None:
+    """The result JSON into `out`, or onto stdout."""
     text = json.dumps(result, indent=2) + "\n"
-    if args.out:
-        args.out.write_text(text)
+    if out:
+        out.write_text(text)
     else:
         sys.stdout.write(text)
-    return 0
 
 
 if __name__ == "__main__":

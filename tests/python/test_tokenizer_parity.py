@@ -126,6 +126,15 @@ def reference():
     path = eval_model_path()
     if not path.is_file():
         pytest.fail(f"eval model {path} is missing: run scripts/fetch_eval_data.sh")
+    return smollm_tokenizer(path)
+
+
+def smollm_tokenizer(path):
+    """(Hugging Face `tokenizers` Tokenizer, bytes it drops) built from the
+    GGUF's vocabulary and merges with SmolLM2's pre-tokenizer (digits split,
+    then GPT-2's pattern): the reference kvq's BpeTokenizer is checked
+    against. (transformers' own GGUF tokenizer conversion leaves out the
+    digit split.)"""
     reader = gguf.GGUFReader(str(path))
 
     def strings(key):

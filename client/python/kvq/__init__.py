@@ -9,7 +9,9 @@ In-process, one layer of one sequence::
     k_hat, v_hat = layer.read()   # dequantized float32 [8, tokens, 128]
     out = layer.attend(q)         # fused attention, q [num_q_heads, q_len, 128]
 
-docs/CLIENTS.md describes the API.
+docs/CLIENTS.md describes the API. kvq.hf.KvqCache (imported explicitly: it
+needs torch and transformers) is a transformers KV cache backed by kvq
+(docs/PYTHON.md).
 """
 
 from ._native import KvLayer, page_geometry, quantize_pages, scheme_names

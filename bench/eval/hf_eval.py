@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""kvq-eval's protocol on any model transformers loads, its KV cache in kvq.
+
+The transformers mode of kvq-eval (docs/QUALITY.md): the model's own forward
+pass (transformers), every attention layer's K/V stored in a kvq scheme
+through kvq.hf.KvqCache, measured as kvq-eval measures its C++ forward pass:
+
+  per window of C tokens: prefill the first C - G tokens in `chunk`-token
+  chunks; on a second cache holding the same prefix, decode G tokens one at
+  a time (greedy for fp16, teacher-forced on fp16's tokens otherwise: top-1
+  agreement, decode ms/token); prefill the rest of the window on the first
+  cache; perplexity over the C - 1 next-token predictions, ΔPPL and
+  KL(p_fp16 || p_scheme) against the fp16 cache, the allocation by
+  component with the whole window stored; then the passkey probe.
+
+The protocol comes from one place, kvq-eval: `kvq-eval --dump_windows=W.json`
+writes the windows (token ids), the chunk, the decode length and the passkey
+prompts, and this reads them (as the llama.cpp peer does), so a SmolLM2 run
+here is on exactly the C++ run's windows. For a model with another tokenizer,
+--corpora/--contexts select windows by kvq-eval's rule (evenly spaced inside
+the corpus, never at its start) with that tokenizer, and the passkey prompts
+are built from the texts in W.json; tests/python/test_hf_eval.py checks that
+both give kvq-eval's own windows and prompts with SmolLM2's tokenizer.
+
+  kvq-eval --contexts=512 --windows=1 --passkey_contexts= --schemes=fp16 \\
+      --dump_windows=w.json --out=/dev/null
+  python3 bench/eval/hf_eval.py w.json --schemes=fp16,int8,kivi4 --out=hf.json
+  python3 bench/eval/hf_eval.py w.json --model=HuggingFaceTB/SmolLM2-360M \\
+      --corpora=austen --contexts=2048 --schemes=fp16,kivi4
+
+Needs torch and transformers (KVQ_WITH_TORCH=1 scripts/install_deps.sh) and
+the kvq package (pip install .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_peer import (default_data_dir, select_windows as pick_windows,  # noqa: E402
+                           write_result)
+
+VOLATILE_NOTE = "prefill_ms and decode_ms_per_token are wall time on this machine"
+
+
+def log(msg: str) -> None:
+    print(f"hf_eval: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------- windows and prompts
+
+def corpus_prefix_bytes(max_context: int, windows: int) -> int:
+    """Bytes of a corpus kvq-eval tokenizes for its windows (about 4 bytes a
+    token, with room; at least 1 MiB): eval_main.cc."""
+    return max(max_context * (windows + 1) * 8, 1 << 20)
+
+
+def select_windows(tokens: list[int], context: int, count: int) -> list[list[int]]:
+    """kvq-eval's MakeWindows: `count` windows evenly spaced inside the
+    corpus, the i-th starting at room * (i + 1) // (count + 1)."""
+    room = len(tokens) - context
+    if room < 0:
+        return []
+    return [tokens[room * (i + 1) // (count + 1):][:context] for i in range(count)]
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` without special tokens (a transformers tokenizer,
+    or a `tokenizers.Tokenizer` without a post-processor)."""
+    if callable(tokenizer):
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer.encode(text).ids)
+
+
+def passkey_prompt(tokenizer, texts: dict, context: int, depth: float, key: str) -> list[int]:
+    """kvq-eval's MakePasskeyPrompt with this tokenizer and the key kvq-eval
+    drew (texts: the "passkey" object of a windows file)."""
+    intro = encode(tokenizer, texts["intro"])
+    n = texts["needle"]
+    needle = encode(tokenizer, f"{n[0]}{key}{n[1]}{key}{n[2]}")
+    question = encode(tokenizer, texts["question"])
+    filler = encode(tokenizer, texts["filler"])
+    budget = context - (len(intro) + len(needle) + len(question))
+    units = max(0, budget // len(filler))
+    before = int(math.floor(depth * units + 0.5))  # std::lround for depth >= 0.
+    out = list(intro)
+    for u in range(units):
+        if u == before:
+            out += needle
+        out += filler
+    if before >= units:
+        out += needle
+    return out + question
+
+
+# ---------------------------------------------------------------- numerics
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise, double accumulation, float32 out (eval_runner.cc LogSoftmax)."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    return (x - lse).astype(np.float32)
+
+
+def kl_rows(ref: np.ndarray, lp: np.ndarray) -> float:
+    """Sum over rows of max(0, KL(ref || lp)) in double."""
+    r = ref.astype(np.float64)
+    kl = (np.exp(r) * (r - lp.astype(np.float64))).sum(axis=-1)
+    return float(np.maximum(kl, 0.0).sum())
+
+
+# ------------------------------------------------------------------- model
+
+class Runner:
+    """A transformers causal LM and kvq caches for it."""
+
+    def __init__(self, model, codebooks=None):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.vocab = model.config.get_text_config(decoder=True).vocab_size
+
+    def cache(self, scheme: str):
+        from kvq.hf import KvqCache
+
+        return KvqCache(self.model.config, scheme)
+
+    def forward(self, tokens, cache, all_logits: bool) -> tuple[np.ndarray, float]:
+        """Logits (float32 [n, vocab], or [1, vocab] for the last token) and
+        seconds of the forward pass."""
+        torch = self.torch
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             logits_to_keep=0 if all_logits else 1)
+        seconds = time.perf_counter() - t0
+        return out.logits[0].float().numpy(), seconds
+
+
+def run_window(runner: Runner, window: list[int], scheme: str, chunk: int, gen_tokens: int,
+               reference: dict | None, decode: bool = True) -> dict:
+    """kvq-eval's RunWindow (eval_runner.cc) on `runner`. With reference
+    None this is the fp16 run and the result carries "reference". decode
+    False leaves out the forked decode (top-1 agreement and decode timing):
+    the perplexity, KL and bytes are the same, as the decode runs on its own
+    cache."""
+    C = len(window)
+    G = reference["gen_tokens"] if reference else min(gen_tokens, C // 2)
+    prefix = C - G
+    r = {"nll": 0.0, "scored": 0, "kl": 0.0, "agree": 0, "generated": 0, "prefill_s": 0.0,
+         "decode_s": [], "tokens": C}
+    keep = None if reference else np.zeros((C - 1, runner.vocab), np.float32)
+    last_lp = None
+
+    def prefill(cache, begin, end, score):
+        nonlocal last_lp
+        for pos in range(begin, end, chunk):
+            n = min(chunk, end - pos)
+            logits, s = runner.forward(window[pos:pos + n], cache, all_logits=score)
+            if not score:
+                continue
+            r["prefill_s"] += s
+            lp = log_softmax(logits)
+            rows = min(n, C - 1 - pos)
+            if rows > 0:
+                idx = np.arange(rows)
+                r["nll"] -= float(lp[idx, np.asarray(window[pos + 1:pos + 1 + rows])]
+                                  .astype(np.float64).sum())
+                r["scored"] += rows
+                if reference:
+                    r["kl"] += kl_rows(reference["logprobs"][pos:pos + rows], lp[:rows])
+                else:
+                    keep[pos:pos + rows] = lp[:rows]
+            if pos <= prefix - 1 < pos + n:
+                last_lp = lp[prefix - 1 - pos].copy()
+
+    cache = runner.cache(scheme)
+    prefill(cache, 0, prefix, True)
+    # The fork: a second cache with the same prefix (the same chunks, so the
+    # same stored bytes) that decodes while the first goes on.
+    fork = runner.cache(scheme) if decode else None
+    if decode:
+        prefill(fork, 0, prefix, False)
+    greedy = []
+    step_lp = last_lp
+    for s in range(G if decode else 0):
+        predicted = int(np.argmax(step_lp))
+        if reference:
+            nxt = int(reference["greedy"][s])
+            r["agree"] += predicted == nxt
+        else:
+            nxt = predicted
+            greedy.append(predicted)
+            r["agree"] += 1
+        r["generated"] += 1
+        if s + 1 == G:
+            break
+        logits, sec = runner.forward([nxt], fork, all_logits=False)
+        r["decode_s"].append(sec)
+        step_lp = log_softmax(logits[-1:])[0]
+    del fork
+    prefill(cache, prefix, C, True)
+    r["bytes"] = cache.bytes_by_component()
+    if reference is None:
+        r["reference"] = {"logprobs": keep, "greedy": greedy, "gen_tokens": G}
+    return r
+
+
+def run_passkey(runner: Runner, tokenizer, tokens: list[int], key: str, scheme: str,
+                chunk: int, answer_tokens: int) -> tuple[bool, str]:
+    """kvq-eval's RunPasskey: chunked prefill, greedy answer, first digits."""
+    cache = runner.cache(scheme)
+    logits = None
+    for pos in range(0, len(tokens), chunk):
+        logits, _ = runner.forward(tokens[pos:pos + chunk], cache, all_logits=False)
+    out = []
+    for s in range(answer_tokens):
+        nxt = int(np.argmax(logits[-1]))
+        out.append(nxt)
+        if s + 1 < answer_tokens:
+            logits, _ = runner.forward([nxt], cache, all_logits=False)
+    answer = tokenizer.decode(out)
+    digits = ""
+    for ch in answer:
+        if ch.isdigit():
+            digits += ch
+        elif digits:
+            break
+    return digits == key, answer
+
+
+# ------------------------------------------------------------------ report
+
+def rows_of(acc: dict, passkeys: dict, elems_per_token: float) -> list[dict]:
+    """kvq-eval's JSON rows (eval_main.cc) from per (scheme, corpus, context)
+    sums."""
+    rows = []
+    for (scheme, corpus, context), a in sorted(acc.items(), key=lambda kv: kv[0]):
+        ref = acc.get(("fp16", corpus, context))
+        ppl = math.exp(a["nll"] / a["scored"])
+        dppl = 100.0 * (ppl / math.exp(ref["nll"] / ref["scored"]) - 1.0) if ref else 0.0
+        decode = sorted(a["decode_s"])
+        decode_ms = 1e3 * decode[len(decode) // 2] if decode else 0.0
+        total = a["bytes"].get("total", sum(v for k, v in a["bytes"].items()))
+        rows.append({
+            "engine": "kvq", "scheme": scheme, "corpus": corpus, "context": context,
+            "windows": a["windows"], "tokens_scored": a["scored"],
+            "nll": a["nll"] / a["scored"], "ppl": ppl, "delta_ppl_pct": dppl,
+            "kl_mean": a["kl"] / a["scored"],
+            "top1_agree": a["agree"] / a["generated"] if a["generated"] else 0.0,
+            "generated": a["generated"],
+            "bits_per_element": 8.0 * total / (elems_per_token * a["tokens"]),
+            "kv_bytes": total,
+            "kv_bytes_by_component": {k: v for k, v in a["bytes"].items() if k != "total"},
+            "prefill_ms": 1e3 * a["prefill_s"] / a["windows"],
+            "decode_ms_per_token": decode_ms,
+            "decode_tokens_per_s": 1e3 / decode_ms if decode_ms else 0.0,
+        })
+    for (scheme, context), (ok, trials) in sorted(passkeys.items()):
+        rows.append({"engine": "kvq", "scheme": scheme, "corpus": "passkey", "context": context,
+                     "passkey_ok": ok, "passkey_trials": trials, "passkey_acc": ok / trials})
+    return rows
+
+
+def load_model(args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    kwargs = {"dtype": torch.float32}
+    source = args.model
+    if args.gguf_file:
+        kwargs["gguf_file"] = args.gguf_file
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).eval()
+    if args.attention == "fused":
+        from kvq.hf import use_kvq_attention
+
+        use_kvq_attention(model)
+    tokenizer = AutoTokenizer.from_pretrained(
+        source, **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
+    return model, tokenizer
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("windows", type=Path,
+                    help="protocol file from kvq-eval --dump_windows (its windows are used "
+                         "as they are unless --corpora is given)")
+    ap.add_argument("--model", help="transformers model (hub id or directory; default: the "
+                                    "windows file's GGUF in the eval data dir)")
+    ap.add_argument("--gguf-file", help="GGUF file inside --model (default with no --model: "
+                                        "the windows file's model)")
+    ap.add_argument("--schemes", default="fp16,int8,kivi4",
+                    help="kvq schemes (fp16 always runs first: the reference)")
+    ap.add_argument("--corpora", help="select windows from these corpora of the eval data "
+                                      "dir with the model's tokenizer (kvq-eval's rule)")
+    ap.add_argument("--contexts", default="", help="with --corpora: window lengths")
+    ap.add_argument("--windows-per-corpus", type=int,
+                    help="with --corpora: windows per corpus and context (default: the "
+                         "windows file's)")
+    ap.add_argument("--max-windows", type=int, help="at most N windows per (corpus, context)")
+    ap.add_argument("--max-context", type=int, help="only windows of at most N tokens")
+    ap.add_argument("--min-context", type=int, default=0,
+                    help="only windows (and passkey prompts) of at least N tokens")
+    ap.add_argument("--passkey-schemes", default=None,
+                    help="schemes that run the windows file's passkey prompts (default: all)")
+    ap.add_argument("--skip-decode", action="store_true",
+                    help="leave out the decode phase (top-1 agreement, decode ms/token): "
+                         "perplexity, KL and bytes are unchanged, in a fraction of the time")
+    ap.add_argument("--attention", choices=["fused", "dequantized"], default="fused",
+                    help="kvq's fused attention (as kvq-eval's C++ forward pass attends), or "
+                         "the model's own attention over dequantized K/V")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (a fixed count keeps results identical across machines)")
+    ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, help="JSON rows (default: stdout)")
+    args = ap.parse_args(argv)
+
+    spec = json.loads(args.windows.read_text())
+    data_dir = args.data_dir or default_data_dir()
+    if not args.model:
+        args.model = str(data_dir)
+        args.gguf_file = args.gguf_file or spec["model"]
+    schemes = ["fp16"] + [s for s in args.schemes.split(",") if s and s != "fp16"]
+    chunk = int(spec["chunk"])
+    gen_tokens = int(spec.get("gen_tokens", 256))
+    model, tokenizer = load_model(args)
+    runner = Runner(model)
+    from kvq.hf import model_geometry
+
+    geometry = model_geometry(model.config)
+    log(f"{args.model} {args.gguf_file or ''}: {geometry}")
+
+    if args.corpora:
+        contexts = [int(c) for c in args.contexts.split(",") if c]
+        per = args.windows_per_corpus or int(spec.get("windows_per_corpus", 1))
+        windows = []
+        for corpus in args.corpora.split(","):
+            raw = (data_dir / "corpora" / f"{corpus}.txt").read_bytes()
+            text = raw[:corpus_prefix_bytes(max(contexts), per)].decode("utf-8", "ignore")
+            tokens = encode(tokenizer, text)
+            for c in contexts:
+                for i, w in enumerate(select_windows(tokens, c, per)):
+                    windows.append({"corpus": corpus, "context": c, "index": i, "tokens": w})
+        prompts = [dict(p, tokens=passkey_prompt(tokenizer, spec["passkey"], p["context"],
+                                                  p["depth"], p["key"]))
+                   for p in spec.get("passkey", {}).get("prompts", [])]
+    else:
+        windows = spec["windows"]
+        prompts = spec.get("passkey", {}).get("prompts", [])
+    windows = pick_windows([w for w in windows if w["context"] >= args.min_context],
+                           args.max_windows, args.max_context)
+    prompts = [p for p in prompts if p["context"] >= args.min_context]
+    if args.max_context is not None:
+        prompts = [p for p in prompts if p["context"] <= args.max_context]
+
+    acc: dict = {}
+    reference_bytes = 0
+    kv_max = 0
+    for w in windows:
+        reference = None
+        for scheme in schemes:
+            r = run_window(runner, [int(t) for t in w["tokens"]], scheme, chunk, gen_tokens,
+                           reference, decode=not args.skip_decode)
+            if scheme == "fp16":
+                reference = r.pop("reference")
+                reference_bytes = max(reference_bytes, reference["logprobs"].nbytes)
+            kv_max = max(kv_max, r["bytes"].get("total", 0))
+            for corpus in (w["corpus"], "all"):
+                a = acc.setdefault((scheme, corpus, w["context"]), {
+                    "windows": 0, "nll": 0.0, "scored": 0, "kl": 0.0, "agree": 0,
+                    "generated": 0, "prefill_s": 0.0, "decode_s": [], "bytes": {}, "tokens": 0})
+                a["windows"] += 1
+                for k in ("nll", "scored", "kl", "agree", "generated", "prefill_s"):
+                    a[k] += r[k]
+                a["decode_s"] += r["decode_s"]
+                a["bytes"] = r["bytes"]
+                a["tokens"] = r["tokens"]
+            log(f"{scheme} {w['corpus']}/{w['context']}/{w['index']}: "
+                f"ppl {math.exp(r['nll'] / r['scored']):.4f} kl {r['kl'] / r['scored']:.5f} "
+                f"top1 {r['agree']}/{r['generated']}")
+        del reference
+
+    passkey_schemes = schemes if args.passkey_schemes is None else [
+        s for s in args.passkey_schemes.split(",") if s]
+    passkeys: dict = {}
+    answer_tokens = int(spec.get("passkey", {}).get("answer_tokens", 8))
+    for scheme in passkey_schemes:
+        for p in prompts:
+            ok, answer = run_passkey(runner, tokenizer, p["tokens"], p["key"], scheme, chunk,
+                                     answer_tokens)
+            k = passkeys.setdefault((scheme, p["context"]), [0, 0])
+            k[0] += ok
+            k[1] += 1
+            log(f"passkey {scheme} {p['context']}@{p['depth']}: {ok} ({answer!r})")
+
+    elems = 2.0 * geometry["num_layers"] * geometry["num_kv_heads"] * geometry["head_dim"]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    result = {
+        "tool": "kvq-eval", "forward": "transformers", "model": args.gguf_file or args.model,
+        "mode": "in-process", "attention": args.attention, "chunk": chunk, "rows": rows_of(acc, passkeys, elems),
+        "memory": {"weights_bytes": weights, "kv_bytes_max": kv_max,
+                   "reference_logprobs_bytes": reference_bytes, "reserved_pool_bytes": 0,
+                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        "note": VOLATILE_NOTE,
+    }
+    write_result(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
