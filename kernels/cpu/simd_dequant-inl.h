@@ -452,10 +452,13 @@ inline void DequantUniformRows512(SideContext& ctx, const PageLayout& L, const S
 // Whether DequantUniformRows512 serves this side: uniform 2-, 3- or 4-bit
 // codes whose planes and groups come in whole 16-channel vectors (3 bits:
 // a 2-bit plane of at least 16 bytes, head_dim 64 and up).
+// The walk takes the plane 16 bytes at a time: a plane of another length
+// (2 and 3 bits at head_dim 96: 24 bytes) would read past it into the next
+// and write channels past head_dim; those take the general loop.
 inline bool UniformRows512Applies(const SideContext& ctx, const SideLayout& S, int d) {
   const int plane_bits = S.bits == 3 ? 2 : S.bits;
   return ctx.levels == 0 && (S.bits == 2 || S.bits == 3 || S.bits == 4) && d % 16 == 0 &&
-         d * plane_bits / 8 >= 16 &&
+         (d * plane_bits / 8) % 16 == 0 &&
          (S.axis == ParamAxis::kChannelGroups ||
           (S.axis == ParamAxis::kTokenGroups && S.group_channels % 16 == 0));
 }

@@ -481,7 +481,7 @@ std::vector<StreamParam> KernelShapeParams() {
   half.pairing = P::kHalfSplit;
   const testutil::SchemeCase cases[] = {
       {"fp16", 96, {}, ""},   {"int8", 256, {}, ""},  {"kivi4", 96, {}, ""},
-      {"kivi2", 256, {}, ""}, {"kivi3", 256, {}, ""}, {"kivi4:pre_rope", 256, half, "half"},
+      {"kivi2", 256, {}, ""}, {"kivi3", 256, {}, ""}, {"kivi3", 96, {}, ""}, {"kivi2", 96, {}, ""}, {"kivi4:pre_rope", 256, half, "half"},
   };
   std::vector<StreamParam> out;
   for (const std::string& b : testutil::BackendNames()) {  // "cuda" too, with a device.
