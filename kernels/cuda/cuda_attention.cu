@@ -26,7 +26,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/attention_hd.h"
+#include "kernels/hd/attention_hd.h"
 #include "kernels/cuda/cuda_status.h"
 
 namespace kvq {

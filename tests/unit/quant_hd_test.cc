@@ -1,7 +1,7 @@
-// The per-group quantize math of kernels/cuda/quant_hd.h against the
+// The per-group quantize math of kernels/hd/quant_hd.h against the
 // reference's functions, one by one, and the pages cuda_host writes from
 // it against QuantizeRowsRef's, byte for byte.
-#include "kernels/cuda/quant_hd.h"
+#include "kernels/hd/quant_hd.h"
 
 #include <algorithm>
 #include <cmath>
