@@ -149,4 +149,16 @@ double RelativeError(const float* a, const std::vector<double>& b, double floor 
 }  // namespace testutil
 }  // namespace kvq
 
+// Instantiates the TEST_P suite `fixture` (of StreamParam) over the backend x
+// scheme pairs whose spec `keep` passes (named `prefix`/...) and over cuda_host
+// on hidden pages for the same schemes (HiddenPages/...): the schemes a test
+// applies to, on every backend, so that it never skips for its scheme.
+#define KVQ_INSTANTIATE_STREAM_SUITES(prefix, fixture, keep)                         \
+  INSTANTIATE_TEST_SUITE_P(                                                          \
+      prefix, fixture, ::testing::ValuesIn(::kvq::testutil::StreamParamsWhere(keep)), \
+      [](const auto& info) { return ::kvq::testutil::StreamParamName(info.param); }); \
+  INSTANTIATE_TEST_SUITE_P(                                                          \
+      HiddenPages, fixture, ::testing::ValuesIn(::kvq::testutil::HiddenPageStreamParams(keep)), \
+      [](const auto& info) { return ::kvq::testutil::StreamParamName(info.param); })
+
 #endif  // KVQ_TESTS_UNIT_TEST_UTIL_H_
