@@ -15,6 +15,7 @@
 #include "kernels/status_macros.h"
 #include "service/kvq_service.h"
 #include "service/tensor_codec.h"
+#include "service/unary_call.h"
 
 namespace kvq {
 namespace {
@@ -68,66 +69,34 @@ absl::Status NoTransport(TransportKind kind) {
       ", or found no GPU; send the tensors over gRPC (transport \"grpc\")"));
 }
 
-// A unary handler around `body`: admit, time, size-check, count, finish.
-template <typename Req, typename Resp, typename Body>
-grpc::ServerUnaryReactor* Unary(KvqService* service, RpcMethod method,
-                                grpc::CallbackServerContext* ctx, const Req* req, Resp* resp,
-                                Body body) {
-  RpcTimer timer(service->metrics(), method);
-  service->metrics()->AddReceivedBytes(method, req->ByteSizeLong());
-  std::shared_ptr<Tenant> tenant;
-  absl::Status st = service->Admit(ctx, &tenant);
-  timer.set_tenant(tenant.get());
-  if (st.ok()) st = service->CheckSize(*req);
-  if (st.ok()) {
-    const std::string name = tenant ? tenant->name() : std::string();
-    // The call's own deadline bounds its transfers (none: infinite).
-    const absl::Time deadline = absl::FromChrono(ctx->deadline());
-    st = body(name, deadline);
-  }
-  if (st.ok()) service->metrics()->AddSentBytes(method, resp->ByteSizeLong());
-  timer.Finish(static_cast<int>(st.code()));
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpc(st));
-  return reactor;
-}
-
 }  // namespace
 
 grpc::ServerUnaryReactor* KvqService::OpenTransfer(grpc::CallbackServerContext* ctx,
                                                    const v1::OpenTransferRequest* req,
                                                    v1::OpenTransferResponse* resp) {
-  return Unary(this, RpcMethod::kOpenTransfer, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time deadline) {
-                 return DoOpenTransfer(*req, resp, tenant, deadline);
-               });
+  KVQ_UNARY(kOpenTransfer, ctx, req, resp,
+            { return DoOpenTransfer(*req, resp, tenant_name, call.deadline); });
 }
 
 grpc::ServerUnaryReactor* KvqService::CloseTransfer(grpc::CallbackServerContext* ctx,
                                                     const v1::CloseTransferRequest* req,
                                                     v1::CloseTransferResponse* resp) {
-  return Unary(this, RpcMethod::kCloseTransfer, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time) {
-                 return sessions_.Close(req->session_id(), tenant);
-               });
+  KVQ_UNARY(kCloseTransfer, ctx, req, resp,
+            { return sessions_.Close(req->session_id(), tenant_name); });
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendDevice(grpc::CallbackServerContext* ctx,
                                                    const v1::AppendDeviceRequest* req,
                                                    v1::AppendResponse* resp) {
-  return Unary(this, RpcMethod::kAppendDevice, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time deadline) {
-                 return DoAppendDevice(*req, resp, tenant, deadline);
-               });
+  KVQ_UNARY(kAppendDevice, ctx, req, resp,
+            { return DoAppendDevice(*req, resp, tenant_name, call.deadline); });
 }
 
 grpc::ServerUnaryReactor* KvqService::FetchDevice(grpc::CallbackServerContext* ctx,
                                                   const v1::FetchDeviceRequest* req,
                                                   v1::FetchDeviceResponse* resp) {
-  return Unary(this, RpcMethod::kFetchDevice, ctx, req, resp,
-               [&](absl::string_view tenant, absl::Time deadline) {
-                 return DoFetchDevice(*req, resp, tenant, deadline);
-               });
+  KVQ_UNARY(kFetchDevice, ctx, req, resp,
+            { return DoFetchDevice(*req, resp, tenant_name, call.deadline); });
 }
 
 absl::Status KvqService::DoOpenTransfer(const v1::OpenTransferRequest& req,

@@ -15,6 +15,7 @@
 #include "service/append_decoder.h"
 #include "service/fetch_encoder.h"
 #include "service/tensor_codec.h"
+#include "service/unary_call.h"
 
 namespace kvq {
 namespace {
@@ -264,25 +265,6 @@ absl::Status KvqService::Admit(const grpc::CallbackServerContext* ctx,
 absl::Status KvqService::AdmitStep(Tenant* tenant) {
   return tenant == nullptr ? absl::OkStatus() : tenant->Admit(absl::Now());
 }
-
-// A unary handler: admit the caller (its tenant: `tenant`, the name in
-// `tenant_name`), time it, count its bytes, finish with its status.
-#define KVQ_UNARY(method, ctx, req, resp, body)                                  \
-  do {                                                                           \
-    RpcTimer timer(metrics_, RpcMethod::method);                                 \
-    metrics_->AddReceivedBytes(RpcMethod::method, (req)->ByteSizeLong());        \
-    std::shared_ptr<Tenant> tenant;                                              \
-    absl::Status kvq_st = Admit(ctx, &tenant);                                   \
-    const std::string tenant_name = tenant ? tenant->name() : std::string();     \
-    timer.set_tenant(tenant.get());                                              \
-    if (kvq_st.ok()) kvq_st = CheckSize(*(req));                                 \
-    if (kvq_st.ok()) kvq_st = [&]() -> absl::Status body();                      \
-    if (kvq_st.ok()) metrics_->AddSentBytes(RpcMethod::method, (resp)->ByteSizeLong()); \
-    timer.Finish(static_cast<int>(kvq_st.code()));                               \
-    auto* reactor = (ctx)->DefaultReactor();                                     \
-    reactor->Finish(ToGrpc(kvq_st));                                             \
-    return reactor;                                                              \
-  } while (0)
 
 grpc::ServerUnaryReactor* KvqService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                     const v1::GetServerInfoRequest* req,

@@ -80,6 +80,14 @@ absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& conf
                                                         const KernelBackend* backend,
                                                         PageAllocator* allocator = nullptr);
 
+// A stream of `config` on `backend` holding MakeKeys/MakeValues(tokens, d,
+// seed), appended in uneven runs (7 rows first, then next_step(previous)
+// rows each) so that the sink, the pages and the tail all get exercised;
+// null, with a test failure, when it cannot be made.
+std::unique_ptr<KvStream> UnevenlyFilledStream(const StreamConfig& config,
+                                               const KernelBackend* backend, int tokens,
+                                               uint64_t seed, int (*next_step)(int));
+
 // Page `i` of `s` copied to the host through its allocator (pages may be
 // where the host cannot address them: hidden_page_allocator.h).
 std::vector<uint8_t> PageBytes(const KvStream& s, int i);
