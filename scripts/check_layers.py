@@ -37,7 +37,7 @@ ALIASES: dict[str, str] = {
     "kvq/": "proto",  # proto/kvq/v1/kvq.proto -> "kvq/v1/kvq.pb.h"
 }
 
-SOURCE_SUFFIXES = {".h", ".cc", ".cu", ".cuh", ".proto"}
+SOURCE_SUFFIXES = {".h", ".cc", ".inc", ".cu", ".cuh", ".proto"}
 INCLUDE_RE = re.compile(r'^\s*(?:#\s*include|import)\s+"([^"]+)"')
 
 
