@@ -612,7 +612,7 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
                                  r->decode_us, fp16_us);
       // The floor the integer dot products alone put under this call, from
       // the instruction rate measured in this run: how far the rest of the
-      // kernel's work keeps it from that bound (docs/KERNELS.md 4q).
+      // kernel's work keeps it from that bound (docs/KERNELS.md section 5).
       const absl::StatusOr<KvLayout> layout = KvLayoutByName(kCheckLayout);
       if (layout.ok() && result.dot_seconds > 0 && result.threads > 0) {
         const int group = layout->q_heads / layout->kv_heads;
@@ -628,7 +628,7 @@ std::vector<CheckResult> CheckKernelsBench(const KernelsBenchResult& result) {
         // What the target leaves for everything else. Below zero the target
         // is out of reach in this run at the kernels' 16-bit operands;
         // 8-bit operands (half the dot products) would break the 5e-3
-        // kernel-vs-reference contract (docs/KERNELS.md 4zd).
+        // kernel-vs-reference contract (docs/KERNELS.md section 7).
         const double allowed_us = fp16_us / min_speedup;
         absl::StrAppendFormat(&c.detail,
                               "; the target allows %.0f us, %s the rest of the kernel's work",

@@ -731,7 +731,7 @@ absl::Status RpcBench::RunRoundTrip() {
   // With --roundtrip_warm_pass every timed round trip follows an untimed
   // one of the same path, so each path is timed back to back with itself
   // (tokens per second of repeated round trips), whatever ran before it:
-  // section 4p found the first multi-threaded round trip after Redis's
+  // BENCHMARKS.md section 5 found the first multi-threaded round trip after Redis's
   // single-connection ping-pong 11-18 ms slower, a cost of this virtual
   // machine's idle cores that only the path after Redis paid.
   const bool warm_pass = options_.roundtrip_warm_pass;

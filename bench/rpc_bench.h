@@ -41,11 +41,11 @@ struct RpcBenchOptions {
   // kept busy this long (0: off, the default). A diagnostic: an idle core of
   // a virtual machine resumes slowly, and the transfer after an idle
   // stretch pays for it; the busy spell is not neutral either (BENCHMARKS.md
-  // 4p).
+  // section 5).
   int warm_cores_ms = 0;
   // Each timed round trip right after an untimed one of the same path (kvq
   // scheme or Redis variant), so that every path is timed back to back
-  // with itself, as a stream of round trips runs (BENCHMARKS.md 4t).
+  // with itself, as a stream of round trips runs (BENCHMARKS.md section 5).
   bool roundtrip_warm_pass = true;
   // Which parts run (a profile of one part needs only that part).
   bool run_bulk = true;       // Bulk fp16 append / fetch and the raw streams.

@@ -303,7 +303,7 @@ absl::StatusOr<v1::KvChunk> ChunkBuilder::Build(const PlannedChunk& chunk) {
   p->set_page_bytes(q.page_bytes);
   p->set_page_tokens(q.page_tokens);
   // Appended, not resized and overwritten: the message's bytes are written
-  // once (BENCHMARKS.md 4w).
+  // once (BENCHMARKS.md section 7).
   std::string* data = p->mutable_page_data();
   data->reserve(run * r.layers * heads);
   for (size_t i = first; i < first + static_cast<size_t>(r.layers) * heads; ++i) {

@@ -115,7 +115,7 @@ absl::Status RawPagePlacer::Place(const v1::FetchResponse& m) {
   // of microseconds after the caller starts, on a message of a few hundred;
   // with one task per (head, side) it found two of six left, with smaller
   // ones it takes its half of what remains (kvq-bench convert: dequantizing
-  // on two threads 7.0 -> 6.0 ms, BENCHMARKS.md 4v).
+  // on two threads 7.0 -> 6.0 ms, BENCHMARKS.md section 7).
   constexpr int kTasksPerThread = 12;
   const int threads = threads_ > 0 ? threads_ : static_cast<int>(std::thread::hardware_concurrency());
   const int pt = layout.page_tokens;

@@ -21,7 +21,7 @@ constexpr uintptr_t kHugePageBytes = uintptr_t{2} << 20;
 // Sets `data` to `bytes` zero bytes. Fresh memory is faulted in page by page
 // as it is first written, and a fetched prompt's KV is tens of MiB:
 // thousands of 4 KiB faults (measured: a third of FetchDequant's client CPU,
-// docs/BENCHMARKS.md 4e). Large buffers ask for transparent huge pages before
+// docs/BENCHMARKS.md section 7). Large buffers ask for transparent huge pages before
 // the first write, which matters where the kernel only gives them on request
 // (Debian's "madvise" default); elsewhere madvise is a no-op.
 void AssignZeros(std::string& data, size_t bytes) {

@@ -166,7 +166,7 @@ struct FetchOptions {
   // Where the client dequantizes raw pages (FetchDequantLocal*), outputs (k
   // and v together) of at least this many bytes are written past the caches
   // with non-temporal stores: a prompt's KV that is not read again soon
-  // fills faster that way (docs/BENCHMARKS.md 4u). 0: always; negative:
+  // fills faster that way (docs/BENCHMARKS.md section 7). 0: always; negative:
   // never. The bytes are the same either way.
   int64_t streaming_output_bytes = int64_t{16} << 20;
   ProgressFn progress;

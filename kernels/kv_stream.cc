@@ -281,7 +281,7 @@ bool KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
   std::vector<uint8_t*> fresh;
   // A failure is reported by Append's checked path, after the input's checks.
   // Pages the blocks fill need no zeroing (a 28 MiB memset for a kivi4
-  // prompt, BENCHMARKS.md 4w); a page they fill only in part is zeroed, so
+  // prompt, BENCHMARKS.md section 7); a page they fill only in part is zeroed, so
   // that its bytes do not depend on what the allocator hands out.
   const bool whole = BlocksWriteWholePages();
   if (!AllocatePages(PagesNeeded(n), /*zero=*/!whole, &fresh).ok()) return false;
@@ -309,7 +309,7 @@ bool KvStream::AppendBlocksChecked(ConstTensorView k, ConstTensorView v) {
     // The next block's lines requested now, to arrive while this one is
     // quantized: a block is 4 KiB or more of K and of V, and the hardware
     // prefetcher starts over at every 4 KiB page (kvq-bench convert: 0.2-1.3
-    // ms less for a 90 MiB prompt, BENCHMARKS.md 4v).
+    // ms less for a 90 MiB prompt, BENCHMARKS.md section 7).
     if (r + g < n) {
       const char* next_k = reinterpret_cast<const char*>(kb + at + block);
       const char* next_v = reinterpret_cast<const char*>(vb + at + block);
@@ -766,7 +766,7 @@ absl::Status KvStream::AppendPages(ByteReader data, int tokens) {
   // Stored pages are written once here and read much later (a fetch, an
   // attention step, often never by this core): whole lines go past the
   // caches, which saves reading each destination line before writing it
-  // (BENCHMARKS.md 4x).
+  // (BENCHMARKS.md section 7).
   if (!allocator_->host_accessible()) {
     for (uint8_t* page : fresh) {
       absl::Status st =

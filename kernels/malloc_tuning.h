@@ -7,8 +7,8 @@
 // allocates each received and sent message buffer fresh, so a bulk append or
 // fetch paid a map, first-touch page faults (the kernel zeroing 256 pages)
 // and an unmap per message: measured, a fifth of kvq-server's CPU time in
-// FetchDequant and a third in Append (docs/BENCHMARKS.md, section 4d), and
-// an eighth of a kivi4 round trip in the client (section 4j).
+// FetchDequant and a third in Append (docs/BENCHMARKS.md, section 7), and
+// an eighth of a kivi4 round trip in the client (the same section).
 #ifndef KVQ_KERNELS_MALLOC_TUNING_H_
 #define KVQ_KERNELS_MALLOC_TUNING_H_
 

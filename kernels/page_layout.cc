@@ -161,7 +161,25 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
   offset = AlignUp(offset, kPageAlign);
   l.page_bytes = offset;
   l.padding_bytes = offset - used;
+  if (absl::Status st = l.CheckVectorLoads(); !st.ok()) return st;
   return l;
+}
+
+absl::Status PageLayout::CheckVectorLoads() const {
+  const struct {
+    const char* name;
+    size_t value;
+  } fields[] = {{"page_bytes", page_bytes},
+                {"key.codes_offset", key.codes_offset},
+                {"value.codes_offset", value.codes_offset}};
+  for (const auto& f : fields) {
+    if (f.value % kVectorLoadBytes != 0) {
+      return absl::InternalError(absl::StrCat("page layout: ", f.name, " ", f.value,
+                                              " is not a multiple of ", kVectorLoadBytes,
+                                              " (the device kernels' load width)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvq

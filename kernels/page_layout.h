@@ -32,6 +32,11 @@ inline constexpr int kMaxHeadDim = 256;
 // outlier tables only on kTableAlign.
 inline constexpr size_t kPageAlign = 64;
 inline constexpr size_t kTableAlign = 8;
+// The widest load the device kernels issue on a page (16-byte cp.async /
+// LDG.128): a page whose start is kPageAlign-aligned is read whole in such
+// loads without touching a byte outside it.
+inline constexpr size_t kVectorLoadBytes = 16;
+static_assert(kPageAlign % kVectorLoadBytes == 0);
 
 enum class Side { kKey = 0, kValue = 1 };
 
@@ -79,6 +84,11 @@ struct PageLayout {
   // Builds the layout; page_tokens == 0 picks the default (max(32, G)).
   static absl::StatusOr<PageLayout> Make(const QuantSpec& spec, int head_dim,
                                          int page_tokens = 0);
+
+  // OK when every page of this layout can be read in kVectorLoadBytes
+  // loads: page_bytes and both code sections' offsets are multiples of it.
+  // INTERNAL (a layout Make never builds) naming the field otherwise.
+  absl::Status CheckVectorLoads() const;
 
   KVQ_HD const SideLayout& side(Side s) const { return s == Side::kKey ? key : value; }
   KVQ_HD int blocks_per_page() const { return page_tokens / block_tokens; }

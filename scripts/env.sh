@@ -20,3 +20,18 @@ kvq_build() {
     -DKVQ_CUDA_ARCHITECTURES="${KVQ_CUDA_ARCHITECTURES:-90}" ${KVQ_CMAKE_ARGS:-} >/dev/null
   cmake --build "$KVQ_BUILD" -j "$KVQ_JOBS" "$@"
 }
+
+# Builds and installs the Python package (pyproject.toml at the root) for
+# ${KVQ_PYTHON:-python3}. pip builds it in an isolated environment with the
+# pinned build requirements; build-python/ keeps the CMake build between
+# installs, so a reinstall compiles only what changed.
+kvq_install_python_package() {
+  local python="${KVQ_PYTHON:-python3}" stdlib
+  local args=(--quiet)
+  # An interpreter managed by the distribution (PEP 668) takes user installs.
+  stdlib="$("$python" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')"
+  if [[ -f "$stdlib/EXTERNALLY-MANAGED" && -z "${VIRTUAL_ENV:-}" ]]; then
+    args+=(--user --break-system-packages)
+  fi
+  "$python" -m pip install "${args[@]}" "$KVQ_ROOT" >&2
+}

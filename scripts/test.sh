@@ -8,7 +8,22 @@ source "$(dirname "$0")/env.sh"
 # data dir; this fetches them once (a no-op afterwards).
 "$KVQ_ROOT/scripts/fetch_eval_data.sh"
 kvq_build
+# The Python package (pyproject.toml: the native kernels kvq._native and the
+# gRPC client kvq_client), built from this checkout and installed for
+# python3: the Python tests (tests/python, run by ctest below) import it.
+kvq_install_python_package
 cd "$KVQ_BUILD"
+# Every tests/python/test_*.py is run by some ctest (pytest on the file,
+# where collecting no test is exit code 5, a failure): a file no ctest
+# names would never run.
+registered="$(ctest -N -V | grep -o 'tests/python/test_[A-Za-z0-9_]*\.py' | sort -u)"
+for f in "$KVQ_ROOT"/tests/python/test_*.py; do
+  if ! grep -qx "tests/python/$(basename "$f")" <<<"$registered"; then
+    echo "kvq: tests/python/$(basename "$f") is run by no ctest: add it (tests/client, " \
+         "tests/integration or bench/eval CMakeLists.txt)" >&2
+    exit 1
+  fi
+done
 ctest -LE gpu --output-on-failure -j "$KVQ_JOBS" "$@"
 # The gpu tests are built (kvq_cuda and tests/gpu compile with -Werror for
 # KVQ_CUDA_ARCHITECTURES, sm_90 by default) and run too: without a device

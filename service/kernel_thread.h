@@ -6,7 +6,7 @@
 // handlers on whichever of its threads is free, so without this each
 // callback thread kept a team, the teams took turns, and every call woke a
 // worker that had gone to sleep since its last turn. Measured on 2 cores
-// (docs/BENCHMARKS.md, section 4i): Attend at batch 8 and 32 spent 60-130 us
+// (docs/BENCHMARKS.md, section 7): Attend at batch 8 and 32 spent 60-130 us
 // less per call outside the kernel with every parallel call on one thread.
 // Calls that stay on one thread run inline: the hand-off costs them more
 // than it saves (about 80 us at batch 1, same section).

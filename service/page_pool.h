@@ -35,7 +35,7 @@ struct PagePoolOptions {
   // grants them only on request under its default "madvise" policy). An
   // Attend streams every page of its sequences' KV, 96 MiB per call at 32
   // fp16 sequences of 4k tokens: with 4 KiB pages that is 24k page walks a
-  // call (docs/BENCHMARKS.md, section 4l).
+  // call (docs/BENCHMARKS.md, section 7).
   bool huge_pages = true;
 };
 

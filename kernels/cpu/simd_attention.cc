@@ -371,7 +371,7 @@ class RowPass {
           // values (AVX3_DL) 3/8 a few per token in the key loop and 3/8 in
           // the value kernel, else the rest in the key loop. (In the key
           // loop alone kivi4 was 6-10% slower; half there and half spread
-          // over the value loop, 4-9% slower at llama 32k: KERNELS.md 4r.)
+          // over the value loop, 4-9% slower at llama 32k: KERNELS.md section 7.)
           const auto [pf, pf_lines] = NextPageShare(r, m);
           const size_t pf_first = pf_lines / 4;
           PrefetchLines(pf, pf_first);
@@ -484,7 +484,7 @@ class RowPass {
   // Runs after KiviValueAccumulate over the same tile, so it reads the
   // tile's scales and zero points from Scratch::vparams instead of decoding
   // each entry's row again (that, and a division per entry, was about a fifth
-  // of a kivi2:outliers=1 decode: KERNELS.md 4zc).
+  // of a kivi2:outliers=1 decode: KERNELS.md section 7).
   template <int kBits, int D>
   void ValueOutliers(const uint8_t* page, int block, int row, int m, const float* P) {
     const PageLayout& L = s_.layout();

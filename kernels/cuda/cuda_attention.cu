@@ -1,33 +1,45 @@
-// Fused decode attention (cuda_attention.h). Two split kernels, one per
-// arithmetic, and one merge kernel:
+// Fused decode attention (cuda_attention.h); docs/CUDA.md "Kernels" has the
+// design. Two split kernels, one per arithmetic, and one merge kernel, each
+// compiled per supported head_dim (a template parameter: every division by
+// head_dim in a loop is by a constant):
 //
 //   grid (splits, row tiles, tasks), 128 threads: block (s, r, t) computes
 //   the partial (out, lse) of task t's query rows [16r, 16r + 16) over its
-//   keys [key_begin + 256 s, +256), 32 keys at a time: the tile's keys and
-//   values are dequantized into shared memory once for all 16 rows (the
-//   GQA group: every query head of a KV head reads each element once), RoPE
-//   is applied to pre-RoPE keys there, then scores, the online softmax
-//   (hd::SoftmaxPushTile) and the value accumulation.
+//   split s (hd::SplitBegin / SplitEnd: split_tokens keys from a page
+//   start, sized at launch from the batch and the SM count). The block
+//   walks its keys page by page: each page is copied whole into shared
+//   memory with 16-byte cp.async (LDGSTS), the next page's copy in flight
+//   while this one is read (double-buffered when two pages fit). Keys and
+//   values are dequantized from the shared copy 32 keys at a time through
+//   per-channel code positions and per-row parameter offsets computed once
+//   (no division in the tile loops), RoPE is applied to pre-RoPE keys, then
+//   the scores, the online softmax (a warp per 4 rows, lanes = the tile's
+//   32 keys, max and sum by warp shuffles) and the value accumulation.
 //     - SplitKernelFloat: fp32 CUDA-core math, for fp16/bf16/fp8/int8 and
 //       anything the tensor-core kernel does not take.
 //     - SplitKernelMma: packed codes of <= 4 bits. Keys and values are
 //       dequantized to fp16 (2 and 4 bits with uniform levels and fp16
 //       parameters: the magic-number trick, one HSUB2 and one HFMA2 per
-//       two elements), and QK^T and PV run as mma.sync m16n8k16 with the 16
-//       query rows as the MMA's M, fp32 accumulators.
-//   MergeKernel, grid (rows, tasks): folds a row's split partials with
-//   hd::MergeWeightsOf / hd::MergeChannel (MergeAttention's arithmetic),
-//   undoes the Hadamard rotation and writes out and lse.
+//       two elements, clamped to fp16's finite range), queries scaled by a
+//       power of two into fp16's range, and QK^T and PV run as mma.sync
+//       m16n8k16 with the 16 query rows as the MMA's M, fp32 accumulators.
+//   MergeKernel, grid (rows, tasks): a row's split partials merged in one
+//   step (hd::MergeWeight / MergedChannel), the splits' max and weight sum
+//   by block reductions, a thread per four channels with 16-byte loads;
+//   then the inverse Hadamard rotation, out and lse.
 #include "kernels/cuda/cuda_attention.h"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/hd/attention_hd.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
 
 namespace kvq {
 namespace {
@@ -35,19 +47,25 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps.
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowTile = 16;   // Query rows per block: the MMA's M.
-constexpr int kKeyTile = 32;   // Keys per step: one n8 slice per warp.
-constexpr int kSplit = hd::kAttentionSplitTokens;
-// fp32 accumulators per thread in the float kernel: 16 rows x 256 channels.
-constexpr int kAccPerThread = kRowTile * kMaxHeadDim / kThreads;
+constexpr int kKeyTile = 32;   // Keys per step: a lane per key in the softmax.
+constexpr int kRowsPerWarp = kRowTile / kWarps;
+// Four resident blocks per SM: caps the split kernels at 128 registers.
+constexpr int kMinBlocks = 4;
 constexpr int kHalfPad = 8;    // fp16 row padding: conflict-free fragment loads.
+constexpr int kMaxSplits = 1024;      // The merge kernel keeps their weights in shared memory.
+constexpr int kMinSplitTokens = 256;  // A split streams at least this many keys.
+constexpr int kVector = 16;           // Bytes per cp.async / LDG.128.
+static_assert(kPageAlign % kVector == 0, "pages must start on a 16-byte boundary");
 
 struct LaunchParams {
   const DeviceAttentionTask* tasks;
-  int head_dim;
   int group_size;
   float softmax_scale;
-  int splits;    // Grid x: the partials' stride per task.
-  int max_rows;  // The partials' stride per split.
+  int split_tokens;
+  int splits;      // Grid x: the partials' stride per task.
+  int max_rows;    // The partials' stride per split.
+  int page_buffer;   // Bytes of one staged page (the largest page_bytes).
+  int page_buffers;  // 1 or 2 (double-buffered).
   float* partial_out;  // [task][split][row][head_dim]
   float* partial_lse;  // [task][split][row]
 };
@@ -62,86 +80,217 @@ __device__ __forceinline__ int VisibleEnd(const DeviceAttentionTask& t, int grou
   return min(t.key_end, t.q_positions[row / group] + 1);
 }
 
-// Element (t, c) of one side before outliers (stored basis, no RoPE).
-__device__ __forceinline__ float ElementAt(const DeviceStreamView& v, Side side, int t, int c) {
-  const int d = v.layout.head_dim;
-  if (t < v.sink_tokens) {
-    return hd::HalfToFloat((side == Side::kKey ? v.sink_k : v.sink_v)[static_cast<size_t>(t) * d + c]);
-  }
-  if (t < v.sink_tokens + v.quantized_tokens) {
-    const int q = t - v.page_base;
-    return hd::DequantElement(v.layout, v.layout.side(side), v.pages[q / v.layout.page_tokens],
-                              q % v.layout.page_tokens, c, hd::ExtrasOf(v, side));
-  }
-  const int i = t - v.sink_tokens - v.quantized_tokens;
-  return hd::HalfToFloat((side == Side::kKey ? v.tail_k : v.tail_v)[static_cast<size_t>(i) * d + c]);
+__device__ __forceinline__ int TaskSplitOrigin(const DeviceAttentionTask& t) {
+  return hd::SplitOrigin(t.key_begin, t.stream.page_base, t.stream.layout.page_tokens);
 }
 
-// Calls put(j, c, value) for every outlier of tile keys [t0, t0 + n) of
-// one side (the block's threads share the tokens; rows are distinct, so
-// no two threads write one element).
-template <typename Put>
-__device__ __forceinline__ void ForEachOutlier(const DeviceStreamView& v, Side side, int t0, int n,
-                                               Put put) {
-  const PageLayout& L = v.layout;
-  if (L.outliers_per_block == 0) return;
-  const SideLayout& S = L.side(side);
-  const int d = L.head_dim;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const int t = t0 + j;
-    if (t < v.sink_tokens || t >= v.sink_tokens + v.quantized_tokens) continue;
-    const int q = t - v.page_base;
-    const uint8_t* page = v.pages[q / L.page_tokens];
-    const int row = q % L.page_tokens;
-    const int block = row / L.block_tokens;
-    const uint8_t* table =
-        page + S.outliers_offset + static_cast<size_t>(block) * 4 * L.outliers_per_block;
-    for (int e = 0; e < L.outliers_per_block; ++e) {
+// --- Warp reductions (all 32 lanes get the result). ---
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = hd::Max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// --- Asynchronous page copies (sm_80+): 16 bytes per thread and step. ---
+__device__ __forceinline__ void CopyPageAsync(const uint8_t* page, int bytes, uint8_t* dst) {
+  for (int i = threadIdx.x * kVector; i < bytes; i += kThreads * kVector) {
+    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + i));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(page + i));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void WaitPageCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Per-side lookups a block computes once: where each channel's code lies
+// and its parameter group, and the sizes ParamsFrom needs.
+template <int D>
+struct SideTables {
+  hd::CodePos pos[D];
+  int16_t group[D];
+};
+struct SideConsts {
+  int n = 0;             // L.ParamsPerEntry(S)
+  int block_groups = 0;  // L.EntriesPerBlock(S) * n
+};
+
+template <int D>
+__device__ void FillSideTables(const PageLayout& L, const SideLayout& S, SideTables<D>* tab) {
+  if (!hd::HasParams(S)) return;
+  for (int c = threadIdx.x; c < D; c += kThreads) {
+    tab->pos[c] = hd::CodePosOf(D, S.bits, c);
+    tab->group[c] = static_cast<int16_t>(hd::GroupOfChannel(S, c));
+  }
+}
+__device__ __forceinline__ SideConsts ConstsOf(const PageLayout& L, const SideLayout& S) {
+  SideConsts k;
+  k.n = L.ParamsPerEntry(S);
+  k.block_groups = L.EntriesPerBlock(S) * k.n;
+  return k;
+}
+
+// The tile's page rows: their parameter entries (one division per row per
+// tile, by blockDim threads, instead of one per element).
+__device__ __forceinline__ void FillRowParams(const PageLayout& L, int row0, int n,
+                                              hd::RowParams* rk, hd::RowParams* rv) {
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    rk[j] = hd::RowParamsOf(L, L.key, row0 + j);
+    rv[j] = hd::RowParamsOf(L, L.value, row0 + j);
+  }
+}
+
+// Element c of tile row j of one side in the stored basis, before
+// outliers: from the staged page when `page` is set (row0 + j its row),
+// else an fp16 sink or tail row from global memory.
+template <int D>
+__device__ __forceinline__ float TileElement(const DeviceStreamView& v, const SideLayout& S,
+                                             const hd::SideExtras& extras,
+                                             const SideTables<D>& tab, SideConsts k,
+                                             const hd::RowParams* rp, const uint8_t* page,
+                                             int row0, Side side, int t, int j, int c) {
+  if (page != nullptr) {
+    const uint8_t* code_row = PageLayout::CodeRow(page, S, row0 + j);
+    if (!hd::HasParams(S)) return hd::DequantCode(S, code_row, c, hd::CodePos{}, hd::ScaleZero{}, extras);
+    const hd::ScaleZero sz = hd::ParamsFrom(S, page, rp[j], tab.group[c], k.n, k.block_groups);
+    return hd::DequantCode(S, code_row, c, tab.pos[c], sz, extras);
+  }
+  if (t < v.sink_tokens) {
+    return hd::HalfToFloat((side == Side::kKey ? v.sink_k : v.sink_v)[static_cast<size_t>(t) * D + c]);
+  }
+  const int i = t - v.sink_tokens - v.quantized_tokens;
+  return hd::HalfToFloat((side == Side::kKey ? v.tail_k : v.tail_v)[static_cast<size_t>(i) * D + c]);
+}
+
+// Calls put(j, c, value) for every outlier of the staged page's tile rows
+// [row0, row0 + n) of one side (a thread per row: no two write one element).
+template <int D, typename Put>
+__device__ __forceinline__ void ForEachOutlier(const PageLayout& L, const SideLayout& S,
+                                               const uint8_t* page, const hd::RowParams* rp,
+                                               int row0, int n, Put put) {
+  const int k = L.outliers_per_block;
+  if (k == 0 || page == nullptr) return;
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    const int block = rp[j].block;
+    const uint8_t* table = page + S.outliers_offset + static_cast<size_t>(block) * 4 * k;
+    const int in_block = row0 + j - block * L.block_tokens;
+    for (int e = 0; e < k; ++e) {
       const int index = hd::LoadHalfBits(table + 2 * e);
-      if (block * L.block_tokens + index / d != row) continue;
-      put(j, index % d, hd::HalfToFloat(hd::LoadHalfBits(table + 2 * (L.outliers_per_block + e))));
+      if (index / D != in_block) continue;
+      put(j, index % D, hd::HalfToFloat(hd::LoadHalfBits(table + 2 * (k + e))));
     }
   }
 }
 
-// The block's query rows [row0, row0 + nrows) into q (stride `stride`),
-// as fp32 rows of head_dim, rotated forward when the stream rotates.
-// The Walsh-Hadamard stages run their butterflies in parallel: each
-// butterfly adds and subtracts the values the serial form would, so the
-// bits are hd::HadamardForward's.
+// The block's query rows [row0, row0 + nrows) into q_f ([16][D] fp32),
+// rotated forward when the stream rotates. The Walsh-Hadamard stages run
+// their butterflies in parallel: each adds and subtracts the values the
+// serial form would, so the bits are hd::HadamardForward's.
+template <int D>
 __device__ void LoadQueries(const DeviceAttentionTask& t, int group, int row0, int nrows,
                             float* q_f) {
-  const int d = t.stream.layout.head_dim;
   const float* signs = t.stream.rotation_signs;
-  for (int e = threadIdx.x; e < nrows * d; e += blockDim.x) {
-    const int r = e / d, c = e % d;
-    const int row = row0 + r;
-    const float x = t.q[static_cast<size_t>(row / group) * t.q_stride +
-                        static_cast<size_t>(row % group) * d + c];
-    q_f[e] = signs ? x * signs[c] : x;
+  for (int e = threadIdx.x; e < kRowTile * D; e += kThreads) {
+    const int r = e / D, c = e % D;
+    float x = 0.0f;
+    if (r < nrows) {
+      const int row = row0 + r;
+      x = t.q[static_cast<size_t>(row / group) * t.q_stride + static_cast<size_t>(row % group) * D + c];
+      if (signs) x *= signs[c];
+    }
+    q_f[e] = x;
   }
   __syncthreads();
   if (signs == nullptr) return;
-  const int half = d / 2;
-  for (int len = 1; len < d; len <<= 1) {
-    for (int e = threadIdx.x; e < nrows * half; e += blockDim.x) {
-      const int r = e / half, k = e % half;
-      float* x = q_f + static_cast<size_t>(r) * d;
-      const int j = (k / len) * 2 * len + (k % len);
+  constexpr int kHalf = D / 2;
+  for (int lg = 0; (1 << lg) < D; ++lg) {
+    const int len = 1 << lg;
+    for (int e = threadIdx.x; e < nrows * kHalf; e += kThreads) {
+      const int r = e / kHalf, k = e % kHalf;
+      float* x = q_f + r * D;
+      const int j = ((k >> lg) << (lg + 1)) + (k & (len - 1));  // Stage lg's pair k.
       const float a = x[j], b = x[j + len];
       x[j] = a + b;
       x[j + len] = a - b;
     }
     __syncthreads();
   }
-  const float norm = hd::HadamardNorm(d);
-  for (int e = threadIdx.x; e < nrows * d; e += blockDim.x) q_f[e] *= norm;
+  const float norm = hd::HadamardNorm(D);
+  for (int e = threadIdx.x; e < nrows * D; e += kThreads) q_f[e] *= norm;
   __syncthreads();
 }
 
+// Pair i's inverse frequency over the linear factor (hd::RopeInvFreq /
+// linear_factor), once per block: the tile loop then divides by nothing.
 __device__ void LoadInvFreq(const hd::RopeParams& rope, double* inv_freq) {
-  for (int i = threadIdx.x; i < rope.rotary_dim / 2; i += blockDim.x) {
-    inv_freq[i] = hd::RopeInvFreq(rope, i);
+  for (int i = threadIdx.x; i < rope.rotary_dim / 2; i += kThreads) {
+    inv_freq[i] = hd::RopeInvFreq(rope, i) / static_cast<double>(rope.linear_factor);
+  }
+}
+
+// cos and sin of the angle position * inv_freq (inv_freq from LoadInvFreq):
+// hd::RopeCosSin's device form, reduced to a fraction of a turn in double
+// and evaluated by sincospif, whose reduction is exact (sincosf's slow path
+// for large angles keeps an array in local memory).
+__device__ __forceinline__ void RopeCosSinOf(double inv_freq, int position, float* c, float* s) {
+  const double turns = static_cast<double>(position) * inv_freq * (0.5 / 3.141592653589793238462643383279502884);
+  const double frac = turns - rint(turns);  // [-0.5, 0.5] turns.
+  sincospif(static_cast<float>(2.0 * frac), s, c);
+}
+
+// RoPE on tile rows [0, n) of keys in `x` (row stride `stride`): a warp per
+// key, a lane per pair.
+template <typename T>
+__device__ void RopeTile(const hd::RopeParams& rope, const double* inv_freq, int t0, int n,
+                         T* x, int stride) {
+  if (rope.rotary_dim == 0) return;
+  const int pairs = rope.rotary_dim / 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int j = warp; j < n; j += kWarps) {
+    T* row = x + j * stride;
+    for (int i = lane; i < pairs; i += 32) {
+      float c, s, r0, r1;
+      RopeCosSinOf(inv_freq[i], t0 + j, &c, &s);
+      const int a = hd::RopeFirst(rope, i), b = hd::RopeSecond(rope, i);
+      hd::RotatePair(static_cast<float>(row[a]), static_cast<float>(row[b]), c, s, &r0, &r1);
+      row[a] = static_cast<T>(r0);
+      row[b] = static_cast<T>(r1);
+    }
+  }
+  __syncthreads();
+}
+
+// The online softmax of one tile, a warp per kRowsPerWarp rows and a lane
+// per key: scores in p_s[r][32] become weights, rescale_s[r] the factor
+// for the row's accumulator; the running max and sum stay in registers
+// (m, l, the same in every lane). hd::SoftmaxPushTile's arithmetic, its
+// max and sum taken by shuffles.
+// With p_h set (the tensor-core kernel), the weights also go there as fp16
+// (row stride p_h_stride).
+__device__ __forceinline__ void SoftmaxTile(float* p_s, float* rescale_s, float* m, float* l,
+                                            __half* p_h = nullptr, int p_h_stride = 0) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    const int r = warp * kRowsPerWarp + rr;
+    const float s = p_s[r * kKeyTile + lane];
+    const float new_max = hd::Max(m[rr], WarpMax(s));
+    float w = 0.0f, rescale = 1.0f;
+    if (new_max != hd::NegInf()) {
+      rescale = hd::Exp(m[rr] - new_max);
+      w = hd::Exp(s - new_max);
+      m[rr] = new_max;
+    }
+    l[rr] = l[rr] * rescale + WarpSum(w);
+    p_s[r * kKeyTile + lane] = w;
+    if (p_h != nullptr) p_h[r * p_h_stride + lane] = __float2half_rn(w);
+    if (lane == 0) rescale_s[r] = rescale;
   }
 }
 
@@ -151,128 +300,272 @@ struct BlockWork {
   int row0 = 0, nrows = 0;
   int s0 = 0, s1 = 0;  // The split's keys.
   int kv_end = 0;      // Past the last key any of the block's rows sees.
+  int p_first = 0, p_last = -1;  // Pages the block reads.
 };
 __device__ bool BlockWorkOf(const LaunchParams& p, const DeviceAttentionTask& t, BlockWork* w) {
   const int rows = t.num_queries * p.group_size;
   w->row0 = blockIdx.y * kRowTile;
   if (w->row0 >= rows) return false;
   w->nrows = min(kRowTile, rows - w->row0);
-  w->s0 = t.key_begin + blockIdx.x * kSplit;
-  if (w->s0 >= t.key_end) return false;
-  w->s1 = min(t.key_end, w->s0 + kSplit);
+  const int origin = TaskSplitOrigin(t);
+  if (static_cast<int>(blockIdx.x) >=
+      hd::SplitCount(origin, t.key_begin, t.key_end, p.split_tokens)) {
+    return false;
+  }
+  w->s0 = hd::SplitBegin(origin, t.key_begin, blockIdx.x, p.split_tokens);
+  w->s1 = hd::SplitEnd(origin, t.key_end, blockIdx.x, p.split_tokens);
   int last = w->s0;
   for (int r = 0; r < w->nrows; ++r) last = max(last, VisibleEnd(t, p.group_size, w->row0 + r));
   w->kv_end = min(w->s1, last);
+  const DeviceStreamView& v = t.stream;
+  const int a = max(w->s0, v.sink_tokens);
+  const int b = min(w->kv_end, v.sink_tokens + v.quantized_tokens);
+  if (a < b) {
+    w->p_first = (a - v.page_base) / v.layout.page_tokens;
+    w->p_last = (b - 1 - v.page_base) / v.layout.page_tokens;
+  }
   return true;
+}
+
+// A task whose pages do not fit the staging buffer (the launcher's shape
+// said less): its rows get NaN partials, so the merged result is not
+// finite and CheckAttentionResults fails the call instead of the copy
+// running past the buffer.
+__device__ bool PagesFit(const LaunchParams& p, const DeviceAttentionTask& t, const BlockWork& w,
+                         int head_dim) {
+  if (w.p_last < w.p_first || static_cast<int>(t.stream.layout.page_bytes) <= p.page_buffer) {
+    return true;
+  }
+  for (int e = threadIdx.x; e < w.nrows * head_dim; e += kThreads) {
+    p.partial_out[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + e / head_dim) * head_dim +
+                  e % head_dim] = NAN;
+  }
+  if (threadIdx.x < w.nrows) {
+    p.partial_lse[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + threadIdx.x)] = NAN;
+  }
+  return false;
+}
+
+// Walks the block's keys [s0, kv_end) as segments (the sink, each page,
+// the tail), staging each page in shared memory, and calls
+// tile(t0, n, page, row0) for every run of at most kKeyTile keys: `page`
+// the staged copy (row0 the page row of t0) or null for fp16 sink / tail
+// rows. tile() ends with __syncthreads(), so a buffer is free again when
+// the next copy into it is issued.
+template <typename Tile>
+__device__ __forceinline__ void WalkKeys(const LaunchParams& p, const DeviceStreamView& v,
+                                         const BlockWork& w, uint8_t* buffers, Tile tile) {
+  const int page_bytes = static_cast<int>(v.layout.page_bytes);
+  const int pt = v.layout.page_tokens;
+  const int q_begin = v.sink_tokens, q_end = v.sink_tokens + v.quantized_tokens;
+  if (w.p_last >= w.p_first) CopyPageAsync(v.pages[w.p_first], page_bytes, buffers);
+  int t = w.s0;
+  while (t < w.kv_end) {
+    const uint8_t* page = nullptr;
+    int page_start = 0;
+    int seg_end = w.kv_end;
+    if (t < q_begin) {
+      seg_end = min(w.kv_end, q_begin);
+    } else if (t < q_end) {
+      const int pidx = (t - v.page_base) / pt;  // Once per page.
+      page_start = v.page_base + pidx * pt;
+      seg_end = min(min(w.kv_end, q_end), page_start + pt);
+      const int k = pidx - w.p_first;
+      if (p.page_buffers == 2) {
+        if (pidx < w.p_last) {
+          CopyPageAsync(v.pages[pidx + 1], page_bytes, buffers + ((k + 1) & 1) * p.page_buffer);
+          WaitPageCopies<1>();
+        } else {
+          WaitPageCopies<0>();
+        }
+        page = buffers + (k & 1) * p.page_buffer;
+      } else {
+        if (k > 0) CopyPageAsync(v.pages[pidx], page_bytes, buffers);
+        WaitPageCopies<0>();
+        page = buffers;
+      }
+      __syncthreads();
+    }
+    for (int t0 = t; t0 < seg_end; t0 += kKeyTile) {
+      tile(t0, min(kKeyTile, seg_end - t0), page, t0 - page_start);
+    }
+    t = seg_end;
+  }
+}
+
+// Shared memory of a split kernel: the page buffers first (16-byte
+// aligned for cp.async), then the tables, then the kernel's tiles.
+template <int D>
+struct CommonSmem {
+  SideTables<D> key_tab, value_tab;
+  hd::RowParams key_rows[kKeyTile], value_rows[kKeyTile];
+  double inv_freq[D / 2];
+  float q_f[kRowTile * D];
+  float p_s[kRowTile * kKeyTile];
+  float rescale_s[kRowTile];
+  float max_s[kRowTile];
+  float sum_s[kRowTile];
+  int visible_s[kRowTile];
+};
+template <int D>
+struct FloatSmem : CommonSmem<D> {
+  static constexpr int kKeyStride = D + 1;  // Padded: the score loop reads along key rows.
+  // Output accumulators per thread; above 16 (head_dim 256) they live in
+  // shared memory (each element owned by one thread) instead of registers,
+  // which keeps the kernel within 128 registers without spilling.
+  static constexpr int kAcc = kRowTile * D / kThreads;
+  static constexpr bool kAccShared = kAcc > 16;
+  float k_s[kKeyTile * kKeyStride];
+  float v_s[kKeyTile * D];
+  float acc_s[kAccShared ? kRowTile * D : 1];
+};
+template <int D>
+struct MmaSmem : CommonSmem<D> {
+  static constexpr int kHalfStride = D + kHalfPad;
+  static constexpr int kProbStride = kKeyTile + kHalfPad;
+  float score_scale_s[kRowTile];
+  __half q_h[kRowTile * kHalfStride];
+  __half k_h[kKeyTile * kHalfStride];
+  __half v_h[kKeyTile * kHalfStride];
+  __half p_h[kRowTile * kProbStride];
+};
+
+size_t AlignVector(size_t n) { return (n + kVector - 1) / kVector * kVector; }
+
+// The common preamble: tables, inverse frequencies, visibility, queries.
+template <int D>
+__device__ void Prepare(const LaunchParams& p, const DeviceAttentionTask& t, const BlockWork& w,
+                        CommonSmem<D>* s) {
+  const DeviceStreamView& v = t.stream;
+  FillSideTables<D>(v.layout, v.layout.key, &s->key_tab);
+  FillSideTables<D>(v.layout, v.layout.value, &s->value_tab);
+  LoadInvFreq(v.rope, s->inv_freq);
+  if (threadIdx.x < kRowTile) {
+    s->visible_s[threadIdx.x] =
+        threadIdx.x < w.nrows ? VisibleEnd(t, p.group_size, w.row0 + threadIdx.x) : w.s0;
+  }
+  LoadQueries<D>(t, p.group_size, w.row0, w.nrows, s->q_f);  // Ends with __syncthreads().
+}
+
+// Stores the rows' softmax state, the lse partials, and each row's output
+// scale (1 / sum) in out_scale_s for every thread.
+__device__ void FinishSoftmax(const LaunchParams& p, const BlockWork& w, const float* m,
+                              const float* l, float* max_s, float* sum_s, float* out_scale_s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+      max_s[warp * kRowsPerWarp + rr] = m[rr];
+      sum_s[warp * kRowsPerWarp + rr] = l[rr];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kRowTile) {
+    hd::SoftmaxState st;
+    st.max = max_s[threadIdx.x];
+    st.sum = sum_s[threadIdx.x];
+    if (threadIdx.x < w.nrows) {
+      p.partial_lse[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + threadIdx.x)] =
+          hd::SoftmaxLse(st);
+    }
+    out_scale_s[threadIdx.x] = hd::SoftmaxOutScale(st);  // One division per row.
+  }
+  __syncthreads();
 }
 
 // ---------------------------------------------------------------------------
 // fp32 split kernel.
 // ---------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) SplitKernelFloat(LaunchParams p) {
+template <int D>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernelFloat(LaunchParams p) {
   const DeviceAttentionTask& t = p.tasks[blockIdx.z];
   BlockWork w;
-  if (!BlockWorkOf(p, t, &w)) return;
+  if (!BlockWorkOf(p, t, &w) || !PagesFit(p, t, w, D)) return;
   const DeviceStreamView& v = t.stream;
-  const int d = p.head_dim;
-  const int ks = d + 1;  // Padded key rows: the score loop reads along them.
+  const PageLayout& L = v.layout;
+  constexpr int ks = FloatSmem<D>::kKeyStride;
+  constexpr int kAcc = FloatSmem<D>::kAcc;
+  constexpr bool kAccShared = FloatSmem<D>::kAccShared;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  double* inv_freq = reinterpret_cast<double*>(smem);
-  float* q_s = reinterpret_cast<float*>(inv_freq + kMaxHeadDim / 2);
-  float* k_s = q_s + kRowTile * d;
-  float* v_s = k_s + kKeyTile * ks;
-  float* p_s = v_s + kKeyTile * d;
-  float* max_s = p_s + kRowTile * kKeyTile;
-  float* sum_s = max_s + kRowTile;
-  float* rescale_s = sum_s + kRowTile;
-  int* visible_s = reinterpret_cast<int*>(rescale_s + kRowTile);
+  uint8_t* buffers = smem;
+  auto* s = reinterpret_cast<FloatSmem<D>*>(smem + static_cast<size_t>(p.page_buffers) * p.page_buffer);
+  Prepare<D>(p, t, w, s);
+  const SideConsts kc = ConstsOf(L, L.key), vc = ConstsOf(L, L.value);
 
-  LoadInvFreq(v.rope, inv_freq);
-  if (threadIdx.x < kRowTile) {
-    max_s[threadIdx.x] = hd::NegInf();
-    sum_s[threadIdx.x] = 0.0f;
-    visible_s[threadIdx.x] =
-        threadIdx.x < w.nrows ? VisibleEnd(t, p.group_size, w.row0 + threadIdx.x) : w.s0;
-  }
-  LoadQueries(t, p.group_size, w.row0, w.nrows, q_s);
-
-  float acc[kAccPerThread];
+  float m[kRowsPerWarp], l[kRowsPerWarp];
 #pragma unroll
-  for (int k = 0; k < kAccPerThread; ++k) acc[k] = 0.0f;
-
-  for (int t0 = w.s0; t0 < w.kv_end; t0 += kKeyTile) {
-    const int n = min(kKeyTile, w.kv_end - t0);
-    for (int e = threadIdx.x; e < n * d; e += blockDim.x) {
-      const int j = e / d, c = e % d;
-      k_s[j * ks + c] = ElementAt(v, Side::kKey, t0 + j, c);
-      v_s[e] = ElementAt(v, Side::kValue, t0 + j, c);
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    m[rr] = hd::NegInf();
+    l[rr] = 0.0f;
+  }
+  float acc[kAcc];  // Unused (and allocated no register) when kAccShared.
+  float* acc_s = s->acc_s;
+#pragma unroll
+  for (int k = 0; k < kAcc; ++k) {
+    if constexpr (kAccShared) {
+      acc_s[threadIdx.x + k * kThreads] = 0.0f;  // Read only by this thread.
+    } else {
+      acc[k] = 0.0f;
     }
-    __syncthreads();
-    ForEachOutlier(v, Side::kKey, t0, n, [&](int j, int c, float x) { k_s[j * ks + c] = x; });
-    ForEachOutlier(v, Side::kValue, t0, n, [&](int j, int c, float x) { v_s[j * d + c] = x; });
-    __syncthreads();
-    if (v.rope.rotary_dim > 0) {
-      const int pairs = v.rope.rotary_dim / 2;
-      for (int e = threadIdx.x; e < n * pairs; e += blockDim.x) {
-        const int j = e / pairs, i = e % pairs;
-        float c, s;
-        hd::RopeCosSin(v.rope, inv_freq[i], t0 + j, &c, &s);
-        float* x = k_s + j * ks;
-        hd::RotatePair(x[hd::RopeFirst(v.rope, i)], x[hd::RopeSecond(v.rope, i)], c, s,
-                       &x[hd::RopeFirst(v.rope, i)], &x[hd::RopeSecond(v.rope, i)]);
-      }
+  }
+
+  WalkKeys(p, v, w, buffers, [&](int t0, int n, const uint8_t* page, int row0) {
+    if (page != nullptr) {
+      FillRowParams(L, row0, n, s->key_rows, s->value_rows);
       __syncthreads();
     }
-    for (int e = threadIdx.x; e < kRowTile * kKeyTile; e += blockDim.x) {
+    for (int e = threadIdx.x; e < n * D; e += kThreads) {
+      const int j = e / D, c = e % D;
+      s->k_s[j * ks + c] = TileElement<D>(v, L.key, v.key_extras, s->key_tab, kc, s->key_rows, page,
+                                          row0, Side::kKey, t0 + j, j, c);
+      s->v_s[e] = TileElement<D>(v, L.value, v.value_extras, s->value_tab, vc, s->value_rows, page,
+                                 row0, Side::kValue, t0 + j, j, c);
+    }
+    __syncthreads();
+    if (L.outliers_per_block > 0 && page != nullptr) {
+      ForEachOutlier<D>(L, L.key, page, s->key_rows, row0, n,
+                        [&](int j, int c, float x) { s->k_s[j * ks + c] = x; });
+      ForEachOutlier<D>(L, L.value, page, s->value_rows, row0, n,
+                        [&](int j, int c, float x) { s->v_s[j * D + c] = x; });
+      __syncthreads();
+    }
+    RopeTile(v.rope, s->inv_freq, t0, n, s->k_s, ks);
+    for (int e = threadIdx.x; e < kRowTile * kKeyTile; e += kThreads) {
       const int r = e / kKeyTile, j = e % kKeyTile;
       float score = hd::NegInf();
-      if (r < w.nrows && j < n && t0 + j < visible_s[r]) {
-        score = hd::Dot(q_s + r * d, k_s + j * ks, d) * p.softmax_scale;
+      if (r < w.nrows && j < n && t0 + j < s->visible_s[r]) {
+        score = hd::Dot(s->q_f + r * D, s->k_s + j * ks, D) * p.softmax_scale;
       }
-      p_s[e] = score;
+      s->p_s[e] = score;
     }
     __syncthreads();
-    if (threadIdx.x < kRowTile) {
-      const int r = threadIdx.x;
-      hd::SoftmaxState st;
-      st.max = max_s[r];
-      st.sum = sum_s[r];
-      rescale_s[r] = hd::SoftmaxPushTile(&st, p_s + r * kKeyTile, kKeyTile, p_s + r * kKeyTile);
-      max_s[r] = st.max;
-      sum_s[r] = st.sum;
-    }
+    SoftmaxTile(s->p_s, s->rescale_s, m, l);
     __syncthreads();
 #pragma unroll
-    for (int k = 0; k < kAccPerThread; ++k) {
+    for (int k = 0; k < kAcc; ++k) {
       const int e = threadIdx.x + k * kThreads;
-      if (e < w.nrows * d) {
-        const int r = e / d, c = e % d;
-        float a = acc[k] * rescale_s[r];
-        for (int j = 0; j < n; ++j) a += p_s[r * kKeyTile + j] * v_s[j * d + c];
+      const int r = e / D, c = e % D;
+      float a = (kAccShared ? acc_s[e] : acc[k]) * s->rescale_s[r];
+      for (int j = 0; j < n; ++j) a += s->p_s[r * kKeyTile + j] * s->v_s[j * D + c];
+      if constexpr (kAccShared) {
+        acc_s[e] = a;
+      } else {
         acc[k] = a;
       }
     }
     __syncthreads();
-  }
+  });
 
-  const int task = blockIdx.z, split = blockIdx.x;
+  FinishSoftmax(p, w, m, l, s->max_s, s->sum_s, s->rescale_s);
 #pragma unroll
-  for (int k = 0; k < kAccPerThread; ++k) {
+  for (int k = 0; k < kAcc; ++k) {
     const int e = threadIdx.x + k * kThreads;
-    if (e < w.nrows * d) {
-      const int r = e / d, c = e % d;
-      hd::SoftmaxState st;
-      st.max = max_s[r];
-      st.sum = sum_s[r];
-      p.partial_out[PartialRow(p, task, split, w.row0 + r) * d + c] = acc[k] * hd::SoftmaxOutScale(st);
+    const int r = e / D, c = e % D;
+    if (r < w.nrows) {
+      p.partial_out[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + r) * D + c] =
+          (kAccShared ? acc_s[e] : acc[k]) * s->rescale_s[r];
     }
-  }
-  if (threadIdx.x < w.nrows) {
-    hd::SoftmaxState st;
-    st.max = max_s[threadIdx.x];
-    st.sum = sum_s[threadIdx.x];
-    p.partial_lse[PartialRow(p, task, split, w.row0 + threadIdx.x)] = hd::SoftmaxLse(st);
   }
 }
 
@@ -294,24 +587,26 @@ __device__ __forceinline__ uint32_t Pack(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) |
          (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
+__device__ __forceinline__ __half2 ClampHalf2(__half2 x) {
+  const __half2 lim = __float2half2_rn(hd::kHalfMax);
+  return __hmin2(__hmax2(x, __hneg2(lim)), lim);
+}
 
-// Channels c..c+3 of page row `row` (hd::QuadChannel) as four fp16
+// Channels c..c+3 of a staged page row (hd::QuadChannel) as four fp16
 // values. Each code goes into the mantissa of 1024.0 (0x6400 | code):
 // byte_perm builds two such half2 from four code bytes, HSUB2 takes 1024
-// off (exactly), HFMA2 applies scale and zero.
-__device__ __forceinline__ void DequantQuad(const PageLayout& L, const SideLayout& S,
-                                            const uint8_t* page, int row, int m, int quad,
-                                            __half2* out) {
-  const int d = L.head_dim;
-  const int c = hd::QuadChannel(d, S.bits, m, quad);
-  const uint32_t codes = hd::QuadCodes(PageLayout::CodeRow(page, S, row), S.bits, m, quad);
+// off (exactly), HFMA2 applies scale and zero; the result is clamped to
+// fp16's finite range.
+__device__ __forceinline__ void DequantQuad(const SideLayout& S, const uint8_t* page,
+                                            const uint8_t* code_row, int m, int quad,
+                                            const hd::QuadParams& at, __half2* out) {
+  const uint32_t codes = hd::QuadCodes(code_row, S.bits, m, quad);
   constexpr uint32_t kMagicBytes = 0x01010101u * (hd::kHalfMagic1024 >> 8);  // 0x64 in each byte.
   const uint32_t lo_bits = __byte_perm(codes, kMagicBytes, 0x5140);
   const uint32_t hi_bits = __byte_perm(codes, kMagicBytes, 0x5342);
   const __half2 bias = __float2half2_rn(1024.0f);
   const __half2 lo = __hsub2(*reinterpret_cast<const __half2*>(&lo_bits), bias);
   const __half2 hi = __hsub2(*reinterpret_cast<const __half2*>(&hi_bits), bias);
-  const hd::QuadParams at = hd::QuadParamsAt(L, S, row, c);
   const __half* scale = reinterpret_cast<const __half*>(page + at.scale);
   const __half* zero = reinterpret_cast<const __half*>(page + at.zero);
   __half2 scale_lo, scale_hi, zero_lo, zero_hi;
@@ -324,154 +619,148 @@ __device__ __forceinline__ void DequantQuad(const PageLayout& L, const SideLayou
     scale_lo = scale_hi = __half2half2(*scale);
     zero_lo = zero_hi = __half2half2(*zero);
   }
-  out[0] = __hfma2(lo, scale_lo, zero_lo);
-  out[1] = __hfma2(hi, scale_hi, zero_hi);
+  out[0] = ClampHalf2(__hfma2(lo, scale_lo, zero_lo));
+  out[1] = ClampHalf2(__hfma2(hi, scale_hi, zero_hi));
 }
 
-// Tile keys [t0, t0 + n) of one side as fp16 rows (stride d + kHalfPad);
-// rows n..kKeyTile are zeroed so that a zero weight never meets a stale NaN.
-__device__ void LoadTileHalf(const DeviceStreamView& v, Side side, int t0, int n, __half* dst) {
-  const PageLayout& L = v.layout;
-  const SideLayout& S = L.side(side);
-  const int d = L.head_dim;
-  const int stride = d + kHalfPad;
-  const bool fast = hd::QuadDequantTakes(L, S, hd::ExtrasOf(v, side));
-  const int quads = d / 4;
-  for (int e = threadIdx.x; e < kKeyTile * quads; e += blockDim.x) {
+// Tile rows [0, n) of one side as fp16 rows (stride D + kHalfPad); rows
+// n..kKeyTile are zeroed so that a zero weight never meets a stale NaN.
+template <int D>
+__device__ void LoadTileHalf(const DeviceStreamView& v, const SideLayout& S,
+                             const hd::SideExtras& extras, const SideTables<D>& tab,
+                             SideConsts k, const hd::RowParams* rp, const uint8_t* page,
+                             int row0, Side side, int t0, int n, __half* dst) {
+  constexpr int stride = D + kHalfPad;
+  constexpr int quads = D / 4;
+  const bool fast = page != nullptr && hd::QuadDequantTakes(v.layout, S, extras);
+  for (int e = threadIdx.x; e < kKeyTile * quads; e += kThreads) {
     const int j = e / quads, qi = e % quads;
-    const int t = t0 + j;
     __half2* out = reinterpret_cast<__half2*>(dst + j * stride + 4 * qi);
     if (j >= n) {
       out[0] = out[1] = __float2half2_rn(0.0f);
       continue;
     }
-    const bool in_pages = t >= v.sink_tokens && t < v.sink_tokens + v.quantized_tokens;
-    if (in_pages && fast) {
-      const int q = t - v.page_base;
-      int m, quad;
-      hd::QuadOf(d, S.bits, qi, &m, &quad);
-      // Quad qi's channels are not 4 * qi: store them where they belong.
+    if (fast) {
+      // Quad qi's plane and word (hd::QuadOf, by constants), and its
+      // channels, which are not 4 * qi: store them where they belong.
+      const int plane_quads = S.bits == 4 ? D / 8 : D / 16;
+      const int m = S.bits == 4 ? qi / (D / 8) : qi / (D / 16);
+      const int quad = qi - m * plane_quads;
+      const int c = m * (D * S.bits / 8) + 4 * quad;
+      const hd::QuadParams at = hd::QuadParamsFrom(S, rp[j], c, tab.group[c], k.n);
       __half2 vals[2];
-      DequantQuad(L, S, v.pages[q / L.page_tokens], q % L.page_tokens, m, quad, vals);
-      __half2* at = reinterpret_cast<__half2*>(dst + j * stride + hd::QuadChannel(d, S.bits, m, quad));
-      at[0] = vals[0];
-      at[1] = vals[1];
+      DequantQuad(S, page, PageLayout::CodeRow(page, S, row0 + j), m, quad, at, vals);
+      __half2* to = reinterpret_cast<__half2*>(dst + j * stride + c);
+      to[0] = vals[0];
+      to[1] = vals[1];
       continue;
     }
     const int c = 4 * qi;
-    out[0] = __floats2half2_rn(ElementAt(v, side, t, c), ElementAt(v, side, t, c + 1));
-    out[1] = __floats2half2_rn(ElementAt(v, side, t, c + 2), ElementAt(v, side, t, c + 3));
+    float x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[i] = hd::ClampToHalfRange(
+          TileElement<D>(v, S, extras, tab, k, rp, page, row0, side, t0 + j, j, c + i));
+    }
+    out[0] = __floats2half2_rn(x[0], x[1]);
+    out[1] = __floats2half2_rn(x[2], x[3]);
   }
 }
 
-__global__ void __launch_bounds__(kThreads) SplitKernelMma(LaunchParams p) {
+template <int D>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernelMma(LaunchParams p) {
   const DeviceAttentionTask& t = p.tasks[blockIdx.z];
   BlockWork w;
-  if (!BlockWorkOf(p, t, &w)) return;
+  if (!BlockWorkOf(p, t, &w) || !PagesFit(p, t, w, D)) return;
   const DeviceStreamView& v = t.stream;
-  const int d = p.head_dim;
-  const int hs = d + kHalfPad;
+  const PageLayout& L = v.layout;
+  constexpr int hs = MmaSmem<D>::kHalfStride;
+  constexpr int ps = MmaSmem<D>::kProbStride;
+  constexpr int kTiles = D / (8 * kWarps);  // n8 output tiles per warp.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;  // The MMA fragments' row group and column pair.
 
   extern __shared__ __align__(16) unsigned char smem[];
-  double* inv_freq = reinterpret_cast<double*>(smem);
-  float* q_f = reinterpret_cast<float*>(inv_freq + kMaxHeadDim / 2);  // [16][d] fp32 staging.
-  float* p_s = q_f + kRowTile * d;
-  float* max_s = p_s + kRowTile * kKeyTile;
-  float* sum_s = max_s + kRowTile;
-  float* rescale_s = sum_s + kRowTile;
-  int* visible_s = reinterpret_cast<int*>(rescale_s + kRowTile);
-  __half* q_h = reinterpret_cast<__half*>(visible_s + kRowTile);
-  __half* k_h = q_h + kRowTile * hs;
-  __half* v_h = k_h + kKeyTile * hs;
-  __half* p_h = v_h + kKeyTile * hs;  // [16][kKeyTile + kHalfPad]
-  constexpr int ps = kKeyTile + kHalfPad;
+  uint8_t* buffers = smem;
+  auto* s = reinterpret_cast<MmaSmem<D>*>(smem + static_cast<size_t>(p.page_buffers) * p.page_buffer);
+  Prepare<D>(p, t, w, s);
+  const SideConsts kc = ConstsOf(L, L.key), vc = ConstsOf(L, L.value);
 
-  LoadInvFreq(v.rope, inv_freq);
-  if (threadIdx.x < kRowTile) {
-    max_s[threadIdx.x] = hd::NegInf();
-    sum_s[threadIdx.x] = 0.0f;
-    visible_s[threadIdx.x] =
-        threadIdx.x < w.nrows ? VisibleEnd(t, p.group_size, w.row0 + threadIdx.x) : w.s0;
-  }
-  LoadQueries(t, p.group_size, w.row0, w.nrows, q_f);
-  for (int e = threadIdx.x; e < kRowTile * d; e += blockDim.x) {
-    const int r = e / d, c = e % d;
-    q_h[r * hs + c] = __float2half_rn(r < w.nrows ? q_f[e] : 0.0f);
-  }
-
-  // Output accumulators: warp w owns channels [w * d / 4, (w + 1) * d / 4),
-  // d / 32 n8 tiles of 4 floats per lane (rows g and g + 8).
-  constexpr int kMaxTiles = kMaxHeadDim / (8 * kWarps);
-  const int tiles = d / (8 * kWarps);
-  float o[kMaxTiles][4];
+  // Queries to fp16, each row scaled into fp16's range (hd::HalfQueryScale)
+  // and its scores scaled back: a warp per kRowsPerWarp rows.
 #pragma unroll
-  for (int i = 0; i < kMaxTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    const int r = warp * kRowsPerWarp + rr;
+    float max_abs = 0.0f;
+    for (int c = lane; c < D; c += 32) max_abs = hd::Max(max_abs, fabsf(s->q_f[r * D + c]));
+    const float qs = hd::HalfQueryScale(WarpMax(max_abs));
+    for (int c = lane; c < D; c += 32) s->q_h[r * hs + c] = __float2half_rn(s->q_f[r * D + c] * qs);
+    if (lane == 0) s->score_scale_s[r] = p.softmax_scale * hd::HalfQueryUnscale(qs);
+  }
+  __syncthreads();
 
-  for (int t0 = w.s0; t0 < w.kv_end; t0 += kKeyTile) {
-    const int n = min(kKeyTile, w.kv_end - t0);
-    LoadTileHalf(v, Side::kKey, t0, n, k_h);
-    LoadTileHalf(v, Side::kValue, t0, n, v_h);
-    __syncthreads();
-    ForEachOutlier(v, Side::kKey, t0, n,
-                   [&](int j, int c, float x) { k_h[j * hs + c] = __float2half_rn(x); });
-    ForEachOutlier(v, Side::kValue, t0, n,
-                   [&](int j, int c, float x) { v_h[j * hs + c] = __float2half_rn(x); });
-    __syncthreads();
-    if (v.rope.rotary_dim > 0) {
-      const int pairs = v.rope.rotary_dim / 2;
-      for (int e = threadIdx.x; e < n * pairs; e += blockDim.x) {
-        const int j = e / pairs, i = e % pairs;
-        float c, s, r0, r1;
-        hd::RopeCosSin(v.rope, inv_freq[i], t0 + j, &c, &s);
-        __half* x = k_h + j * hs;
-        const int a = hd::RopeFirst(v.rope, i), b = hd::RopeSecond(v.rope, i);
-        hd::RotatePair(__half2float(x[a]), __half2float(x[b]), c, s, &r0, &r1);
-        x[a] = __float2half_rn(r0);
-        x[b] = __float2half_rn(r1);
-      }
+  float m[kRowsPerWarp], l[kRowsPerWarp];
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    m[rr] = hd::NegInf();
+    l[rr] = 0.0f;
+  }
+  // Output accumulators: warp w owns channels [w * D / 4, (w + 1) * D / 4),
+  // kTiles n8 tiles of 4 floats per lane (rows g and g + 8).
+  float o[kTiles][4];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+  WalkKeys(p, v, w, buffers, [&](int t0, int n, const uint8_t* page, int row0) {
+    if (page != nullptr) {
+      FillRowParams(L, row0, n, s->key_rows, s->value_rows);
       __syncthreads();
     }
+    LoadTileHalf<D>(v, L.key, v.key_extras, s->key_tab, kc, s->key_rows, page, row0, Side::kKey,
+                    t0, n, s->k_h);
+    LoadTileHalf<D>(v, L.value, v.value_extras, s->value_tab, vc, s->value_rows, page, row0,
+                    Side::kValue, t0, n, s->v_h);
+    __syncthreads();
+    if (L.outliers_per_block > 0 && page != nullptr) {
+      ForEachOutlier<D>(L, L.key, page, s->key_rows, row0, n, [&](int j, int c, float x) {
+        s->k_h[j * hs + c] = __float2half_rn(x);
+      });
+      ForEachOutlier<D>(L, L.value, page, s->value_rows, row0, n, [&](int j, int c, float x) {
+        s->v_h[j * hs + c] = __float2half_rn(x);
+      });
+      __syncthreads();
+    }
+    RopeTile(v.rope, s->inv_freq, t0, n, s->k_h, hs);
     // S = Q K^T: warp w computes keys [8w, 8w + 8) for all 16 rows.
     {
-      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const __half* krow = k_h + (8 * warp + g) * hs;
-      for (int k0 = 0; k0 < d; k0 += 16) {
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const __half* krow = s->k_h + (8 * warp + g) * hs;
+#pragma unroll
+      for (int k0 = 0; k0 < D; k0 += 16) {
         uint32_t a[4], b[2];
-        a[0] = Load32(q_h + g * hs + k0 + 2 * tq);
-        a[1] = Load32(q_h + (g + 8) * hs + k0 + 2 * tq);
-        a[2] = Load32(q_h + g * hs + k0 + 2 * tq + 8);
-        a[3] = Load32(q_h + (g + 8) * hs + k0 + 2 * tq + 8);
+        a[0] = Load32(s->q_h + g * hs + k0 + 2 * tq);
+        a[1] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq);
+        a[2] = Load32(s->q_h + g * hs + k0 + 2 * tq + 8);
+        a[3] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq + 8);
         b[0] = Load32(krow + k0 + 2 * tq);
         b[1] = Load32(krow + k0 + 2 * tq + 8);
-        Mma16816(s, a, b);
+        Mma16816(sc, a, b);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int r = g + (i / 2) * 8;
         const int j = 8 * warp + 2 * tq + (i % 2);
-        const bool seen = r < w.nrows && j < n && t0 + j < visible_s[r];
-        p_s[r * kKeyTile + j] = seen ? s[i] * p.softmax_scale : hd::NegInf();
+        const bool seen = r < w.nrows && j < n && t0 + j < s->visible_s[r];
+        s->p_s[r * kKeyTile + j] = seen ? sc[i] * s->score_scale_s[r] : hd::NegInf();
       }
     }
     __syncthreads();
-    if (threadIdx.x < kRowTile) {
-      const int r = threadIdx.x;
-      hd::SoftmaxState st;
-      st.max = max_s[r];
-      st.sum = sum_s[r];
-      float* row = p_s + r * kKeyTile;
-      rescale_s[r] = hd::SoftmaxPushTile(&st, row, kKeyTile, row);
-      max_s[r] = st.max;
-      sum_s[r] = st.sum;
-      for (int j = 0; j < kKeyTile; ++j) p_h[r * ps + j] = __float2half_rn(row[j]);
-    }
+    SoftmaxTile(s->p_s, s->rescale_s, m, l, s->p_h, ps);
     __syncthreads();
     // O = O * rescale + P V: warp w's channel tiles, k over the 32 keys.
-    const float rescale_lo = rescale_s[g], rescale_hi = rescale_s[g + 8];
+    const float rescale_lo = s->rescale_s[g], rescale_hi = s->rescale_s[g + 8];
 #pragma unroll
-    for (int i = 0; i < kMaxTiles; ++i) {
+    for (int i = 0; i < kTiles; ++i) {
       o[i][0] *= rescale_lo;
       o[i][1] *= rescale_lo;
       o[i][2] *= rescale_hi;
@@ -480,105 +769,180 @@ __global__ void __launch_bounds__(kThreads) SplitKernelMma(LaunchParams p) {
 #pragma unroll
     for (int k0 = 0; k0 < kKeyTile; k0 += 16) {
       uint32_t a[4];
-      a[0] = Load32(p_h + g * ps + k0 + 2 * tq);
-      a[1] = Load32(p_h + (g + 8) * ps + k0 + 2 * tq);
-      a[2] = Load32(p_h + g * ps + k0 + 2 * tq + 8);
-      a[3] = Load32(p_h + (g + 8) * ps + k0 + 2 * tq + 8);
+      a[0] = Load32(s->p_h + g * ps + k0 + 2 * tq);
+      a[1] = Load32(s->p_h + (g + 8) * ps + k0 + 2 * tq);
+      a[2] = Load32(s->p_h + g * ps + k0 + 2 * tq + 8);
+      a[3] = Load32(s->p_h + (g + 8) * ps + k0 + 2 * tq + 8);
 #pragma unroll
-      for (int i = 0; i < kMaxTiles; ++i) {
-        if (i < tiles) {
-          const int col = warp * (d / kWarps) + 8 * i + g;
-          const __half* vk = v_h + (k0 + 2 * tq) * hs + col;
-          uint32_t b[2];
-          b[0] = Pack(vk[0], vk[hs]);
-          b[1] = Pack(vk[8 * hs], vk[9 * hs]);
-          Mma16816(o[i], a, b);
-        }
+      for (int i = 0; i < kTiles; ++i) {
+        const int col = warp * (D / kWarps) + 8 * i + g;
+        const __half* vk = s->v_h + (k0 + 2 * tq) * hs + col;
+        uint32_t b[2];
+        b[0] = Pack(vk[0], vk[hs]);
+        b[1] = Pack(vk[8 * hs], vk[9 * hs]);
+        Mma16816(o[i], a, b);
       }
     }
     __syncthreads();
-  }
+  });
 
-  const int task = blockIdx.z, split = blockIdx.x;
+  FinishSoftmax(p, w, m, l, s->max_s, s->sum_s, s->rescale_s);
 #pragma unroll
-  for (int i = 0; i < kMaxTiles; ++i) {
+  for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = g + (e / 2) * 8;
-      if (i >= tiles || r >= w.nrows) continue;
-      const int c = warp * (d / kWarps) + 8 * i + 2 * tq + (e % 2);
-      hd::SoftmaxState st;
-      st.max = max_s[r];
-      st.sum = sum_s[r];
-      p.partial_out[PartialRow(p, task, split, w.row0 + r) * d + c] = o[i][e] * hd::SoftmaxOutScale(st);
+      if (r >= w.nrows) continue;
+      const int c = warp * (D / kWarps) + 8 * i + 2 * tq + (e % 2);
+      p.partial_out[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + r) * D + c] =
+          o[i][e] * s->rescale_s[r];
     }
-  }
-  if (threadIdx.x < w.nrows) {
-    hd::SoftmaxState st;
-    st.max = max_s[threadIdx.x];
-    st.sum = sum_s[threadIdx.x];
-    p.partial_lse[PartialRow(p, task, split, w.row0 + threadIdx.x)] = hd::SoftmaxLse(st);
   }
 }
 
 // ---------------------------------------------------------------------------
 // Merge kernel: grid (max_rows, tasks), one row per block.
 // ---------------------------------------------------------------------------
+// The block-wide max / sum of one value per thread (every thread gets it).
+template <bool kMax>
+__device__ float BlockReduce(float x, float* scratch) {
+  x = kMax ? WarpMax(x) : WarpSum(x);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int i = 1; i < kWarps; ++i) r = kMax ? hd::Max(r, scratch[i]) : r + scratch[i];
+  __syncthreads();
+  return r;
+}
+
+template <int D>
 __global__ void __launch_bounds__(kThreads) MergeKernel(LaunchParams p) {
   const DeviceAttentionTask& t = p.tasks[blockIdx.y];
   const int row = blockIdx.x;
   if (row >= t.num_queries * p.group_size) return;
-  const int d = p.head_dim;
-  const int splits = (t.key_end - t.key_begin + kSplit - 1) / kSplit;
-  __shared__ float out_s[kMaxHeadDim];
-  float lse = hd::NegInf();
-  for (int c = threadIdx.x; c < d; c += blockDim.x) out_s[c] = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const size_t at = PartialRow(p, blockIdx.y, s, row);
-    const hd::MergeWeights mw = hd::MergeWeightsOf(lse, p.partial_lse[at]);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-      out_s[c] = hd::MergeChannel(mw, out_s[c], p.partial_out[at * d + c]);
+  const int splits = hd::SplitCount(TaskSplitOrigin(t), t.key_begin, t.key_end, p.split_tokens);
+  __shared__ float weight_s[kMaxSplits];
+  __shared__ __align__(16) float out_s[D];
+  __shared__ float scratch[kWarps];
+  float m = hd::NegInf();
+  for (int s = threadIdx.x; s < splits; s += kThreads) {
+    m = hd::Max(m, p.partial_lse[PartialRow(p, blockIdx.y, s, row)]);
+  }
+  m = BlockReduce<true>(m, scratch);
+  float sum = 0.0f;
+  for (int s = threadIdx.x; s < splits; s += kThreads) {
+    const float wgt = hd::MergeWeight(p.partial_lse[PartialRow(p, blockIdx.y, s, row)], m);
+    weight_s[s] = wgt;
+    sum += wgt;
+  }
+  sum = BlockReduce<false>(sum, scratch);  // Its barrier publishes weight_s.
+  const int i = row / p.group_size, h = row % p.group_size;
+  if (threadIdx.x == 0) t.lse[static_cast<size_t>(i) * t.lse_stride + h] = hd::MergedLse(m, sum);
+  // A thread per four channels, the splits in order (hd::MergeSplits).
+  for (int c4 = threadIdx.x; c4 < D / 4; c4 += kThreads) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < splits; ++s) {
+      const float wgt = weight_s[s];
+      const float4 x = *reinterpret_cast<const float4*>(
+          p.partial_out + PartialRow(p, blockIdx.y, s, row) * D + 4 * c4);
+      acc.x += wgt * x.x;
+      acc.y += wgt * x.y;
+      acc.z += wgt * x.z;
+      acc.w += wgt * x.w;
     }
-    lse = mw.lse;
+    out_s[4 * c4 + 0] = hd::MergedChannel(acc.x, sum);
+    out_s[4 * c4 + 1] = hd::MergedChannel(acc.y, sum);
+    out_s[4 * c4 + 2] = hd::MergedChannel(acc.z, sum);
+    out_s[4 * c4 + 3] = hd::MergedChannel(acc.w, sum);
   }
   __syncthreads();
   if (const float* signs = t.stream.rotation_signs) {
-    const int half = d / 2;
-    for (int len = 1; len < d; len <<= 1) {
-      for (int k = threadIdx.x; k < half; k += blockDim.x) {
-        const int j = (k / len) * 2 * len + (k % len);
+    constexpr int kHalf = D / 2;
+    for (int lg = 0; (1 << lg) < D; ++lg) {
+      const int len = 1 << lg;
+      for (int k = threadIdx.x; k < kHalf; k += kThreads) {
+        const int j = ((k >> lg) << (lg + 1)) + (k & (len - 1));
         const float a = out_s[j], b = out_s[j + len];
         out_s[j] = a + b;
         out_s[j + len] = a - b;
       }
       __syncthreads();
     }
-    const float norm = hd::HadamardNorm(d);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) out_s[c] *= norm * signs[c];
+    const float norm = hd::HadamardNorm(D);
+    for (int c = threadIdx.x; c < D; c += kThreads) out_s[c] *= norm * signs[c];
     __syncthreads();
   }
-  const int i = row / p.group_size, h = row % p.group_size;
-  float* out = t.out + static_cast<size_t>(i) * t.out_stride + static_cast<size_t>(h) * d;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = out_s[c];
-  if (threadIdx.x == 0) t.lse[static_cast<size_t>(i) * t.lse_stride + h] = lse;
+  float* out = t.out + static_cast<size_t>(i) * t.out_stride + static_cast<size_t>(h) * D;
+  for (int c = threadIdx.x; c < D; c += kThreads) out[c] = out_s[c];
 }
 
-size_t FloatKernelSmem(int d) {
-  return sizeof(double) * (kMaxHeadDim / 2) +
-         sizeof(float) * (kRowTile * d + kKeyTile * (d + 1) + kKeyTile * d +
-                          kRowTile * kKeyTile + 3 * kRowTile) +
-         sizeof(int) * kRowTile;
+// ---------------------------------------------------------------------------
+// Launch.
+// ---------------------------------------------------------------------------
+constexpr int kHeadDims[] = {64, 96, 128, 256};
+
+std::string SupportedHeadDims() {
+  std::string s;
+  for (int d : kHeadDims) absl::StrAppend(&s, s.empty() ? "" : ", ", d);
+  return s;
 }
 
-size_t MmaKernelSmem(int d) {
-  return sizeof(double) * (kMaxHeadDim / 2) +
-         sizeof(float) * (kRowTile * d + kRowTile * kKeyTile + 3 * kRowTile) +
-         sizeof(int) * kRowTile +
-         sizeof(__half) * ((kRowTile + 2 * kKeyTile) * (d + kHalfPad) +
-                           kRowTile * (kKeyTile + kHalfPad));
+int PageBuffer(const DecodeAttentionShape& shape) {
+  return static_cast<int>(AlignVector(static_cast<size_t>(std::max(shape.max_page_bytes, 0))));
+}
+
+// The device's opt-in shared memory per block, queried once.
+absl::StatusOr<int> MaxSharedMemory() {
+  static std::atomic<int> cached{0};
+  if (int v = cached.load(std::memory_order_relaxed); v > 0) return v;
+  int device = 0, bytes = 0;
+  KVQ_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  KVQ_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+      "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  cached.store(bytes, std::memory_order_relaxed);
+  return bytes;
+}
+
+template <int D>
+size_t KernelSmem(bool tensor_cores, int page_buffer, int buffers) {
+  return static_cast<size_t>(page_buffer) * buffers +
+         (tensor_cores ? sizeof(MmaSmem<D>) : sizeof(FloatSmem<D>));
+}
+
+template <int D>
+absl::Status LaunchFor(const DecodeAttentionShape& shape, LaunchParams p, cudaStream_t stream) {
+  KVQ_ASSIGN_OR_RETURN(const int max_smem, MaxSharedMemory());
+  p.page_buffers = 2;
+  size_t smem = KernelSmem<D>(shape.tensor_cores, p.page_buffer, 2);
+  if (smem > static_cast<size_t>(max_smem)) {
+    p.page_buffers = 1;
+    smem = KernelSmem<D>(shape.tensor_cores, p.page_buffer, 1);
+  }
+  if (smem > static_cast<size_t>(max_smem)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_page_bytes ", shape.max_page_bytes, " needs ", smem,
+        " bytes of shared memory per block with head_dim ", D, "; the device has ", max_smem));
+  }
+  const int row_tiles = (shape.max_rows + kRowTile - 1) / kRowTile;
+  const dim3 grid(p.splits, row_tiles, shape.num_tasks);
+  auto kernel = shape.tensor_cores ? SplitKernelMma<D> : SplitKernelFloat<D>;
+  KVQ_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(smem)),
+                           "decode attention: shared memory");
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  KVQ_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "decode attention split kernel launch");
+  MergeKernel<D><<<dim3(shape.max_rows, shape.num_tasks), kThreads, 0, stream>>>(p);
+  KVQ_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "decode attention merge kernel launch");
+  return absl::OkStatus();
 }
 
 }  // namespace
+
+bool DecodeAttentionTakesHeadDim(int head_dim) {
+  return std::find(std::begin(kHeadDims), std::end(kHeadDims), head_dim) != std::end(kHeadDims);
+}
 
 bool UseTensorCores(const PageLayout& layout) {
   auto packed_small = [](const SideLayout& s) {
@@ -589,13 +953,29 @@ bool UseTensorCores(const PageLayout& layout) {
          layout.head_dim <= kMaxHeadDim;
 }
 
+int DecodeAttentionSplitTokens(const DecodeAttentionShape& shape) {
+  const int pt = std::max(shape.max_page_tokens, 1);
+  const int max_keys = std::max(shape.max_keys, 1);
+  const long long blocks = static_cast<long long>(std::max(shape.num_tasks, 1)) *
+                           ((std::max(shape.max_rows, 1) + kRowTile - 1) / kRowTile);
+  // Two blocks per SM: one streaming while the other computes.
+  const long long target = 2LL * std::max(shape.sm_count, 1);
+  const int wanted = blocks >= target ? 1 : static_cast<int>((target + blocks - 1) / blocks);
+  int tokens = std::max((max_keys + wanted - 1) / wanted, kMinSplitTokens);
+  // At most kMaxSplits splits, the origin's partial page included.
+  tokens = std::max(tokens, (max_keys + pt - 1 + kMaxSplits - 1) / kMaxSplits);
+  return hd::SplitTokensAtLeast(tokens, pt);
+}
+
 int DecodeAttentionSplits(const DecodeAttentionShape& shape) {
-  return std::max(1, (shape.max_keys + kSplit - 1) / kSplit);
+  const int pt = std::max(shape.max_page_tokens, 1);
+  const int st = DecodeAttentionSplitTokens(shape);
+  return std::max(1, (std::max(shape.max_keys, 0) + pt - 1 + st - 1) / st);
 }
 
 size_t DecodeAttentionWorkspaceBytes(const DecodeAttentionShape& shape) {
-  const size_t rows = static_cast<size_t>(shape.num_tasks) * DecodeAttentionSplits(shape) *
-                      std::max(shape.max_rows, 0);
+  const size_t rows = static_cast<size_t>(std::max(shape.num_tasks, 0)) *
+                      DecodeAttentionSplits(shape) * std::max(shape.max_rows, 0);
   return rows * (static_cast<size_t>(std::max(shape.head_dim, 0)) + 1) * sizeof(float);
 }
 
@@ -607,13 +987,13 @@ absl::Status LaunchDecodeAttention(const DeviceAttentionTask* tasks,
     return absl::InvalidArgumentError(
         absl::StrCat("num_tasks must be in [0, 65535], got ", shape.num_tasks));
   }
-  if (shape.head_dim < 8 || shape.head_dim > kMaxHeadDim || shape.head_dim % 8 != 0) {
+  if (!DecodeAttentionTakesHeadDim(shape.head_dim)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "head_dim must be a multiple of 8 in [8, ", kMaxHeadDim, "], got ", shape.head_dim));
+        "head_dim must be one of ", SupportedHeadDims(), ", got ", shape.head_dim));
   }
-  if (shape.group_size < 1 || shape.group_size > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("group_size must be in [1, 64], got ", shape.group_size));
+  if (shape.group_size < 1 || shape.group_size > kMaxAttentionGroup) {
+    return absl::InvalidArgumentError(absl::StrCat("group_size must be in [1, ",
+                                                   kMaxAttentionGroup, "], got ", shape.group_size));
   }
   if (!(shape.softmax_scale > 0.0f)) {
     return absl::InvalidArgumentError(
@@ -623,48 +1003,48 @@ absl::Status LaunchDecodeAttention(const DeviceAttentionTask* tasks,
     return absl::InvalidArgumentError(absl::StrCat("max_rows must be >= 1 (got ", shape.max_rows,
                                                    ") and max_keys >= 0 (got ", shape.max_keys, ")"));
   }
-  if (shape.tensor_cores && (shape.head_dim % (8 * kWarps) != 0)) {
+  if (shape.max_rows > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_rows must be at most 65535, got ", shape.max_rows));
+  }
+  if (shape.sm_count < 1 || shape.max_page_tokens < 1 || shape.max_page_bytes < 0 ||
+      shape.max_page_bytes % kVector != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensor_cores needs head_dim a multiple of ", 8 * kWarps, ", got ", shape.head_dim));
+        "sm_count (", shape.sm_count, ") and max_page_tokens (", shape.max_page_tokens,
+        ") must be >= 1 and max_page_bytes (", shape.max_page_bytes,
+        ") a non-negative multiple of ", kVector));
   }
   const size_t need = DecodeAttentionWorkspaceBytes(shape);
   if (workspace == nullptr || workspace_bytes < need) {
     return absl::InvalidArgumentError(absl::StrCat("workspace must hold ", need,
                                                    " bytes, got ", workspace_bytes));
   }
-  const int splits = DecodeAttentionSplits(shape);
-  const int row_tiles = (shape.max_rows + kRowTile - 1) / kRowTile;
+  if (reinterpret_cast<uintptr_t>(workspace) % kVector != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace must be ", kVector, "-byte aligned (the merge reads float4)"));
+  }
   LaunchParams p;
   p.tasks = tasks;
-  p.head_dim = shape.head_dim;
   p.group_size = shape.group_size;
   p.softmax_scale = shape.softmax_scale;
-  p.splits = splits;
+  p.split_tokens = DecodeAttentionSplitTokens(shape);
+  p.splits = DecodeAttentionSplits(shape);
   p.max_rows = shape.max_rows;
+  p.page_buffer = PageBuffer(shape);
+  p.page_buffers = 2;
   p.partial_out = static_cast<float*>(workspace);
   p.partial_lse = p.partial_out +
-                  static_cast<size_t>(shape.num_tasks) * splits * shape.max_rows * shape.head_dim;
-
-  const dim3 grid(splits, row_tiles, shape.num_tasks);
-  if (shape.tensor_cores) {
-    const size_t smem = MmaKernelSmem(shape.head_dim);
-    KVQ_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(SplitKernelMma,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(smem)),
-                             "decode attention (tensor cores): shared memory");
-    SplitKernelMma<<<grid, kThreads, smem, stream>>>(p);
-  } else {
-    const size_t smem = FloatKernelSmem(shape.head_dim);
-    KVQ_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(SplitKernelFloat,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(smem)),
-                             "decode attention (fp32): shared memory");
-    SplitKernelFloat<<<grid, kThreads, smem, stream>>>(p);
+                  static_cast<size_t>(shape.num_tasks) * p.splits * shape.max_rows * shape.head_dim;
+  switch (shape.head_dim) {
+    case 64:
+      return LaunchFor<64>(shape, p, stream);
+    case 96:
+      return LaunchFor<96>(shape, p, stream);
+    case 128:
+      return LaunchFor<128>(shape, p, stream);
+    default:
+      return LaunchFor<256>(shape, p, stream);
   }
-  KVQ_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "decode attention split kernel launch");
-  MergeKernel<<<dim3(shape.max_rows, shape.num_tasks), kThreads, 0, stream>>>(p);
-  KVQ_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "decode attention merge kernel launch");
-  return absl::OkStatus();
 }
 
 }  // namespace kvq

@@ -2,9 +2,10 @@
 // quantized pages through a DeviceStreamView and dequantize inside the
 // attention loop, so no fp16 copy of the KV is ever written to global
 // memory. One launch covers a whole request's tasks (sequence x KV head);
-// each task's key range is split into hd::kAttentionSplitTokens chunks
-// (flash-decoding) whose partials a second kernel merges exactly.
-// docs/CUDA.md "Decode attention" has the design and the error contract.
+// each task's key range is split into chunks sized from the batch and the
+// SM count (flash-decoding) whose partials a second kernel merges.
+// docs/CUDA.md "Kernels" has the design, "Decode attention" the error
+// contract.
 #ifndef KVQ_KERNELS_CUDA_CUDA_ATTENTION_H_
 #define KVQ_KERNELS_CUDA_CUDA_ATTENTION_H_
 
@@ -44,16 +45,33 @@ struct DecodeAttentionShape {
   float softmax_scale = 0.0f;  // Resolved: > 0.
   int max_rows = 0;            // Largest num_queries * group_size of a task.
   int max_keys = 0;            // Largest key_end - key_begin of a task.
+  // Streaming multiprocessors of the device (cudaDevAttrMultiProcessorCount,
+  // DeviceInfo::multiprocessors): the splits are sized to fill them.
+  int sm_count = 0;
+  // Largest page_tokens and page_bytes of the tasks' layouts: splits start
+  // on page boundaries, and each block stages whole pages in shared memory.
+  int max_page_tokens = 1;
+  int max_page_bytes = 0;
   // Run QK^T and PV on tensor cores with fp16 operands (the GQA group as
   // MMA rows). Set for packed codes of 4 bits and below; UseTensorCores()
   // says when a layout may.
   bool tensor_cores = false;
 };
 
+// The kernels are compiled per head_dim: 64, 96, 128 and 256. GQA groups
+// of up to kMaxAttentionGroup query heads per KV head (the rows of a task
+// are tiled 16 at a time).
+inline constexpr int kMaxAttentionGroup = 64;
+bool DecodeAttentionTakesHeadDim(int head_dim);
+
 // Whether the tensor-core kernel takes this layout: both sides packed
 // codes of at most 4 bits, and a head_dim the warps' tiles divide.
 bool UseTensorCores(const PageLayout& layout);
 
+// Keys per split: enough splits that the launch has about two blocks per
+// SM (batch x row tiles x splits), at least 256 keys, a multiple of
+// max_page_tokens, and at most 1024 splits.
+int DecodeAttentionSplitTokens(const DecodeAttentionShape& shape);
 // Splits of the longest task: the grid's x extent.
 int DecodeAttentionSplits(const DecodeAttentionShape& shape);
 // Bytes of device workspace a launch of `shape` needs for its partials.

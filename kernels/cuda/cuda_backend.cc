@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <utility>
@@ -114,7 +115,21 @@ absl::Status CheckDevicePages(const KvStream& s) {
         "the cuda backend serves streams whose pages live in device memory (a DevicePagePool); "
         "this stream's pages are host memory");
   }
-  return absl::OkStatus();
+  // The kernels read pages in 16-byte loads (DevicePagePool slots start on
+  // kPageAlign); the layout must keep every section on that grid.
+  return s.layout().CheckVectorLoads();
+}
+
+// The device's SM count, queried once: the attention splits fill it.
+absl::StatusOr<int> MultiprocessorCount() {
+  static std::atomic<int> cached{0};
+  if (const int n = cached.load(std::memory_order_relaxed); n > 0) return n;
+  int device = 0, n = 0;
+  KVQ_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  KVQ_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+                           "cudaDeviceGetAttribute(MultiProcessorCount)");
+  cached.store(n, std::memory_order_relaxed);
+  return n;
 }
 
 // Copies `staging`'s data to the front of this thread's scratch, which
@@ -220,6 +235,7 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
   shape.group_size = group;
   shape.softmax_scale = SoftmaxScale(options, d);
   shape.tensor_cores = UseTensorCores(all[which.front()].stream->layout());
+  KVQ_ASSIGN_OR_RETURN(shape.sm_count, MultiprocessorCount());
   for (size_t i = 0; i < which.size(); ++i) {
     const AttentionTask& t = all[which[i]];
     const KvStream& s = *t.stream;
@@ -249,6 +265,8 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
     o.key_end = t.key_end == -1 ? s.num_tokens() : t.key_end;
     shape.max_rows = std::max(shape.max_rows, o.rows);
     shape.max_keys = std::max(shape.max_keys, o.key_end - t.key_begin);
+    shape.max_page_tokens = std::max(shape.max_page_tokens, s.layout().page_tokens);
+    shape.max_page_bytes = std::max(shape.max_page_bytes, static_cast<int>(s.layout().page_bytes));
   }
   // Outputs, then the workspace: reserved, not uploaded.
   size_t out_begin = 0, out_end = 0;
@@ -357,6 +375,18 @@ class CudaBackendImpl final : public KernelBackend {
   absl::Status Attend(absl::Span<const AttentionTask> tasks,
                       const AttentionOptions& options) const override {
     KVQ_RETURN_IF_ERROR(ValidateAttention(tasks, options));
+    for (const AttentionTask& t : tasks) {
+      if (!DecodeAttentionTakesHeadDim(t.stream->head_dim())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the cuda backend's attention takes head_dim 64, 96, 128 or 256; got ",
+            t.stream->head_dim()));
+      }
+    }
+    if (options.group_size > kMaxAttentionGroup) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the cuda backend's attention takes group_size up to ", kMaxAttentionGroup,
+                       "; got ", options.group_size));
+    }
     // One launch per head_dim and kernel kind (tensor cores or not).
     std::map<std::pair<int, bool>, std::vector<int>> launches;
     for (size_t i = 0; i < tasks.size(); ++i) {

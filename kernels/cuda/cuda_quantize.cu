@@ -26,15 +26,44 @@ constexpr int kDequantRows = 8;
 constexpr int kMaxUnitElements = 256 * kMaxHeadDim;
 constexpr int kMaxUnitGroups = 256;
 
+constexpr int kVector = 16;  // Bytes per LDG.128.
+// Quantization units up to this size are staged in shared memory with
+// 16-byte loads before the block's passes over them (ranges, outlier
+// scans, codes); larger ones are read in place.
+constexpr int kMaxStagedUnitBytes = 96 * 1024;
+
 template <class Job>
 struct JobBatch {
   DeviceQuantSide side;
   int count = 0;
+  int staged_unit_bytes = 0;  // QuantizePackedUnits: bytes staged per unit, or 0.
   Job jobs[kMaxJobsPerLaunch];
 };
 // Kernel parameters may take 32764 bytes (CUDA 12.1+, sm_70+).
 static_assert(sizeof(JobBatch<QuantizeJob>) <= 32000);
 static_assert(sizeof(JobBatch<DequantizeJob>) <= 32000);
+
+// 16 bytes of input rows as floats: 4 fp32 or 8 fp16 elements per load.
+template <class T>
+struct Vec {
+  static constexpr int kElems = kVector / sizeof(T);
+};
+template <class T>
+__device__ __forceinline__ void LoadVector(const T* src, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) out[i] = hd::ElementToFloat(elems[i]);
+}
+
+// Copies `bytes` (a multiple of 16, both ends 16-byte aligned) of global
+// memory that no kernel writes meanwhile (a job's rows, a page being read)
+// with the block's threads, one read-only 16-byte load each.
+__device__ __forceinline__ void CopyVectors(const void* src, int bytes, void* dst) {
+  const uint4* from = static_cast<const uint4*>(src);
+  uint4* to = static_cast<uint4*>(dst);
+  for (int i = threadIdx.x; i < bytes / kVector; i += blockDim.x) to[i] = __ldg(from + i);
+}
 
 __device__ __forceinline__ void StoreElement(float* out, float x) { *out = x; }
 __device__ __forceinline__ void StoreElement(uint16_t* out, float x) { *out = hd::FloatToHalf(x); }
@@ -53,13 +82,21 @@ __global__ void __launch_bounds__(kThreads)
     const T* x = static_cast<const T*>(job.rows) + static_cast<size_t>(r) * d;
     uint8_t* out = PageLayout::CodeRow(job.page, S, job.row0 + r);
     const float inv = S.format == CodeFormat::kFp8E4m3 ? hd::Div(1.0f, job.extras.fp8_scale) : 1.0f;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-      const float v = hd::ElementToFloat(x[c]);
-      if (S.format == CodeFormat::kFp8E4m3) {
-        out[c] = hd::FloatToFp8E4m3(hd::Mul(v, inv));
-      } else {
-        hd::StoreHalfBits(out + 2 * c,
-                          S.format == CodeFormat::kFp16 ? hd::FloatToHalf(v) : hd::FloatToBf16(v));
+    // A thread per 16 input bytes (rows are 16-byte aligned: the job's
+    // rows are, and head_dim is a multiple of 16).
+    constexpr int kElems = Vec<T>::kElems;
+    for (int c0 = threadIdx.x * kElems; c0 < d; c0 += blockDim.x * kElems) {
+      float v[kElems];
+      LoadVector(x + c0, v);
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {
+        const int c = c0 + i;
+        if (S.format == CodeFormat::kFp8E4m3) {
+          out[c] = hd::FloatToFp8E4m3(hd::Mul(v[i], inv));
+        } else {
+          hd::StoreHalfBits(out + 2 * c, S.format == CodeFormat::kFp16 ? hd::FloatToHalf(v[i])
+                                                                      : hd::FloatToBf16(v[i]));
+        }
       }
     }
   }
@@ -93,6 +130,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int prev_index;
   __shared__ hd::ZeroSteps8 zero_steps;
   __shared__ hd::ZeroSteps8 scale_step;
+  extern __shared__ __align__(16) unsigned char staged_unit[];
 
   const PageLayout& L = batch.side.layout;
   const SideLayout& S = L.side(batch.side.side);
@@ -108,6 +146,14 @@ __global__ void __launch_bounds__(kThreads)
     const T* x = static_cast<const T*>(job.rows) + static_cast<size_t>(blockIdx.x) * elements;
     const int row = job.row0 + blockIdx.x * g;
     uint8_t* page = job.page;
+    if (batch.staged_unit_bytes > 0) {
+      // Every pass below reads the unit again: from shared memory, after
+      // one 16-byte-load copy (the unit is 16-byte aligned: the rows are,
+      // and head_dim is a multiple of 16).
+      CopyVectors(x, batch.staged_unit_bytes, staged_unit);
+      __syncthreads();
+      x = reinterpret_cast<const T*>(staged_unit);
+    }
 
     if (k_out > 0) {
       for (int w = tid; w < (elements + 31) / 32; w += blockDim.x) outlier_bits[w] = 0;
@@ -140,6 +186,13 @@ __global__ void __launch_bounds__(kThreads)
         __syncthreads();
         if (tid == 0) {
           for (int w = 1; w < kWarps; ++w) KeepBetter(best_score, best, warp_score[w], warp_index[w]);
+          // No candidate left (only NaN scores remain): the lowest index not
+          // chosen yet, as hd::NextOutlierOrUnchosen; never index -1.
+          if (best < 0) {
+            best = hd::FirstUnchosen(hd::BitMask{outlier_bits}, elements);
+            best_score = hd::OutlierScore(hd::ElementToFloat(x[best]),
+                                          centers[hd::GroupOf(L, S, best / d, best % d)]);
+          }
           prev_score = best_score;
           prev_index = best;
           outlier_bits[best >> 5] |= 1u << (best & 31);
@@ -223,16 +276,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// kDequantRows rows per block: every element, then the chunk's outliers
-// by one thread in table order (a later entry wins, as in the reference),
-// then the rows out.
+// kDequantRows rows per block: the rows' codes staged in shared memory
+// with 16-byte loads (the aligned window around them, inside the page),
+// every element, then the chunk's outliers by one thread in table order (a
+// later entry wins, as in the reference), then the rows out.
+constexpr int kMaxCodeRowBytes = 2 * kMaxHeadDim;
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     DequantizeRowsKernel(const __grid_constant__ JobBatch<DequantizeJob> batch) {
   __shared__ float rows[kDequantRows * kMaxHeadDim];
+  __shared__ __align__(16) uint8_t codes[kDequantRows * kMaxCodeRowBytes + 2 * kVector];
   const PageLayout& L = batch.side.layout;
   const SideLayout& S = L.side(batch.side.side);
   const int d = L.head_dim;
+  const int rb = static_cast<int>(S.code_row_bytes);
   for (int j = blockIdx.y; j < batch.count; j += gridDim.y) {
     const DequantizeJob& job = batch.jobs[j];
     const int first = blockIdx.x * kDequantRows;
@@ -241,16 +298,41 @@ __global__ void __launch_bounds__(kThreads)
     const int row0 = job.row0 + first;
     hd::SideExtras extras = job.extras;
     if (!batch.side.nuq) extras.levels = nullptr;
-    for (int i = threadIdx.x; i < n * d; i += blockDim.x) {
-      rows[i] = hd::DequantElement(L, S, job.page, row0 + i / d, i % d, extras);
+    // The page starts 16-byte aligned and its size is a multiple of 16
+    // (PageLayout::CheckVectorLoads), so the window stays inside it.
+    const uint8_t* src = PageLayout::CodeRow(job.page, S, row0);
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(src) & ~uintptr_t{kVector - 1};
+    const uintptr_t hi =
+        (reinterpret_cast<uintptr_t>(src) + static_cast<uintptr_t>(n) * rb + kVector - 1) &
+        ~uintptr_t{kVector - 1};
+    CopyVectors(reinterpret_cast<const void*>(lo), static_cast<int>(hi - lo), codes);
+    __syncthreads();
+    const uint8_t* staged = codes + (reinterpret_cast<uintptr_t>(src) - lo);
+    for (int r = 0; r < n; ++r) {
+      const uint8_t* code_row = staged + r * rb;
+      const hd::RowParams rp = hd::RowParamsOf(L, S, row0 + r);
+      const int np = L.ParamsPerEntry(S);
+      for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float x;
+        if (hd::HasParams(S)) {
+          const hd::ScaleZero p = hd::ParamsFrom(S, job.page, rp, hd::GroupOfChannel(S, c), np,
+                                                 L.EntriesPerBlock(S) * np);
+          x = hd::DequantCode(S, code_row, c, hd::CodePosOf(d, S.bits, c), p, extras);
+        } else {
+          x = hd::DequantCode(S, code_row, c, hd::CodePos{}, hd::ScaleZero{}, extras);
+        }
+        rows[r * d + c] = x;
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) hd::ApplyOutliers(L, S, job.page, row0, n, rows);
     __syncthreads();
     const int stride = job.out_stride > 0 ? job.out_stride : d;
     T* out = static_cast<T*>(job.out) + static_cast<size_t>(first) * stride;
-    for (int i = threadIdx.x; i < n * d; i += blockDim.x) {
-      StoreElement(out + static_cast<size_t>(i / d) * stride + i % d, rows[i]);
+    for (int r = 0; r < n; ++r) {
+      for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        StoreElement(out + static_cast<size_t>(r) * stride + c, rows[r * d + c]);
+      }
     }
     __syncthreads();
   }
@@ -266,6 +348,10 @@ absl::Status CheckJob(const DeviceQuantSide& side, size_t i, const void* page, c
   const PageLayout& L = side.layout;
   const SideLayout& S = L.side(side.side);
   if (page == nullptr) return absl::InvalidArgumentError(absl::StrCat("job ", i, ": page is null"));
+  if (reinterpret_cast<uintptr_t>(page) % kVector != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job ", i, ": page must be ", kVector, "-byte aligned (the kernels load 16 bytes)"));
+  }
   if (rows == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("job ", i, ": ", rows_name, " is null"));
   }
@@ -307,20 +393,27 @@ absl::Status CheckSide(const DeviceQuantSide& side) {
 template <class Job, class Kernel>
 absl::Status LaunchBatches(const DeviceQuantSide& side, absl::Span<const Job> jobs,
                            int rows_per_unit, Kernel kernel, cudaStream_t stream,
-                           const char* what) {
+                           const char* what, int staged_unit_bytes = 0) {
+  if (staged_unit_bytes > 0) {
+    KVQ_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  staged_unit_bytes),
+                             "quantize: shared memory for a staged unit");
+  }
   for (size_t first = 0; first < jobs.size(); first += kMaxJobsPerLaunch) {
     const size_t count = std::min<size_t>(kMaxJobsPerLaunch, jobs.size() - first);
     // Static: 20 KB is too much for a caller's stack; launches copy it.
     thread_local JobBatch<Job> batch;
     batch.side = side;
     batch.count = static_cast<int>(count);
+    batch.staged_unit_bytes = staged_unit_bytes;
     int units = 0;
     for (size_t i = 0; i < count; ++i) {
       batch.jobs[i] = jobs[first + i];
       units = std::max(units, (jobs[first + i].n + rows_per_unit - 1) / rows_per_unit);
     }
     const dim3 grid(units, std::min<int>(static_cast<int>(count), 65535));
-    kernel<<<grid, kThreads, 0, stream>>>(batch);
+    kernel<<<grid, kThreads, staged_unit_bytes, stream>>>(batch);
     KVQ_CUDA_RETURN_IF_ERROR(cudaGetLastError(), what);
   }
   return absl::OkStatus();
@@ -338,6 +431,10 @@ absl::Status ValidateQuantizeJobs(const DeviceQuantSide& side,
     if (absl::Status st = CheckJob(side, i, job.page, job.rows, "rows", job.extras, job.row0, job.n);
         !st.ok()) {
       return st;
+    }
+    if (reinterpret_cast<uintptr_t>(job.rows) % kVector != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job ", i, ": rows must be ", kVector, "-byte aligned (the kernels load 16 bytes)"));
     }
     if (BlockQuantized(S) && (job.row0 % L.block_tokens != 0 || job.n % L.block_tokens != 0)) {
       return absl::InvalidArgumentError(absl::StrCat("job ", i, ": row0 ", job.row0, " and n ",
@@ -372,9 +469,11 @@ absl::Status LaunchQuantizeRows(const DeviceQuantSide& side, DeviceRowType input
   const SideLayout& S = side.layout.side(side.side);
   const bool f32 = input == DeviceRowType::kFloat32;
   if (BlockQuantized(S)) {
+    const int unit_bytes =
+        side.layout.block_tokens * side.layout.head_dim * (f32 ? 4 : 2);
     return LaunchBatches(side, jobs, side.layout.block_tokens,
                          f32 ? QuantizePackedUnits<float> : QuantizePackedUnits<uint16_t>, stream,
-                         "quantize launch");
+                         "quantize launch", unit_bytes <= kMaxStagedUnitBytes ? unit_bytes : 0);
   }
   return LaunchBatches(side, jobs, 1, f32 ? QuantizeFloatRows<float> : QuantizeFloatRows<uint16_t>,
                        stream, "quantize launch");

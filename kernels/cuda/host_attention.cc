@@ -4,7 +4,7 @@
 // (flash-decoding's splits); a chunk's keys and values are read once for
 // every query row of the task (the GQA group shares them), each row folds
 // the chunk's scores with the online softmax into a partial (out, lse), and
-// the partials merge with hd::MergePartials. Page bytes come only through
+// each row's partials merge in one step with hd::MergeSplits. Page bytes come only through
 // HostPagePointer, as the device reads them only through its view.
 #include <algorithm>
 #include <vector>
@@ -72,13 +72,22 @@ void AttendTask(const AttentionTask& task, const AttentionOptions& options,
     last_visible = std::max(last_visible, ve);
   }
 
+  // Splits as the device cuts them (hd::SplitOrigin), at the host's fixed
+  // size; each row's partials merge in one step (hd::MergeSplits), as the
+  // merge kernel does.
+  const int split_tokens = hd::SplitTokensAtLeast(hd::kAttentionSplitTokens, v.layout.page_tokens);
+  const int origin = hd::SplitOrigin(begin, v.page_base, v.layout.page_tokens);
+  const int splits = hd::SplitCount(origin, begin, last_visible, split_tokens);
   std::vector<float> out(static_cast<size_t>(rows) * d, 0.0f);
   std::vector<float> lse(rows, hd::NegInf());
-  std::vector<float> keys(static_cast<size_t>(hd::kAttentionSplitTokens) * d);
+  std::vector<float> partial_out(static_cast<size_t>(rows) * splits * d);
+  std::vector<float> partial_lse(static_cast<size_t>(rows) * splits);
+  std::vector<float> keys(static_cast<size_t>(split_tokens) * d);
   std::vector<float> values(keys.size());
-  std::vector<float> acc(d), partial(d);
-  for (int c0 = begin; c0 < last_visible; c0 += hd::kAttentionSplitTokens) {
-    const int c1 = std::min(last_visible, c0 + hd::kAttentionSplitTokens);
+  std::vector<float> acc(d);
+  for (int split = 0; split < splits; ++split) {
+    const int c0 = hd::SplitBegin(origin, begin, split, split_tokens);
+    const int c1 = hd::SplitEnd(origin, last_visible, split, split_tokens);
     for (int t = c0; t < c1; ++t) {
       hd::LoadKeyForScore(v, t, &keys[static_cast<size_t>(t - c0) * d]);
       hd::LoadStoredRow(v, Side::kValue, t, &values[static_cast<size_t>(t - c0) * d]);
@@ -94,10 +103,15 @@ void AttendTask(const AttentionTask& task, const AttentionOptions& options,
         for (int c = 0; c < d; ++c) acc[c] = acc[c] * step.rescale + step.weight * vt[c];
       }
       const float inv = hd::SoftmaxOutScale(state);
-      for (int c = 0; c < d; ++c) partial[c] = acc[c] * inv;
-      float* o = &out[static_cast<size_t>(r) * d];
-      hd::MergePartials(o, lse[r], partial.data(), hd::SoftmaxLse(state), d, o, &lse[r]);
+      const size_t at = static_cast<size_t>(r) * splits + split;
+      for (int c = 0; c < d; ++c) partial_out[at * d + c] = acc[c] * inv;
+      partial_lse[at] = hd::SoftmaxLse(state);
     }
+  }
+  for (int r = 0; r < rows && splits > 0; ++r) {
+    const size_t at = static_cast<size_t>(r) * splits;
+    hd::MergeSplits(&partial_out[at * d], &partial_lse[at], splits, d,
+                    &out[static_cast<size_t>(r) * d], &lse[r]);
   }
 
   for (int i = 0; i < task.num_queries; ++i) {

@@ -34,7 +34,8 @@ void SelectUnitOutliers(const PageLayout& L, const SideLayout& S, const float* u
   int prev = -1;
   float prev_score = 0.0f;
   for (int e = 0; e < k; ++e) {
-    const int i = hd::NextOutlier(score, rows * d, prev_score, prev);
+    const int i = hd::NextOutlierOrUnchosen(score, rows * d, prev_score, prev,
+                                             hd::ByteMask{is_outlier.data()});
     prev = i;
     prev_score = score(i);
     is_outlier[i] = 1;

@@ -18,11 +18,9 @@
 
 namespace kvq::hd {
 
-// Keys per flash-decoding split: a task's key range is cut into chunks of
-// this many tokens (from key_begin), each chunk's partial computed on its
-// own and the partials merged. 256 keeps a 32k context at 128 splits per
-// (task, row tile), enough blocks to fill an H100 with one decode request,
-// while each block still streams a few pages.
+// cuda_host's keys per flash-decoding split (rounded up to whole pages by
+// SplitTokensAtLeast): the device sizes its splits from the batch and the
+// SM count (DecodeAttentionSplitTokens), at least this many keys each.
 inline constexpr int kAttentionSplitTokens = 256;
 
 KVQ_HD float Exp(float x) {
@@ -242,6 +240,73 @@ KVQ_HD float MergeChannel(const MergeWeights& w, float a, float b) {
   return (w.a * a + w.b * b) * inv;
 }
 
+// The merge of n partials in one step (the merge kernel's form, each
+// thread a channel): with m the largest lse, partial s weighs
+// exp(lse_s - m); out = sum_s w_s out_s / sum_s w_s and lse = m + log(sum_s
+// w_s); zeros and -inf when every partial is empty. The same sums as n - 1
+// pairwise MergePartials up to rounding.
+KVQ_HD float MergeWeight(float lse, float max_lse) {
+  return max_lse == NegInf() ? 0.0f : Exp(lse - max_lse);
+}
+KVQ_HD float MergedLse(float max_lse, float weight_sum) {
+  return max_lse == NegInf() ? NegInf() : max_lse + Log(weight_sum);
+}
+// weight_sum lies in [1, splits] (the largest weight is 1), where the
+// device's fast division (2 ulp, no slow-path call) is safe.
+KVQ_HD float MergedChannel(float weighted_sum, float weight_sum) {
+  if (weight_sum == 0.0f) return 0.0f;
+#if defined(__CUDA_ARCH__)
+  return __fdividef(weighted_sum, weight_sum);
+#else
+  return weighted_sum / weight_sum;
+#endif
+}
+// The serial form: outs[s * head_dim + c], lses[s].
+KVQ_HD void MergeSplits(const float* outs, const float* lses, int n, int head_dim, float* out,
+                        float* lse) {
+  float m = NegInf();
+  for (int s = 0; s < n; ++s) m = Max(m, lses[s]);
+  float sum = 0.0f;
+  for (int s = 0; s < n; ++s) sum += MergeWeight(lses[s], m);
+  for (int c = 0; c < head_dim; ++c) {
+    float acc = 0.0f;
+    for (int s = 0; s < n; ++s) acc += MergeWeight(lses[s], m) * outs[static_cast<size_t>(s) * head_dim + c];
+    out[c] = MergedChannel(acc, sum);
+  }
+  *lse = MergedLse(m, sum);
+}
+
+// ---------------------------------------------------------------------------
+// Flash-decoding splits: a task's keys [key_begin, key_end) are cut at
+// origin + s * split_tokens, origin the first token of the page holding
+// key_begin (extended below page_base in whole pages), so with
+// split_tokens a multiple of page_tokens no page is read by two splits.
+// split_tokens >= page_tokens keeps every split non-empty.
+// ---------------------------------------------------------------------------
+KVQ_HD int SplitOrigin(int key_begin, int page_base, int page_tokens) {
+  if (page_tokens <= 0) return key_begin;
+  const int rel = key_begin - page_base;
+  const int pages = rel >= 0 ? rel / page_tokens : -((page_tokens - 1 - rel) / page_tokens);
+  return page_base + pages * page_tokens;
+}
+KVQ_HD int SplitCount(int origin, int key_begin, int key_end, int split_tokens) {
+  if (key_end <= key_begin) return 0;
+  return (key_end - origin + split_tokens - 1) / split_tokens;
+}
+KVQ_HD int SplitBegin(int origin, int key_begin, int split, int split_tokens) {
+  const int b = origin + split * split_tokens;
+  return b > key_begin ? b : key_begin;
+}
+KVQ_HD int SplitEnd(int origin, int key_end, int split, int split_tokens) {
+  const int e = origin + (split + 1) * split_tokens;
+  return e < key_end ? e : key_end;
+}
+// The smallest multiple of page_tokens that is >= tokens.
+KVQ_HD int SplitTokensAtLeast(int tokens, int page_tokens) {
+  const int pt = page_tokens > 0 ? page_tokens : 1;
+  return (tokens + pt - 1) / pt * pt;
+}
+
 KVQ_HD void MergePartials(const float* out_a, float lse_a, const float* out_b, float lse_b,
                           int head_dim, float* out, float* lse) {
   const MergeWeights w = MergeWeightsOf(lse_a, lse_b);
@@ -331,22 +396,51 @@ struct QuadParams {
   size_t zero = 0;
   bool per_channel = false;
 };
-KVQ_HD QuadParams QuadParamsAt(const PageLayout& L, const SideLayout& S, int row, int c) {
+// From the row's RowParams and channel c's group (the device's lookups).
+KVQ_HD QuadParams QuadParamsFrom(const SideLayout& S, const RowParams& rp, int c, int group,
+                                 int n) {
   QuadParams q;
-  const int n = L.ParamsPerEntry(S);
   if (S.axis == ParamAxis::kChannelGroups) {
-    const size_t entry = S.params_offset + static_cast<size_t>(row / L.block_tokens) * 4 * n;
-    q.scale = entry + 2 * static_cast<size_t>(c);
-    q.zero = entry + 2 * static_cast<size_t>(n + c);
+    q.scale = rp.entry + 2 * static_cast<size_t>(c);
+    q.zero = rp.entry + 2 * static_cast<size_t>(n + c);
     q.per_channel = true;
   } else {
-    const size_t entry = S.params_offset + static_cast<size_t>(row) * 4 * n;
-    const int g = c / S.group_channels;
-    q.scale = entry + 2 * static_cast<size_t>(g);
-    q.zero = entry + 2 * static_cast<size_t>(n + g);
+    q.scale = rp.entry + 2 * static_cast<size_t>(group);
+    q.zero = rp.entry + 2 * static_cast<size_t>(n + group);
   }
   return q;
 }
+KVQ_HD QuadParams QuadParamsAt(const PageLayout& L, const SideLayout& S, int row, int c) {
+  return QuadParamsFrom(S, RowParamsOf(L, S, row), c, GroupOfChannel(S, c), L.ParamsPerEntry(S));
+}
+
+// fp16 operands of the tensor-core kernel. fp16's largest finite value is
+// 65504: a larger query component or a dequantized key or value that
+// rounds past it would become inf and the row's scores NaN. A query row
+// whose largest magnitude passes kHalfQueryLimit is scaled by a power of
+// two (exact: only the exponent changes) before the conversion and its
+// scores by the inverse in fp32; keys and values are clamped to the finite
+// range (a value the codes put past 65504 is the range's end anyway).
+inline constexpr float kHalfMax = 65504.0f;
+inline constexpr float kHalfQueryLimit = 32768.0f;
+// 1, or the power of two 2^-k (smallest k) that brings max_abs to at most
+// kHalfQueryLimit. max_abs is finite (queries are checked); a non-finite
+// one ends at 0 rather than looping.
+KVQ_HD float HalfQueryScale(float max_abs) {
+  float s = 1.0f;
+  while (s > 0.0f && max_abs * s > kHalfQueryLimit) s *= 0.5f;
+  return s;
+}
+// 1 / HalfQueryScale(max_abs), exactly (a power of two, no division).
+KVQ_HD float HalfQueryUnscale(float scale) {
+  float u = 1.0f;
+  for (float t = scale; t > 0.0f && t < 1.0f; t *= 2.0f) u *= 2.0f;
+  return u;
+}
+KVQ_HD float ClampToHalfRange(float x) {
+  return x > kHalfMax ? kHalfMax : (x < -kHalfMax ? -kHalfMax : x);
+}
+
 // fp16 bits of 1024 + code: a code of up to 10 bits in the mantissa of
 // 1024.0, whose ulp is 1, so subtracting 1024 gives the code exactly.
 inline constexpr uint16_t kHalfMagic1024 = 0x6400;

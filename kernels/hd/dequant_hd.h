@@ -41,11 +41,42 @@ KVQ_HD int PlaneCode(const uint8_t* plane, int head_dim, int b, int c) {
   const int m = c / p;
   return (plane[c - m * p] >> (m * b)) & ((1 << b) - 1);
 }
-KVQ_HD int CodeAt(const uint8_t* row, int head_dim, int bits, int c) {
+// Where channel c's code lies in a row: a byte, a shift and a mask for the
+// low plane, and for 3-bit codes the same for the high bit's plane (mask_hi
+// 0 otherwise). The device kernels keep one per channel in shared memory,
+// so the loops over a tile divide by nothing.
+struct CodePos {
+  uint16_t byte_lo = 0;
+  uint16_t byte_hi = 0;
+  uint8_t shift_lo = 0;
+  uint8_t shift_hi = 0;
+  uint8_t mask_lo = 0;
+  uint8_t mask_hi = 0;
+};
+KVQ_HD void PlanePos(int head_dim, int b, int base, int c, uint16_t* byte, uint8_t* shift,
+                     uint8_t* mask) {
+  const int p = head_dim * b / 8;
+  const int m = c / p;
+  *byte = static_cast<uint16_t>(base + c - m * p);
+  *shift = static_cast<uint8_t>(m * b);
+  *mask = static_cast<uint8_t>((1 << b) - 1);
+}
+KVQ_HD CodePos CodePosOf(int head_dim, int bits, int c) {
+  CodePos pos;
   if (bits == 3) {
-    return PlaneCode(row, head_dim, 2, c) | (PlaneCode(row + head_dim / 4, head_dim, 1, c) << 2);
+    PlanePos(head_dim, 2, 0, c, &pos.byte_lo, &pos.shift_lo, &pos.mask_lo);
+    PlanePos(head_dim, 1, head_dim / 4, c, &pos.byte_hi, &pos.shift_hi, &pos.mask_hi);
+  } else {
+    PlanePos(head_dim, bits, 0, c, &pos.byte_lo, &pos.shift_lo, &pos.mask_lo);
   }
-  return PlaneCode(row, head_dim, bits, c);
+  return pos;
+}
+KVQ_HD int CodeFrom(const uint8_t* row, const CodePos& pos) {
+  return ((row[pos.byte_lo] >> pos.shift_lo) & pos.mask_lo) |
+         (((row[pos.byte_hi] >> pos.shift_hi) & pos.mask_hi) << 2);
+}
+KVQ_HD int CodeAt(const uint8_t* row, int head_dim, int bits, int c) {
+  return CodeFrom(row, CodePosOf(head_dim, bits, c));
 }
 
 struct ScaleZero {
@@ -53,29 +84,58 @@ struct ScaleZero {
   float zero = 0.0f;
 };
 
-// Scale and zero point of channel c of page row `row` (kernels/group_params.h
-// has both formats).
-KVQ_HD ScaleZero ParamsAt(const PageLayout& L, const SideLayout& S, const uint8_t* page, int row,
-                          int c) {
+// Where a page row's parameters lie, found once per row: the byte offset
+// in the page of its fp16 entry (param_bits 16) or of its block's p8
+// header, the first p8 code index of the row, and its block.
+struct RowParams {
+  uint32_t entry = 0;
+  int index_base = 0;
+  int block = 0;
+};
+KVQ_HD RowParams RowParamsOf(const PageLayout& L, const SideLayout& S, int row) {
   const bool channels = S.axis == ParamAxis::kChannelGroups;
   const int n = L.ParamsPerEntry(S);
-  const int group = channels ? c : c / S.group_channels;
+  RowParams rp;
+  rp.block = row / L.block_tokens;
   if (S.param_bits == 16) {
-    const uint8_t* p = page + S.params_offset +
-                       static_cast<size_t>(channels ? row / L.block_tokens : row) * 4 * n;
+    rp.entry = static_cast<uint32_t>(S.params_offset +
+                                     static_cast<size_t>(channels ? rp.block : row) * 4 * n);
+  } else {
+    rp.entry = static_cast<uint32_t>(S.params_offset + rp.block * L.ParamBlockBytes(S));
+    rp.index_base = channels ? 0 : (row - rp.block * L.block_tokens) * n;
+  }
+  return rp;
+}
+// The parameter group of channel c (a table lookup on the device).
+KVQ_HD int GroupOfChannel(const SideLayout& S, int c) {
+  return S.axis == ParamAxis::kChannelGroups ? c : c / S.group_channels;
+}
+
+// Scale and zero point of group `group` of a row (kernels/group_params.h
+// has both formats). n: L.ParamsPerEntry(S); block_groups: the p8 codes
+// of a block, L.EntriesPerBlock(S) * n.
+KVQ_HD ScaleZero ParamsFrom(const SideLayout& S, const uint8_t* page, const RowParams& rp,
+                            int group, int n, int block_groups) {
+  const uint8_t* p = page + rp.entry;
+  if (S.param_bits == 16) {
     return {HalfToFloat(LoadHalfBits(p + 2 * group)), HalfToFloat(LoadHalfBits(p + 2 * (n + group)))};
   }
-  const int block = row / L.block_tokens;
-  const uint8_t* header = L.ParamBlock(page, S, block);
-  const int groups = L.EntriesPerBlock(S) * n;
-  const int index = channels ? group : (row % L.block_tokens) * n + group;
-  const float scale_step = HalfToFloat(LoadHalfBits(header));
-  const float zero_base = HalfToFloat(LoadHalfBits(header + 2));
-  const float zero_step = HalfToFloat(LoadHalfBits(header + 4));
-  const uint8_t* codes = header + kParams8HeaderBytes;
+  const int index = rp.index_base + group;
+  const float scale_step = HalfToFloat(LoadHalfBits(p));
+  const float zero_base = HalfToFloat(LoadHalfBits(p + 2));
+  const float zero_step = HalfToFloat(LoadHalfBits(p + 4));
+  const uint8_t* codes = p + kParams8HeaderBytes;
   // Both products are exact (group_params.h), so only the add rounds.
   return {static_cast<float>(codes[index]) * scale_step,
-          MulAdd(static_cast<float>(codes[groups + index]), zero_step, zero_base)};
+          MulAdd(static_cast<float>(codes[block_groups + index]), zero_step, zero_base)};
+}
+
+// Scale and zero point of channel c of page row `row`.
+KVQ_HD ScaleZero ParamsAt(const PageLayout& L, const SideLayout& S, const uint8_t* page, int row,
+                          int c) {
+  const int n = L.ParamsPerEntry(S);
+  return ParamsFrom(S, page, RowParamsOf(L, S, row), GroupOfChannel(S, c), n,
+                    L.EntriesPerBlock(S) * n);
 }
 
 // What a stream adds to its pages: nuq levels per channel as floats
@@ -86,10 +146,11 @@ struct SideExtras {
   float fp8_scale = 1.0f;
 };
 
-// Element (row, c) of one side before outliers are applied.
-KVQ_HD float DequantElement(const PageLayout& L, const SideLayout& S, const uint8_t* page,
-                            int row, int c, const SideExtras& extras) {
-  const uint8_t* code_row = PageLayout::CodeRow(page, S, row);
+// Element c of a code row whose parameters are `p` and code position `pos`
+// (both unused for fp16 / bf16 / fp8 rows): the device's form, with the
+// row's lookups done once.
+KVQ_HD float DequantCode(const SideLayout& S, const uint8_t* code_row, int c, const CodePos& pos,
+                         const ScaleZero& p, const SideExtras& extras) {
   switch (S.format) {
     case CodeFormat::kFp16:
       return HalfToFloat(LoadHalfBits(code_row + 2 * c));
@@ -105,11 +166,22 @@ KVQ_HD float DequantElement(const PageLayout& L, const SideLayout& S, const uint
     case CodeFormat::kPacked:
       break;
   }
-  const int code = CodeAt(code_row, L.head_dim, S.bits, c);
-  const ScaleZero p = ParamsAt(L, S, page, row, c);
+  const int code = CodeFrom(code_row, pos);
   const float level =
       extras.levels ? extras.levels[c * (1 << S.bits) + code] : static_cast<float>(code);
   return MulAdd(p.scale, level, p.zero);
+}
+KVQ_HD bool HasParams(const SideLayout& S) {
+  return S.format == CodeFormat::kInt8 || S.format == CodeFormat::kPacked;
+}
+
+// Element (row, c) of one side before outliers are applied.
+KVQ_HD float DequantElement(const PageLayout& L, const SideLayout& S, const uint8_t* page,
+                            int row, int c, const SideExtras& extras) {
+  const uint8_t* code_row = PageLayout::CodeRow(page, S, row);
+  if (!HasParams(S)) return DequantCode(S, code_row, c, CodePos{}, ScaleZero{}, extras);
+  return DequantCode(S, code_row, c, CodePosOf(L.head_dim, S.bits, c),
+                     ParamsAt(L, S, page, row, c), extras);
 }
 
 // Overwrites the outliers of rows [row0, row0 + n) in out (row-major, d

@@ -475,6 +475,27 @@ KVQ_HD int NextOutlier(const ScoreFn& score, int n, float prev_score, int prev) 
   return best;
 }
 
+// The lowest index of [0, n) that `chosen` does not hold; 0 when every one
+// is (a block holds more elements than outliers, PageLayout::Make).
+template <class Mask>
+KVQ_HD int FirstUnchosen(const Mask& chosen, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (!chosen(i)) return i;
+  }
+  return 0;
+}
+
+// NextOutlier, or when it finds none -- every element left has a NaN score,
+// which the order compares with nothing -- the lowest index not chosen yet,
+// so an outlier table never holds an index outside the block. For finite
+// scores (the reference's domain) it is NextOutlier exactly.
+template <class ScoreFn, class Mask>
+KVQ_HD int NextOutlierOrUnchosen(const ScoreFn& score, int n, float prev_score, int prev,
+                                 const Mask& chosen) {
+  const int i = NextOutlier(score, n, prev_score, prev);
+  return i >= 0 ? i : FirstUnchosen(chosen, n);
+}
+
 }  // namespace kvq::hd
 
 #endif  // KVQ_KERNELS_HD_QUANT_HD_H_

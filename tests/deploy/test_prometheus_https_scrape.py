@@ -1,6 +1,6 @@
 """A real Prometheus scraping kvq-server's metrics port over HTTPS
 (--metrics_tls_cert, --metrics_tls_key), with the `scheme: https` +
-`tls_config` job that docs/RELIABILITY.md shows.
+`tls_config` job that docs/SECURITY.md shows.
 
 Makes throwaway certificates (tests/integration/make_test_certs.sh), starts
 kvq-server ($KVQ_SERVER_BIN, set by ctest) and Debian's `prometheus` on free

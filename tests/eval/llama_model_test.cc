@@ -116,7 +116,7 @@ TEST_F(LlamaModelTest, RopeInsideTheCacheMatchesRopeInTheModel) {
   // close to exact attention as 4 bits allow. The worst logit's difference
   // moves with float rounding alone: kivi4:g32:r32:pre_rope measured 0.070
   // (AVX2), 0.071-0.091 (AVX3) and 0.082-0.103 (AVX3_DL) before and after a
-  // softmax change of ~1e-7 relative (docs/KERNELS.md 4q); plain post-RoPE
+  // softmax change of ~1e-7 relative (docs/KERNELS.md section 1); plain post-RoPE
   // kivi4:g32:r32 0.094-0.110, kivi3:g32:r32:pre_rope 0.167-0.184. The
   // bound sits between 4 and 3 bits.
   auto kivi = Kvq("kivi4:g32:r32:pre_rope");

@@ -108,6 +108,11 @@ void RunOnDevice(const KvStream& s, int group, std::vector<HostTask>& tasks) {
   shape.group_size = group;
   shape.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
   shape.tensor_cores = UseTensorCores(s.layout());
+  const absl::StatusOr<DeviceInfo> info = QueryCudaDevice(0);
+  ASSERT_TRUE(info.ok()) << info.status();
+  shape.sm_count = info->multiprocessors;
+  shape.max_page_tokens = s.layout().page_tokens;
+  shape.max_page_bytes = static_cast<int>(s.layout().page_bytes);
   // A device copy of `v`, kept until the end of the run; null on failure.
   auto copy = [&keep](const auto& v) {
     keep.push_back(Upload(v));
@@ -217,7 +222,7 @@ TEST_P(CudaAttentionTest, MatchesReferenceWithinContract) {
   std::unique_ptr<KvStream> s = testutil::MakeStream({"ref", GetParam()});
   ASSERT_NE(s, nullptr);
   ASSERT_TRUE(testutil::AppendRows(*s, k, v, 0, n).ok());
-  for (int group : {1, 4, 8}) {
+  for (int group : {1, 4, 8, 32}) {
     SCOPED_TRACE(absl::StrCat("GQA ", group));
     std::vector<HostTask> tasks;
     tasks.emplace_back(0, n, 2, group, d, 100 + group);
@@ -297,7 +302,8 @@ TEST(CudaAttentionLongContextTest, SplitAndMergedAt32k) {
   }
 }
 
-// Shapes the kernels do not take fail before anything is enqueued.
+// Shapes the kernels do not take fail before anything is enqueued (no
+// device needed: this runs wherever the CUDA backend builds).
 TEST(CudaAttentionShapeTest, RejectsShapesOutsideTheKernelsLimits) {
   DecodeAttentionShape shape;
   shape.num_tasks = 1;
@@ -306,21 +312,65 @@ TEST(CudaAttentionShapeTest, RejectsShapesOutsideTheKernelsLimits) {
   shape.softmax_scale = 0.1f;
   shape.max_rows = 4;
   shape.max_keys = 1000;
-  float dummy = 0.0f;
+  shape.sm_count = 132;
+  shape.max_page_tokens = 32;
+  shape.max_page_bytes = 4096;
+  alignas(16) float dummy[4] = {};
   auto launch = [&](const DecodeAttentionShape& s, size_t ws) {
-    return LaunchDecodeAttention(nullptr, s, &dummy, ws, nullptr);
+    return LaunchDecodeAttention(nullptr, s, dummy, ws, nullptr);
   };
+  // One task of one row tile wants 264 blocks: splits of the 256-key
+  // minimum, the first from the page start before key_begin.
+  EXPECT_EQ(DecodeAttentionSplitTokens(shape), 256);
+  EXPECT_EQ(DecodeAttentionSplits(shape), 5);
   const size_t ws = DecodeAttentionWorkspaceBytes(shape);
-  EXPECT_EQ(ws, size_t{1} * 4 * 4 * 129 * 4) << "4 splits x 4 rows x (128 + 1) floats";
+  EXPECT_EQ(ws, size_t{1} * 5 * 4 * 129 * 4) << "5 splits x 4 rows x (128 + 1) floats";
+  for (int d : {8, 32, 80, 160, 264}) {
+    DecodeAttentionShape bad = shape;
+    bad.head_dim = d;
+    const absl::Status st = launch(bad, ws);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(st.message(), absl::StrCat("head_dim must be one of 64, 96, 128, 256, got ", d));
+  }
+  for (int d : {64, 96, 128, 256}) EXPECT_TRUE(DecodeAttentionTakesHeadDim(d)) << d;
   DecodeAttentionShape bad = shape;
-  bad.head_dim = 264;
-  EXPECT_EQ(launch(bad, ws).message(), "head_dim must be a multiple of 8 in [8, 256], got 264");
-  bad = shape;
   bad.group_size = 65;
   EXPECT_EQ(launch(bad, ws).message(), "group_size must be in [1, 64], got 65");
+  bad = shape;
+  bad.sm_count = 0;
+  EXPECT_EQ(launch(bad, ws).message(),
+            "sm_count (0) and max_page_tokens (32) must be >= 1 and max_page_bytes (4096) a "
+            "non-negative multiple of 16");
+  bad = shape;
+  bad.max_page_bytes = 4100;
+  EXPECT_EQ(launch(bad, ws).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(launch(shape, ws - 1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(launch(shape, ws - 1).message(),
             absl::StrCat("workspace must hold ", ws, " bytes, got ", ws - 1));
+}
+
+// Splits fill the device: a lone long task is cut into many splits, a
+// batch that already has two blocks per SM into as few as the page-start
+// rule allows, and never more than the merge kernel takes.
+TEST(CudaAttentionShapeTest, SplitsSizedFromTheBatchAndTheSmCount) {
+  DecodeAttentionShape shape;
+  shape.head_dim = 128;
+  shape.sm_count = 132;
+  shape.max_page_tokens = 32;
+  shape.max_keys = 32768;
+  shape.num_tasks = 1;
+  shape.max_rows = 8;
+  EXPECT_EQ(DecodeAttentionSplitTokens(shape), 256);
+  EXPECT_EQ(DecodeAttentionSplits(shape), 129);
+  shape.num_tasks = 512;
+  EXPECT_EQ(DecodeAttentionSplitTokens(shape), 32768);
+  EXPECT_EQ(DecodeAttentionSplits(shape), 2);
+  shape.num_tasks = 33;  // 33 blocks: 8 splits each reach 264.
+  EXPECT_EQ(DecodeAttentionSplitTokens(shape), 4096);
+  shape.num_tasks = 1;
+  shape.max_keys = 1 << 22;
+  EXPECT_LE(DecodeAttentionSplits(shape), 1024);
+  EXPECT_EQ(DecodeAttentionSplitTokens(shape) % 32, 0);
 }
 
 }  // namespace

@@ -164,11 +164,12 @@ TEST(CudaQuantizeJobsTest, BadJobsNameTheJobAndTheField) {
   const QuantSpec spec = *QuantSpec::Parse("kivi4");
   const PageLayout L = *PageLayout::Make(spec, 64);
   const DeviceQuantSide side = DeviceQuantSideOf(spec, L, Side::kKey);
-  uint8_t page_byte = 0;
-  float row = 0.0f;
+  alignas(16) uint8_t page_bytes[32] = {};
+  alignas(16) float row[8] = {};
+  uint8_t* page_byte = page_bytes;
   QuantizeJob good;
-  good.page = &page_byte;
-  good.rows = &row;
+  good.page = page_byte;
+  good.rows = row;
   good.row0 = 0;
   good.n = 32;
   EXPECT_TRUE(ValidateQuantizeJobs(side, {good}).ok());
@@ -181,6 +182,14 @@ TEST(CudaQuantizeJobsTest, BadJobsNameTheJobAndTheField) {
   outside.row0 = 32;
   st = ValidateQuantizeJobs(side, {outside});
   EXPECT_EQ(st.message(), "job 0: rows [32, 64) must be a non-empty range inside the page's 32 rows");
+  QuantizeJob misaligned = good;
+  misaligned.rows = row + 1;
+  EXPECT_EQ(ValidateQuantizeJobs(side, {misaligned}).message(),
+            "job 0: rows must be 16-byte aligned (the kernels load 16 bytes)");
+  misaligned = good;
+  misaligned.page = page_byte + 8;
+  EXPECT_EQ(ValidateQuantizeJobs(side, {misaligned}).message(),
+            "job 0: page must be 16-byte aligned (the kernels load 16 bytes)");
   QuantizeJob no_rows = good;
   no_rows.rows = nullptr;
   EXPECT_EQ(ValidateQuantizeJobs(side, {no_rows}).message(), "job 0: rows is null");
@@ -191,8 +200,8 @@ TEST(CudaQuantizeJobsTest, BadJobsNameTheJobAndTheField) {
   const QuantSpec fp8 = *QuantSpec::Parse("fp8_e4m3");
   const PageLayout LF = *PageLayout::Make(fp8, 64);
   DequantizeJob read;
-  read.page = &page_byte;
-  read.out = &row;
+  read.page = page_byte;
+  read.out = row;
   read.n = 1;
   read.extras.fp8_scale = 0.0f;
   EXPECT_EQ(ValidateDequantizeJobs(DeviceQuantSideOf(fp8, LF, Side::kKey), {read}).message(),

@@ -318,8 +318,20 @@ def test_fetch_with_a_stated_range_fills_arrays_in_place(fake):
     assert servicer.calls["FetchDequant"] == 2
 
 
+CHECKOUT_PROTO_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "proto")
+
+
+def test_installed_modules_are_from_the_checkouts_proto():
+    # The package installed for the tests was built from this kvq.proto
+    # (not an older one: reinstall with `pip install .` after changing it).
+    stamp = os.path.join(_proto.GEN_DIR, _proto._STAMP)
+    with open(stamp) as f:
+        assert f.read().strip() == _proto._proto_hash(
+            os.path.join(CHECKOUT_PROTO_DIR, "kvq", "v1", "kvq.proto"))
+
+
 def test_generated_modules_follow_the_proto(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVQ_PROTO_DIR", _proto.proto_root())
+    monkeypatch.setenv("KVQ_PROTO_DIR", CHECKOUT_PROTO_DIR)
     monkeypatch.setattr(_proto, "_PACKAGE_DIR", str(tmp_path))
     monkeypatch.setattr(_proto, "GEN_DIR", str(tmp_path / "_gen"))
     proto = os.path.join(_proto.proto_root(), "kvq", "v1", "kvq.proto")

@@ -78,3 +78,31 @@ def test_rejects_mismatched_shapes(kvq):
         stream.finish()  # Names the sequence even with no layer added.
     assert e.value.code == grpc.StatusCode.NOT_FOUND
     assert e.value.details == 'sequence "never-created" in namespace "layer-append" does not exist'
+
+
+@pytest.mark.parametrize("scheme", ["kivi4:g32:r128:sink=4", "int8"])
+def test_layers_quantized_here_store_what_the_server_would(kvq, scheme):
+    # The same layers, dense (quantized by the server) and as raw pages
+    # quantized here, in two streams each, the second off a block boundary.
+    layout = ModelLayout(LAYERS, HEADS, HEADS, DIM)
+    by_server = kvq.create_sequence(layout, scheme=scheme).sequence_id
+    by_client = kvq.create_sequence(layout, scheme=scheme).sequence_id
+    k, v = kv(150 + 300, 3)
+    for part in (slice(0, 150), slice(150, 450)):
+        dense = LayerAppend(kvq, by_server)
+        quantized = LayerAppend(kvq, by_client, scheme=scheme, start_tokens=part.start,
+                                head_dim=DIM)
+        for layer in range(LAYERS):
+            dense.add_layer(layer, k[layer, :, part], v[layer, :, part])
+            quantized.add_layer(layer, k[layer, :, part], v[layer, :, part])
+        assert dense.finish() == quantized.finish() == part.stop
+        assert quantized.wire_bytes < dense.wire_bytes
+    assert kvq.stats(by_client).bytes == kvq.stats(by_server).bytes
+    for a, b in zip(kvq.fetch(by_client, dtype="fp32"), kvq.fetch(by_server, dtype="fp32")):
+        np.testing.assert_array_equal(a, b)
+    sink = 4 if "sink" in scheme else 0
+    end = 4 + 384 if sink else 450
+    assert ([(l, t, p.SerializeToString()) for l, t, p in
+             kvq.fetch_pages(by_client, token_begin=sink, token_end=end)] ==
+            [(l, t, p.SerializeToString()) for l, t, p in
+             kvq.fetch_pages(by_server, token_begin=sink, token_end=end)])

@@ -1,6 +1,6 @@
 """The Python client's bearer token against a kvq-server with --tokens_file:
 unary calls, the Append and FetchDequant streams and DecodeStream all carry
-it; without it or with another tenant's, the answers of docs/RELIABILITY.md.
+it; without it or with another tenant's, the answers of docs/SECURITY.md.
 
 Needs the server binary: $KVQ_SERVER_BIN (ctest sets it), else skipped."""
 
@@ -57,8 +57,10 @@ def test_token_on_every_call_and_stream(address):
         with pytest.raises(KvqError) as e:
             b.append_prompt("s", k, k)
         assert e.value.code.name == "RESOURCE_EXHAUSTED"
+        # The prompt went as raw pages (quantized by the client), whose
+        # error names the stream that hit the quota.
         assert e.value.details.startswith(
-            'tenant "b" is over its quota: quota_bytes = 16384, used ')
+            'layer 1 kv_head 0: tenant "b" is over its quota: quota_bytes = 16384, used ')
         assert b.stats("s").num_tokens == 0
 
 

@@ -229,6 +229,100 @@ TEST(AttentionHdTest, SoftmaxOfNothingIsEmptyAndOverflowIsNotFinite) {
 // 0x6400 | code is 1024 + code exactly, its parameter offsets hold
 // hd::ParamsAt's scale and zero, and scale * code + zero rounded once to
 // fp16 (what HFMA2 gives) is DequantElement's value within fp16 rounding.
+// The tensor-core kernel's fp16 operands stay finite: a query row past
+// fp16's range is scaled by the smallest power of two that brings it under
+// kHalfQueryLimit (so its fp16 copy is finite and the scale is exact), and
+// keys and values are clamped to +-65504.
+// The merge kernel's one-step merge of n partials equals folding them
+// pairwise (MergePartials, MergeAttention's arithmetic) up to rounding,
+// empty partials included; all empty gives zeros and -inf.
+TEST(AttentionHdTest, MergeSplitsEqualsPairwiseMerge) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  constexpr int d = 16;
+  for (int n : {1, 2, 5, 128}) {
+    SCOPED_TRACE(n);
+    std::vector<float> outs(static_cast<size_t>(n) * d), lses(n);
+    for (float& x : outs) x = normal(rng);
+    for (int s = 0; s < n; ++s) lses[s] = s % 3 == 1 ? -kInf : normal(rng);
+    std::vector<float> fold(d, 0.0f), got(d);
+    float fold_lse = -kInf, got_lse = 0.0f;
+    for (int s = 0; s < n; ++s) {
+      hd::MergePartials(fold.data(), fold_lse, &outs[static_cast<size_t>(s) * d], lses[s], d,
+                        fold.data(), &fold_lse);
+    }
+    hd::MergeSplits(outs.data(), lses.data(), n, d, got.data(), &got_lse);
+    EXPECT_NEAR(got_lse, fold_lse, 1e-5f);
+    for (int c = 0; c < d; ++c) EXPECT_NEAR(got[c], fold[c], 1e-5f * (1.0f + std::fabs(fold[c])));
+  }
+  std::vector<float> outs(3 * d, 1.0f), lses(3, -kInf), got(d, 7.0f);
+  float lse = 0.0f;
+  hd::MergeSplits(outs.data(), lses.data(), 3, d, got.data(), &lse);
+  EXPECT_EQ(lse, -kInf);
+  EXPECT_EQ(got, std::vector<float>(d, 0.0f));
+}
+
+// Split boundaries fall on page starts (origin at or before key_begin,
+// less than a page before it), every split is non-empty and the splits
+// tile [key_begin, key_end) exactly.
+TEST(AttentionHdTest, SplitsTileTheKeysOnPageBoundaries) {
+  for (int page_tokens : {16, 32, 128}) {
+    for (int page_base : {0, 4}) {
+      for (int key_begin : {0, 3, page_base, page_base + 5, page_base + page_tokens, 1000}) {
+        for (int key_end : {key_begin + 1, key_begin + 700, 40000}) {
+          const int st = hd::SplitTokensAtLeast(256, page_tokens);
+          ASSERT_EQ(st % page_tokens, 0);
+          ASSERT_GE(st, 256);
+          const int origin = hd::SplitOrigin(key_begin, page_base, page_tokens);
+          ASSERT_LE(origin, key_begin);
+          ASSERT_GT(origin + page_tokens, key_begin);
+          ASSERT_EQ(((origin - page_base) % page_tokens + page_tokens) % page_tokens, 0);
+          const int n = hd::SplitCount(origin, key_begin, key_end, st);
+          int next = key_begin;
+          for (int s = 0; s < n; ++s) {
+            const int b = hd::SplitBegin(origin, key_begin, s, st);
+            const int e = hd::SplitEnd(origin, key_end, s, st);
+            ASSERT_EQ(b, next);
+            ASSERT_LT(b, e) << "split " << s << " of " << n;
+            if (s > 0) ASSERT_EQ(((b - page_base) % page_tokens + page_tokens) % page_tokens, 0);
+            next = e;
+          }
+          ASSERT_EQ(next, key_end);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(hd::SplitCount(0, 5, 5, 256), 0);
+}
+
+TEST(AttentionHdTest, HalfOperandsOfLargeValuesStayFinite) {
+  for (float max_abs : {0.0f, 1.0f, 32768.0f, 32769.0f, 65504.0f, 65520.0f, 1.0e6f, 1.0e30f,
+                        std::numeric_limits<float>::max()}) {
+    SCOPED_TRACE(max_abs);
+    const float s = hd::HalfQueryScale(max_abs);
+    int e = 0;
+    EXPECT_EQ(std::frexp(s, &e), 0.5f) << "a power of two";
+    EXPECT_LE(max_abs * s, hd::kHalfQueryLimit);
+    if (max_abs <= hd::kHalfQueryLimit) {
+      EXPECT_EQ(s, 1.0f) << "queries in range are left alone";
+    } else {
+      EXPECT_GT(max_abs * s * 2.0f, hd::kHalfQueryLimit) << "the smallest power that fits";
+    }
+    EXPECT_TRUE(std::isfinite(hd::HalfToFloat(hd::FloatToHalf(max_abs * s))));
+    // The scores undo the scale in fp32, exactly: a power of two.
+    EXPECT_EQ(hd::HalfQueryUnscale(s) * s, 1.0f);
+    EXPECT_EQ((max_abs * s) * hd::HalfQueryUnscale(s), max_abs);
+  }
+  EXPECT_EQ(hd::HalfQueryScale(kInf), 0.0f) << "ends instead of looping";
+  for (float x : {70000.0f, 65520.0f, 1.0e30f, kInf}) {
+    EXPECT_EQ(hd::ClampToHalfRange(x), 65504.0f);
+    EXPECT_EQ(hd::ClampToHalfRange(-x), -65504.0f);
+    EXPECT_TRUE(std::isfinite(hd::HalfToFloat(hd::FloatToHalf(hd::ClampToHalfRange(x)))));
+  }
+  EXPECT_EQ(hd::ClampToHalfRange(-1.5f), -1.5f);
+  EXPECT_EQ(hd::ClampToHalfRange(65504.0f), 65504.0f);
+}
+
 TEST(AttentionHdTest, QuadDequantMatchesDequantElement) {
   const testutil::SchemeCase cases[] = {
       {"kivi4", 128, {}, ""}, {"kivi2", 64, {}, ""}, {"kivi4:g64", 64, {}, ""},

@@ -471,6 +471,40 @@ std::string ParamName(const ::testing::TestParamInfo<StreamParam>& info) {
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndSchemes, AttentionTest,
                          ::testing::ValuesIn(testutil::AllStreamParams()), ParamName);
 
+// The head_dims the CUDA kernels are compiled for beyond the typed suites'
+// 64 and 128 (96: not a power of two; 256: the largest), on the fp32 and
+// the tensor-core paths' schemes, every backend; and GQA groups wider than
+// one 16-row tile of the device kernels (cuda_host runs their algorithm).
+std::vector<StreamParam> KernelShapeParams() {
+  using P = RopeConfig::Pairing;
+  RopeConfig half;
+  half.pairing = P::kHalfSplit;
+  const testutil::SchemeCase cases[] = {
+      {"fp16", 96, {}, ""},   {"int8", 256, {}, ""},  {"kivi4", 96, {}, ""},
+      {"kivi2", 256, {}, ""}, {"kivi3", 256, {}, ""}, {"kivi4:pre_rope", 256, half, "half"},
+  };
+  std::vector<StreamParam> out;
+  for (const std::string& b : testutil::BackendNames()) {  // "cuda" too, with a device.
+    for (const testutil::SchemeCase& c : cases) out.push_back({b, c});
+  }
+  return out;
+}
+
+class KernelShapeAttentionTest : public AttentionTest {};
+
+TEST_P(KernelShapeAttentionTest, GroupsWiderThanOneRowTile) {
+  for (int group : {17, 32, 64}) {
+    AttendCall run(2, group, d_, 500 + group);
+    ASSERT_TRUE(Attend(run, 0, -1).ok());
+    CheckOwn(run, 0, n_, absl::StrCat("decode, GQA ", group));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KernelHeadDims, AttentionTest, ::testing::ValuesIn(KernelShapeParams()),
+                         ParamName);
+INSTANTIATE_TEST_SUITE_P(KernelHeadDims, KernelShapeAttentionTest,
+                         ::testing::ValuesIn(KernelShapeParams()), ParamName);
+
 // MergeAttention on hand-made inputs.
 TEST(MergeAttentionTest, WeightsByExpOfLse) {
   const float a[2] = {1.0f, 0.0f}, b[2] = {0.0f, 3.0f};

@@ -150,6 +150,36 @@ TEST(PageLayoutTest, SectionsAlignedDisjointAndAccountedForEveryScheme) {
   }
 }
 
+// The device kernels read pages in 16-byte loads: every layout Make builds
+// (every scheme, head_dim 96 included) keeps page_bytes and the code
+// sections on that grid, and the check names a field that is off it.
+TEST(PageLayoutTest, PagesAreReadableInVectorLoads) {
+  int checked = 0;
+  for (const testutil::SchemeCase& c : testutil::AllSchemeCases()) {
+    for (int d : {64, 96, 128, 256}) {
+      absl::StatusOr<PageLayout> l = PageLayout::Make(c.Config().spec, d);
+      if (!l.ok()) continue;  // A group size head_dim 96 does not divide.
+      ++checked;
+      EXPECT_TRUE(l->CheckVectorLoads().ok()) << c.spec << " d=" << d;
+      EXPECT_EQ(l->page_bytes % kVectorLoadBytes, 0u);
+    }
+  }
+  EXPECT_GE(checked, 3 * static_cast<int>(testutil::AllSchemeCases().size()));
+  absl::StatusOr<PageLayout> l = PageLayout::Make(*QuantSpec::Parse("kivi2"), 128);
+  ASSERT_TRUE(l.ok());
+  PageLayout bad = *l;
+  bad.page_bytes += 8;
+  EXPECT_EQ(bad.CheckVectorLoads().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(bad.CheckVectorLoads().message(),
+            absl::StrCat("page layout: page_bytes ", bad.page_bytes,
+                         " is not a multiple of 16 (the device kernels' load width)"));
+  bad = *l;
+  bad.value.codes_offset += 4;
+  EXPECT_EQ(bad.CheckVectorLoads().message(),
+            absl::StrCat("page layout: value.codes_offset ", bad.value.codes_offset,
+                         " is not a multiple of 16 (the device kernels' load width)"));
+}
+
 TEST(PageLayoutTest, Kivi2G32HeadDim64Explicit) {
   absl::StatusOr<PageLayout> l = PageLayout::Make(*QuantSpec::Parse("kivi2"), 64);
   ASSERT_TRUE(l.ok()) << l.status();

@@ -272,6 +272,35 @@ TEST(QuantHdTest, OutlierSelectionMatchesReference) {
   }
 }
 
+// When only NaN scores are left, NextOutlier finds no candidate (-1, which
+// the selection loops once used as an index); NextOutlierOrUnchosen then
+// takes the lowest index not chosen yet, so k picks stay distinct and
+// inside the block, and for finite scores it is NextOutlier.
+TEST(QuantHdTest, OutlierSelectionWithoutCandidatesStaysInTheBlock) {
+  const std::vector<float> scores = {3.0f, NAN, 5.0f, NAN, 1.0f, NAN};
+  auto score = [&](int i) { return scores[i]; };
+  const int n = static_cast<int>(scores.size());
+  std::vector<uint8_t> chosen(n, 0);
+  std::vector<int> picks;
+  int prev = -1;
+  float prev_score = 0.0f;
+  for (int e = 0; e < n; ++e) {
+    const int i = hd::NextOutlierOrUnchosen(score, n, prev_score, prev, hd::ByteMask{chosen.data()});
+    ASSERT_GE(i, 0);
+    ASSERT_LT(i, n);
+    ASSERT_EQ(chosen[i], 0) << "index " << i << " chosen twice";
+    chosen[i] = 1;
+    picks.push_back(i);
+    prev = i;
+    prev_score = score(i);
+  }
+  // The finite scores in the order, then the NaN ones by index.
+  EXPECT_EQ(picks, (std::vector<int>{2, 0, 4, 1, 3, 5}));
+  EXPECT_EQ(hd::NextOutlier(score, n, scores[4], 4), -1) << "the case the fallback covers";
+  const std::vector<uint8_t> none(n, 0);
+  EXPECT_EQ(hd::NextOutlierOrUnchosen(score, n, 0.0f, -1, hd::ByteMask{none.data()}), 2);
+}
+
 TEST(QuantHdTest, PackedBytesMatchPackCodes) {
   std::mt19937_64 rng(5);
   for (int bits : {2, 3, 4, 8}) {

@@ -1,9 +1,11 @@
 """The generated protobuf and gRPC modules of proto/kvq/v1/kvq.proto.
 
-They live in ``kvq_client/_gen`` (not in git). ``generate.sh`` writes them;
-from a source checkout the first import writes them too when grpcio-tools is
-installed. Run as a script (``python3 kvq_client/_proto.py [--force]``) to
-regenerate.
+They live in ``kvq_client/_gen`` (not in git). The package's build
+(``pip install .`` at the repository root) generates them with grpcio-tools
+and installs them; in a source checkout ``generate.sh`` writes them, and the
+first import writes them too when grpcio-tools is installed. Run as a script
+(``python3 kvq_client/_proto.py [--force] [--out DIR]``) to regenerate, into
+DIR instead of the package when given (the build does).
 """
 
 import hashlib
@@ -45,6 +47,27 @@ def _up_to_date(proto):
         return False
 
 
+def _write_modules(proto, dest):
+    """Runs protoc on `proto` into `dest` (an existing directory) and makes
+    the output a package: __init__ files, the stamp, and the grpc module's
+    absolute import of kvq_pb2 made relative."""
+    from grpc_tools import protoc
+    rc = protoc.main(["grpc_tools.protoc", f"-I{proto_root()}", f"--python_out={dest}",
+                      f"--grpc_python_out={dest}", "kvq/v1/kvq.proto"])
+    if rc != 0:
+        raise ImportError(f"kvq_client: protoc failed on {proto} (exit {rc})")
+    for sub in ("", "kvq", os.path.join("kvq", "v1")):
+        open(os.path.join(dest, sub, "__init__.py"), "a").close()
+    with open(os.path.join(dest, _STAMP), "w") as f:
+        f.write(_proto_hash(proto) + "\n")
+    grpc_module = os.path.join(dest, "kvq", "v1", "kvq_pb2_grpc.py")
+    with open(grpc_module) as f:
+        text = f.read()
+    text = text.replace("from kvq.v1 import kvq_pb2 as", "from . import kvq_pb2 as")
+    with open(grpc_module, "w") as f:
+        f.write(text)
+
+
 def generate(force=False):
     """Writes kvq_pb2.py and kvq_pb2_grpc.py under _gen/kvq/v1.
 
@@ -63,27 +86,14 @@ def generate(force=False):
         raise ImportError(
             f"kvq_client: the generated modules are missing and {proto} was not found; "
             "run client/python/generate.sh from a kvq checkout (or set KVQ_PROTO_DIR)")
-    try:
-        from grpc_tools import protoc
+    try:  # Checked here for an error that says what to install.
+        import grpc_tools.protoc  # noqa: F401
     except ImportError as e:
         raise ImportError("kvq_client: generating the gRPC modules needs grpcio-tools "
                           "(scripts/install_deps.sh installs it)") from e
     tmp = tempfile.mkdtemp(prefix="_gen.", dir=_PACKAGE_DIR)
     try:
-        rc = protoc.main(["grpc_tools.protoc", f"-I{proto_root()}", f"--python_out={tmp}",
-                          f"--grpc_python_out={tmp}", "kvq/v1/kvq.proto"])
-        if rc != 0:
-            raise ImportError(f"kvq_client: protoc failed on {proto} (exit {rc})")
-        for sub in ("", "kvq", os.path.join("kvq", "v1")):
-            open(os.path.join(tmp, sub, "__init__.py"), "a").close()
-        with open(os.path.join(tmp, _STAMP), "w") as f:
-            f.write(_proto_hash(proto) + "\n")
-        grpc_module = os.path.join(tmp, "kvq", "v1", "kvq_pb2_grpc.py")
-        with open(grpc_module) as f:
-            text = f.read()
-        text = text.replace("from kvq.v1 import kvq_pb2 as", "from . import kvq_pb2 as")
-        with open(grpc_module, "w") as f:
-            f.write(text)
+        _write_modules(proto, tmp)
         if force and os.path.isdir(GEN_DIR):
             shutil.rmtree(GEN_DIR)
         try:
@@ -113,4 +123,11 @@ def modules():
 
 
 if __name__ == "__main__":
-    print(generate(force="--force" in sys.argv[1:]))
+    args = sys.argv[1:]
+    if "--out" in args:
+        out = args[args.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        _write_modules(os.path.join(proto_root(), "kvq", "v1", "kvq.proto"), out)
+        print(out)
+    else:
+        print(generate(force="--force" in args))

@@ -40,8 +40,8 @@ CA bundle; add ``tls_cert=`` and ``tls_key=`` for a server that requires
 client certificates, ``tls_server_name=`` when the target's host is not a name
 the server's certificate holds, and ``tls=True`` alone for the system roots.
 
-Client-side quantization (raw pages) needs the C++ kernels: use the C++
-client (kvq::KvqClient::AppendPromptQuantized) or `kvq append --quantize`.
+append_prompt quantizes on the client (raw pages made by kvq's native
+kernels, the `kvq` module of this package) wherever the scheme allows.
 """
 
 import dataclasses
@@ -55,12 +55,14 @@ from typing import Callable, List, Optional, Sequence
 import grpc
 import numpy as np
 
-from . import _proto
+from . import _proto, quantized_append
 from .auth import with_token
-from .tensors import assemble_fetch, from_tensor, plan_chunks, to_tensor
+from .tensors import assemble_fetch, from_tensor, to_tensor
+from .tensors import prompt_arrays as _prompt_arrays
 from .tensors import wire_dtype as _wire_dtype
 
 pb, pb_grpc = _proto.modules()
+_native = quantized_append.native
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -135,8 +137,9 @@ class SequenceInfo:
 class AppendResult:
     num_tokens: int
     bytes_stored: int
-    wire_bytes: int
+    wire_bytes: int     # Payload: tensor data and page bytes.
     chunks: int
+    message_bytes: int = 0  # The Append messages as serialized, framing included.
 
 
 @dataclasses.dataclass
@@ -341,6 +344,9 @@ class KvqClient:
         self._stub = pb_grpc.KvCacheStub(with_token(self._channel, token))
         self._rng = random.Random()
         self._rng_lock = threading.Lock()
+        # nuq codebooks of the sequences this client created, as the native
+        # quantizer takes them: append_prompt quantizes such sequences here.
+        self._codebooks = {}
 
     def close(self):
         if self._own_channel:
@@ -425,15 +431,33 @@ class KvqClient:
             to_tensor(np.asarray(value_levels, np.float32), out=c.value_levels)
         r = self._call(lambda t, _: self._stub.CreateSequence(request, timeout=t),
                        idempotent=False, deadline=deadline)
+        if codebooks:
+            self._codebooks[r.sequence_id] = [
+                (np.asarray(kl, np.float32).ravel().tolist(),
+                 np.asarray(vl, np.float32).ravel().tolist()) for kl, vl in codebooks]
         return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens)
 
     def append_prompt(self, sequence_id, k, v, layer_begin=0, max_chunk_bytes=1 << 20,
                       wire_dtype=None, token_ids=None, progress: Optional[Progress] = None,
-                      deadline=None, transport="grpc"):
-        """Streams k and v ([layers, kv_heads, tokens, head_dim], float32 or
-        float16) in chunks of at most max_chunk_bytes: one all-or-nothing
-        append. `wire_dtype` ('fp32', 'fp16', 'bf16') converts on the
-        way; default: the arrays' dtype.
+                      deadline=None, transport="grpc", quantize=None):
+        """Streams k and v ([layers, kv_heads, tokens, head_dim]: numpy
+        float32/float16, or torch CPU tensors, bfloat16 too) in chunks of at
+        most max_chunk_bytes: one all-or-nothing append.
+
+        quantize=None (the default) quantizes here where it can: the tokens
+        the server would quantize go as raw pages (QuantizedPages), made by
+        kvq's native kernels (the `kvq` module of this package) byte for
+        byte as the server would have made them, so only stored bytes
+        travel; the sink and the tokens before a page boundary or after the
+        last whole block go dense (fp16 for kivi). It can where wire_dtype
+        is not given and the sequence's scheme has raw pages (every scheme
+        but fp8_e4m3; nuq only for a sequence this client created with its
+        codebooks); one Stats call reads the sequence's scheme and length
+        first. quantize=True insists (ValueError where it cannot);
+        quantize=False sends every token dense.
+
+        Dense tokens travel in `wire_dtype` ('fp32', 'fp16', 'bf16'),
+        default the input's own: bfloat16 torch tensors as bf16 bits.
 
         transport="cuda_ipc": k and v are contiguous CUDA torch tensors on
         this node; the server copies them GPU to GPU through CUDA IPC
@@ -442,20 +466,23 @@ class KvqClient:
         if _check_transport(transport) != "grpc":
             return self._append_device(sequence_id, k, v, layer_begin, token_ids, deadline,
                                        transport)
-        k = np.asarray(k)
-        v = np.asarray(v)
-        if k.ndim != 4 or k.shape != v.shape:
-            raise ValueError(f"k {k.shape} and v {v.shape} must both be "
-                             "[layers, kv_heads, tokens, head_dim]")
-        if k.dtype != v.dtype:
-            k, v = k.astype(np.float32), v.astype(np.float32)
-        wire = _wire_dtype(wire_dtype or k.dtype)
-        item = {pb.DTYPE_FP32: 4, pb.DTYPE_FP16: 2, pb.DTYPE_BF16: 2}[wire]
-        layers, heads, tokens, dim = k.shape
-        token_bytes = 2 * heads * dim * item
-        chunks = plan_chunks(layers, tokens, token_bytes, max_chunk_bytes)
-        total = sum(n * t * token_bytes for _, n, _, t in chunks)
-        sent = {"bytes": 0, "chunks": 0}
+        k, v, host_k, host_v = _prompt_arrays(k, v)
+        layers, heads, tokens, dim = host_k.shape
+        in_wire = "bf16" if host_k.dtype == np.uint16 else host_k.dtype
+        dense = _wire_dtype(wire_dtype or in_wire)
+        scheme, geometry = None, None
+        quantized = self._quantized_layout(sequence_id, dim, quantize, wire_dtype, deadline)
+        if quantized is not None:
+            scheme, geometry, start = quantized
+            dense = _wire_dtype(quantized_append.dense_wire(geometry, in_wire))
+            split = quantized_append.split_for_pages(geometry, start, tokens)
+        else:
+            split = quantized_append.dense_split(tokens)
+        item = {pb.DTYPE_FP32: 4, pb.DTYPE_FP16: 2, pb.DTYPE_BF16: 2}[dense]
+        chunks = quantized_append.plan_append(split, layers, heads, dim, item, max_chunk_bytes)
+        total = sum(c[-1] for c in chunks)
+        codebooks = self._codebooks.get(sequence_id)
+        sent = {"bytes": 0, "chunks": 0, "message_bytes": 0}
 
         def requests():
             if progress:
@@ -465,20 +492,71 @@ class KvqClient:
             first.token_ids.extend(token_ids or [])
             if not chunks:
                 yield first
-            for i, (l0, n, t0, t) in enumerate(chunks):
+            for i, (kind, l0, n, t0, t, payload) in enumerate(chunks):
                 request = first if i == 0 else pb.AppendRequest()
                 request.chunk.layer_begin = layer_begin + l0
-                to_tensor(k[l0:l0 + n, :, t0:t0 + t], wire, out=request.chunk.k)
-                to_tensor(v[l0:l0 + n, :, t0:t0 + t], wire, out=request.chunk.v)
+                if kind == "dense":
+                    to_tensor(host_k[l0:l0 + n, :, t0:t0 + t], dense, out=request.chunk.k)
+                    to_tensor(host_v[l0:l0 + n, :, t0:t0 + t], dense, out=request.chunk.v)
+                else:
+                    books = None
+                    if geometry["nuq"]:
+                        first_book = (layer_begin + l0) * heads
+                        books = codebooks[first_book:first_book + n * heads]
+                    quantized_append.fill_pages(request.chunk.pages, scheme, split,
+                                                k[l0:l0 + n, :, t0:t0 + t],
+                                                v[l0:l0 + n, :, t0:t0 + t], books)
+                sent["message_bytes"] += request.ByteSize()
                 yield request
-                sent["bytes"] += n * t * token_bytes
+                sent["bytes"] += payload
                 sent["chunks"] += 1
                 if progress:
                     progress(sent["bytes"], total)
 
         r = self._call(lambda t, _: self._stub.Append(requests(), timeout=t),
                        idempotent=False, deadline=deadline)
-        return AppendResult(r.num_tokens, r.bytes_stored, sent["bytes"], sent["chunks"])
+        return AppendResult(r.num_tokens, r.bytes_stored, sent["bytes"], sent["chunks"],
+                            sent["message_bytes"])
+
+    def _quantized_layout(self, sequence_id, head_dim, quantize, wire_dtype, deadline):
+        """(canonical scheme, kvq.page_geometry, stored tokens) when an
+        append to the sequence goes as raw pages quantized here, else None
+        (ValueError with quantize=True)."""
+        if quantize is False or (quantize is None and wire_dtype is not None):
+            return None
+        native = _native()
+        why = None
+        if native is None:
+            why = "the kvq native module is not installed"
+        elif wire_dtype is not None:
+            why = "wire_dtype is given: raw pages have no wire dtype"
+        else:
+            stats = self.stats(sequence_id, deadline=deadline)
+            geometry = native.page_geometry(stats.scheme, head_dim)
+            why = quantized_append.why_not_quantized(geometry,
+                                                     self._codebooks.get(sequence_id))
+            if why is None:
+                return geometry["scheme"], geometry, stats.num_tokens
+        if quantize:
+            raise ValueError(f"append_prompt(quantize=True): {why}")
+        return None
+
+    def fetch_pages(self, sequence_id, layer_begin=0, layer_end=0, token_begin=0, token_end=0,
+                    max_chunk_bytes=0, deadline=None):
+        """The raw stored pages of a range of the quantized part (FetchRequest
+        raw): [(layer, token_begin, QuantizedPages)] in the server's order,
+        each page_data [layer][kv_head][page] as the server stores them.
+        Retried as a whole."""
+        request = pb.FetchRequest(layer_begin=layer_begin, layer_end=layer_end,
+                                  token_begin=token_begin, token_end=token_end, raw=True,
+                                  max_chunk_bytes=max_chunk_bytes)
+        self._ref(sequence_id, request.sequence)
+
+        def run(timeout, _):
+            return [(m.layer, m.token_begin, m.pages)
+                    for m in self._stub.FetchDequant(request, timeout=timeout)]
+
+        return self._call(run, idempotent=True, deadline=deadline)
 
     def fetch(self, sequence_id, layer_begin=0, layer_end=0, token_begin=0, token_end=0,
               dtype="fp16", apply_rope=False, max_chunk_bytes=0,
@@ -679,6 +757,7 @@ class KvqClient:
         """Bytes freed (0 when a retry found the sequence already released)."""
         request = pb.ReleaseRequest()
         self._ref(sequence_id, request.sequence)
+        self._codebooks.pop(sequence_id, None)
         lost_reply = lambda code: 0 if code == grpc.StatusCode.NOT_FOUND else None
         r = self._call(lambda t, _: self._stub.Release(request, timeout=t),
                        idempotent=True, deadline=deadline, on_retry_status=lost_reply)

@@ -6,6 +6,10 @@ whole prompt's KV on the host until the last layer; this sends each layer's
 chunks as soon as they are added, while later layers are still being
 computed. The server commits the stream when finish() half-closes it, all or
 nothing, like any Append; cancel() (or a failure) stores nothing.
+
+Given the sequence's scheme and its stored length, each layer's tokens the
+server would quantize go as raw pages quantized here (quantized_append.py),
+as KvqClient.append_prompt sends them.
 """
 
 import queue
@@ -13,9 +17,9 @@ import queue
 import grpc
 import numpy as np
 
-from . import _proto
+from . import _proto, quantized_append
 from .client import KvqError
-from .tensors import plan_chunks, to_tensor, wire_dtype
+from .tensors import to_tensor, wire_dtype
 
 pb, _ = _proto.modules()
 
@@ -26,8 +30,20 @@ class LayerAppend:
     """Not thread-safe: one producer adds layers, then calls finish()."""
 
     def __init__(self, client, sequence_id, max_chunk_bytes=1 << 20, wire=None,
-                 deadline=None):
+                 deadline=None, scheme=None, start_tokens=0, head_dim=None):
+        """scheme (the sequence's), start_tokens (the tokens it stores now)
+        and head_dim: layers go as raw pages where the scheme has them and
+        the native module is installed (nuq goes dense: no codebooks here);
+        `wire` is then the dtype of the dense tokens other than kivi's (fp16).
+        Without a scheme every token goes dense in `wire`."""
         self._client = client
+        self._scheme = None
+        native = quantized_append.native()
+        if scheme is not None and head_dim is not None and native is not None:
+            geometry = native.page_geometry(scheme, head_dim)
+            if quantized_append.why_not_quantized(geometry, None) is None:
+                self._scheme, self._geometry = geometry["scheme"], geometry
+                self._start, self._head_dim = start_tokens, head_dim
         self._sequence_id = sequence_id
         self._max_chunk_bytes = max_chunk_bytes
         self._wire = wire
@@ -56,15 +72,27 @@ class LayerAppend:
         if k.ndim != 3 or k.shape != v.shape:
             raise ValueError(f"k {k.shape} and v {v.shape} must both be "
                              "[kv_heads, tokens, head_dim]")
-        wire = wire_dtype(self._wire or k.dtype)
-        item = 4 if wire == pb.DTYPE_FP32 else 2
         heads, tokens, dim = k.shape
-        for _, _, t0, t in plan_chunks(1, tokens, 2 * heads * dim * item, self._max_chunk_bytes):
+        in_wire = wire_dtype(self._wire or k.dtype)
+        if self._scheme is not None:
+            if dim != self._head_dim:
+                raise ValueError(f"k has head_dim {dim}, the sequence {self._head_dim}")
+            split = quantized_append.split_for_pages(self._geometry, self._start, tokens)
+            wire = wire_dtype(quantized_append.dense_wire(self._geometry, in_wire))
+        else:
+            split, wire = quantized_append.dense_split(tokens), in_wire
+        item = 4 if wire == pb.DTYPE_FP32 else 2
+        for kind, _, _, t0, t, payload in quantized_append.plan_append(
+                split, 1, heads, dim, item, self._max_chunk_bytes):
             request = self._request()
             request.chunk.layer_begin = layer
-            to_tensor(k[None, :, t0:t0 + t], wire, out=request.chunk.k)
-            to_tensor(v[None, :, t0:t0 + t], wire, out=request.chunk.v)
-            self.wire_bytes += len(request.chunk.k.data) + len(request.chunk.v.data)
+            if kind == "dense":
+                to_tensor(k[None, :, t0:t0 + t], wire, out=request.chunk.k)
+                to_tensor(v[None, :, t0:t0 + t], wire, out=request.chunk.v)
+            else:
+                quantized_append.fill_pages(request.chunk.pages, self._scheme, split,
+                                            k[None, :, t0:t0 + t], v[None, :, t0:t0 + t])
+            self.wire_bytes += payload
             self._requests.put(request)
 
     def finish(self):

@@ -2,7 +2,8 @@
 
 Tensors travel as raw little-endian bytes with an explicit dtype and shape.
 numpy has no bfloat16: bf16 goes out from float32 (round to nearest even,
-as the C++ kernels round) and comes back as float32.
+as the C++ kernels round) or from uint16 arrays of bf16 bits (a bfloat16
+torch tensor's, as they are), and comes back as float32.
 """
 
 import numpy as np
@@ -14,6 +15,7 @@ pb, _ = _proto.modules()
 _NUMPY_TO_WIRE = {
     np.dtype("<f4"): pb.DTYPE_FP32,
     np.dtype("<f2"): pb.DTYPE_FP16,
+    np.dtype("<u2"): pb.DTYPE_BF16,  # bf16 bit patterns.
 }
 _WIRE_NAMES = {"fp32": pb.DTYPE_FP32, "float32": pb.DTYPE_FP32, "fp16": pb.DTYPE_FP16,
                "float16": pb.DTYPE_FP16, "bf16": pb.DTYPE_BF16, "bfloat16": pb.DTYPE_BF16}
@@ -52,13 +54,19 @@ def bf16_bits_to_float32(bits):
 
 
 def to_tensor(array, dtype=None, out=None):
-    """A kvq.v1.Tensor of `array` (float32 or float16), converted to `dtype`
-    ('fp32', 'fp16', 'bf16'; default: the array's own dtype)."""
+    """A kvq.v1.Tensor of `array` (float32, float16, or uint16 bf16 bits),
+    converted to `dtype` ('fp32', 'fp16', 'bf16'; default: the array's own
+    dtype)."""
     a = np.asarray(array)
-    if a.dtype.kind != "f" or a.dtype.itemsize not in (2, 4):
-        raise ValueError(f"tensor dtype {a.dtype} is not float32 or float16")
+    bits = a.dtype == np.uint16
+    if not bits and (a.dtype.kind != "f" or a.dtype.itemsize not in (2, 4)):
+        raise ValueError(f"tensor dtype {a.dtype} is not float32, float16 or bf16 bits (uint16)")
     target = wire_dtype(a.dtype if dtype is None else dtype)
-    if target == pb.DTYPE_BF16:
+    if bits and target != pb.DTYPE_BF16:
+        a, bits = bf16_bits_to_float32(a), False  # Exact in float32.
+    if bits:
+        data = a.astype("<u2", copy=False)
+    elif target == pb.DTYPE_BF16:
         data = float32_to_bf16_bits(a.astype(np.float32, copy=False)).astype("<u2")
     elif target == pb.DTYPE_FP16:
         with np.errstate(over="ignore"):  # Beyond fp16: inf, which the server rejects.
@@ -92,21 +100,53 @@ def from_tensor(tensor, field="tensor"):
     return bf16_bits_to_float32(np.frombuffer(tensor.data, dtype="<u2")).reshape(shape)
 
 
-def plan_chunks(layers, tokens, unit_bytes, max_bytes):
+def prompt_arrays(k, v):
+    """(k, v, host_k, host_v) of a prompt's K and V ([layers, kv_heads,
+    tokens, head_dim]): k and v for the native quantizer (numpy arrays or
+    torch CPU tensors, read in place), host_k and host_v as numpy arrays
+    for dense chunks (a bfloat16 tensor's as uint16 bits, no conversion).
+    Two dtypes become float32."""
+    if hasattr(k, "detach") and hasattr(v, "detach"):  # torch tensors.
+        if k.device.type != "cpu" or v.device.type != "cpu":
+            raise ValueError(f"k and v must be CPU tensors (transport 'cuda_ipc' takes CUDA "
+                             f"ones), got {k.device} and {v.device}")
+        k, v = k.detach(), v.detach()
+        if k.dtype != v.dtype:
+            k, v = k.float(), v.float()
+        if str(k.dtype) == "torch.bfloat16":
+            import torch
+            host_k = k.view(torch.int16).numpy().view(np.uint16)
+            host_v = v.view(torch.int16).numpy().view(np.uint16)
+        else:
+            host_k, host_v = k.numpy(), v.numpy()
+    else:
+        k, v = np.asarray(k), np.asarray(v)
+        if k.dtype != v.dtype:
+            k, v = k.astype(np.float32), v.astype(np.float32)
+        host_k, host_v = k, v
+    if host_k.ndim != 4 or host_k.shape != host_v.shape:
+        raise ValueError(f"k {host_k.shape} and v {host_v.shape} must both be "
+                         "[layers, kv_heads, tokens, head_dim]")
+    return k, v, host_k, host_v
+
+
+def plan_chunks(layers, tokens, unit_bytes, max_bytes, token_unit=1):
     """Splits layers x tokens into (layer_begin, layers, token_begin, tokens)
-    rectangles of at most max_bytes, one token of one layer costing
-    unit_bytes: whole layers per chunk when a layer fits, else one layer per
-    chunk split along tokens (never less than one token). Layer-major, each
-    layer's tokens in order (the C++ client's PlanChunks with unit 1)."""
+    rectangles of at most max_bytes, `token_unit` tokens of one layer
+    costing unit_bytes: whole layers per chunk when a layer fits, else one
+    layer per chunk split along tokens at multiples of token_unit (never
+    less than one unit). Layer-major, each layer's tokens in order (the C++
+    client's PlanChunks)."""
     if layers <= 0 or tokens <= 0:
         return []
+    token_unit = max(int(token_unit), 1)
     unit_bytes = max(int(unit_bytes), 1)
     max_bytes = max(int(max_bytes), 1)
-    layer_bytes = tokens * unit_bytes
+    layer_bytes = -(-tokens // token_unit) * unit_bytes
     if layer_bytes <= max_bytes:
         per = min(layers, max_bytes // layer_bytes)
         return [(l, min(per, layers - l), 0, tokens) for l in range(0, layers, per)]
-    step = max(1, max_bytes // unit_bytes)
+    step = max(1, max_bytes // unit_bytes) * token_unit
     return [(l, 1, t, min(step, tokens - t)) for l in range(layers) for t in range(0, tokens, step)]
 
 

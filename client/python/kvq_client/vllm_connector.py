@@ -15,9 +15,8 @@ Worker side: start_load_kv fetches each loaded range (FetchDequant, all
 layers) and writes it into vLLM's paged cache before the forward pass;
 save_kv_layer sends each layer's new prompt tokens into one Append stream
 per request while later layers compute (LayerAppend), and wait_for_save
-commits the streams. K and V go dense in the cache's dtype and the server
-quantizes them into the sequence's scheme (the Python client has no
-quantization kernels).
+commits the streams. The tokens the server would quantize are quantized
+here (kvq's native kernels) and go as raw pages; the rest goes dense.
 
 This module imports vLLM and torch; the rest of kvq_client does not.
 """
@@ -294,8 +293,12 @@ class KvqConnector(KVConnectorBase_V1):
             entry = self._appends.get(r.sequence_id)
             if entry is None:
                 wire = _WIRE[kv_layer.dtype]
+                # Quantized here where the scheme has raw pages: only
+                # stored bytes travel.
                 stream = LayerAppend(self._client, r.sequence_id,
-                                     max_chunk_bytes=self._settings.max_chunk_bytes, wire=wire)
+                                     max_chunk_bytes=self._settings.max_chunk_bytes, wire=wire,
+                                     scheme=self._settings.scheme, start_tokens=r.begin,
+                                     head_dim=self._layout.head_dim)
                 entry = self._appends[r.sequence_id] = (r, stream, set())
             block, offset = self._slots(r, kv_layer)
             k, v = gather(kv_layer, block, offset)
