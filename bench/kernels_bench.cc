@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/bench_stats.h"
 #include "bench/counting_allocator.h"
 #if KVQ_HAVE_CUDA
 #include "kernels/cuda/device_page_pool.h"
@@ -49,18 +50,10 @@ constexpr double kMinKivi2Speedup = 3.5;
 constexpr double kMinFp16BwFraction = 0.5;
 constexpr double kPeerFraction = 0.1;  // Quantized decode <= 1/10 of ggml's.
 
-using Clock = std::chrono::steady_clock;
+using bench::Clock;
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::Median;
+using bench::SecondsSince;
 
 // One (layout, context): the generated heads and the fp32 reference outputs.
 struct LayerData {

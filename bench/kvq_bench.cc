@@ -40,9 +40,11 @@
 #include "absl/synchronization/mutex.h"
 #include "bench/checksum_bench.h"
 #include "bench/convert_bench.h"
+#include "bench/device_bench.h"
 #include "bench/kernels_bench.h"
 #include "bench/rpc_bench.h"
 #include "bench/soak_bench.h"
+#include "kernels/build_info.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON document instead of the table.");
 ABSL_FLAG(bool, quick, false,
@@ -157,6 +159,7 @@ int KernelsMain(const std::string& command) {
 }  // namespace kvq
 
 int main(int argc, char** argv) {
+  if (kvq::PrintVersionIfAsked(argc, argv, "kvq-bench")) return 0;
   absl::SetProgramUsageMessage(
       "kvq-bench <subcommand> [flags]\n"
       "  kernels   bits/element, attention error and decode speed of every scheme\n"
@@ -167,6 +170,8 @@ int main(int argc, char** argv) {
       "            e.g. kvq-bench convert\n"
       "  checksums Attend and FetchDequant with page checksums verified vs not\n"
       "            e.g. kvq-bench checksums --tokens=32768\n"
+      "  device    the CUDA kernels at 32k x 64 sequences vs the device's copy bandwidth\n"
+      "            e.g. kvq-bench device --json_out=bench.json\n"
       "  soak      bounded load: prefill + decode clients, errors, p50/p99, RSS and pool growth\n"
       "            e.g. kvq-bench soak --duration=2m");
   std::vector<std::string> words = {"kvq-bench"};
@@ -177,7 +182,7 @@ int main(int argc, char** argv) {
   // Abseil keeps one; the client's page allocator locks once per page).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (args.size() != 2) {
-    std::cerr << "usage: kvq-bench kernels|rpc|convert|checksums|soak [flags]   (see --help)\n";
+    std::cerr << "usage: kvq-bench kernels|rpc|convert|checksums|device|soak [flags]   (see --help)\n";
     return 2;
   }
   const std::string sub = args[1];
@@ -186,8 +191,9 @@ int main(int argc, char** argv) {
   if (sub == "convert") return kvq::ConvertMain(command);
   if (sub == "checksums") return kvq::ChecksumsMain(command);
   if (sub == "soak") return kvq::SoakMain(command);
+  if (sub == "device") return kvq::DeviceMain(command);
   if (sub == "rpc-echo-server") return kvq::RpcEchoServerMain();  // Started by `rpc`.
   std::cerr << "kvq-bench: unknown subcommand \"" << sub
-            << "\"; expected: kernels, rpc, convert, checksums, soak\n";
+            << "\"; expected: kernels, rpc, convert, checksums, device, soak\n";
   return 2;
 }

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_kvq_server.h"
+#include "bench/bench_stats.h"
 #include "bench/child_process.h"
 #include "bench/raw_echo.grpc.pb.h"
 #include "bench/resp_client.h"
@@ -32,7 +33,7 @@
 namespace kvq {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using bench::Clock;
 
 // SmolLM2-135M (bench/smollm_prompt.h).
 using smollm::kHeadDim;
@@ -56,16 +57,8 @@ constexpr const char* kRoundTripSchemes[] = {"kivi4", "kivi2"};
 constexpr const char* kAttendSchemes[] = {"fp16", "kivi2"};
 constexpr int kShortContext = 32;  // Keys of the RPC-path Attend rows.
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::Median;
+using bench::SecondsSince;
 
 // Nearest rank.
 double Percentile(std::vector<double> v, double p) {

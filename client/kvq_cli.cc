@@ -34,6 +34,7 @@
 #include "client/progress_bar.h"
 #include "client/sharded_client.h"
 #include "client/tls_flags.h"
+#include "kernels/build_info.h"
 #include "kernels/quant_spec.h"
 #include "kernels/status_macros.h"
 
@@ -572,6 +573,7 @@ std::string FlagName(absl::string_view arg) {
 }
 
 int Main(int argc, char** argv) {
+  if (PrintVersionIfAsked(argc, argv, "kvq")) return 0;
   absl::SetProgramUsageMessage("kvq <command> [flags]; kvq --help lists the commands");
   // Find the command and handle --help ourselves (per command), before absl
   // sees the flags.

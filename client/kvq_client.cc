@@ -220,7 +220,7 @@ absl::StatusOr<SequenceInfo> KvqClient::CreateSequence(const CreateOptions& opti
     return stub_->CreateSequence(ctx, request, &response);
   }));
   return SequenceInfo{response.sequence_id(), response.scheme(), response.num_tokens(),
-                      response.block_tokens()};
+                      response.block_tokens(), response.ttl_seconds()};
 }
 
 absl::StatusOr<AppendResult> KvqClient::SendPlan(absl::string_view sequence_id,
@@ -652,7 +652,7 @@ absl::StatusOr<ForkResult> KvqClient::Fork(absl::string_view source_id,
   KVQ_RETURN_IF_ERROR(Call(false, options.call, [&](grpc::ClientContext* ctx, int) {
     return stub_->Fork(ctx, request, &response);
   }));
-  return ForkResult{response.sequence_id(), response.num_tokens()};
+  return ForkResult{response.sequence_id(), response.num_tokens(), response.ttl_seconds()};
 }
 
 absl::StatusOr<int64_t> KvqClient::Release(absl::string_view sequence_id,

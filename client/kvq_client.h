@@ -113,6 +113,7 @@ struct SequenceInfo {
   std::string scheme;  // Canonical.
   int num_tokens = 0;  // A reused prefix already present.
   int block_tokens = 0;
+  uint32_t ttl_seconds = 0;  // The idle lease granted (capped to the server's maximum).
 };
 
 // Where a device payload's bytes are (docs/TRANSPORT.md). With `transport`
@@ -228,6 +229,7 @@ struct ForkOptions {
 struct ForkResult {
   std::string sequence_id;
   int num_tokens = 0;
+  uint32_t ttl_seconds = 0;  // The idle lease granted.
 };
 
 // A DecodeStream: each Write appends and attends one layer for some

@@ -24,6 +24,7 @@
 #include "client/kvq_client.h"
 #include "client/parallel_for.h"
 #include "client/tls_flags.h"
+#include "kernels/build_info.h"
 #include "kernels/tensor.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "kvq-server address");
@@ -226,6 +227,7 @@ int Run() {
 }  // namespace kvq
 
 int main(int argc, char** argv) {
+  if (kvq::PrintVersionIfAsked(argc, argv, "kvq-demo")) return 0;
   absl::SetProgramUsageMessage("kvq-demo --server=host:port: stores a prompt in several schemes and decodes");
   absl::ParseCommandLine(argc, argv);
   return kvq::Run();

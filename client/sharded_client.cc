@@ -10,6 +10,7 @@
 #include "client/parallel_for.h"
 #include "client/rendezvous.h"
 #include "client/shard_parts.h"
+#include "kernels/quoted.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -553,7 +554,7 @@ absl::StatusOr<ForkResult> ShardedKvqClient::Fork(absl::string_view source_id,
         SequenceKey(options_.client.ns, o.new_sequence_id), snap->replicas)];
     if (winner != route.replica) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "new_sequence_id \"", o.new_sequence_id, "\" is placed on replica ", winner,
+          "new_sequence_id ", Quoted(o.new_sequence_id), " is placed on replica ", winner,
           ", not on ", route.replica, " where the source is; leave it empty to draw one"));
     }
   }

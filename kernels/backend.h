@@ -141,8 +141,10 @@ class KernelBackend {
 
 const KernelBackend& RefBackend();
 const KernelBackend& CpuBackend();
-// "ref" or "cpu" ("cuda" when built with it).
+// "ref", "cpu" or "cuda_host" ("cuda" when built with it).
 absl::StatusOr<const KernelBackend*> BackendByName(absl::string_view name);
+// The names BackendByName knows in this build, ", "-separated.
+absl::string_view CompiledBackendNames();
 
 // Checks tasks against their streams: shared by every backend.
 absl::Status ValidateAttention(absl::Span<const AttentionTask> tasks,

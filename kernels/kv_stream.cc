@@ -219,7 +219,7 @@ absl::Status KvStream::Append(ConstTensorView k, ConstTensorView v) {
   return AppendValidated(k, v);
 }
 
-KvStream::AppendCheckpoint KvStream::Checkpoint(int n) const {
+KvStream::AppendCheckpoint KvStream::Checkpoint(int n, bool keep_tail) const {
   AppendCheckpoint c;
   c.pages = pages_.size();
   c.num_tokens = num_tokens_;
@@ -233,7 +233,7 @@ KvStream::AppendCheckpoint KvStream::Checkpoint(int n) const {
   // fail once the pages are allocated: no copy for them.
   const bool may_fail = backend_->enqueues() || !allocator_->host_accessible();
   const int tail = tail_tokens();
-  if (may_fail && tail > 0 && NewQuantizedTokens(n) > 0) {
+  if ((may_fail || keep_tail) && tail > 0 && NewQuantizedTokens(n) > 0) {
     const size_t row = static_cast<size_t>(head_dim());
     c.tail.resize(2 * tail * row);
     std::memcpy(c.tail.data(), tail_row(Side::kKey, 0), tail * row * 2);

@@ -89,6 +89,24 @@ class KvStream {
   // valid lengths; RESOURCE_EXHAUSTED from the allocator.
   absl::StatusOr<std::unique_ptr<KvStream>> Fork(int tokens) const;
 
+  // What an append may change: taken before it, it undoes the append
+  // (device errors after the pages were written, or a multi-item call
+  // whose later item failed).
+  struct AppendCheckpoint {
+    size_t pages = 0;
+    int num_tokens = 0;
+    int quantized_tokens = 0;
+    float fp8_scale[2] = {0.0f, 0.0f};
+    std::vector<uint16_t> tail;  // K then V tail rows, when the append flushes them.
+  };
+  // What Undo needs to take back the next append of n tokens even after
+  // it succeeded (the flushed tail is kept whatever the backend).
+  AppendCheckpoint UndoPoint(int n) const { return Checkpoint(n, /*keep_tail=*/true); }
+  // Takes back everything appended since `before` (from UndoPoint on this
+  // stream, with nothing forked or read as pages in between): frees the
+  // pages added and restores the counts and the tail.
+  void Undo(const AppendCheckpoint& before) { Rollback(before); }
+
   // --- Raw pages: the wire form for clients that quantize or dequantize
   // with these kernels themselves. ---
   // Pages that `tokens` quantized tokens occupy from a page boundary.
@@ -234,16 +252,9 @@ class KvStream {
   absl::Status ReadPageRows(Side side, const uint8_t* page, bool stored, int row, int count,
                             int t, const ReadOptions& options, const TensorView& out,
                             int out_row, float* scratch) const;
-  // What an append may change, to undo it when the backend reports a
-  // device error after the pages were written (Synchronize).
-  struct AppendCheckpoint {
-    size_t pages = 0;
-    int num_tokens = 0;
-    int quantized_tokens = 0;
-    float fp8_scale[2] = {0.0f, 0.0f};
-    std::vector<uint16_t> tail;  // K then V tail rows, when the append flushes them.
-  };
-  AppendCheckpoint Checkpoint(int n) const;
+  // keep_tail: copy the tail rows a flush overwrites even where the
+  // append cannot fail after allocating (host backend and memory).
+  AppendCheckpoint Checkpoint(int n, bool keep_tail = false) const;
   // Undoes an append back to `before`: frees the pages it added.
   void Rollback(const AppendCheckpoint& before);
   // AppendValidated() without the backend's Synchronize() and the undo.

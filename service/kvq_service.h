@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/build_info.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "service/kernel_thread.h"
 #include "service/metrics.h"
@@ -30,7 +31,7 @@ struct ServiceOptions {
   // Default size of one FetchDequant response message.
   int64_t fetch_chunk_bytes = int64_t{1} << 20;
   std::string backend_name = "cpu";
-  std::string version = "0.1.0";
+  std::string version = std::string(KvqVersion());
   // Share of reads that verify page checksums (--verify_fraction).
   double verify_fraction = 1.0;
   // Longest a device payload transfer may wait for its peer (the call's
@@ -44,13 +45,36 @@ struct ServiceOptions {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
-// FetchDequant and Append are raw methods (grpc::ByteBuffer): FetchDequant's
-// messages are encoded by hand around the dequantized tensors or the pages
-// (service/fetch_encoder.h), and Append reads raw pages from the received
-// slices (service/append_decoder.h).
-class KvqService final
-    : public v1::KvCache::WithRawCallbackMethod_Append<
-          v1::KvCache::WithRawCallbackMethod_FetchDequant<v1::KvCache::CallbackService>> {
+// Every method is raw (grpc::ByteBuffer in and out). gRPC's own decoding
+// answers a request that does not parse with UNIMPLEMENTED and no message;
+// decoded here (service/request_decoder.h) it is INVALID_ARGUMENT naming
+// the field, and every string's length is checked against its bound before
+// a handler runs. FetchDequant's messages are also encoded by hand around
+// the dequantized tensors or the pages (service/fetch_encoder.h), and
+// Append reads raw pages from the received slices
+// (service/append_decoder.h). The wrappers sit on the plain Service: over
+// CallbackService, the raw DecodeStream would clash with the typed one
+// (same parameters, another return type).
+// clang-format off
+using RawKvCacheService =
+    v1::KvCache::WithRawCallbackMethod_GetServerInfo<
+    v1::KvCache::WithRawCallbackMethod_CreateSequence<
+    v1::KvCache::WithRawCallbackMethod_Append<
+    v1::KvCache::WithRawCallbackMethod_FetchDequant<
+    v1::KvCache::WithRawCallbackMethod_Attend<
+    v1::KvCache::WithRawCallbackMethod_AppendAttend<
+    v1::KvCache::WithRawCallbackMethod_DecodeStream<
+    v1::KvCache::WithRawCallbackMethod_Fork<
+    v1::KvCache::WithRawCallbackMethod_Release<
+    v1::KvCache::WithRawCallbackMethod_Stats<
+    v1::KvCache::WithRawCallbackMethod_OpenTransfer<
+    v1::KvCache::WithRawCallbackMethod_CloseTransfer<
+    v1::KvCache::WithRawCallbackMethod_AppendDevice<
+    v1::KvCache::WithRawCallbackMethod_FetchDevice<
+        v1::KvCache::Service>>>>>>>>>>>>>>;
+// clang-format on
+
+class KvqService final : public RawKvCacheService {
  public:
   KvqService(SequenceStore* store, Metrics* metrics, const ServiceOptions& options);
   // With a table every call must carry a tenant's bearer token and runs in
@@ -63,42 +87,41 @@ class KvqService final
   }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
-                                          const v1::GetServerInfoRequest* req,
-                                          v1::ServerInfo* resp) override;
+                                          const grpc::ByteBuffer* req,
+                                          grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
-                                           const v1::CreateSequenceRequest* req,
-                                           v1::CreateSequenceResponse* resp) override;
+                                           const grpc::ByteBuffer* req,
+                                           grpc::ByteBuffer* resp) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
                                                     grpc::ByteBuffer* resp) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchDequant(grpc::CallbackServerContext* ctx,
                                                            const grpc::ByteBuffer* req) override;
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
-                                   v1::AttendResponse* resp) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                   grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* ctx,
-                                         const v1::AppendAttendRequest* req,
-                                         v1::AttendResponse* resp) override;
-  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* DecodeStream(
+                                         const grpc::ByteBuffer* req,
+                                         grpc::ByteBuffer* resp) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DecodeStream(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
-                                 v1::ForkResponse* resp) override;
-  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
-                                    const v1::ReleaseRequest* req,
-                                    v1::ReleaseResponse* resp) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
-                                  v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                 grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                    grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                  grpc::ByteBuffer* resp) override;
   // Device payloads (service/device_rpcs.cc).
   grpc::ServerUnaryReactor* OpenTransfer(grpc::CallbackServerContext* ctx,
-                                         const v1::OpenTransferRequest* req,
-                                         v1::OpenTransferResponse* resp) override;
+                                         const grpc::ByteBuffer* req,
+                                         grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* CloseTransfer(grpc::CallbackServerContext* ctx,
-                                          const v1::CloseTransferRequest* req,
-                                          v1::CloseTransferResponse* resp) override;
+                                          const grpc::ByteBuffer* req,
+                                          grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* AppendDevice(grpc::CallbackServerContext* ctx,
-                                         const v1::AppendDeviceRequest* req,
-                                         v1::AppendResponse* resp) override;
+                                         const grpc::ByteBuffer* req,
+                                         grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* FetchDevice(grpc::CallbackServerContext* ctx,
-                                        const v1::FetchDeviceRequest* req,
-                                        v1::FetchDeviceResponse* resp) override;
+                                        const grpc::ByteBuffer* req,
+                                        grpc::ByteBuffer* resp) override;
 
   // The handler bodies, callable without gRPC (DecodeStream reuses them).
   // `method` labels the kernel time (a DecodeStream step passes its own).

@@ -11,12 +11,6 @@
 namespace kvq {
 namespace {
 
-std::string Describe(const Sequence& seq) {
-  return seq.ns().empty()
-             ? absl::StrCat("sequence \"", seq.id(), "\"")
-             : absl::StrCat("sequence \"", seq.id(), "\" in namespace \"", seq.ns(), "\"");
-}
-
 // The checksum of page `i` of `s`: hashed in place where the host may
 // address it, else copied to a reused host buffer first (device pages).
 uint64_t StreamPageChecksum(const KvStream& s, int i) {
@@ -77,7 +71,7 @@ void SealFullPages(const Sequence& seq, PagePool& pool, int layer_begin, int lay
 void PageReadCheck::Add(const Sequence& seq, int layer, int begin, int end) {
   std::vector<const uint8_t*> blocks;
   for (int h = 0; h < seq.shape().num_kv_heads; ++h) {
-    const KvStream& s = seq.stream(layer, h);
+    const KvStream& s = seq.committed_stream(layer, h);  // What readers read.
     const PageAllocator* sums_at = Keeper(s, pool_);
     if (sums_at == nullptr) continue;
     const int pt = s.layout().page_tokens;
@@ -124,10 +118,10 @@ void PageReadCheck::CheckPage(const KvStream& stream, const Stream& entry, int i
   any_failed_.store(true, std::memory_order_release);
   const int pt = stream.layout().page_tokens;
   const int t0 = stream.page_base() + index * pt;
-  status_ = absl::DataLossError(absl::StrCat(
-      "page checksum mismatch in ", Describe(*entry.seq), " layer ", entry.layer, " kv_head ",
-      entry.head, " page ", index, " (tokens [", t0, ", ", t0 + pt,
-      ")): the sequence is removed; append it again"));
+  status_ = absl::DataLossError(
+      absl::StrCat("page checksum mismatch in ", DescribeSequence(entry.seq->ns(), entry.seq->id()),
+                   " layer ", entry.layer, " kv_head ", entry.head, " page ", index, " (tokens [",
+                   t0, ", ", t0 + pt, ")): the sequence is removed; append it again"));
 }
 
 void PageReadCheck::Check(const KvStream& stream, int page) const {

@@ -1,8 +1,10 @@
 #include "service/sequence.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quoted.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -62,8 +64,18 @@ int Sequence::num_tokens() const {
 }
 
 int Sequence::committed_tokens(int layer) const {
-  if (!snapshot_.empty()) return snapshot_[layer * shape_.num_kv_heads]->num_tokens();
-  return layer_tokens(layer);
+  return committed_stream(layer, 0).num_tokens();
+}
+
+int Sequence::committed_num_tokens() const {
+  int n = committed_tokens(0);
+  for (int l = 1; l < shape_.num_layers; ++l) n = std::min(n, committed_tokens(l));
+  return n;
+}
+
+const KvStream& Sequence::committed_stream(int layer, int head) const {
+  const int i = layer * shape_.num_kv_heads + head;
+  return in_transaction() ? *snapshot_[i] : *streams_[i];
 }
 
 absl::Status Sequence::Atomically(int layer_begin, int layer_end, bool allocates,
@@ -142,6 +154,25 @@ absl::Status Sequence::AppendDense(const DenseKv& kv) {
   });
 }
 
+Sequence::AppendUndo Sequence::UndoPoint(const DenseKv& kv) const {
+  AppendUndo undo;
+  for (int l = 0; l < kv.layers; ++l) {
+    for (int head = 0; head < shape_.num_kv_heads; ++head) {
+      undo.push_back(stream(kv.layer_begin + l, head).UndoPoint(kv.tokens));
+    }
+  }
+  return undo;
+}
+
+void Sequence::UndoAppend(const DenseKv& kv, const AppendUndo& undo) {
+  size_t i = 0;
+  for (int l = 0; l < kv.layers; ++l) {
+    for (int head = 0; head < shape_.num_kv_heads; ++head) {
+      stream(kv.layer_begin + l, head).Undo(undo[i++]);
+    }
+  }
+}
+
 absl::Status Sequence::AppendRaw(const RawPagesKv& raw) {
   if (raw.layers < 1 || raw.layer_begin < 0 || raw.layer_begin + raw.layers > shape_.num_layers) {
     return absl::OutOfRangeError(absl::StrCat("layers [", raw.layer_begin, ", ",
@@ -168,36 +199,59 @@ absl::Status Sequence::AppendRaw(const RawPagesKv& raw) {
   });
 }
 
-absl::Status Sequence::BeginTransaction() {
+absl::StatusOr<TransactionToken> Sequence::BeginTransaction() {
   if (in_transaction()) return absl::AbortedError("another append stream is in progress");
   std::vector<std::unique_ptr<KvStream>> saved;
   for (const auto& s : streams_) {
     KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> copy, s->Fork(s->num_tokens()));
     saved.push_back(std::move(copy));
   }
+  // Unique across sequences, so a token never ends another sequence's
+  // transaction either.
+  static std::atomic<uint64_t> next_id{0};
   snapshot_ = std::move(saved);
+  snapshot_token_ids_ = token_ids_.size();
+  open_transaction_ = ++next_id;
+  return TransactionToken(open_transaction_);
+}
+
+absl::Status Sequence::EndTransaction(TransactionToken& token) {
+  if (!token.held() || token.id_ != open_transaction_) {
+    return absl::FailedPreconditionError(
+        "the transaction is not open or belongs to another append");
+  }
+  token.id_ = 0;
+  open_transaction_ = 0;
   return absl::OkStatus();
 }
 
-void Sequence::Rollback() {
-  if (!in_transaction()) return;
+absl::Status Sequence::Rollback(TransactionToken& token) {
+  KVQ_RETURN_IF_ERROR(EndTransaction(token));
   streams_ = std::move(snapshot_);
   snapshot_.clear();
+  // Ids the undone appends added would otherwise name later tokens (and
+  // register wrong prefix blocks).
+  token_ids_.resize(std::min(token_ids_.size(), snapshot_token_ids_));
+  return absl::OkStatus();
 }
 
-void Sequence::Commit() { snapshot_.clear(); }
+absl::Status Sequence::Commit(TransactionToken& token) {
+  KVQ_RETURN_IF_ERROR(EndTransaction(token));
+  snapshot_.clear();
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string ns, std::string id,
                                                          int tokens) const {
   std::unique_ptr<Sequence> f(new Sequence(std::move(ns), std::move(id), shape_, config_));
   for (int l = 0; l < shape_.num_layers; ++l) {
     for (int head = 0; head < shape_.num_kv_heads; ++head) {
-      KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s, stream(l, head).Fork(tokens));
+      KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s, committed_stream(l, head).Fork(tokens));
       f->streams_.push_back(std::move(s));
     }
   }
-  f->token_ids_.assign(token_ids_.begin(),
-                       token_ids_.begin() + std::min<size_t>(token_ids_.size(), tokens));
+  const size_t ids = in_transaction() ? snapshot_token_ids_ : token_ids_.size();
+  f->token_ids_.assign(token_ids_.begin(), token_ids_.begin() + std::min<size_t>(ids, tokens));
   return f;
 }
 
@@ -205,6 +259,11 @@ ByteBreakdown Sequence::Bytes() const {
   ByteBreakdown b;
   for (const auto& s : streams_) b += s->AllocatedBytes();
   return b;
+}
+
+std::string DescribeSequence(absl::string_view ns, absl::string_view id) {
+  return ns.empty() ? absl::StrCat("sequence ", Quoted(id))
+                    : absl::StrCat("sequence ", Quoted(id), " in namespace ", Quoted(ns));
 }
 
 }  // namespace kvq

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -53,6 +54,26 @@ struct RawPagesKv {
   ByteReader data;
 };
 
+// The owner of a Sequence's open transaction (BeginTransaction). Move-only:
+// exactly one holder may end the transaction; an empty token owns nothing.
+class TransactionToken {
+ public:
+  TransactionToken() = default;
+  TransactionToken(TransactionToken&& o) noexcept : id_(std::exchange(o.id_, 0)) {}
+  TransactionToken& operator=(TransactionToken&& o) noexcept {
+    id_ = std::exchange(o.id_, 0);
+    return *this;
+  }
+  TransactionToken(const TransactionToken&) = delete;
+  TransactionToken& operator=(const TransactionToken&) = delete;
+  bool held() const { return id_ != 0; }
+
+ private:
+  friend class Sequence;
+  explicit TransactionToken(uint64_t id) : id_(id) {}
+  uint64_t id_ = 0;
+};
+
 class Sequence {
  public:
   // Every stream is created from `config` (head_dim and RoPE from `shape`);
@@ -87,19 +108,41 @@ class Sequence {
   // The checks AppendDense makes before touching anything.
   absl::Status ValidateDense(const DenseKv& kv) const;
   absl::Status AppendRaw(const RawPagesKv& pages);
+  // Taken right before AppendDense(kv), what UndoAppend needs to take that
+  // append back after it succeeded, one checkpoint per stream of kv's
+  // layers: a multi-item call (AppendAttend) undoes the items before one
+  // that failed, so the call changes nothing. Nothing may append to, fork or
+  // seal those layers in between.
+  using AppendUndo = std::vector<KvStream::AppendCheckpoint>;
+  AppendUndo UndoPoint(const DenseKv& kv) const;
+  void UndoAppend(const DenseKv& kv, const AppendUndo& undo);
 
   // Snapshots for multi-message all-or-nothing (the Append stream): Begin
-  // forks every stream (sharing pages); Rollback restores them; Commit drops
-  // the snapshot. While one is open, readers see only the tokens committed
-  // before it (committed_tokens()) and other appends fail with ABORTED.
-  absl::Status BeginTransaction();
-  void Rollback();
-  void Commit();
-  bool in_transaction() const { return !snapshot_.empty(); }
+  // forks every stream (sharing pages) and returns the token that owns the
+  // transaction; only that token commits or rolls it back, so a writer that
+  // was refused (ABORTED: another transaction is open) cannot undo or
+  // commit the writer that holds the sequence. While one is open, readers
+  // see only the tokens committed before it (committed_tokens(), Fork) and
+  // every other writer is refused with ABORTED.
+  absl::StatusOr<TransactionToken> BeginTransaction();
+  // Restores the streams and token ids of the snapshot and ends the
+  // transaction; Commit keeps the appends and ends it. Both consume
+  // `token`. FAILED_PRECONDITION, changing nothing, when `token` does not
+  // own the open transaction (none held, another's, or already ended).
+  absl::Status Rollback(TransactionToken& token);
+  absl::Status Commit(TransactionToken& token);
+  bool in_transaction() const { return open_transaction_ != 0; }
   // Tokens of `layer` that readers may see.
   int committed_tokens(int layer) const;
+  // Tokens stored in every layer that readers may see.
+  int committed_num_tokens() const;
+  // What readers read: the stream as committed, its snapshot while a
+  // transaction is open. (The open append may have quantized the committed
+  // fp16 tail already; the snapshot still holds it as committed.)
+  const KvStream& committed_stream(int layer, int head) const;
 
-  // Shares the first `tokens` tokens (Fork of every stream).
+  // Shares the first `tokens` tokens of the committed state (Fork of every
+  // stream, or of its snapshot while a transaction is open).
   absl::StatusOr<std::unique_ptr<Sequence>> Fork(std::string ns, std::string id, int tokens) const;
 
   ByteBreakdown Bytes() const;
@@ -118,6 +161,8 @@ class Sequence {
  private:
   Sequence(std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config);
   ConstTensorView DenseView(const DenseKv& kv, const uint8_t* base, int layer, int head) const;
+  // Checks that `token` owns the open transaction and clears both.
+  absl::Status EndTransaction(TransactionToken& token);
   // Runs `body` (which appends to the streams of layers [begin, end)) so
   // that a failure restores them, snapshotting only when `body` may fail
   // half-way (when it allocates pages).
@@ -131,8 +176,15 @@ class Sequence {
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<KvStream>> streams_;
   std::vector<std::unique_ptr<KvStream>> snapshot_;
+  // The open transaction's id (0: none) and the token ids it started with.
+  uint64_t open_transaction_ = 0;
+  size_t snapshot_token_ids_ = 0;
   std::vector<int32_t> token_ids_;
 };
+
+// `sequence "id"` or `sequence "id" in namespace "ns"` for messages, each
+// name cut to a short prefix (kernels/quoted.h).
+std::string DescribeSequence(absl::string_view ns, absl::string_view id);
 
 }  // namespace kvq
 

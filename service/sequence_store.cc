@@ -6,6 +6,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/quoted.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -25,11 +26,6 @@ absl::Status CheckName(absl::string_view field, absl::string_view name, bool all
     }
   }
   return absl::OkStatus();
-}
-
-std::string Describe(absl::string_view ns, absl::string_view id) {
-  return ns.empty() ? absl::StrCat("sequence \"", id, "\"")
-                    : absl::StrCat("sequence \"", id, "\" in namespace \"", ns, "\"");
 }
 
 }  // namespace
@@ -153,24 +149,25 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   KVQ_RETURN_IF_ERROR(CheckName("sequence_id", args.id, /*allow_empty=*/true));
   KVQ_ASSIGN_OR_RETURN(QuantSpec spec, QuantSpec::Parse(args.scheme));
   KVQ_RETURN_IF_ERROR(args.shape.Validate());
-  if (args.ttl < absl::ZeroDuration() || args.ttl > options_.max_ttl) {
-    return absl::InvalidArgumentError(absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(args.ttl),
-                                                   " exceeds the maximum ",
-                                                   absl::ToInt64Seconds(options_.max_ttl)));
+  if (args.ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(args.ttl), " must be >= 0"));
   }
   StreamConfig config;
   config.spec = spec;
   config.head_dim = args.shape.head_dim;
   config.rope = args.shape.rope;
   if (absl::Status st = config.Validate(); !st.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("scheme \"", args.scheme, "\" with head_dim ",
-                                                   args.shape.head_dim, ": ", st.message()));
+    return absl::InvalidArgumentError(absl::StrCat("scheme ", Quoted(args.scheme),
+                                                   " with head_dim ", args.shape.head_dim, ": ",
+                                                   st.message()));
   }
   std::string id = args.id;
   {
     absl::MutexLock lock(&mu_);
     if (!id.empty() && live_.contains(Key(args.tenant, args.ns, id))) {
-      return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
+      return absl::AlreadyExistsError(
+          absl::StrCat(DescribeSequence(args.ns, id), " already exists"));
     }
     if (static_cast<int>(live_.size()) >= options_.max_sequences) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -196,13 +193,16 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
       seq->tenant = args.tenant;
     }
   }
-  seq->ttl = args.ttl == absl::ZeroDuration() ? options_.default_ttl : args.ttl;
+  // A lease above the maximum is capped to it, as the proto promises; the
+  // response reports the lease granted.
+  seq->ttl = args.ttl == absl::ZeroDuration() ? options_.default_ttl
+                                              : std::min(args.ttl, options_.max_ttl);
   seq->last_used = absl::Now();
   std::shared_ptr<Sequence> shared(std::move(seq));
   absl::MutexLock lock(&mu_);
   const std::string key = Key(args.tenant, args.ns, id);
   if (live_.contains(key)) {
-    return absl::AlreadyExistsError(absl::StrCat(Describe(args.ns, id), " already exists"));
+    return absl::AlreadyExistsError(absl::StrCat(DescribeSequence(args.ns, id), " already exists"));
   }
   gone_.erase(key);
   live_[key] = Entry{shared};
@@ -210,29 +210,43 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   return Handle(this, shared);
 }
 
+absl::Status SequenceStore::GoneError(const std::string& key, absl::string_view ns,
+                                      absl::string_view id) const {
+  if (auto g = gone_.find(key); g != gone_.end()) {
+    switch (g->second) {
+      case GoneReason::kEvicted:
+        return absl::NotFoundError(
+            absl::StrCat(DescribeSequence(ns, id), " was evicted to free memory; recompute it"));
+      case GoneReason::kExpired:
+        return absl::NotFoundError(
+            absl::StrCat(DescribeSequence(ns, id), " expired: its lease ran out while idle"));
+      case GoneReason::kReleased:
+        return absl::NotFoundError(absl::StrCat(DescribeSequence(ns, id), " was released"));
+      case GoneReason::kCorrupted:
+        return absl::NotFoundError(absl::StrCat(
+            DescribeSequence(ns, id), " was removed: a page failed its checksum; append it again"));
+    }
+  }
+  return absl::NotFoundError(absl::StrCat(DescribeSequence(ns, id), " does not exist"));
+}
+
+absl::Status SequenceStore::CheckLive(const Sequence& seq) const {
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(seq.tenant, seq.ns(), seq.id());
+  auto it = live_.find(key);
+  if (it != live_.end() && it->second.seq.get() == &seq) return absl::OkStatus();
+  if (it != live_.end()) {  // Released, then created again under the same id.
+    return absl::NotFoundError(absl::StrCat(DescribeSequence(seq.ns(), seq.id()), " was released"));
+  }
+  return GoneError(key, seq.ns(), seq.id());
+}
+
 absl::StatusOr<SequenceStore::Handle> SequenceStore::Get(absl::string_view ns, absl::string_view id,
                                                          absl::string_view tenant) {
   absl::MutexLock lock(&mu_);
   const std::string key = Key(tenant, ns, id);
   auto it = live_.find(key);
-  if (it == live_.end()) {
-    if (auto g = gone_.find(key); g != gone_.end()) {
-      switch (g->second) {
-        case GoneReason::kEvicted:
-          return absl::NotFoundError(absl::StrCat(Describe(ns, id),
-                                                  " was evicted to free memory; recompute it"));
-        case GoneReason::kExpired:
-          return absl::NotFoundError(
-              absl::StrCat(Describe(ns, id), " expired: its lease ran out while idle"));
-        case GoneReason::kReleased:
-          return absl::NotFoundError(absl::StrCat(Describe(ns, id), " was released"));
-        case GoneReason::kCorrupted:
-          return absl::NotFoundError(absl::StrCat(
-              Describe(ns, id), " was removed: a page failed its checksum; append it again"));
-      }
-    }
-    return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
-  }
+  if (it == live_.end()) return GoneError(key, ns, id);
   std::shared_ptr<Sequence> seq = it->second.seq;
   ++seq->active_calls;
   seq->last_used = absl::Now();
@@ -249,9 +263,9 @@ absl::StatusOr<int64_t> SequenceStore::Release(absl::string_view ns, absl::strin
     if (it == live_.end()) {
       if (gone_.contains(key)) {
         return absl::NotFoundError(
-            absl::StrCat(Describe(ns, id), " was already ", GoneReasonName(gone_[key])));
+            absl::StrCat(DescribeSequence(ns, id), " was already ", GoneReasonName(gone_[key])));
       }
-      return absl::NotFoundError(absl::StrCat(Describe(ns, id), " does not exist"));
+      return absl::NotFoundError(absl::StrCat(DescribeSequence(ns, id), " does not exist"));
     }
     seq = std::move(it->second.seq);
     live_.erase(it);
@@ -274,10 +288,9 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
                                                           absl::Duration ttl,
                                                           absl::string_view tenant) {
   KVQ_RETURN_IF_ERROR(CheckName("new_sequence_id", new_id, /*allow_empty=*/true));
-  if (ttl < absl::ZeroDuration() || ttl > options_.max_ttl) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ttl_seconds = ", absl::ToInt64Seconds(ttl), " exceeds the maximum ",
-        absl::ToInt64Seconds(options_.max_ttl)));
+  if (ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_seconds = ", absl::ToInt64Seconds(ttl), " must be >= 0"));
   }
   KVQ_ASSIGN_OR_RETURN(Handle src, Get(ns, source, tenant));
   std::string id(new_id);
@@ -285,34 +298,33 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Fork(absl::string_view ns,
     absl::MutexLock lock(&mu_);
     if (id.empty()) id = absl::StrFormat("seq-%d-fork", ++next_id_[tenant]);
     if (live_.contains(Key(tenant, ns, id))) {
-      return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
+      return absl::AlreadyExistsError(absl::StrCat(DescribeSequence(ns, id), " already exists"));
     }
   }
   std::unique_ptr<Sequence> fork;
   {
+    // A fork sees what a read would: the committed tokens, without those
+    // of an append stream still open on the source.
     absl::MutexLock lock(&src->mu());
-    if (src->in_transaction()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(Describe(ns, source), " has an append stream in progress"));
-    }
-    const int n = tokens == 0 ? src->num_tokens() : tokens;
-    if (n < 0 || n > src->num_tokens()) {
-      return absl::OutOfRangeError(absl::StrCat("num_tokens = ", tokens, " is not in [0, ",
-                                                src->num_tokens(), "]"));
+    const int committed = src->committed_num_tokens();
+    const int n = tokens == 0 ? committed : tokens;
+    if (n < 0 || n > committed) {
+      return absl::OutOfRangeError(
+          absl::StrCat("num_tokens = ", tokens, " is not in [0, ", committed, "]"));
     }
     KVQ_RETURN_IF_ERROR(WithEviction(&*src, [&]() -> absl::Status {
       KVQ_ASSIGN_OR_RETURN(fork, src->Fork(std::string(ns), id, n));
       return absl::OkStatus();
     }));
   }
-  fork->ttl = ttl == absl::ZeroDuration() ? src->ttl : ttl;
+  fork->ttl = ttl == absl::ZeroDuration() ? src->ttl : std::min(ttl, options_.max_ttl);
   fork->last_used = absl::Now();
   fork->tenant = std::string(tenant);
   std::shared_ptr<Sequence> shared(std::move(fork));
   absl::MutexLock lock(&mu_);
   const std::string key = Key(tenant, ns, id);
   if (live_.contains(key)) {
-    return absl::AlreadyExistsError(absl::StrCat(Describe(ns, id), " already exists"));
+    return absl::AlreadyExistsError(absl::StrCat(DescribeSequence(ns, id), " already exists"));
   }
   gone_.erase(key);
   live_[key] = Entry{shared};
@@ -568,7 +580,7 @@ StoreStats SequenceStore::CollectStats(const absl::string_view* tenant) const {
   for (const auto& seq : live) {
     absl::ReaderMutexLock lock(&seq->mu());
     st.bytes += seq->Bytes();
-    const int64_t tokens = seq->num_tokens();
+    const int64_t tokens = seq->committed_num_tokens();
     st.tokens_by_scheme[seq->config().spec.ToString()] += tokens;
     st.fp16_equivalent_bytes += tokens * seq->shape().num_layers * seq->shape().num_kv_heads *
                                 seq->shape().head_dim * 2 * 2;

@@ -28,7 +28,7 @@ namespace kvq {
 struct StoreOptions {
   PagePoolOptions pool;
   absl::Duration default_ttl = absl::Minutes(10);
-  absl::Duration max_ttl = absl::Hours(24);
+  absl::Duration max_ttl = absl::Hours(24);  // A longer lease asked for is capped to it.
   // When the pool is full, evict released (prefix-cache) and then idle
   // sequences, least recently used first, instead of failing.
   bool evict_when_full = false;
@@ -58,7 +58,7 @@ struct CreateSequenceArgs {
   std::string id;  // Empty: generated.
   ModelShape shape;
   std::string scheme;
-  absl::Duration ttl = absl::ZeroDuration();  // Zero: default.
+  absl::Duration ttl = absl::ZeroDuration();  // Zero: default; capped to max_ttl.
   std::vector<Codebook> codebooks;
   std::vector<int32_t> prompt_token_ids;
 };
@@ -113,6 +113,10 @@ class SequenceStore {
   // evicted. Refreshes the lease.
   absl::StatusOr<Handle> Get(absl::string_view ns, absl::string_view id,
                              absl::string_view tenant = {});
+  // OK while `seq` (a handle's) is the live sequence of its key; else the
+  // NOT_FOUND that Get would answer (released, removed as corrupted). Lock
+  // order allows calling it with the sequence locked.
+  absl::Status CheckLive(const Sequence& seq) const;
   // Removes the sequence; returns the bytes it referenced. With eviction
   // enabled its pages stay as prefix cache until evicted.
   absl::StatusOr<int64_t> Release(absl::string_view ns, absl::string_view id,
@@ -185,6 +189,9 @@ class SequenceStore {
   // has none.
   bool EvictCachedOf(absl::string_view tenant);
   void Unuse(Sequence* seq);
+  // NOT_FOUND for `key`, naming why it is gone when a tombstone says.
+  absl::Status GoneError(const std::string& key, absl::string_view ns, absl::string_view id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Tombstone(const std::string& key, GoneReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts one sequence other than `keep`; false if none is evictable.
   bool EvictOne(const Sequence* keep);

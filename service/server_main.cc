@@ -24,11 +24,13 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/server_builder.h"
 #include "kernels/backend.h"
+#include "kernels/build_info.h"
 #include "kernels/cpu/simd_dispatch.h"
 #include "kernels/malloc_tuning.h"
 #include "service/backend_choice.h"
 #include "service/exposure_check.h"
 #include "service/server_config.h"
+#include "service/server_usage.h"
 #ifdef KVQ_HAVE_CUDA_TRANSPORT
 #include "service/transport/cuda_ipc_transport.h"
 #include "kernels/cuda/device_info.h"
@@ -50,7 +52,16 @@ int Fail(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("kvq-server: a quantized KV-cache service over gRPC. Flags: --helpfull");
+  if (kvq::PrintVersionIfAsked(argc, argv, "kvq-server")) return 0;
+  // --help lists the server's own flags, grouped; absl's would list only
+  // flags defined in a file named like the program (none).
+  for (int i = 1; i < argc; ++i) {
+    if (kvq::IsHelpArg(argv[i])) {
+      std::fputs(kvq::ServerUsage().c_str(), stdout);
+      return 0;
+    }
+  }
+  absl::SetProgramUsageMessage("kvq-server: a quantized KV-cache service over gRPC. Flags: --help");
   absl::ParseCommandLine(argc, argv);
   // Abseil built without NDEBUG (as Debian ships it) records every lock
   // order in a global graph: an Attend over 32 sequences holds 32 reader

@@ -1,9 +1,14 @@
-// The one shape of KvqService's unary handlers: admit the caller, time the
-// call, check its size, count its bytes, run the body and finish with its
-// status. kvq_service.cc and device_rpcs.cc both write their handlers with
-// KVQ_UNARY, so the handlers of both files behave alike by construction.
+// ServeUnary: the one path of every unary method of KvqService. Each method
+// is raw (grpc::ByteBuffer, service/request_decoder.h): admit the caller
+// (its tenant and rate), check the message size, decode the request and
+// its strings' bounds, run the handler's body, encode the response, and
+// time and count all of it.
 #ifndef KVQ_SERVICE_UNARY_CALL_H_
 #define KVQ_SERVICE_UNARY_CALL_H_
+
+#include <google/protobuf/arena.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/server_callback.h>
 
 #include <memory>
 #include <string>
@@ -12,53 +17,48 @@
 #include "absl/time/time.h"
 #include "service/kvq_service.h"
 #include "service/metrics.h"
+#include "service/request_decoder.h"
 #include "service/tenants.h"
 
 namespace kvq {
 
-// What a handler body knows of its call.
-struct UnaryCall {
-  const Tenant* tenant = nullptr;  // Null: the default tenant.
+// Who calls and until when, for a handler's body.
+struct CallInfo {
+  std::shared_ptr<Tenant> tenant;  // Null: the default tenant (no tokens file).
   std::string tenant_name;         // Empty for the default tenant.
-  absl::Time deadline;             // The call's own (infinite without one).
+  absl::Time deadline;             // The call's deadline (InfiniteFuture: none).
 };
 
-// Runs `body(const UnaryCall&) -> absl::Status` once the caller is admitted
-// and the request is within the size limit; the response's bytes count
-// when the body succeeds.
+// `body(const Req&, Resp*, const CallInfo&)` returns the call's status; on
+// OK the response is sent.
 template <typename Req, typename Resp, typename Body>
-grpc::ServerUnaryReactor* RunUnary(KvqService* service, RpcMethod method,
-                                   grpc::CallbackServerContext* ctx, const Req* req, Resp* resp,
-                                   Body&& body) {
+grpc::ServerUnaryReactor* ServeUnary(KvqService* service, RpcMethod method,
+                                     grpc::CallbackServerContext* ctx,
+                                     const grpc::ByteBuffer* raw_req, grpc::ByteBuffer* raw_resp,
+                                     Body body) {
   RpcTimer timer(service->metrics(), method);
-  service->metrics()->AddReceivedBytes(method, req->ByteSizeLong());
-  std::shared_ptr<Tenant> tenant;
-  absl::Status st = service->Admit(ctx, &tenant);
-  timer.set_tenant(tenant.get());
-  if (st.ok()) st = service->CheckSize(*req);
+  service->metrics()->AddReceivedBytes(method, raw_req->Length());
+  CallInfo call;
+  absl::Status st = service->Admit(ctx, &call.tenant);
+  timer.set_tenant(call.tenant.get());
+  google::protobuf::Arena arena;
+  Req* req = google::protobuf::Arena::CreateMessage<Req>(&arena);
+  Resp* resp = google::protobuf::Arena::CreateMessage<Resp>(&arena);
+  if (st.ok()) st = service->CheckSize(raw_req->Length());
+  if (st.ok()) st = DecodeRequest(*raw_req, req);
   if (st.ok()) {
-    const UnaryCall call{tenant.get(), tenant ? tenant->name() : std::string(),
-                         absl::FromChrono(ctx->deadline())};
-    st = body(call);
+    if (call.tenant != nullptr) call.tenant_name = call.tenant->name();
+    call.deadline = absl::FromChrono(ctx->deadline());
+    st = body(static_cast<const Req&>(*req), resp, static_cast<const CallInfo&>(call));
   }
-  if (st.ok()) service->metrics()->AddSentBytes(method, resp->ByteSizeLong());
+  if (st.ok()) st = EncodeResponse(*resp, raw_resp);
+  if (st.ok()) service->metrics()->AddSentBytes(method, raw_resp->Length());
   timer.Finish(static_cast<int>(st.code()));
-  auto* reactor = ctx->DefaultReactor();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpc(st));
   return reactor;
 }
 
 }  // namespace kvq
-
-// The body of a KvqService unary handler: `body` is a block returning
-// absl::Status that sees `call` (UnaryCall), `tenant` and `tenant_name`.
-#define KVQ_UNARY(method, ctx, req, resp, body)                                      \
-  return ::kvq::RunUnary(this, ::kvq::RpcMethod::method, ctx, req, resp,           \
-                         [&](const ::kvq::UnaryCall& call) -> absl::Status {       \
-                           [[maybe_unused]] const ::kvq::Tenant* tenant = call.tenant; \
-                           [[maybe_unused]] const std::string& tenant_name =      \
-                               call.tenant_name;                                   \
-                           return [&]() -> absl::Status body();                    \
-                         })
 
 #endif  // KVQ_SERVICE_UNARY_CALL_H_

@@ -36,6 +36,7 @@
 #include "bench/eval/remote_cache.h"
 #include "client/kvq_client.h"
 #include "client/progress_bar.h"
+#include "kernels/build_info.h"
 #include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, model, "", "GGUF model (default: the eval data dir's SmolLM2 file)");
@@ -175,6 +176,7 @@ std::string JsonString(absl::string_view s) {
 }
 
 int Main(int argc, char** argv) {
+  if (PrintVersionIfAsked(argc, argv, "kvq-eval")) return 0;
   absl::SetProgramUsageMessage(
       "kvq-eval: perplexity, KL, greedy agreement and passkey retrieval of SmolLM2-135M with "
       "its KV cache in kvq schemes (docs/QUALITY.md).");

@@ -28,6 +28,8 @@
 #include "kernels/cuda/cuda_quantize.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_info.h"
+#include "kernels/cuda/kernel_timing.h"
+#include "kernels/cuda/launch_timer.h"
 #include "kernels/cuda/stream_view_host.h"
 #include "kernels/kv_stream.h"
 #include "kernels/status_macros.h"
@@ -217,9 +219,18 @@ struct TaskOffsets {
   int rows = 0;
 };
 
-// One launch: tasks of one head_dim and one kernel kind.
+// Kernel-only timing of an attention launch (TimeDeviceAttention): the
+// launch repeated between CUDA events once its inputs are on the device.
+struct LaunchTiming {
+  int warmup = 0;
+  int reps = 0;
+  std::vector<double> ms;
+};
+
+// One launch: tasks of one head_dim and one kernel kind; timed when
+// `timing` is set.
 absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector<int>& which,
-                          const AttentionOptions& options) {
+                          const AttentionOptions& options, LaunchTiming* timing = nullptr) {
   const int group = options.group_size;
   const int d = all[which.front()].stream->head_dim();
   Staging staging;
@@ -312,9 +323,15 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
   KVQ_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(base, staging.host(), staging.upload_bytes(),
                                            cudaMemcpyHostToDevice, kStream),
                            "cudaMemcpyAsync (attention inputs to the device)");
-  KVQ_RETURN_IF_ERROR(LaunchDecodeAttention(reinterpret_cast<const DeviceAttentionTask*>(base),
-                                            shape, base + workspace_at, workspace_bytes,
-                                            kStream));
+  auto launch = [&] {
+    return LaunchDecodeAttention(reinterpret_cast<const DeviceAttentionTask*>(base), shape,
+                                 base + workspace_at, workspace_bytes, kStream);
+  };
+  if (timing == nullptr) {
+    KVQ_RETURN_IF_ERROR(launch());
+  } else {
+    KVQ_ASSIGN_OR_RETURN(timing->ms, TimeLaunches(kStream, timing->warmup, timing->reps, launch));
+  }
   std::vector<uint8_t> results(out_end - out_begin);
   KVQ_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(results.data(), base + out_begin, results.size(),
                                            cudaMemcpyDeviceToHost, kStream),
@@ -401,6 +418,28 @@ class CudaBackendImpl final : public KernelBackend {
 };
 
 }  // namespace
+
+absl::StatusOr<std::vector<double>> TimeDeviceAttention(absl::Span<const AttentionTask> tasks,
+                                                        const AttentionOptions& options,
+                                                        int warmup, int reps) {
+  KVQ_RETURN_IF_ERROR(ValidateAttention(tasks, options));
+  if (tasks.empty()) return absl::InvalidArgumentError("timed attention: no tasks");
+  const KvStream& first = *tasks.front().stream;
+  std::vector<int> which;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const KvStream& s = *tasks[i].stream;
+    if (s.head_dim() != first.head_dim() ||
+        UseTensorCores(s.layout()) != UseTensorCores(first.layout())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "timed attention: task ", i, " needs another launch than task 0 (head_dim ",
+          s.head_dim(), " vs ", first.head_dim(), ", or another kernel kind)"));
+    }
+    which.push_back(static_cast<int>(i));
+  }
+  LaunchTiming timing{warmup, reps, {}};
+  KVQ_RETURN_IF_ERROR(AttendLaunch(tasks, which, options, &timing));
+  return std::move(timing.ms);
+}
 
 absl::StatusOr<const KernelBackend*> CudaBackend() {
   absl::StatusOr<DeviceInfo> info = QueryCudaDevice(0);

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
@@ -402,8 +403,14 @@ absl::Status LaunchBatches(const DeviceQuantSide& side, absl::Span<const Job> jo
   }
   for (size_t first = 0; first < jobs.size(); first += kMaxJobsPerLaunch) {
     const size_t count = std::min<size_t>(kMaxJobsPerLaunch, jobs.size() - first);
-    // Static: 20 KB is too much for a caller's stack; launches copy it.
-    thread_local JobBatch<Job> batch;
+    // On the heap, once per thread: 20 KB is too much for a caller's stack,
+    // and as a thread_local object it would be static TLS, which glibc
+    // carves out of every thread's stack, civetweb's fixed-size metrics
+    // workers included (with NCCL loaded too they overflowed on the first
+    // scrape). Launches copy it.
+    thread_local const std::unique_ptr<JobBatch<Job>> batch_storage =
+        std::make_unique<JobBatch<Job>>();
+    JobBatch<Job>& batch = *batch_storage;
     batch.side = side;
     batch.count = static_cast<int>(count);
     batch.staged_unit_bytes = staged_unit_bytes;

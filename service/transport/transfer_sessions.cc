@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quoted.h"
 
 namespace kvq {
 
@@ -13,8 +14,8 @@ TransferSessions::~TransferSessions() {
 }
 
 absl::Status TransferSessions::NotFound(absl::string_view session_id) const {
-  return absl::NotFoundError(absl::StrCat("transfer session \"", session_id,
-                                          "\" is unknown, expired or closed; open a new one"));
+  return absl::NotFoundError(absl::StrCat("transfer session ", Quoted(session_id),
+                                          " is unknown, expired or closed; open a new one"));
 }
 
 int TransferSessions::ExpireLocked(absl::Time now) {
@@ -58,8 +59,8 @@ absl::StatusOr<KvTransport*> TransferSessions::Acquire(absl::string_view session
   auto it = sessions_.find(session_id);
   if (it == sessions_.end() || it->second.tenant != tenant) return NotFound(session_id);
   if (it->second.busy) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "transfer session \"", session_id, "\" is carrying another request's transfers"));
+    return absl::FailedPreconditionError(absl::StrCat("transfer session ", Quoted(session_id),
+                                                      " is carrying another request's transfers"));
   }
   it->second.busy = true;
   return it->second.transport;

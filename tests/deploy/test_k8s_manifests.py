@@ -35,6 +35,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 K8S = os.path.join(ROOT, "deploy", "k8s")
 KUBECTL = find_tool("kubectl")
 RENDERINGS = ("base", "overlays/cpu", "overlays/gpu")
+# vLLM against kvq with TLS and tokens (docs/VLLM.md, "Kubernetes").
+VLLM = "overlays/vllm"
 # Files under deploy/ that are not Kubernetes objects of the core API.
 NOT_CORE = {"Kustomization": "kustomize's own file", "ServiceMonitor": "a Prometheus Operator CRD"}
 
@@ -125,7 +127,7 @@ def test_every_manifest_file_validates():
     assert {"Namespace/kvq", "ServiceAccount/kvq", "Service/kvq", "StatefulSet/kvq",
             "PodDisruptionBudget/kvq", "NetworkPolicy/kvq",
             "HorizontalPodAutoscaler/kvq"} <= set(checked), checked
-    assert not_core.count("Kustomization") == 3 and "ServiceMonitor" in not_core
+    assert not_core.count("Kustomization") == 4 and "ServiceMonitor" in not_core
 
 
 @pytest.mark.parametrize("rel", RENDERINGS)
@@ -185,9 +187,9 @@ def test_cpu_overlay_is_the_base_on_the_cpu_backend(rendered):
 def test_gpu_overlay_differs_from_cpu_only_in_backend_image_and_gpu_node(rendered):
     cpu, gpu = rendered["overlays/cpu"], rendered["overlays/gpu"]
     c = container(gpu)
-    # kvq-server refuses --backend=cuda until a CUDA backend ships; auto
-    # starts today and picks CUDA then.
-    assert c["args"] == ["--flagfile=/etc/kvq/kvq.flags", "--backend=auto"]
+    # The CUDA backend, its page pool sized from the GPU's free memory.
+    assert c["args"] == ["--flagfile=/etc/kvq/kvq.flags", "--backend=cuda",
+                         "--device_capacity_fraction=0.8"]
     assert c["image"] == "kvq:dev-cuda"
     assert c["resources"]["limits"] == {"cpu": "4", "memory": "10Gi", "nvidia.com/gpu": "1"}
     assert c["resources"]["requests"] == {"cpu": "4", "memory": "10Gi"}
@@ -197,6 +199,84 @@ def test_gpu_overlay_differs_from_cpu_only_in_backend_image_and_gpu_node(rendere
                                    "effect": "NoSchedule"}]
     prefix = "/StatefulSet/spec/template/spec"
     assert diff(by_kind(cpu), by_kind(gpu)) == [
-        f"{prefix}/containers/0/args/1", f"{prefix}/containers/0/image",
+        f"{prefix}/containers/0/args", f"{prefix}/containers/0/image",
         f"{prefix}/containers/0/resources/limits/nvidia.com/gpu", f"{prefix}/nodeSelector",
         f"{prefix}/tolerations"]
+
+
+# ------------------------------------------------- vLLM with TLS and tokens
+
+
+@pytest.fixture(scope="module")
+def vllm_rendering():
+    return kubectl_kustomize(VLLM)
+
+
+def flag_lines(objs):
+    cm = by_kind(objs)["ConfigMap"]
+    return [ln for ln in cm["data"]["kvq.flags"].splitlines() if ln.startswith("--")]
+
+
+def test_vllm_rendering_validates(vllm_rendering):
+    for obj in vllm_rendering:
+        try:
+            validate(obj)
+        except SchemaError as e:
+            pytest.fail(f"kubectl kustomize {VLLM}: {e}")
+    names = sorted((o["kind"], o["metadata"]["name"]) for o in vllm_rendering
+                   if o["kind"] != "ConfigMap")
+    assert names == [("Deployment", "vllm"), ("Namespace", "kvq"), ("NetworkPolicy", "kvq"),
+                     ("PodDisruptionBudget", "kvq"), ("Service", "kvq"), ("Service", "vllm"),
+                     ("ServiceAccount", "kvq"), ("StatefulSet", "kvq")]
+
+
+def test_vllm_overlay_turns_tls_and_tokens_on_and_probes_without_grpc(vllm_rendering, rendered):
+    flags = flag_lines(vllm_rendering)
+    assert "--insecure" not in flags
+    assert {"--tls_cert=/etc/kvq-tls/tls.crt", "--tls_key=/etc/kvq-tls/tls.key",
+            "--tls_client_ca=/etc/kvq-tls/ca.crt",
+            "--tokens_file=/etc/kvq-tokens/tokens"} <= set(flags)
+    # Every other flag as in the cpu overlay.
+    assert [f for f in flags if not f.startswith(("--tls", "--tokens"))] == \
+        [f for f in flag_lines(rendered["overlays/cpu"]) if f != "--insecure"]
+    c = container(vllm_rendering)
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/etc/kvq-tls"] == "tls" and mounts["/etc/kvq-tokens"] == "tokens"
+    pod = by_kind(vllm_rendering)["StatefulSet"]["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert secrets == {"tls": "kvq-tls", "tokens": "kvq-tokens"}
+    # The kubelet's gRPC probe is plaintext: a TLS port needs another probe.
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "grpc" not in c[probe] and c[probe]["tcpSocket"] == {"port": 50051}
+
+
+def test_vllm_deployment_config_is_one_the_connector_accepts(vllm_rendering):
+    """The --kv-transfer-config of the Deployment parses, recomputes failed
+    loads, and its extra config passes the connector's own checks, with TLS
+    and token files on the Secrets the pod mounts."""
+    import json
+    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+    from kvq_client.vllm_settings import KvqSettings
+    objs = by_kind(vllm_rendering)
+    deploy = objs["Deployment"]
+    pod = deploy["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    [arg] = [a for a in c["args"] if a.startswith("--kv-transfer-config=")]
+    config = json.loads(arg.split("=", 1)[1])
+    assert config["kv_connector"] == "KvqConnector"
+    assert config["kv_connector_module_path"] == "kvq_client.vllm_connector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    s = KvqSettings.from_extra_config(config["kv_connector_extra_config"], "unused")
+    # The headless Service of the StatefulSet, in its namespace, on its port.
+    assert s.dns == "kvq.kvq.svc.cluster.local:50051" and s.address == ""
+    assert s.scheme == "int8" and s.tls_server_name == "kvq.kvq.svc.cluster.local"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    for path, secret, key in ((s.tls_ca, "kvq-client-tls", "ca.crt"),
+                              (s.tls_cert, "kvq-client-tls", "tls.crt"),
+                              (s.tls_key, "kvq-client-tls", "tls.key"),
+                              (s.token_file, "kvq-client-token", "token")):
+        directory, name = os.path.split(path)
+        assert name == key and secrets[mounts[directory]] == secret, path
+    # kvq's NetworkPolicy admits the pods.
+    assert deploy["spec"]["template"]["metadata"]["labels"]["kvq-client"] == "true"

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/kvq_client.h"
 #include "grpcpp/security/server_credentials.h"
@@ -156,9 +157,11 @@ TEST(TransportGpuTest, NcclWithTwoRanks) {
 #ifndef KVQ_HAVE_NCCL
   GTEST_SKIP() << "built without NCCL (KVQ_WITH_NCCL=OFF)";
 #else
-  if (CudaDeviceCount() < 2) {
-    GTEST_SKIP() << "NCCL test needs 2 GPUs (one per rank), found " << CudaDeviceCount();
-  }
+  if (CudaDeviceCount() < 1) GTEST_SKIP() << "no CUDA device: the NCCL test needs one";
+  // One rank per GPU; on one GPU both ranks share it where NCCL allows that
+  // (NCCL refuses a communicator with two ranks on one device as invalid
+  // usage: the test then skips, saying so).
+  const int peer_device = CudaDeviceCount() >= 2 ? 1 : 0;
   NcclTransport nccl(0);
   LoopbackServer s(nullptr, &nccl);
   std::unique_ptr<KvqClient> c = Connect(s.port);
@@ -170,10 +173,13 @@ TEST(TransportGpuTest, NcclWithTwoRanks) {
   ASSERT_TRUE(dk.ptr && dv.ptr);
   cudaMemcpy(dk.ptr, k.data.data(), dk.bytes, cudaMemcpyHostToDevice);
   cudaMemcpy(dv.ptr, v.data.data(), dv.bytes, cudaMemcpyHostToDevice);
-  NcclPeer peer(1);
+  NcclPeer peer(peer_device);
   AppendOptions a;
   a.device = {PayloadTransport::kNccl, &peer, dk.ptr, dv.ptr};
   absl::StatusOr<AppendResult> r = c->AppendPrompt("nccl", k, v, a);
+  if (!r.ok() && peer_device == 0 && absl::StrContains(r.status().message(), "invalid usage")) {
+    GTEST_SKIP() << "NCCL refuses two ranks on one GPU: " << r.status();
+  }
   ASSERT_TRUE(r.ok()) << r.status();
   absl::StatusOr<FetchedKv> x = c->FetchDequant("nccl"), y = c->FetchDequant("grpc");
   ASSERT_TRUE(x.ok() && y.ok());

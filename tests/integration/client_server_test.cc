@@ -31,7 +31,7 @@ constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64;
 class ClientServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = new ServerProcess(KVQ_SERVER_BIN);
+    server_ = new ServerProcess(BinaryPath("KVQ_SERVER_BIN", KVQ_SERVER_BIN));
     start_ = server_->Start();
   }
   static void TearDownTestSuite() {
@@ -385,7 +385,7 @@ TEST_F(ClientServerTest, ForkAndReleaseFollowTheProtocol) {
 
 // Runs the kvq CLI; returns its exit code and what it printed.
 int RunCli(const std::string& args, std::string* out) {
-  return RunCommand(absl::StrCat(KVQ_CLI_BIN, " ", args), out);
+  return RunCommand(absl::StrCat(BinaryPath("KVQ_CLI_BIN", KVQ_CLI_BIN), " ", args), out);
 }
 
 std::string Field(const std::string& text, absl::string_view key) {

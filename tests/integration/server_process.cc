@@ -41,6 +41,11 @@ int RunCommand(const std::string& command, std::string* output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+std::string BinaryPath(const char* env, const char* built) {
+  const char* moved = std::getenv(env);
+  return moved != nullptr && *moved != '\0' ? moved : built;
+}
+
 namespace {
 
 std::atomic<int> g_next_instance{0};

@@ -22,6 +22,11 @@ HostTensor Random(std::vector<int64_t> shape, uint32_t seed);
 // `output`.
 int RunCommand(const std::string& command, std::string* output);
 
+// `built` (the build tree's path, compiled in), or the environment
+// variable `env` where it is set: the GPU bundle runs these tests with the
+// binaries moved (scripts/gpu_check.sh sets KVQ_SERVER_BIN and KVQ_CLI_BIN).
+std::string BinaryPath(const char* env, const char* built);
+
 // Starts `server_bin` on 127.0.0.1:0 (and its metrics endpoint on
 // 127.0.0.1:0) with a 256 MiB CPU pool, learns the gRPC port from
 // --port_file and captures stdout in dir()/stdout. The destructor sends

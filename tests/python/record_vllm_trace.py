@@ -28,6 +28,7 @@ serves two 150-token prompts at once in a cache too small for both to decode
 it later, loading its prompt back from kvq.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,7 +75,9 @@ def scheduler_output_json(so):
     return {
         "scheduled_new_reqs": [new_data(n) for n in so.scheduled_new_reqs],
         "scheduled_cached_reqs": {
-            "req_ids": list(c.req_ids), "resumed_req_ids": sorted(c.resumed_req_ids),
+            # vLLM 0.34 sends a resumed request among the new ones.
+            "req_ids": list(c.req_ids),
+            "resumed_req_ids": sorted(getattr(c, "resumed_req_ids", None) or ()),
             "new_block_ids": [None if b is None else [list(x) for x in b]
                               for b in c.new_block_ids],
             "num_computed_tokens": list(c.num_computed_tokens)},
@@ -85,8 +88,9 @@ def scheduler_output_json(so):
 
 
 def ranges_json(ranges):
-    return [{"request_id": r.request_id, "sequence_id": r.sequence_id, "begin": r.begin,
-             "end": r.end, "block_ids": list(r.block_ids)} for r in ranges]
+    # Sequence ids are drawn by the client (random): not recorded.
+    return [{"request_id": r.request_id, "begin": r.begin, "end": r.end,
+             "block_ids": list(r.block_ids)} for r in ranges]
 
 
 class RecordingKvqConnector(KvqConnector):
@@ -130,8 +134,8 @@ class RecordingKvqConnector(KvqConnector):
 
 def worker_step(engine, so):
     """The step's forward (the slots vLLM's model runner computes for each
-    scheduled position) and the worker-side calls vLLM 0.33's model runner
-    makes for it, in order."""
+    scheduled position) and the worker-side calls vLLM's model runner makes
+    for it, in order."""
     blocks = {n.req_id: n for n in so.scheduled_new_reqs}
     slots, positions, tokens = [], [], []
     for rid, num in so.num_scheduled_tokens.items():
@@ -142,7 +146,7 @@ def worker_step(engine, so):
         else:
             c = so.scheduled_cached_reqs
             i = c.req_ids.index(rid)
-            if rid in c.resumed_req_ids:
+            if rid in (getattr(c, "resumed_req_ids", None) or ()):
                 state["block_ids"] = list(c.new_block_ids[i][0])
             elif c.new_block_ids[i] is not None:
                 state["block_ids"].extend(c.new_block_ids[i][0])
@@ -179,6 +183,9 @@ def run_worker(engine, so, worker, cache):
             if result:
                 raise RuntimeError(f"engine {engine}: kvq load failed for blocks {result}")
         EVENTS.append(call)
+    # Saves commit in the background; waiting for them here makes the
+    # recording deterministic (a later lookup finds what was saved).
+    worker._worker.drain(30)
 
 
 RUNNING = {}  # engine -> request id -> {"tokens", "block_ids", "computed"}, as its worker sees it.
@@ -194,7 +201,9 @@ def make_config(address, engine_id, model_dir, prefix_caching=True):
         kv_connector="RecordingKvqConnector", kv_connector_module_path="record_vllm_trace",
         kv_role="kv_both", engine_id=engine_id,
         kv_connector_extra_config={"kvq_address": address, "kvq_namespace": "trace",
-                                   "kvq_scheme": SCHEME})
+                                   "kvq_scheme": SCHEME,
+                                   # Lookups answer at once (deterministic).
+                                   "kvq_lookup_wait_seconds": 10})
     return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
                       kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
 
@@ -244,8 +253,10 @@ def run_engine(engine, config, requests, num_blocks=NUM_BLOCKS):
                 sampled.append([token])
             else:
                 sampled.append([])
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled)
+        extra = ({"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+                 if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+                 else {})  # vLLM < 0.34.
+        out = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra)
         scheduler.update_from_output(so, out)
     else:
         raise RuntimeError("the engine did not finish in 64 steps")

@@ -171,3 +171,13 @@ def test_keys_and_values_at_different_bits(client):
     assert 0.0 < k_err < 0.1 < v_err < 0.5, (k_err, v_err)  # Measured 0.065, 0.33.
     assert v_err > 3 * k_err
     assert client.release("mix1") > 0
+
+
+def test_a_lease_above_the_maximum_is_capped_and_reported(client):
+    # The server's defaults: --default_ttl_seconds=600, --max_ttl_seconds=86400.
+    assert client.create_sequence(layout(), scheme="int8", sequence_id="lease-0").ttl_seconds == 600
+    assert client.create_sequence(layout(), scheme="int8", sequence_id="lease-60",
+                                  ttl_seconds=60).ttl_seconds == 60
+    capped = client.create_sequence(layout(), scheme="int8", sequence_id="lease-long",
+                                    ttl_seconds=10 ** 6)
+    assert capped.ttl_seconds == 86400

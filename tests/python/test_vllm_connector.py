@@ -34,8 +34,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noq
 from vllm.v1.request import Request  # noqa: E402
 
 from kvq_client import KvqClient  # noqa: E402
-from kvq_client.vllm_connector import (KvqConnector, KvqConnectorMetadata,  # noqa: E402
-                                       KvqSettings)
+from kvq_client.vllm_connector import KvqConnector, KvqConnectorMetadata  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, MODEL_CONFIG,  # noqa: E402
@@ -70,14 +69,36 @@ def test_asks_for_piecewise_cuda_graphs_so_layer_saves_run():
     assert KvqConnector.requires_piecewise_for_cudagraph({}) is True
 
 
-def test_settings_reject_unknown_keys_and_pre_rope():
-    with pytest.raises(ValueError, match=r"unknown keys \['kvq_adress'\]"):
-        KvqSettings.from_extra_config({"kvq_adress": "x"}, "m")
-    with pytest.raises(ValueError, match="kvq_scheme 'kivi2:pre_rope'.*after RoPE"):
-        KvqSettings.from_extra_config({"kvq_scheme": "kivi2:pre_rope"}, "m")
-    s = KvqSettings.from_extra_config({"kvq_address": "127.0.0.1:1", "other": 1}, "org/model")
-    assert (s.address, s.namespace, s.scheme) == ("127.0.0.1:1", "vllm/org/model",
-                                                  "kivi4:g32:r128:sink=4")
+def test_is_a_best_effort_cache_for_vllms_preemption(model_dir):
+    # vLLM's default for a producer is True (its hand-off must be delivered).
+    config = vllm_config(model_dir, unreachable_address(), "delivery", "int8", "e")
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert config.kv_transfer_config.is_kv_producer
+    assert scheduler.requires_kv_delivery is False
+    scheduler.shutdown()
+
+
+def test_sets_vllms_load_failure_policy_to_recompute_or_refuses(model_dir):
+    # vLLM's default "fail" would fail a user's request on a kvq miss.
+    config = vllm_config(model_dir, unreachable_address(), "policy", "int8", "e")
+    assert config.kv_transfer_config.kv_load_failure_policy == "fail"
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    scheduler.shutdown()
+    config = vllm_config(model_dir, unreachable_address(), "policy", "int8", "e",
+                         extra={"kvq_failure_policy": "require"})
+    with pytest.raises(ValueError, match='needs kv_load_failure_policy "recompute"'):
+        KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_stats_travel_through_vllms_stats_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    a = KvqConnector.build_kv_connector_stats({"tokens_loaded": 5, "load_seconds": [0.5]})
+    b = KvqConnector.build_kv_connector_stats({"tokens_loaded": 7, "breaker_state": 1})
+    assert isinstance(a, KVConnectorStats) and not a.is_empty()
+    merged = a.aggregate(b)
+    assert merged.data["tokens_loaded"] == 12 and merged.data["breaker_state"] == 1
+    assert merged.reduce()["load_ms_mean"] == 500.0
 
 
 # ---------------------------------------------------------------- replay
@@ -118,11 +139,8 @@ def model_dir():
         yield tmp
 
 
-def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS,
-           extra=None):
-    """A scheduler-side and a worker-side connector of one vLLM engine, and
-    the worker's paged cache, configured as the recording was."""
-    config = VllmConfig(
+def vllm_config(model_dir, address, namespace, scheme, engine_id, extra=None):
+    return VllmConfig(
         model_config=ModelConfig(model=model_dir, dtype="float16", skip_tokenizer_init=True,
                                  seed=0),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
@@ -133,34 +151,70 @@ def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOC
             kv_connector="KvqConnector", kv_connector_module_path="kvq_client.vllm_connector",
             kv_role="kv_both", engine_id=engine_id,
             kv_connector_extra_config={"kvq_address": address, "kvq_namespace": namespace,
-                                       "kvq_scheme": scheme, **(extra or {})}),
+                                       "kvq_scheme": scheme, "kvq_lookup_wait_seconds": 10,
+                                       **(extra or {})}),
         device_config=DeviceConfig("cpu"))
-    kv_cache_config = KVCacheConfig(
+
+
+def kv_cache_config(num_blocks=NUM_BLOCKS):
+    return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(layer_names(), FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
             dtype=torch.float16))])
-    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+def engine(model_dir, address, namespace, scheme, engine_id, num_blocks=NUM_BLOCKS,
+           extra=None):
+    """A scheduler-side and a worker-side connector of one vLLM engine, and
+    the worker's paged cache, configured as the recording was."""
+    config = vllm_config(model_dir, address, namespace, scheme, engine_id, extra)
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(num_blocks))
+    worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config(num_blocks))
     cache = PagedCache(torch.float16, num_blocks)
     worker.register_kv_caches(cache.views)
     return scheduler, worker, cache
 
 
-def scheduler_output(j):
-    new = [NewRequestData(req_id=n["req_id"], prompt_token_ids=n["prompt_token_ids"],
-                          mm_features=[], sampling_params=None, pooling_params=None,
-                          block_ids=tuple(n["block_ids"]),
-                          num_computed_tokens=n["num_computed_tokens"], lora_request=None)
-           for n in j["scheduled_new_reqs"]]
+def _fields(cls):
+    import dataclasses
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def scheduler_output(j, prompts):
+    """vLLM's SchedulerOutput of a recorded step. Since 0.34 a resumed
+    request comes back among the new requests with its whole block list
+    (CachedRequestData has no resumed_req_ids): a recorded resumed request
+    is moved there."""
     c = j["scheduled_cached_reqs"]
-    cached = CachedRequestData(
-        req_ids=c["req_ids"], resumed_req_ids=set(c["resumed_req_ids"]),
-        new_token_ids=[[] for _ in c["req_ids"]], all_token_ids={},
-        new_block_ids=[None if b is None else tuple(b) for b in c["new_block_ids"]],
-        num_computed_tokens=c["num_computed_tokens"], num_output_tokens=[0] * len(c["req_ids"]))
+    resumed_as_new = "resumed_req_ids" not in _fields(CachedRequestData)
+    new_items = [(n["req_id"], n["block_ids"], n["num_computed_tokens"])
+                 for n in j["scheduled_new_reqs"]]
+    cached_idx = list(range(len(c["req_ids"])))
+    if resumed_as_new:
+        new_items += [(c["req_ids"][i], c["new_block_ids"][i], c["num_computed_tokens"][i])
+                      for i in cached_idx if c["req_ids"][i] in c["resumed_req_ids"]]
+        cached_idx = [i for i in cached_idx if c["req_ids"][i] not in c["resumed_req_ids"]]
+    extra = {"prefill_token_ids": None} if "prefill_token_ids" in _fields(NewRequestData) else {}
+    new = []
+    for rid, blocks, computed in new_items:
+        if extra:
+            extra["prefill_token_ids"] = prompts[rid]
+        new.append(NewRequestData(req_id=rid, prompt_token_ids=prompts[rid], mm_features=[],
+                                  sampling_params=None, pooling_params=None,
+                                  block_ids=tuple(blocks), num_computed_tokens=computed,
+                                  lora_request=None, **extra))
+    ids = [c["req_ids"][i] for i in cached_idx]
+    cached_args = dict(
+        req_ids=ids, new_token_ids=[[] for _ in ids],
+        new_block_ids=[None if c["new_block_ids"][i] is None else tuple(c["new_block_ids"][i])
+                       for i in cached_idx],
+        num_computed_tokens=[c["num_computed_tokens"][i] for i in cached_idx],
+        num_output_tokens=[0] * len(ids))
+    if not resumed_as_new:
+        cached_args.update(resumed_req_ids=set(c["resumed_req_ids"]), all_token_ids={})
     return SchedulerOutput(
-        scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+        scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(**cached_args),
         num_scheduled_tokens=j["num_scheduled_tokens"],
         total_num_scheduled_tokens=sum(j["num_scheduled_tokens"].values()),
         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
@@ -169,8 +223,8 @@ def scheduler_output(j):
 
 
 def ranges(rs):
-    return [{"request_id": r.request_id, "sequence_id": r.sequence_id, "begin": r.begin,
-             "end": r.end, "block_ids": list(r.block_ids)} for r in rs]
+    return [{"request_id": r.request_id, "begin": r.begin, "end": r.end,
+             "block_ids": list(r.block_ids)} for r in rs]
 
 
 def slots_of(block_ids, positions):
@@ -228,6 +282,9 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
             continue
         request = requests.get(event.get("request_id"))
         if call == "get_num_new_matched_tokens":
+            # Saves commit in the background; the recording's were done by now.
+            for _, w, _ in engines.values():
+                assert w._worker.drain(30)
             # vLLM appends each sampled token to its Request (update_from_output).
             while request.num_tokens < event["num_tokens"]:
                 request.append_output_token_ids(1000 + request.num_tokens)
@@ -240,9 +297,15 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
             scheduler.update_state_after_alloc(request, kv_blocks,
                                                event["num_external_tokens"])
         elif call == "build_connector_meta":
-            meta = scheduler.build_connector_meta(scheduler_output(event["scheduler_output"]))
-            assert {"loads": ranges(meta.loads), "saves": ranges(meta.saves)} == \
-                event["returned"]
+            meta = scheduler.build_connector_meta(
+                scheduler_output(event["scheduler_output"], prompts))
+            # Sequence ids are drawn (the recording's were named); the order
+            # of requests within a step follows vLLM's lists.
+            order = lambda rs: sorted(rs, key=lambda r: r["request_id"])  # noqa: E731
+            want = {k: order([{f: v for f, v in r.items() if f != "sequence_id"} for r in rs])
+                    for k, rs in event["returned"].items()}
+            assert {"loads": order(ranges(meta.loads)),
+                    "saves": order(ranges(meta.saves))} == want
             # vLLM pickles the scheduler output to its worker processes.
             meta = pickle.loads(pickle.dumps(meta))
             # A request's last load (earlier ones' blocks may have been
@@ -250,6 +313,7 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(
             last_load.update((r.request_id, r) for r in meta.loads)
         elif call == "request_finished":
             rid = event["request_id"]
+            worker._worker.drain(30)
             prompt = prompts[rid]
             # kvq holds the whole prompt, every layer: the reused prefix
             # plus what this engine saved.
@@ -288,19 +352,28 @@ def unreachable_address():
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_requests_whose_tokens_do_not_determine_kv_bypass_kvq(address, model_dir):
-    scheduler, worker, _ = engine(model_dir, address, "bypass", "fp16", "e")
+def test_a_cache_salt_or_a_lora_gets_a_namespace_of_its_own(address, model_dir):
+    scheduler, worker, _ = engine(model_dir, address, "salt", "fp16", "e")
     prompt = list(range(10, 300))
     salted = Request(request_id="salted", prompt_token_ids=prompt,
                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
                      cache_salt="tenant-1")
-    assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
-    assert not scheduler._planner.known("salted")
     plain = Request(request_id="plain", prompt_token_ids=prompt,
                     sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    from vllm.lora.request import LoRARequest
+    lora = Request(request_id="lora", prompt_token_ids=prompt,
+                   sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                   lora_request=LoRARequest(lora_name="sql-adapter", lora_int_id=3,
+                                              lora_path="/adapters/sql"))
+    assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
     assert scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
-    assert scheduler._planner.known("plain")  # The same prompt unsalted does use kvq.
-    scheduler.request_finished(plain, [])
+    assert scheduler.get_num_new_matched_tokens(lora, 0) == (0, False)
+    namespaces = scheduler._scheduler._namespaces
+    assert namespaces["plain"] == "salt"
+    assert namespaces["salted"].startswith("salt:salt-") and "tenant-1" not in namespaces["salted"]
+    assert namespaces["lora"] == "salt:lora-sql-adapter"
+    for r in (salted, plain, lora):
+        scheduler.request_finished(r, [])
     scheduler.shutdown()
     worker.shutdown()
 
@@ -317,15 +390,14 @@ def test_unreachable_kvq_means_no_hit_and_no_saves(model_dir):
         "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
                                   "num_computed_tokens": []},
         "num_scheduled_tokens": {"r": 290}, "finished_req_ids": [],
-        "has_sync_kv_loads": False}))
+        "has_sync_kv_loads": False}, {"r": request.prompt_token_ids}))
     assert meta.loads == [] and meta.saves == []
     assert scheduler.request_finished(request, list(range(19))) == (False, None)
     scheduler.shutdown()
     worker.shutdown()
 
 
-def test_a_silent_kvq_costs_the_scheduler_its_own_deadline_not_the_workers(model_dir,
-                                                                           caplog):
+def test_a_silent_kvq_never_blocks_the_lookup(model_dir, caplog):
     # A listener that never answers: connections open, gRPC never hears back.
     import socket
     with socket.socket() as silent:
@@ -334,14 +406,84 @@ def test_a_silent_kvq_costs_the_scheduler_its_own_deadline_not_the_workers(model
         config_address = f"127.0.0.1:{silent.getsockname()[1]}"
         scheduler, worker, _ = engine(model_dir, config_address, "silent", "fp16", "e",
                                       extra={"kvq_deadline_seconds": 3600,
-                                             "kvq_scheduler_deadline_seconds": 0.5})
+                                             "kvq_scheduler_deadline_seconds": 0.5,
+                                             "kvq_lookup_wait_seconds": 0})
         request = Request(request_id="r", prompt_token_ids=list(range(10, 100)),
                           sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
         with caplog.at_level("WARNING", logger="kvq_client.vllm_connector"):
-            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+            # vLLM's scheduler skips the request while the answer is None.
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+            give_up = time.monotonic() + 30
+            got = (None, False)
+            while got[0] is None and time.monotonic() < give_up:
+                time.sleep(0.05)
+                got = scheduler.get_num_new_matched_tokens(request, 0)
+        assert got == (0, False)
         # The scheduler's 0.5 s ran out; with the worker's hour gRPC would
         # have given up on the connection instead (UNAVAILABLE).
         assert "no sequence for request r (DEADLINE_EXCEEDED" in caplog.text
         assert not scheduler._planner.known("r")
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_planned_saves_publish_kv_events_with_vllms_block_hashes(address, model_dir):
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
+                                             maybe_convert_block_hash)
+    init_none_hash(sha256)
+    scheduler, worker, _ = engine(model_dir, address, "events", "fp16", "e")
+    prompt = list(range(10, 60))  # 50 tokens: 3 whole blocks of 16.
+    request = Request(request_id="r", prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    assert len(request.block_hashes) == 3
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
+
+    def step(computed, scheduled, new):
+        j = {"scheduled_new_reqs": [{"req_id": "r", "block_ids": [[1, 2, 3, 4]],
+                                     "num_computed_tokens": computed}] if new else [],
+             "scheduled_cached_reqs": {"req_ids": [] if new else ["r"], "resumed_req_ids": [],
+                                       "new_block_ids": [] if new else [None],
+                                       "num_computed_tokens": [] if new else [computed]},
+             "num_scheduled_tokens": {"r": scheduled}, "finished_req_ids": [],
+             "has_sync_kv_loads": False}
+        scheduler.build_connector_meta(scheduler_output(j, {"r": prompt}))
+        return scheduler.take_events()
+
+    # A 20-token chunk completes block 0; the rest completes blocks 1 and 2.
+    [first] = step(0, 20, True)
+    [second] = step(20, 30, False)
+    assert isinstance(first, BlockStored) and first.medium == "kvq"
+    hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == \
+        ([hashes[0]], None, prompt[:16])
+    assert (second.block_hashes, second.parent_block_hash, second.token_ids) == \
+        (hashes[1:3], hashes[0], prompt[16:48])
+    assert scheduler.take_events() == []
+    scheduler.request_finished(request, [1, 2, 3, 4])
+    scheduler.shutdown()
+    worker.shutdown()
+
+
+def test_prometheus_metrics_count_what_the_stats_carry(model_dir):
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    config = vllm_config(model_dir, unreachable_address(), "prom", "int8", "e")
+    prom = KvqConnector.build_prom_metrics(
+        config, {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["model_name", "engine"], {0: ["m", "0"]})
+    labels = {"model_name": "m", "engine": "0"}
+    stats = KvqConnector.build_kv_connector_stats(
+        {"tokens_loaded": 256, "bytes_saved": 1000, "load_failures": 1,
+         "load_seconds": [0.02, 0.3], "breaker_state": 1})
+    prom.observe(stats.to_dict(), 0)
+    prom.observe({"tokens_loaded": 44, "breaker_state": 0}, 0)
+    value = lambda name: REGISTRY.get_sample_value(name, labels)  # noqa: E731
+    assert value("vllm:kvq_tokens_loaded_total") == 300
+    assert value("vllm:kvq_bytes_saved_total") == 1000
+    assert value("vllm:kvq_load_failures_total") == 1
+    assert value("vllm:kvq_load_seconds_count") == 2
+    assert value("vllm:kvq_load_seconds_sum") == pytest.approx(0.32)
+    assert value("vllm:kvq_breaker_state") == 0  # The latest report.

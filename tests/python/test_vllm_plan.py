@@ -115,3 +115,33 @@ def test_preempted_request_may_load_what_it_saved():
     s = plan_step(p, ("r", list(range(20, 30)), True, 150, 10))
     assert s.loads == [TokenRange("r", "s", 0, 150, list(range(20, 30)))]
     assert s.saves == []
+
+
+def test_generated_tokens_are_saved_in_chunks_with_their_ids():
+    # Multi-turn reuse: once 4 generated tokens are computed and unsaved they
+    # go to kvq with their ids (kvq registers their blocks for the next turn).
+    p = StepPlanner(save=True, load=True, save_decode_tokens=4)
+    p.add_request("r", "s", prompt_len=10, stored_tokens=0)
+    tokens = list(range(100, 110))
+    p.track_tokens("r", tokens)
+    p.after_alloc("r", 0)
+    s = plan_step(p, ("r", [1], True, 0, 10))
+    assert [(r.begin, r.end, r.token_ids) for r in s.saves] == [(0, 10, [])]
+    saved = []
+    for step in range(6):  # Decode: each step computes the token sampled last.
+        tokens.append(200 + step)
+        s = plan_step(p, ("r", None, False, 10 + step, 1))
+        saved += [(r.begin, r.end, r.token_ids) for r in s.saves]
+    # After the 4th decode step positions [10, 14) are computed.
+    assert saved == [(10, 14, [200, 201, 202, 203])]
+
+
+def test_generated_tokens_are_not_saved_when_turned_off():
+    p = StepPlanner(save=True, load=True, save_decode_tokens=0)
+    p.add_request("r", "s", prompt_len=10, stored_tokens=0)
+    tokens = list(range(10))
+    p.track_tokens("r", tokens)
+    plan_step(p, ("r", [1], True, 0, 10))
+    for step in range(20):
+        tokens.append(step)
+        assert plan_step(p, ("r", None, False, 10 + step, 1)).saves == []

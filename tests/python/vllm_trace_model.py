@@ -45,7 +45,7 @@ def token_kv(layer, positions, token_ids):
 
 
 class PagedCache:
-    """One engine's paged KV cache as vLLM 0.33 hands it to a connector: per
+    """One engine's paged KV cache as vLLM (0.33, 0.34) hands it to a connector: per
     layer the view [blocks, kv_heads, block_size, 2 * head_dim] (key in the
     first half of the last dim) over a token-major allocation [blocks,
     block_size, kv_heads, 2 * head_dim] (vLLM's LBNHC layout), so the view is

@@ -113,7 +113,8 @@ TEST(AppendDecoderTest, DenseChunksAndEmptyPagesParseWhole) {
 
 TEST(AppendDecoderTest, MalformedBytesAreRefused) {
   const std::string wire = RawRequest(1000).SerializeAsString();
-  const absl::Status refused = absl::InvalidArgumentError("the message is not a kvq.v1.AppendRequest");
+  const absl::Status refused =
+      absl::InvalidArgumentError("request is not a valid kvq.v1.AppendRequest");
   for (const std::string& bad :
        {wire.substr(0, wire.size() - 1),           // page_data cut short.
         wire.substr(0, 3),                         // Inside the sequence.

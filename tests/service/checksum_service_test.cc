@@ -25,6 +25,7 @@
 #include "service/kvq_service.h"
 #include "service/metrics.h"
 #include "service/server_config.h"
+#include "tests/service/loopback_service.h"
 #include "tests/service/store_test_data.h"
 #include "tests/service/wire_test_data.h"
 
@@ -35,25 +36,16 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64, kTokens = 300;
 
-// One kvq-server's service on a loopback port.
-struct Server {
-  Server(SequenceStore* store, Metrics* metrics, double verify_fraction) {
+// One kvq-server's service on a loopback port, verifying this fraction of
+// page reads.
+struct Server : LoopbackService {
+  Server(SequenceStore* store, Metrics* metrics, double verify_fraction)
+      : LoopbackService(store, metrics, Options(verify_fraction)) {}
+  static ServiceOptions Options(double verify_fraction) {
     ServiceOptions o;
     o.verify_fraction = verify_fraction;
-    service = std::make_unique<KvqService>(store, metrics, o);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service.get());
-    server = builder.BuildAndStart();
-    stub = v1::KvCache::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                                    grpc::InsecureChannelCredentials()));
+    return o;
   }
-  ~Server() { server->Shutdown(); }
-
-  std::unique_ptr<KvqService> service;
-  std::unique_ptr<grpc::Server> server;
-  int port = 0;
-  std::unique_ptr<v1::KvCache::Stub> stub;
 };
 
 // A read's status and every byte of its answer.

@@ -39,13 +39,18 @@ CreateSequenceArgs Args(const std::string& id, const std::string& scheme = "kivi
 // K/V of `tokens` tokens of this test's model.
 Kv MakeKv(int tokens, uint64_t seed) { return RandomKv(kLayers, kHeads, kDim, tokens, seed); }
 
-std::vector<float> ReadAll(Sequence& s, int layer, int head) {
-  absl::ReaderMutexLock lock(&s.mu());
+// Every K/V value of one stream; the caller holds the sequence's lock.
+std::vector<float> ReadAllLocked(Sequence& s, int layer, int head) {
   const int n = s.layer_tokens(layer);
   std::vector<float> k(static_cast<size_t>(n) * kDim), v(k.size());
   EXPECT_TRUE(s.stream(layer, head).Read(0, n, {}, Floats(k.data(), n, kDim), Floats(v.data(), n, kDim)).ok());
   k.insert(k.end(), v.begin(), v.end());
   return k;
+}
+
+std::vector<float> ReadAll(Sequence& s, int layer, int head) {
+  absl::ReaderMutexLock lock(&s.mu());
+  return ReadAllLocked(s, layer, head);
 }
 
 TEST(SequenceStoreTest, CreateRejectsBadInputWithTheField) {
@@ -151,13 +156,112 @@ TEST(SequenceStoreTest, TransactionRollbackRestoresEverything) {
   const size_t used = store->pool().Stats().used_bytes;
   {
     absl::MutexLock lock(&(*h)->mu());
-    ASSERT_TRUE((*h)->BeginTransaction().ok());
+    (*h)->token_ids().assign(200, 7);
+    absl::StatusOr<TransactionToken> txn = (*h)->BeginTransaction();
+    ASSERT_TRUE(txn.ok()) << txn.status();
     ASSERT_TRUE((*h)->AppendDense(kv.view(300)).ok());
+    (*h)->token_ids().resize(500, 8);
     EXPECT_EQ((*h)->committed_tokens(0), 200);
-    (*h)->Rollback();
+    EXPECT_EQ((*h)->committed_num_tokens(), 200);
+    ASSERT_TRUE((*h)->Rollback(*txn).ok());
+    EXPECT_FALSE(txn->held());
+    // The undone append's token ids are gone with its tokens.
+    EXPECT_EQ((*h)->token_ids(), std::vector<int32_t>(200, 7));
   }
   EXPECT_EQ(ReadAll(**h, 0, 1), before);
   EXPECT_EQ(store->pool().Stats().used_bytes, used);
+}
+
+// A writer refused while another holds the transaction owns nothing: it can
+// neither roll back nor commit the holder's appends, and a token cannot end
+// a transaction twice.
+TEST(SequenceStoreTest, OnlyTheTransactionsOwnerEndsIt) {
+  auto store = MakeStore(8 << 20, false);
+  absl::StatusOr<SequenceStore::Handle> h = store->Create(Args("a", "fp16"));
+  ASSERT_TRUE(h.ok());
+  Kv kv = MakeKv(40, 9);
+  absl::MutexLock lock(&(*h)->mu());
+  absl::StatusOr<TransactionToken> first = (*h)->BeginTransaction();
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*h)->AppendDense(kv.view(40)).ok());
+
+  absl::StatusOr<TransactionToken> second = (*h)->BeginTransaction();
+  EXPECT_EQ(second.status(), absl::AbortedError("another append stream is in progress"));
+  TransactionToken none;
+  EXPECT_EQ((*h)->Rollback(none).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*h)->Commit(none).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*h)->in_transaction());
+  EXPECT_EQ((*h)->num_tokens(), 40);
+  EXPECT_EQ((*h)->committed_num_tokens(), 0);
+
+  ASSERT_TRUE((*h)->Commit(*first).ok());
+  EXPECT_FALSE((*h)->in_transaction());
+  EXPECT_EQ((*h)->committed_num_tokens(), 40);
+  EXPECT_EQ((*h)->Rollback(*first).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*h)->num_tokens(), 40);
+}
+
+// Readers read the committed streams: the open append quantized the
+// committed fp16 tail of this kivi sequence (a flush), but a read during the
+// transaction still returns the committed tokens as they were, which is
+// also what a rollback leaves.
+TEST(SequenceStoreTest, ReadsDuringATransactionReturnTheCommittedValues) {
+  auto store = MakeStore(8 << 20, false);
+  absl::StatusOr<SequenceStore::Handle> h = store->Create(Args("a", "kivi2:g32:r128"));
+  ASSERT_TRUE(h.ok());
+  Kv kv = MakeKv(200, 11);
+  auto read = [&](const KvStream& s) {
+    std::vector<float> k(100 * kDim), v(k.size());
+    EXPECT_TRUE(s.Read(0, 100, {}, Floats(k.data(), 100, kDim), Floats(v.data(), 100, kDim)).ok());
+    k.insert(k.end(), v.begin(), v.end());
+    return k;
+  };
+  absl::MutexLock lock(&(*h)->mu());
+  ASSERT_TRUE((*h)->AppendDense(kv.view(100)).ok());
+  const std::vector<float> committed = read((*h)->committed_stream(1, 1));
+  absl::StatusOr<TransactionToken> txn = (*h)->BeginTransaction();
+  ASSERT_TRUE(txn.ok()) << txn.status();
+  ASSERT_TRUE((*h)->AppendDense(kv.view(200)).ok());
+  // The open append flushed the tail: tokens [0, 100) are quantized there.
+  ASSERT_NE(read((*h)->stream(1, 1)), committed);
+  EXPECT_EQ(read((*h)->committed_stream(1, 1)), committed);
+  ASSERT_TRUE((*h)->Rollback(*txn).ok());
+  EXPECT_EQ(read((*h)->committed_stream(1, 1)), committed);
+}
+
+// A fork taken while an append stream is open holds the committed tokens
+// only, and the stream's later commit does not reach it.
+TEST(SequenceStoreTest, ForkDuringATransactionSeesTheCommittedTokens) {
+  auto store = MakeStore(8 << 20, false);
+  absl::StatusOr<SequenceStore::Handle> h = store->Create(Args("a", "fp16"));
+  ASSERT_TRUE(h.ok());
+  Kv kv = MakeKv(60, 10);
+  {
+    absl::MutexLock lock(&(*h)->mu());
+    ASSERT_TRUE((*h)->AppendDense(kv.view(20)).ok());
+  }
+  const std::vector<float> committed = ReadAll(**h, 1, 1);
+  absl::StatusOr<TransactionToken> txn;
+  {
+    absl::MutexLock lock(&(*h)->mu());
+    txn = (*h)->BeginTransaction();
+    ASSERT_TRUE(txn.ok()) << txn.status();
+    ASSERT_TRUE((*h)->AppendDense(kv.view(40)).ok());
+  }
+  absl::StatusOr<SequenceStore::Handle> f = store->Fork("tenant", "a", "f", 0, {});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(store->Fork("tenant", "a", "g", 21, {}).status().message(),
+            "num_tokens = 21 is not in [0, 20]");
+  {
+    absl::MutexLock lock(&(*h)->mu());
+    ASSERT_TRUE((*h)->Commit(*txn).ok());
+    EXPECT_EQ((*h)->num_tokens(), 60);
+  }
+  {
+    absl::ReaderMutexLock lock(&(*f)->mu());
+    EXPECT_EQ((*f)->num_tokens(), 20);
+  }
+  EXPECT_EQ(ReadAll(**f, 1, 1), committed);
 }
 
 TEST(SequenceStoreTest, PrefixReuseSharesPagesOfTheSameTokens) {
@@ -228,6 +332,49 @@ TEST(SequenceStoreTest, ReleasedSequencesDoNotGrowThePrefixRegistry) {
   }
   EXPECT_LE(store->Stats().prefix_entries, 1024);
   EXPECT_EQ(store->Stats().pool.used_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace kvq
+
+namespace kvq {
+namespace {
+
+// UndoAppend takes back an append that succeeded, byte for byte, also one
+// that flushed the fp16 tail into new pages (the tail rows are restored).
+TEST(SequenceStoreTest, UndoAppendRestoresTheStreamsAndThePool) {
+  auto store = MakeStore(4 << 20, /*evict=*/false);
+  int n = 0;
+  for (const char* scheme : {"fp16", "kivi2:g32:r32", "kivi4:g32:r32:sink=4"}) {
+    SCOPED_TRACE(scheme);
+    absl::StatusOr<SequenceStore::Handle> h = store->Create(Args(absl::StrCat("undo", n++), scheme));
+    ASSERT_TRUE(h.ok()) << h.status();
+    Sequence& s = **h;
+    Kv first = MakeKv(45, 7), next = MakeKv(40, 8);
+    absl::MutexLock lock(&s.mu());
+    ASSERT_TRUE(s.AppendDense(first.view(45)).ok());
+    std::vector<std::vector<float>> before;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int head = 0; head < kHeads; ++head) before.push_back(ReadAllLocked(s, l, head));
+    }
+    const size_t used = store->pool().Stats().used_bytes;
+    const DenseKv kv = next.view(40);
+    Sequence::AppendUndo undo = s.UndoPoint(kv);
+    ASSERT_TRUE(s.AppendDense(kv).ok());
+    ASSERT_EQ(s.num_tokens(), 85);
+    s.UndoAppend(kv, undo);
+    EXPECT_EQ(s.num_tokens(), 45);
+    EXPECT_EQ(store->pool().Stats().used_bytes, used);
+    int i = 0;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int head = 0; head < kHeads; ++head) {
+        EXPECT_EQ(ReadAllLocked(s, l, head), before[i++]) << "layer " << l << " head " << head;
+      }
+    }
+    // The stream goes on as if the undone append never happened.
+    ASSERT_TRUE(s.AppendDense(kv).ok());
+    EXPECT_EQ(s.num_tokens(), 85);
+  }
 }
 
 }  // namespace

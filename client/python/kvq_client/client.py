@@ -131,6 +131,7 @@ class SequenceInfo:
     scheme: str        # Canonical.
     num_tokens: int    # A reused prefix already present.
     block_tokens: int
+    ttl_seconds: int = 0  # The idle lease granted (capped to the server's maximum).
 
 
 @dataclasses.dataclass
@@ -435,7 +436,7 @@ class KvqClient:
             self._codebooks[r.sequence_id] = [
                 (np.asarray(kl, np.float32).ravel().tolist(),
                  np.asarray(vl, np.float32).ravel().tolist()) for kl, vl in codebooks]
-        return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens)
+        return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens, r.ttl_seconds)
 
     def append_prompt(self, sequence_id, k, v, layer_begin=0, max_chunk_bytes=1 << 20,
                       wire_dtype=None, token_ids=None, progress: Optional[Progress] = None,

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _proto, quantized_append
 from .client import KvqError
-from .tensors import to_tensor, wire_dtype
+from .tensors import prompt_arrays, to_tensor, wire_dtype
 
 pb, _ = _proto.modules()
 
@@ -30,12 +30,14 @@ class LayerAppend:
     """Not thread-safe: one producer adds layers, then calls finish()."""
 
     def __init__(self, client, sequence_id, max_chunk_bytes=1 << 20, wire=None,
-                 deadline=None, scheme=None, start_tokens=0, head_dim=None):
+                 deadline=None, scheme=None, start_tokens=0, head_dim=None, token_ids=None):
         """scheme (the sequence's), start_tokens (the tokens it stores now)
         and head_dim: layers go as raw pages where the scheme has them and
         the native module is installed (nuq goes dense: no codebooks here);
         `wire` is then the dtype of the dense tokens other than kivi's (fp16).
-        Without a scheme every token goes dense in `wire`."""
+        Without a scheme every token goes dense in `wire`. `token_ids`: ids
+        of the appended tokens (AppendRequest.token_ids), sent first; kvq
+        registers their completed blocks for prefix reuse."""
         self._client = client
         self._scheme = None
         native = quantized_append.native()
@@ -54,6 +56,10 @@ class LayerAppend:
         self._future = client._stub.Append.future(iter(self._requests.get, _END),
                                                   timeout=timeout)
         self.wire_bytes = 0
+        if token_ids:
+            request = self._request()
+            request.token_ids.extend(int(t) for t in token_ids)
+            self._requests.put(request)
 
     def _request(self):
         request = pb.AppendRequest()
@@ -63,17 +69,21 @@ class LayerAppend:
         return request
 
     def add_layer(self, layer, k, v):
-        """Appends k, v ([kv_heads, tokens, head_dim], float32 or float16) at
-        the end of `layer`, in chunks of at most max_chunk_bytes."""
+        """Appends k, v ([kv_heads, tokens, head_dim]: numpy float32/float16
+        or torch CPU tensors, bfloat16 too) at the end of `layer`, in chunks
+        of at most max_chunk_bytes."""
         if self._done:
             raise KvqError(grpc.StatusCode.FAILED_PRECONDITION, "layer append finished")
-        k = np.asarray(k)
-        v = np.asarray(v)
-        if k.ndim != 3 or k.shape != v.shape:
-            raise ValueError(f"k {k.shape} and v {v.shape} must both be "
+        if k.ndim != 3 or tuple(k.shape) != tuple(v.shape):
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
                              "[kv_heads, tokens, head_dim]")
-        heads, tokens, dim = k.shape
-        in_wire = wire_dtype(self._wire or k.dtype)
+        # k, v for the native quantizer (torch read in place); host_k, host_v
+        # numpy for dense chunks (bfloat16 as its bits: bf16 on the wire).
+        k, v, host_k, host_v = prompt_arrays(k[None], v[None])
+        k, v, host_k, host_v = k[0], v[0], host_k[0], host_v[0]
+        heads, tokens, dim = host_k.shape
+        in_wire = wire_dtype(self._wire or ("bf16" if host_k.dtype == np.uint16
+                                            else host_k.dtype))
         if self._scheme is not None:
             if dim != self._head_dim:
                 raise ValueError(f"k has head_dim {dim}, the sequence {self._head_dim}")
@@ -87,8 +97,8 @@ class LayerAppend:
             request = self._request()
             request.chunk.layer_begin = layer
             if kind == "dense":
-                to_tensor(k[None, :, t0:t0 + t], wire, out=request.chunk.k)
-                to_tensor(v[None, :, t0:t0 + t], wire, out=request.chunk.v)
+                to_tensor(host_k[None, :, t0:t0 + t], wire, out=request.chunk.k)
+                to_tensor(host_v[None, :, t0:t0 + t], wire, out=request.chunk.v)
             else:
                 quantized_append.fill_pages(request.chunk.pages, self._scheme, split,
                                             k[None, :, t0:t0 + t], v[None, :, t0:t0 + t])

@@ -2,42 +2,47 @@
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvqConnector",
         "kv_connector_module_path": "kvq_client.vllm_connector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvq_address": "127.0.0.1:50051"}}'
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvq_dns": "kvq.kvq.svc.cluster.local:50051"}}'
 
-Scheduler side: the first lookup of a request creates its kvq sequence with
-the prompt's token ids; kvq starts it with the longest prefix of whole
-blocks already stored under the same namespace, layout and scheme (a chained
-hash of the token pages, as vLLM's own block hashes), and that prefix is the
-external hit vLLM is told about. StepPlanner (vllm_plan.py) turns the
-scheduler's decisions into per-step load and save ranges.
-
-Worker side: start_load_kv fetches each loaded range (FetchDequant, all
-layers) and writes it into vLLM's paged cache before the forward pass;
-save_kv_layer sends each layer's new prompt tokens into one Append stream
-per request while later layers compute (LayerAppend), and wait_for_save
-commits the streams. The tokens the server would quantize are quantized
-here (kvq's native kernels) and go as raw pages; the rest goes dense.
-
-This module imports vLLM and torch; the rest of kvq_client does not.
+This module adapts vLLM's KVConnectorBase_V1 to the two halves that do the
+work without vLLM: KvqScheduler (vllm_scheduler.py: lookups off the
+scheduler loop, per-step plans) and KvqWorker (vllm_worker.py: layer-wise
+asynchronous loads, saves committed in the background). It adds what only
+vLLM has: its request objects, the tensor-parallel rank, the load-failure
+policy, and the connector's stats and Prometheus metrics.
 """
 
-import logging
-import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Set, Tuple
+from __future__ import annotations
 
-import grpc
-import numpy as np
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                 KVConnectorMetadata,
                                                                 KVConnectorRole)
 
-from .client import KvqClient, KvqError, ModelLayout
-from .layer_append import LayerAppend
-from .vllm_paged import check_layer_view, gather, scatter, slot_indices
-from .vllm_plan import StepPlan, StepPlanner, TokenRange
+from .client import ModelLayout
+from .vllm_plan import TokenRange
+from .vllm_scheduler import KvqScheduler
+from .vllm_settings import DEFAULT_SCHEME, KvqSettings, apply_failure_policy  # noqa: F401
+from .vllm_stats import COUNTS, SAMPLES, ConnectorCounters, is_empty, merge, reduce
+from .vllm_worker import KvqWorker, layer_order  # noqa: F401
+
+try:  # KV events for KV-aware routers.
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+except ImportError:  # pragma: no cover
+    BlockStored = maybe_convert_block_hash = None
+
+try:  # vLLM's stats and Prometheus hooks (absent from older releases).
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                       KVConnectorStats)
+except ImportError:  # pragma: no cover
+    KVConnectorStats = KVConnectorPromMetrics = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,11 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SCHEME = "kivi4:g32:r128:sink=4"
-
-# torch dtype of the paged cache -> the wire dtype kvq receives and returns.
-_WIRE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
 
 @dataclass
 class KvqConnectorMetadata(KVConnectorMetadata):
@@ -62,66 +62,37 @@ class KvqConnectorMetadata(KVConnectorMetadata):
     saves: List[TokenRange] = field(default_factory=list)
 
 
-@dataclass
-class KvqSettings:
-    """kv_connector_extra_config keys (all optional)."""
-    address: str = "localhost:50051"   # kvq_address
-    namespace: str = ""                # kvq_namespace; "" -> "vllm/<model>"
-    scheme: str = DEFAULT_SCHEME       # kvq_scheme
-    ttl_seconds: int = 0               # kvq_ttl_seconds; 0: the server's default
-    deadline_seconds: float = 30.0     # kvq_deadline_seconds, per worker call
-    # kvq_scheduler_deadline_seconds: per scheduler-side call (create, stats,
-    # release), which vLLM's scheduler loop waits for.
-    scheduler_deadline_seconds: float = 5.0
-    max_chunk_bytes: int = 1 << 20     # kvq_max_chunk_bytes, per Append / fetch message
-    load_buffer_bytes: int = 64 << 20  # kvq_load_buffer_bytes: host buffer of a load
-    release_on_finish: bool = True     # kvq_release_on_finish
-
-    @classmethod
-    def from_extra_config(cls, extra: Dict[str, Any], model: str) -> "KvqSettings":
-        known = {f"kvq_{name}" for name in cls.__dataclass_fields__}
-        unknown = sorted(k for k in extra if k.startswith("kvq_") and k not in known)
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; "
-                             f"known: {sorted(known)}")
-        s = cls(**{k[4:]: extra[k] for k in extra if k in known})
-        if not s.namespace:
-            s.namespace = f"vllm/{model}"
-        if "pre_rope" in s.scheme.split(":"):
-            raise ValueError(f"kvq_scheme {s.scheme!r}: vLLM's cache holds keys after "
-                             "RoPE, so pre_rope schemes cannot be used")
-        return s
-
-
 def model_layout(vllm_config: "VllmConfig") -> ModelLayout:
-    """kvq's layout of the model vLLM serves (one tensor- and pipeline-parallel rank)."""
+    """kvq's layout of one tensor-parallel rank's share of the model (its KV
+    heads); pipeline parallelism is refused."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError("KvqConnector supports tensor_parallel_size 1 and "
-                         f"pipeline_parallel_size 1, got {parallel.tensor_parallel_size} "
-                         f"and {parallel.pipeline_parallel_size}")
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("KvqConnector supports pipeline_parallel_size 1, got "
+                         f"{parallel.pipeline_parallel_size}")
     m = vllm_config.model_config
     return ModelLayout(m.get_num_layers(parallel), m.get_num_kv_heads(parallel),
                        m.get_num_attention_heads(parallel), m.get_head_size())
 
 
 def keyed_by_tokens_alone(request: "Request") -> bool:
-    """Whether the prompt's token ids determine its KV. kvq keys a prefix by
-    token ids only: images (placeholder tokens), a LoRA adapter or a cache
-    salt (vLLM's per-tenant prefix-cache isolation) make the same ids mean
-    other KV, so such requests bypass the connector."""
-    return (not getattr(request, "mm_features", None)
-            and getattr(request, "lora_request", None) is None
-            and not getattr(request, "cache_salt", None))
+    """Whether the prompt's token ids (with the cache salt and LoRA, which
+    the connector folds into the namespace) determine its KV: images do not
+    (their placeholder ids stand for any image), so such requests bypass."""
+    return not getattr(request, "mm_features", None)
 
 
-def layer_order(names: List[str]) -> List[str]:
-    """Attention layer names in model order: by the layer number in the name
-    ("model.layers.3.self_attn.attn"), else as given."""
-    numbers = [re.findall(r"\d+", n) for n in names]
-    if all(len(x) == 1 for x in numbers) and len({x[0] for x in numbers}) == len(names):
-        return sorted(names, key=lambda n: int(re.findall(r"\d+", n)[0]))
-    return list(names)
+def lora_name(request: "Request") -> Optional[str]:
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else str(getattr(lora, "lora_name", None) or
+                                         getattr(lora, "lora_int_id", ""))
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError, RuntimeError):
+        return 0  # No model-parallel group (a single process, tests).
 
 
 class KvqConnector(KVConnectorBase_V1):
@@ -132,211 +103,221 @@ class KvqConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self._settings = KvqSettings.from_extra_config(
             dict(transfer.kv_connector_extra_config or {}), vllm_config.model_config.model)
+        apply_failure_policy(transfer, self._settings)
         self._layout = model_layout(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
-        self._id_prefix = f"vllm-{transfer.engine_id}-"
-        self._scheduler_deadline = self._settings.scheduler_deadline_seconds
-        self._client = KvqClient(self._settings.address, namespace=self._settings.namespace,
-                                 deadline=self._settings.deadline_seconds)
-        # Scheduler side.
-        self._planner = StepPlanner(save=transfer.is_kv_producer, load=transfer.is_kv_consumer)
-        # Worker side.
-        self._caches: Dict[str, torch.Tensor] = {}
-        self._layer_index: Dict[str, int] = {}
-        self._appends: Dict[str, Tuple[TokenRange, LayerAppend, Set[int]]] = {}
-        self._saved: Dict[str, int] = {}       # Sequence -> tokens committed (-1: broken).
-        self._load_errors: Set[int] = set()
+        world = vllm_config.parallel_config.tensor_parallel_size
+        self._counters = ConnectorCounters()
+        self._scheduler: Optional[KvqScheduler] = None
+        self._requests: Dict[str, "Request"] = {}  # Scheduled, for KV events.
+        self._events: List[Any] = []
+        self._events_sent: Dict[str, int] = {}     # Request -> blocks announced.
+        self._worker: Optional[KvqWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KvqScheduler(self._settings, self._layout,
+                                           save=transfer.is_kv_producer,
+                                           load=transfer.is_kv_consumer, world_size=world,
+                                           counters=self._counters)
+        else:
+            self._worker = KvqWorker(self._settings, self._layout, self._block_size,
+                                     rank=_tp_rank(), world_size=world,
+                                     counters=self._counters)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # kvq is a best-effort cache: a save dropped by a preemption is a
+        # later miss, never a reason for vLLM to recompute the request.
+        return False
+
+    @property
+    def _planner(self):
+        return self._scheduler.planner
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # save_kv_layer runs in every attention layer: a full CUDA graph
-        # replay would skip it and lose the saves.
+        # wait_for_layer_load and save_kv_layer run in every attention layer:
+        # a full CUDA graph replay would skip them.
         return True
 
     # ------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        rid = request.request_id
-        if not self._planner.known(rid):
-            prompt = request.prompt_token_ids
-            if not prompt or not keyed_by_tokens_alone(request):
-                return 0, False
-            try:
-                info = self._create_sequence(self._id_prefix + rid, list(prompt))
-            except KvqError as e:
-                logger.warning("kvq: no sequence for request %s (%s); it runs without "
-                               "the cache", rid, e)
-                return 0, False
-            self._planner.add_request(rid, info[0], len(prompt), info[1])
-        elif self._planner.saved_past_match(rid):
-            # Looked up again (preempted and back in the queue): what this
-            # request saved itself can be loaded instead of recomputed.
-            try:
-                stats = self._client.stats(self._planner.sequence_id(rid),
-                                           deadline=self._scheduler_deadline)
-                self._planner.refresh(rid, stats.num_tokens)
-            except KvqError as e:
-                logger.warning("kvq: stats of request %s failed: %s", rid, e)
-        return self._planner.matched_tokens(rid, request.num_tokens, num_computed_tokens), False
-
-    def _create_sequence(self, sequence_id: str, prompt: List[int]) -> Tuple[str, int]:
-        try:
-            info = self._client.create_sequence(self._layout, scheme=self._settings.scheme,
-                                                sequence_id=sequence_id,
-                                                ttl_seconds=self._settings.ttl_seconds,
-                                                prompt_token_ids=prompt,
-                                                deadline=self._scheduler_deadline)
-            return info.sequence_id, info.num_tokens
-        except KvqError as e:
-            if e.code != grpc.StatusCode.ALREADY_EXISTS:
-                raise
-            # An earlier create whose reply was lost: take the sequence as it is.
-            return sequence_id, self._client.stats(sequence_id,
-                                                   deadline=self._scheduler_deadline).num_tokens
+        n = self._scheduler.lookup(
+            request.request_id, request.prompt_token_ids or [], request.num_tokens,
+            num_computed_tokens, cache_salt=getattr(request, "cache_salt", None),
+            lora_name=lora_name(request), keyed_by_tokens=keyed_by_tokens_alone(request))
+        return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
-        self._planner.after_alloc(request.request_id, num_external_tokens)
+        self._requests[request.request_id] = request
+        self._scheduler.after_alloc(request.request_id, request.all_token_ids,
+                                    num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        plan = StepPlan()
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            self._planner.scheduled(plan, new.req_id, new.block_ids[0], True,
-                                    new.num_computed_tokens, scheduled.get(new.req_id, 0))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            blocks = cached.new_block_ids[i]
-            self._planner.scheduled(plan, rid, blocks[0] if blocks else None,
-                                    rid in cached.resumed_req_ids,
-                                    cached.num_computed_tokens[i], scheduled.get(rid, 0))
+        plan = self._scheduler.build(scheduler_output)
+        for r in plan.saves:
+            self._stored_events(r)
         return KvqConnectorMetadata(loads=plan.loads, saves=plan.saves)
+
+    def _stored_events(self, r: TokenRange) -> None:
+        """BlockStored (medium "kvq") for the vLLM blocks a save completes,
+        with vLLM's own block hashes, for KV-aware routers. Sent when the
+        save is planned: a save that fails later is not taken back."""
+        request = self._requests.get(r.request_id)
+        hashes = getattr(request, "block_hashes", None) if request is not None else None
+        if not hashes or BlockStored is None:
+            return
+        bs = self._block_size
+        first = self._events_sent.get(r.request_id, 0)
+        last = min(r.end // bs, len(hashes))
+        if last <= first:
+            return
+        lora = getattr(request, "lora_request", None)
+        self._events.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(request.all_token_ids[first * bs:last * bs]), block_size=bs,
+            lora_id=getattr(lora, "adapter_id", None) if lora else None, medium="kvq",
+            lora_name=getattr(lora, "name", None) if lora else None))
+        self._events_sent[r.request_id] = last
+
+    def take_events(self):
+        events, self._events = self._events, []
+        return events
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        sequence_id = self._planner.finish(request.request_id)
-        if sequence_id is not None and self._settings.release_on_finish:
-            try:
-                self._client.release(sequence_id, deadline=self._scheduler_deadline)
-            except KvqError as e:  # Its lease expires it anyway.
-                logger.warning("kvq: release of %s failed: %s", sequence_id, e)
-        return False, None  # Saves finish within their step: vLLM may free the blocks.
+        self._requests.pop(request.request_id, None)
+        self._events_sent.pop(request.request_id, None)
+        self._scheduler.finished(request.request_id)
+        # Saves were copied to the host in their step: vLLM may free the blocks.
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset() if self._scheduler else None
 
     # --------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        names = layer_order(list(kv_caches))
-        if len(names) != self._layout.num_layers:
-            raise ValueError(f"{len(names)} KV cache layers registered, the model has "
-                             f"{self._layout.num_layers}")
-        for name in names:
-            cache = kv_caches[name]
-            check_layer_view(cache, self._layout.num_kv_heads, self._layout.head_dim)
-            if cache.dtype not in _WIRE:
-                raise ValueError(f"KV cache dtype {cache.dtype} of {name}: kvq takes "
-                                 "float16, bfloat16 or float32 caches")
-        self._caches = {n: kv_caches[n] for n in names}
-        self._layer_index = {n: i for i, n in enumerate(names)}
-
-    def _slots(self, r: TokenRange, cache: torch.Tensor):
-        return slot_indices(r.block_ids, self._block_size, cache.shape[2], r.begin, r.end)
+        self._worker.register_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        for r in meta.loads:
-            try:
-                self._load(r)
-            except (KvqError, ValueError) as e:
-                # vLLM recomputes the tokens of the blocks reported here.
-                first, last = r.begin // self._block_size, (r.end - 1) // self._block_size
-                self._load_errors.update(r.block_ids[first:last + 1])
-                logger.warning("kvq: load of %s tokens [%d, %d) failed: %s", r.sequence_id,
-                               r.begin, r.end, e)
-
-    def _load(self, r: TokenRange) -> None:
-        """Fetches the range a group of layers at a time into one reused host
-        buffer of at most kvq_load_buffer_bytes (one layer if a layer is
-        larger) and writes each layer into its paged cache."""
-        names = list(self._caches)
-        first = self._caches[names[0]]
-        wire = _WIRE[first.dtype]
-        host = np.float16 if wire == "fp16" else np.float32  # bf16 arrives as float32.
-        tokens = r.end - r.begin
-        layer_bytes = 2 * self._layout.num_kv_heads * tokens * self._layout.head_dim * \
-            np.dtype(host).itemsize
-        group = max(1, min(len(names), self._settings.load_buffer_bytes // max(layer_bytes, 1)))
-        shape = (group, self._layout.num_kv_heads, tokens, self._layout.head_dim)
-        K, V = np.empty(shape, host), np.empty(shape, host)
-        block, offset = self._slots(r, first)
-        for begin in range(0, len(names), group):
-            n = min(group, len(names) - begin)
-            self._client.fetch(r.sequence_id, layer_begin=begin, token_begin=r.begin,
-                               dtype=wire, max_chunk_bytes=self._settings.max_chunk_bytes,
-                               out=(K[:n], V[:n]))
-            for i in range(n):
-                scatter(self._caches[names[begin + i]], block, offset, torch.from_numpy(K[i]),
-                        torch.from_numpy(V[i]))
+        self._worker.start_load(self._get_connector_metadata().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass.
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        layer = self._layer_index.get(layer_name)
-        if layer is None:
-            return
-        for r in self._get_connector_metadata().saves:
-            committed = self._saved.get(r.sequence_id)
-            if committed is not None and committed != r.begin:
-                continue  # An earlier save of this sequence failed: appending would misplace.
-            entry = self._appends.get(r.sequence_id)
-            if entry is None:
-                wire = _WIRE[kv_layer.dtype]
-                # Quantized here where the scheme has raw pages: only
-                # stored bytes travel.
-                stream = LayerAppend(self._client, r.sequence_id,
-                                     max_chunk_bytes=self._settings.max_chunk_bytes, wire=wire,
-                                     scheme=self._settings.scheme, start_tokens=r.begin,
-                                     head_dim=self._layout.head_dim)
-                entry = self._appends[r.sequence_id] = (r, stream, set())
-            block, offset = self._slots(r, kv_layer)
-            k, v = gather(kv_layer, block, offset)
-            if kv_layer.dtype == torch.bfloat16:  # numpy has no bfloat16; bf16 on the wire.
-                k, v = k.float(), v.float()
-            entry[1].add_layer(layer, k.cpu().numpy(), v.cpu().numpy())
-            entry[2].add(layer)
+        self._worker.save_layer(layer_name, kv_layer, self._get_connector_metadata().saves)
 
     def wait_for_save(self):
-        appends, self._appends = self._appends, {}
-        for sequence_id, (r, stream, layers) in appends.items():
-            if len(layers) != self._layout.num_layers:
-                stream.cancel()
-                self._saved[sequence_id] = -1
-                logger.warning("kvq: save of %s got %d of %d layers; dropped", sequence_id,
-                               len(layers), self._layout.num_layers)
-                continue
-            try:
-                num_tokens = stream.finish()
-            except KvqError as e:
-                self._saved[sequence_id] = -1
-                logger.warning("kvq: save of %s tokens [%d, %d) failed: %s", sequence_id,
-                               r.begin, r.end, e)
-                continue
-            self._saved[sequence_id] = num_tokens if num_tokens == r.end else -1
+        self._worker.wait_for_save()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._worker.take_load_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                set[str] | None]:
-        for rid in finished_req_ids:
-            self._saved.pop(self._id_prefix + rid, None)
+        self._worker.get_finished(finished_req_ids)
         return None, None
 
     def shutdown(self):
-        for _, stream, _ in self._appends.values():
-            stream.cancel()
-        self._appends = {}
-        self._client.close()
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ------------------------------------------------------------ metrics
+
+    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+        if KVConnectorStats is None:
+            return None
+        data = self._counters.take()
+        return None if is_empty(data) else KvqConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> "KVConnectorStats | None":
+        if KVConnectorStats is None:
+            return None
+        return KvqConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict,
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> "KVConnectorPromMetrics | None":
+        if KVConnectorPromMetrics is None:
+            return None
+        return KvqPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+if KVConnectorStats is not None:
+
+    @dataclass
+    class KvqConnectorStats(KVConnectorStats):
+        """The connector's counters (vllm_stats.py) as vLLM carries them from
+        the workers and the scheduler to its logger."""
+
+        def reset(self):
+            self.data = {}
+
+        def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
+            self.data = merge(self.data, other.data)
+            return self
+
+        def reduce(self) -> Dict[str, int | float]:
+            return reduce(self.data)
+
+        def is_empty(self) -> bool:
+            return is_empty(self.data)
+
+    class KvqPromMetrics(KVConnectorPromMetrics):
+        """vllm:kvq_* in vLLM's /metrics: a counter per count, a histogram
+        per latency, the breaker state as a gauge (0 closed, 1 open, 2 half
+        open), each with vLLM's engine labels."""
+
+        _HELP = {
+            "lookup_hits": "Lookups that found tokens in kvq.",
+            "lookup_misses": "Lookups that found no tokens in kvq.",
+            "lookup_skipped": "Lookups answered 0 because kvq's circuit breaker was open.",
+            "hit_tokens": "Tokens kvq offered on lookup hits.",
+            "tokens_loaded": "Tokens loaded from kvq into vLLM's KV cache.",
+            "tokens_saved": "Tokens committed to kvq.",
+            "bytes_loaded": "Payload bytes received from kvq.",
+            "bytes_saved": "Payload bytes sent to kvq.",
+            "load_failures": "kvq loads that failed (their blocks recomputed).",
+            "save_failures": "kvq saves that failed or were dropped.",
+            "rpc_failures": "kvq calls that failed with a service error.",
+            "breaker_opened": "Times kvq's circuit breaker opened.",
+        }
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = {
+                name: self._counter_cls(name=f"vllm:kvq_{name}_total",
+                                        documentation=self._HELP[name], labelnames=labelnames)
+                for name in COUNTS}
+            self._histograms = {
+                name: self._histogram_cls(
+                    name=f"vllm:kvq_{name}", documentation=f"kvq {name[:-8]} latency.",
+                    buckets=[1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+                    labelnames=labelnames)
+                for name in SAMPLES}
+            self._breaker = self._gauge_cls(
+                name="vllm:kvq_breaker_state",
+                documentation="kvq circuit breaker: 0 closed, 1 open (kvq skipped), 2 half open.",
+                labelnames=labelnames, multiprocess_mode="mostrecent")
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+            labels = self.per_engine_labelvalues[engine_idx]
+            for name in COUNTS:
+                n = transfer_stats_data.get(name, 0)
+                if n:
+                    self._counters[name].labels(*labels).inc(n)
+            for name in SAMPLES:
+                for x in transfer_stats_data.get(name, []):
+                    self._histograms[name].labels(*labels).observe(x)
+            self._breaker.labels(*labels).set(transfer_stats_data.get("breaker_state", 0))

@@ -16,7 +16,7 @@ request's vLLM block ids from position 0 (block i holds positions
 """
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 
 @dataclasses.dataclass
@@ -28,6 +28,13 @@ class TokenRange:
     begin: int
     end: int
     block_ids: List[int]
+    # Ids of the tokens past the prompt in [begin, end) (a save of generated
+    # tokens): kvq registers their blocks for prefix reuse (multi-turn chat).
+    token_ids: List[int] = dataclasses.field(default_factory=list)
+    # The kvq namespace of the request (its cache salt and LoRA folded in);
+    # the connector fills it in. `sequence_id` lists one sequence per
+    # tensor-parallel rank, comma-separated.
+    namespace: str = ""
 
 
 @dataclasses.dataclass
@@ -45,16 +52,31 @@ class _Request:
     lookup_computed: int = 0     # vLLM's local hit at the last lookup.
     pending_load: Optional[int] = None  # num_external_tokens granted, not yet planned.
     block_ids: List[int] = dataclasses.field(default_factory=list)
+    # The request's token ids as vLLM grows them (prompt, then generated).
+    all_token_ids: Sequence[int] = ()
 
 
 class StepPlanner:
     """One instance per scheduler connector. `save` and `load` follow the
-    kv_role (producer saves, consumer loads, both do both)."""
+    kv_role (producer saves, consumer loads, both do both). With
+    `save_decode_tokens` > 0 generated tokens are saved too, once at least
+    that many are computed and unsaved (0: prompt tokens only)."""
 
-    def __init__(self, save: bool, load: bool):
+    def __init__(self, save: bool, load: bool, save_decode_tokens: int = 0):
         self.save = save
         self.load = load
+        self.save_decode_tokens = save_decode_tokens
         self._requests: Dict[str, _Request] = {}
+
+    def request_ids(self) -> List[str]:
+        return list(self._requests)
+
+    def track_tokens(self, request_id: str, all_token_ids: Sequence[int]) -> None:
+        """The request's live token list (vLLM's Request.all_token_ids), read
+        when generated tokens are saved."""
+        r = self._requests.get(request_id)
+        if r is not None:
+            r.all_token_ids = all_token_ids
 
     def known(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -119,9 +141,17 @@ class StepPlanner:
                                          begin + r.pending_load, list(r.block_ids)))
             r.pending_load = None
         end = min(num_computed + num_scheduled, r.prompt_len)
+        token_ids: List[int] = []
+        if r.stored >= r.prompt_len and self.save_decode_tokens > 0:
+            # Generated tokens: in chunks, with their ids. The step computes
+            # the KV of its input tokens, whose ids vLLM already holds.
+            computed = min(num_computed + num_scheduled, len(r.all_token_ids))
+            if computed - r.stored >= self.save_decode_tokens:
+                end = computed
+                token_ids = [int(t) for t in r.all_token_ids[r.stored:end]]
         if self.save and end > r.stored:
             plan.saves.append(TokenRange(request_id, r.sequence_id, r.stored, end,
-                                         list(r.block_ids)))
+                                         list(r.block_ids), token_ids))
             r.stored = end
 
     def finish(self, request_id: str) -> Optional[str]:

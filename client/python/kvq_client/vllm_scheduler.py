@@ -1,0 +1,233 @@
+"""The scheduler half of the vLLM connector (vllm_connector.py), without vLLM
+or torch, so that CI without vLLM drives it against a real server.
+
+A lookup never blocks vLLM's scheduler loop on kvq: the first lookup of a
+request starts, on a background thread, the creation of its kvq sequences
+(one per tensor-parallel rank, each with the prompt's token ids, so kvq
+starts it with the longest stored prefix of whole blocks) and waits at most
+kvq_lookup_wait_seconds for the answer (a budget all lookups of one
+scheduler step share); if it is not there yet the lookup answers None and
+vLLM asks again next step. Later lookups answer from what
+the creation learned, with no call to kvq. A request is therefore created
+once however often vLLM asks; it is released when it finishes (by the
+workers, after their last commit, when they saw it; here otherwise).
+
+While the circuit breaker is open, lookups answer 0 at once: requests run
+without kvq and vLLM computes every token itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from .circuit_breaker import CircuitBreaker
+from .client import KvqError, ModelLayout
+from .vllm_plan import StepPlan, StepPlanner
+from .vllm_settings import Clients, KvqSettings, rank_namespace, request_namespace
+from .vllm_stats import ConnectorCounters, note_outcome
+
+logger = logging.getLogger("kvq_client.vllm_connector")
+
+
+class KvqScheduler:
+
+    def __init__(self, settings: KvqSettings, layout: ModelLayout, save: bool, load: bool,
+                 world_size: int = 1, clients: Optional[Clients] = None,
+                 breaker: Optional[CircuitBreaker] = None,
+                 counters: Optional[ConnectorCounters] = None):
+        self._settings = settings
+        self._layout = layout
+        self._world_size = world_size
+        self._clients = clients or Clients(settings)
+        self.breaker = breaker or settings.breaker()
+        self.counters = counters or ConnectorCounters()
+        self.planner = StepPlanner(save=save, load=load,
+                                   save_decode_tokens=settings.save_decode_tokens)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvq-lookup")
+        self._pending: Dict[str, Tuple[Future, float]] = {}
+        self._namespaces: Dict[str, str] = {}   # request -> its kvq namespace
+        self._seen_by_workers: Set[str] = set()
+        self._epoch = 0
+        self._wait_left = settings.lookup_wait_seconds  # This step's lookup wait budget.
+
+    # ------------------------------------------------------------ lookup
+
+    def namespace_of(self, cache_salt: Optional[str], lora_name: Optional[str]) -> str:
+        base = self._settings.namespace
+        if self._epoch:
+            base += f":epoch-{self._epoch}"
+        return request_namespace(base, cache_salt, lora_name)
+
+    def lookup(self, request_id: str, prompt_token_ids: Sequence[int], num_tokens: int,
+               num_computed: int, cache_salt: Optional[str] = None,
+               lora_name: Optional[str] = None, keyed_by_tokens: bool = True) -> Optional[int]:
+        """Tokens past `num_computed` kvq can supply; None: ask again later."""
+        rid = request_id
+        if self.planner.known(rid):
+            self.refresh_after_preemption(rid)
+            return self.planner.matched_tokens(rid, num_tokens, num_computed)
+        pending = self._pending.get(rid)
+        if pending is None:
+            if not prompt_token_ids or not keyed_by_tokens:
+                return 0
+            if not self.breaker.allow():
+                self.counters.add("lookup_skipped")
+                self.counters.breaker_state = int(self.breaker.state)
+                return 0
+            namespace = self.namespace_of(cache_salt, lora_name)
+            future = self._pool.submit(self._create, namespace, list(prompt_token_ids))
+            pending = self._pending[rid] = (future, time.monotonic())
+            self._namespaces[rid] = namespace
+        future, started = pending
+        if not future.done() and self._wait_left > 0:
+            # All lookups of one scheduler step share one wait budget.
+            t0 = time.monotonic()
+            try:
+                future.result(timeout=self._wait_left)
+            except Exception:  # noqa: BLE001  Read below, once done.
+                pass
+            self._wait_left -= time.monotonic() - t0
+        if not future.done():
+            return None  # vLLM asks again next step.
+        del self._pending[rid]
+        self.counters.observe("lookup_seconds", time.monotonic() - started)
+        error = future.exception()
+        self._note(error)
+        if error is not None:
+            self._namespaces.pop(rid, None)
+            self.counters.add("lookup_misses")
+            logger.warning("kvq: no sequence for request %s (%s); it runs without the cache",
+                           rid, error)
+            return 0
+        sequence_ids, stored = future.result()
+        self.planner.add_request(rid, sequence_ids, len(prompt_token_ids), stored)
+        matched = self.planner.matched_tokens(rid, num_tokens, num_computed)
+        self.counters.add("lookup_hits" if matched > 0 else "lookup_misses")
+        self.counters.add("hit_tokens", matched)
+        return matched
+
+    def _create(self, namespace: str, prompt: List[int]) -> Tuple[str, int]:
+        """Creates the request's sequence on every rank; (ids joined by ",",
+        the tokens every rank's holds). On a failure the ones created are
+        released and the error raised."""
+        created: List[Tuple[str, str]] = []
+        stored = None
+        try:
+            for rank in range(self._world_size):
+                ns = rank_namespace(namespace, rank, self._world_size)
+                info = self._clients.get(ns).create_sequence(
+                    self._layout, scheme=self._settings.scheme,
+                    ttl_seconds=self._settings.ttl_seconds, prompt_token_ids=prompt,
+                    deadline=self._settings.scheduler_deadline_seconds)
+                created.append((ns, info.sequence_id))
+                stored = info.num_tokens if stored is None else min(stored, info.num_tokens)
+        except KvqError:
+            for ns, sid in created:
+                self._release(ns, sid)
+            raise
+        return ",".join(sid for _, sid in created), int(stored or 0)
+
+    def _release(self, namespace: str, sequence_id: str) -> None:
+        try:
+            self._clients.get(namespace).release(
+                sequence_id, deadline=self._settings.scheduler_deadline_seconds)
+        except KvqError as e:  # Its lease expires it anyway.
+            logger.warning("kvq: release of %s failed: %s", sequence_id, e)
+
+    def _note(self, error: Optional[BaseException]) -> None:
+        if note_outcome(self.breaker, self.counters, error):
+            logger.warning("kvq: %d failures in a row; skipping kvq for %.0f s",
+                           self._settings.breaker_failures,
+                           self._settings.breaker_backoff_seconds)
+
+    # ------------------------------------------------------ step planning
+
+    def after_alloc(self, request_id: str, all_token_ids: Sequence[int],
+                    num_external_tokens: int) -> None:
+        self.planner.track_tokens(request_id, all_token_ids)
+        self.planner.after_alloc(request_id, num_external_tokens)
+
+    def build(self, scheduler_output: Any) -> StepPlan:
+        """The step's loads and saves from vLLM's SchedulerOutput (read by
+        attribute: scheduled_new_reqs, scheduled_cached_reqs,
+        num_scheduled_tokens)."""
+        self._wait_left = self._settings.lookup_wait_seconds  # A new step begins.
+        plan = StepPlan()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self.planner.scheduled(plan, new.req_id, new.block_ids[0], True,
+                                   new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        # vLLM < 0.34 lists a resumed request here (its blocks all new);
+        # 0.34 sends it again among the new requests.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            self.planner.scheduled(plan, rid, blocks[0] if blocks else None, rid in resumed,
+                                   cached.num_computed_tokens[i], scheduled.get(rid, 0))
+        for r in plan.loads + plan.saves:
+            r.namespace = self._namespaces.get(r.request_id, self._settings.namespace)
+            self._seen_by_workers.add(r.request_id)
+        return plan
+
+    def refresh_after_preemption(self, request_id: str) -> None:
+        """A preempted request is looked up again: kvq may hold more of it
+        (its own saves). Asks in the background; the next lookup uses it."""
+        if not self.planner.saved_past_match(request_id) or not self.breaker.allow():
+            return
+        namespace = self._namespaces.get(request_id, self._settings.namespace)
+        sid = self.planner.sequence_id(request_id).split(",")[0]
+        ns = rank_namespace(namespace, 0, self._world_size)
+
+        def stats():
+            return self._clients.get(ns).stats(
+                sid, deadline=self._settings.scheduler_deadline_seconds).num_tokens
+        future = self._pool.submit(stats)
+        try:
+            self.planner.refresh(request_id,
+                                 future.result(timeout=self._settings.lookup_wait_seconds))
+            self._note(None)
+        except KvqError as e:
+            self._note(e)
+        except Exception:  # noqa: BLE001  A timeout: the request recomputes instead.
+            pass
+
+    # ------------------------------------------------------------ finish
+
+    def finished(self, request_id: str) -> None:
+        """Forgets a request. Sequences the workers saw are theirs to release
+        after their last commit; the others are released here (in the
+        background)."""
+        pending = self._pending.pop(request_id, None)
+        namespace = self._namespaces.pop(request_id, None)
+        sequence_ids = self.planner.finish(request_id)
+        if request_id in self._seen_by_workers:
+            self._seen_by_workers.discard(request_id)
+            return
+        if not self._settings.release_on_finish or namespace is None:
+            return
+        if pending is not None:  # Still being created: release when it is.
+            def release_later(f: Future) -> None:
+                if f.exception() is None:
+                    self._release_all(namespace, f.result()[0])
+            pending[0].add_done_callback(release_later)
+        elif sequence_ids is not None:
+            self._pool.submit(self._release_all, namespace, sequence_ids)
+
+    def _release_all(self, namespace: str, sequence_ids: str) -> None:
+        for rank, sid in enumerate(sequence_ids.split(",")):
+            self._release(rank_namespace(namespace, rank, self._world_size), sid)
+
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache: this engine stops finding what kvq
+        holds (a new namespace epoch; the old prefixes age out of kvq by
+        lease and eviction). Requests in flight keep their sequences."""
+        self._epoch += 1
+        return True
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._clients.close()
