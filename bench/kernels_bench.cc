@@ -23,7 +23,7 @@
 #endif
 #include "bench/dot_rate.h"
 #include "bench/read_bandwidth.h"
-#include "bench/synthetic_kv.h"
+#include "synthetic/synthetic_kv.h"
 #include "kernels/accounting.h"
 #include "kernels/backend.h"
 #include "kernels/codebook_learner.h"

@@ -1,4 +1,4 @@
-// `kvq-bench kernels`: stores a synthetic KV set (bench/synthetic_kv.h) in
+// `kvq-bench kernels`: stores a synthetic KV set (synthetic/synthetic_kv.h) in
 // every scheme and measures, per (layout, context, scheme), the bits per
 // element as allocated, the fused decode-attention error against fp32
 // attention over the original keys and values, and the decode-attention time

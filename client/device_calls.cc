@@ -21,7 +21,7 @@ absl::Status CheckDevice(const DevicePayloadOptions& d) {
   if (d.peer == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "transport = \"", PayloadTransportName(d.transport),
-        "\" needs device.peer (kernels/cuda/cuda_device_peers.h; none without CUDA)"));
+        "\" needs device.peer (client/cuda_device_peers.h; none without CUDA)"));
   }
   if (d.peer->kind() != d.transport) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -1,11 +1,12 @@
 // DevicePeer: the client's side of a device payload path (docs/TRANSPORT.md).
 // AppendPrompt and FetchDequantInto take one in their options when
 // `transport` is not kGrpc; the bytes then move GPU to GPU and the RPC
-// carries descriptors only. The CUDA implementations are in kernels/cuda/
-// (cuda_device_peers.h); tests use an in-process fake.
+// carries descriptors only. The CUDA implementations are in
+// client/cuda_device_peers.h (its own target, kvq_cuda_peers); tests use an
+// in-process fake.
 //
-// Plain C++ and absl only, so kernels/cuda can implement it without the
-// client library or the proto.
+// Plain C++ and absl only, so the CUDA peers' target adds CUDA to the client
+// and the client library itself needs none.
 #ifndef KVQ_CLIENT_DEVICE_PEER_H_
 #define KVQ_CLIENT_DEVICE_PEER_H_
 

@@ -125,8 +125,8 @@ struct SequenceInfo {
 
 // Where a device payload's bytes are (docs/TRANSPORT.md). With `transport`
 // other than kGrpc, the bytes of k and v are at `k` and `v` in memory that
-// `peer` reaches (device memory for the CUDA peers, kernels/cuda/
-// cuda_device_peers.h) and the call's tensors give only dtype and shape.
+// `peer` reaches (device memory for the CUDA peers,
+// client/cuda_device_peers.h) and the call's tensors give only dtype and shape.
 struct DevicePayloadOptions {
   PayloadTransport transport = PayloadTransport::kGrpc;
   DevicePeer* peer = nullptr;  // Not owned; must be of `transport`'s kind.

@@ -20,7 +20,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "bench/synthetic_kv.h"
+#include "synthetic/synthetic_kv.h"
 #include "client/kvq_client.h"
 #include "client/parallel_for.h"
 #include "client/tls_flags.h"
@@ -42,7 +42,7 @@ namespace {
 constexpr int kLayers = 30, kKvHeads = 3, kQHeads = 9, kDim = 64;
 
 // The prompt's K/V and the fixed query: the seeded synthetic set of
-// docs/KERNELS.md section 2 (bench/synthetic_kv.h) for every (layer, KV
+// docs/KERNELS.md section 2 (synthetic/synthetic_kv.h) for every (layer, KV
 // head), so attention has what real caches give each kvq option to work
 // on: stable outlier key channels that RoPE swings, outlier tokens,
 // heavy-tailed values and an attention sink on the first tokens. (On

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/cuda/numeric_hd.h"
+#include "kernels/hd/numeric_hd.h"
 
 namespace kvq {
 
@@ -33,7 +33,7 @@ inline void Store16(void* row, size_t i, uint16_t x) {
   std::memcpy(static_cast<unsigned char*>(row) + 2 * i, &x, 2);
 }
 
-// The conversions are KVQ_HD functions (kernels/cuda/numeric_hd.h): one
+// The conversions are KVQ_HD functions (kernels/hd/numeric_hd.h): one
 // definition for the host, the SIMD kernels' scalar edges and the CUDA
 // kernels. IEEE binary16 and bfloat16 round to nearest even (fp16
 // overflows to infinity); OCP FP8 E4M3 (bias 7, no infinities, 0x7f/0xff

@@ -20,7 +20,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "kernels/cuda/hd.h"
+#include "kernels/hd/hd.h"
 #include "kernels/quant_spec.h"
 
 namespace kvq {

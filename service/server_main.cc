@@ -32,10 +32,10 @@
 #include "service/server_config.h"
 #include "service/server_usage.h"
 #ifdef KVQ_HAVE_CUDA_TRANSPORT
-#include "kernels/cuda/cuda_ipc_transport.h"
+#include "service/transport/cuda_ipc_transport.h"
 #include "kernels/cuda/device_info.h"
 #ifdef KVQ_HAVE_NCCL
-#include "kernels/cuda/nccl_transport.h"
+#include "service/transport/nccl_transport.h"
 #endif
 #endif
 

@@ -37,7 +37,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/attention_hd.h"
+#include "kernels/hd/attention_hd.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/status_macros.h"
 

@@ -15,7 +15,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "kernels/cuda/device_stream_view.h"
+#include "kernels/hd/device_stream_view.h"
 
 namespace kvq {
 

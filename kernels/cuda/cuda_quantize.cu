@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/cuda/quant_hd.h"
+#include "kernels/hd/quant_hd.h"
 
 namespace kvq {
 namespace {

@@ -18,7 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/cpu/range_fit.h"
-#include "kernels/cuda/dequant_hd.h"
+#include "kernels/hd/dequant_hd.h"
 #include "kernels/page_layout.h"
 #include "kernels/quant_spec.h"
 

@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/cuda/attention_hd.h"
-#include "kernels/cuda/device_stream_view.h"
+#include "kernels/hd/attention_hd.h"
+#include "kernels/hd/device_stream_view.h"
 #include "kernels/cuda/host_program_backend.h"
 #include "kernels/cuda/stream_view_host.h"
 #include "kernels/kv_stream.h"

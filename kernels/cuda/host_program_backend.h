@@ -1,4 +1,4 @@
-// "cuda_host": the CUDA backend's per-element math (kernels/cuda/*_hd.h)
+// "cuda_host": the CUDA backend's per-element math (kernels/hd/*_hd.h)
 // composed in plain loops on the CPU. It runs the exact functions the
 // device kernels call, so the typed suites test them against the reference
 // in every build, with or without a GPU.

@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cuda/dequant_hd.h"
+#include "kernels/hd/dequant_hd.h"
 #include "kernels/cuda/host_program_backend.h"
-#include "kernels/cuda/quant_hd.h"
+#include "kernels/hd/quant_hd.h"
 #include "kernels/cuda/stream_view_host.h"
 #include "kernels/cpu/range_fit.h"
 #include "kernels/kv_stream.h"

@@ -1,6 +1,6 @@
 #include "kernels/cuda/stream_view_host.h"
 
-#include "kernels/cuda/attention_hd.h"
+#include "kernels/hd/attention_hd.h"
 #include "kernels/numeric.h"
 
 namespace kvq {

@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "kernels/cuda/device_stream_view.h"
+#include "kernels/hd/device_stream_view.h"
 #include "kernels/kv_stream.h"
 
 namespace kvq {

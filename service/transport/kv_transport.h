@@ -4,8 +4,9 @@
 // an implementation moves the bytes: CUDA IPC (same node), NCCL (across
 // nodes), or the in-process fake the CPU tests use.
 //
-// Plain C++ and absl only, so the CUDA implementations in kernels/cuda/ and
-// the service can both include it without either depending on the other.
+// Plain C++ and absl only, so the CUDA implementations beside it (their own
+// target, kvq_cuda_transport) and the service can both include it without
+// the service library depending on CUDA.
 #ifndef KVQ_SERVICE_TRANSPORT_KV_TRANSPORT_H_
 #define KVQ_SERVICE_TRANSPORT_KV_TRANSPORT_H_
 

@@ -259,6 +259,15 @@ def check_dockerfile(c):
     for subdir, binary in re.findall(r"/build/([\w/]+)/([\w-]+)\b", text):
         if (subdir, binary) not in executables.values():
             problems.append(f"/build/{subdir}/{binary}: no CMake executable builds it there")
+    # The folders the top-level CMakeLists.txt always adds (not under an
+    # option such as tests or benchmarks) must be in the image's source, or
+    # its configure step fails.
+    copied = {src.rstrip("/") for m in re.finditer(r"^COPY\s+(?!--from)(.*)$", text, re.M)
+              for src in m.group(1).split()[:-1]}
+    top = c.read("CMakeLists.txt")
+    for sub in re.findall(r"^add_subdirectory\((\S+?)\)", top, re.M):
+        if sub not in copied:
+            problems.append(f"COPY: the build always needs {sub}/ (CMakeLists.txt adds it)")
     c.expect(f"{rel}: copied paths, stages, targets and binaries exist", problems)
 
 

@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kernels/cuda/attention_hd.h"
+#include "kernels/hd/attention_hd.h"
 #include "kernels/cuda/device_info.h"
 #include "kernels/cuda/stream_view_host.h"
 #include "kernels/kv_stream.h"

@@ -25,14 +25,14 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
-#include "kernels/cuda/cuda_device_peers.h"
-#include "kernels/cuda/cuda_ipc_transport.h"
+#include "client/cuda_device_peers.h"
+#include "service/transport/cuda_ipc_transport.h"
 #include "kernels/cuda/device_info.h"
 #include "service/kvq_service.h"
 #include "service/metrics.h"
 #include "tests/service/store_test_data.h"
 #ifdef KVQ_HAVE_NCCL
-#include "kernels/cuda/nccl_transport.h"
+#include "service/transport/nccl_transport.h"
 #endif
 
 namespace kvq {

@@ -1,8 +1,8 @@
 // The attention math the CUDA kernels and cuda_host share
-// (kernels/cuda/attention_hd.h) against the host truth: Rope::Apply,
+// (kernels/hd/attention_hd.h) against the host truth: Rope::Apply,
 // HadamardRotation, MergeAttention (bit for bit on the host) and a
 // double-precision softmax.
-#include "kernels/cuda/attention_hd.h"
+#include "kernels/hd/attention_hd.h"
 
 #include <algorithm>
 #include <cmath>

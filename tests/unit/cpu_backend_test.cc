@@ -49,21 +49,8 @@ bool IntegerPath(const StreamConfig& c) {
 
 std::unique_ptr<KvStream> Filled(const StreamConfig& config, int tokens, uint64_t seed,
                                  const KernelBackend* backend = &RefBackend()) {
-  absl::StatusOr<std::unique_ptr<KvStream>> s = testutil::TryMakeStream(config, backend);
-  EXPECT_TRUE(s.ok()) << s.status();
-  if (!s.ok()) return nullptr;
-  const int d = config.head_dim;
-  const std::vector<float> k = testutil::MakeKeys(tokens, d, seed);
-  const std::vector<float> v = testutil::MakeValues(tokens, d, seed);
-  // Uneven appends, so the tail, the sink and the pages all get exercised.
-  int t = 0, step = 7;
-  while (t < tokens) {
-    const int n = std::min(step, tokens - t);
-    EXPECT_TRUE(testutil::AppendRows(**s, k, v, t, t + n).ok());
-    t += n;
-    step = step * 5 % 997 + 1;
-  }
-  return *std::move(s);
+  return testutil::UnevenlyFilledStream(config, backend, tokens, seed,
+                                        [](int step) { return step * 5 % 997 + 1; });
 }
 
 // One Attend call's inputs and outputs for `tasks` tasks sharing a shape.

@@ -60,9 +60,6 @@ class KvStreamTest : public ::testing::TestWithParam<StreamParam> {
   const float* Row(Side side, int t) const {
     return (side == Side::kKey ? k_ : v_).data() + static_cast<size_t>(t) * d_;
   }
-  bool IsAffine() const {
-    return config_.spec.is_kivi() || config_.spec.kind == SchemeKind::kInt8;
-  }
 
   StreamConfig config_;
   const KernelBackend* backend_ = nullptr;
@@ -218,15 +215,19 @@ TEST_P(KvStreamTest, ReadUndoesTheStoredBasis) {
 }
 
 // fp16 and bf16 streams store their own dtype bit-exactly; kivi keeps the
-// sink and the tail as the fp16 input.
-TEST_P(KvStreamTest, Fp16PartsAreBitExact) {
+// sink and the tail as the fp16 input. Schemes with such a part and no
+// rotation (rotated streams store H x, not x).
+class KvStreamFp16PartsTest : public KvStreamTest {};
+
+bool HasUnrotatedFp16Parts(const QuantSpec& s) {
+  return !s.rotate &&
+         (s.is_kivi() || s.kind == SchemeKind::kFp16 || s.kind == SchemeKind::kBf16);
+}
+
+TEST_P(KvStreamFp16PartsTest, Fp16PartsAreBitExact) {
   const QuantSpec& spec = config_.spec;
-  if (spec.rotate) GTEST_SKIP() << "rotated streams store H x, not x";
   const bool bf16 = spec.kind == SchemeKind::kBf16;
   const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat16;
-  if (!spec.is_kivi() && spec.kind != SchemeKind::kFp16 && !bf16) {
-    GTEST_SKIP() << "no part of this scheme is stored as fp16/bf16";
-  }
   std::vector<uint16_t> kh(k_.size()), vh(v_.size());
   FloatToRow(k_.data(), static_cast<int>(k_.size()), dtype, kh.data());
   FloatToRow(v_.data(), static_cast<int>(v_.size()), dtype, vh.data());
@@ -293,10 +294,16 @@ TEST_P(KvStreamOutlierTest, PlantedOutliersReproducedExactly) {
   EXPECT_GT(in_pages, 10);
 }
 
-// Constant groups (zero range) reproduce exactly.
-TEST_P(KvStreamTest, ConstantGroupsReproduceExactly) {
-  if (!IsAffine()) GTEST_SKIP() << "only affine (scale/zero) schemes have groups";
-  if (config_.spec.rotate) GTEST_SKIP() << "a constant group is not constant after rotation";
+// Constant groups (zero range) reproduce exactly. Affine (scale/zero)
+// schemes only, the ones with groups, and unrotated: a constant group is not
+// constant after rotation.
+class KvStreamConstantGroupsTest : public KvStreamTest {};
+
+bool HasUnrotatedGroups(const QuantSpec& s) {
+  return !s.rotate && (s.is_kivi() || s.kind == SchemeKind::kInt8);
+}
+
+TEST_P(KvStreamConstantGroupsTest, ConstantGroupsReproduceExactly) {
   absl::StatusOr<PageLayout> L = PageLayout::Make(config_.spec, d_, config_.page_tokens);
   ASSERT_TRUE(L.ok());
   std::vector<float> k = k_, v = v_;
@@ -383,8 +390,12 @@ TEST_P(KvStreamTest, AppendPatternsMatchOneBigAppend) {
   }
 }
 
-TEST_P(KvStreamTest, ResidualBoundaryExplicit) {
-  if (!config_.spec.is_kivi()) GTEST_SKIP() << "per-token schemes quantize on append";
+// kivi schemes only: per-token schemes quantize on append, with no residual.
+class KvStreamResidualTest : public KvStreamTest {};
+
+bool IsKivi(const QuantSpec& s) { return s.is_kivi(); }
+
+TEST_P(KvStreamResidualTest, ResidualBoundaryExplicit) {
   std::unique_ptr<KvStream> s = NewStream();
   ASSERT_NE(s, nullptr);
   const int sink = config_.spec.sink;
@@ -861,6 +872,13 @@ INSTANTIATE_TEST_SUITE_P(AllBackendsAndSchemes, KvStreamTest,
 // bytes anywhere in KvStream faults.
 INSTANTIATE_TEST_SUITE_P(HiddenPages, KvStreamTest,
                          ::testing::ValuesIn(testutil::HiddenPageStreamParams()), ParamName);
+// The suites of one kind of scheme, over every backend and over hidden pages
+// as KvStreamTest is.
+KVQ_INSTANTIATE_STREAM_SUITES(AllBackendsAndSchemes, KvStreamFp16PartsTest,
+                              &HasUnrotatedFp16Parts);
+KVQ_INSTANTIATE_STREAM_SUITES(AllBackendsAndSchemes, KvStreamConstantGroupsTest,
+                              &HasUnrotatedGroups);
+KVQ_INSTANTIATE_STREAM_SUITES(AllBackendsAndSchemes, KvStreamResidualTest, &IsKivi);
 INSTANTIATE_TEST_SUITE_P(
     OutlierSchemes, KvStreamOutlierTest,
     ::testing::ValuesIn(testutil::StreamParamsWhere(

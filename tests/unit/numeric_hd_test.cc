@@ -1,9 +1,9 @@
-// The KVQ_HD number formats (kernels/cuda/numeric_hd.h, which
+// The KVQ_HD number formats (kernels/hd/numeric_hd.h, which
 // kernels/numeric.h uses as its own) against independent, obviously right
 // definitions written the long way here: libm's frexp/ldexp and rounding
 // for fp8, and the IEEE value formulas for the 16-bit decoders. Every
 // pattern of each narrow format and a sweep of floats.
-#include "kernels/cuda/numeric_hd.h"
+#include "kernels/hd/numeric_hd.h"
 
 #include <cmath>
 #include <cstdint>

@@ -1,7 +1,7 @@
-// The per-group quantize math of kernels/cuda/quant_hd.h against the
+// The per-group quantize math of kernels/hd/quant_hd.h against the
 // reference's functions, one by one, and the pages cuda_host writes from
 // it against QuantizeRowsRef's, byte for byte.
-#include "kernels/cuda/quant_hd.h"
+#include "kernels/hd/quant_hd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -319,20 +319,8 @@ TEST(QuantHdTest, PackedBytesMatchPackCodes) {
 
 std::unique_ptr<KvStream> Filled(const StreamConfig& config, int tokens, uint64_t seed,
                                  const KernelBackend* backend) {
-  absl::StatusOr<std::unique_ptr<KvStream>> s = testutil::TryMakeStream(config, backend);
-  EXPECT_TRUE(s.ok()) << s.status();
-  if (!s.ok()) return nullptr;
-  const int d = config.head_dim;
-  const std::vector<float> k = testutil::MakeKeys(tokens, d, seed);
-  const std::vector<float> v = testutil::MakeValues(tokens, d, seed);
-  int t = 0, step = 7;
-  while (t < tokens) {
-    const int n = std::min(step, tokens - t);
-    EXPECT_TRUE(testutil::AppendRows(**s, k, v, t, t + n).ok());
-    t += n;
-    step = step * 3 % 61 + 1;
-  }
-  return *std::move(s);
+  return testutil::UnevenlyFilledStream(config, backend, tokens, seed,
+                                        [](int step) { return step * 3 % 61 + 1; });
 }
 
 // Every scheme of the typed suites (fp16, bf16 and fp8 rows, int8, kivi at

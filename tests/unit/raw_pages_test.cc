@@ -133,7 +133,6 @@ CutBytes CutInto(const std::vector<uint8_t>& bytes, const std::vector<size_t>& c
 // part.
 TEST_P(RawPagesTest, VisitedPagesAreTheCopiedPagesAndTheLastMayBePartial) {
   std::unique_ptr<KvStream> src = ThreeBlocksAndATail(GetParam(), 41);
-  if (!TakesPages(src->spec())) GTEST_SKIP() << "fp8_e4m3 streams have no raw pages";
   const int q = src->quantized_tokens();
   const int pt = src->layout().page_tokens;
   const size_t page_bytes = src->layout().page_bytes;
@@ -162,7 +161,6 @@ TEST_P(RawPagesTest, VisitedPagesAreTheCopiedPagesAndTheLastMayBePartial) {
 // whole; a run set too short for the tokens is refused, nothing stored.
 TEST_P(RawPagesTest, PagesCutAcrossRunsAppendAsWhole) {
   std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
-  if (!TakesPages(src->spec())) GTEST_SKIP() << "fp8_e4m3 streams have no raw pages";
   const int d = src->head_dim();
   const QuantSpec& spec = src->spec();
   const int n = spec.sink + 3 * std::max(spec.flush_tokens(), 64);
@@ -198,12 +196,18 @@ TEST_P(RawPagesTest, PagesCutAcrossRunsAppendAsWhole) {
   EXPECT_EQ(dst->AllocatedBytes(), before);
 }
 
-TEST_P(RawPagesTest, CorruptPagesAreRejectedAndNothingIsStored) {
+// The corruption cases below are written for scaled pages (kivi, int8) and,
+// where stated, fp16 pages.
+bool HasScaledPages(const QuantSpec& s) { return s.is_kivi() || s.kind == SchemeKind::kInt8; }
+bool HasScaledOrFp16Pages(const QuantSpec& s) {
+  return HasScaledPages(s) || s.kind == SchemeKind::kFp16;
+}
+class RawPagesScaledOrFp16Test : public RawPagesTest {};
+class RawPagesScaledTest : public RawPagesTest {};
+
+TEST_P(RawPagesScaledOrFp16Test, CorruptPagesAreRejectedAndNothingIsStored) {
   std::unique_ptr<KvStream> src = testutil::MakeStream(GetParam());
   const QuantSpec& spec = src->spec();
-  if (!spec.is_kivi() && spec.kind != SchemeKind::kInt8 && spec.kind != SchemeKind::kFp16) {
-    GTEST_SKIP() << "corruption case written for scaled and fp16 pages";
-  }
   std::unique_ptr<KvStream> dst = testutil::MakeStream(GetParam());
   const int d = src->head_dim();
   const int n = spec.sink + 2 * std::max(spec.flush_tokens(), 64);
@@ -414,13 +418,10 @@ TEST_P(RawPagesTest, ReadPagesEqualsReadOfTheStoredPages) {
   EXPECT_EQ(reader->num_tokens(), 0);
 }
 
-TEST_P(RawPagesTest, ReadPagesChecksThePagesItReadsAndTheRange) {
+TEST_P(RawPagesScaledTest, ReadPagesChecksThePagesItReadsAndTheRange) {
   StoredPages stored = StorePages(GetParam(), 2, 39);
   const KvStream* src = stored.stream.get();
   const QuantSpec& spec = src->spec();
-  if (!spec.is_kivi() && spec.kind != SchemeKind::kInt8) {
-    GTEST_SKIP() << "corruption case written for scaled pages";
-  }
   std::unique_ptr<KvStream> reader = testutil::MakeStream(GetParam());
   const PageLayout& L = src->layout();
   const int q = stored.q;
@@ -480,12 +481,9 @@ TEST_P(RawPagesTest, HalfRowsAreTheFloatRowsRounded) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, RawPagesTest,
-                         ::testing::ValuesIn(testutil::StreamParamsWhere(&TakesPages)),
-                         [](const auto& info) { return testutil::StreamParamName(info.param); });
-INSTANTIATE_TEST_SUITE_P(HiddenPages, RawPagesTest,
-                         ::testing::ValuesIn(testutil::HiddenPageStreamParams(&TakesPages)),
-                         [](const auto& info) { return testutil::StreamParamName(info.param); });
+KVQ_INSTANTIATE_STREAM_SUITES(All, RawPagesTest, &TakesPages);
+KVQ_INSTANTIATE_STREAM_SUITES(All, RawPagesScaledOrFp16Test, &HasScaledOrFp16Pages);
+KVQ_INSTANTIATE_STREAM_SUITES(All, RawPagesScaledTest, &HasScaledPages);
 
 }  // namespace
 }  // namespace kvq

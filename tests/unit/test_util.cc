@@ -245,6 +245,25 @@ absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& conf
   return KvStream::Create(config, backend, allocator);
 }
 
+std::unique_ptr<KvStream> UnevenlyFilledStream(const StreamConfig& config,
+                                               const KernelBackend* backend, int tokens,
+                                               uint64_t seed, int (*next_step)(int)) {
+  absl::StatusOr<std::unique_ptr<KvStream>> s = TryMakeStream(config, backend);
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (!s.ok()) return nullptr;
+  const int d = config.head_dim;
+  const std::vector<float> k = MakeKeys(tokens, d, seed);
+  const std::vector<float> v = MakeValues(tokens, d, seed);
+  int t = 0, step = 7;
+  while (t < tokens) {
+    const int n = std::min(step, tokens - t);
+    EXPECT_TRUE(AppendRows(**s, k, v, t, t + n).ok());
+    t += n;
+    step = next_step(step);
+  }
+  return *std::move(s);
+}
+
 // The pages of "cuda" streams: one device pool for the whole test binary
 // (the backend serves only streams whose pages are device memory).
 PageAllocator* SharedDevicePages() {

@@ -80,6 +80,14 @@ absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& conf
                                                         const KernelBackend* backend,
                                                         PageAllocator* allocator = nullptr);
 
+// A stream of `config` on `backend` holding MakeKeys/MakeValues(tokens, d,
+// seed), appended in uneven runs (7 rows first, then next_step(previous)
+// rows each) so that the sink, the pages and the tail all get exercised;
+// null, with a test failure, when it cannot be made.
+std::unique_ptr<KvStream> UnevenlyFilledStream(const StreamConfig& config,
+                                               const KernelBackend* backend, int tokens,
+                                               uint64_t seed, int (*next_step)(int));
+
 // Page `i` of `s` copied to the host through its allocator (pages may be
 // where the host cannot address them: hidden_page_allocator.h).
 std::vector<uint8_t> PageBytes(const KvStream& s, int i);
@@ -148,5 +156,17 @@ double RelativeError(const float* a, const std::vector<double>& b, double floor 
 
 }  // namespace testutil
 }  // namespace kvq
+
+// Instantiates the TEST_P suite `fixture` (of StreamParam) over the backend x
+// scheme pairs whose spec `keep` passes (named `prefix`/...) and over cuda_host
+// on hidden pages for the same schemes (HiddenPages/...): the schemes a test
+// applies to, on every backend, so that it never skips for its scheme.
+#define KVQ_INSTANTIATE_STREAM_SUITES(prefix, fixture, keep)                         \
+  INSTANTIATE_TEST_SUITE_P(                                                          \
+      prefix, fixture, ::testing::ValuesIn(::kvq::testutil::StreamParamsWhere(keep)), \
+      [](const auto& info) { return ::kvq::testutil::StreamParamName(info.param); }); \
+  INSTANTIATE_TEST_SUITE_P(                                                          \
+      HiddenPages, fixture, ::testing::ValuesIn(::kvq::testutil::HiddenPageStreamParams(keep)), \
+      [](const auto& info) { return ::kvq::testutil::StreamParamName(info.param); })
 
 #endif  // KVQ_TESTS_UNIT_TEST_UTIL_H_

@@ -1,4 +1,4 @@
-#include "kernels/cuda/cuda_ipc_transport.h"
+#include "service/transport/cuda_ipc_transport.h"
 
 #include <cstring>
 

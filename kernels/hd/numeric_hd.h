@@ -2,14 +2,14 @@
 // bits from the same arithmetic, on the device and on the host. The host
 // definitions stay the truth; tests/unit/numeric_hd_test.cc checks every
 // fp16, bf16 and fp8 pattern and a sweep of floats against them.
-#ifndef KVQ_KERNELS_CUDA_NUMERIC_HD_H_
-#define KVQ_KERNELS_CUDA_NUMERIC_HD_H_
+#ifndef KVQ_KERNELS_HD_NUMERIC_HD_H_
+#define KVQ_KERNELS_HD_NUMERIC_HD_H_
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/cuda/hd.h"
+#include "kernels/hd/hd.h"
 
 namespace kvq::hd {
 
@@ -115,4 +115,4 @@ KVQ_HD float Fp8E4m3ToFloat(uint8_t b) {
 
 }  // namespace kvq::hd
 
-#endif  // KVQ_KERNELS_CUDA_NUMERIC_HD_H_
+#endif  // KVQ_KERNELS_HD_NUMERIC_HD_H_

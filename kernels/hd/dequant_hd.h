@@ -7,13 +7,13 @@
 // Every product and sum rounds on its own (MulAdd), as the reference does
 // (kernels compile without contraction): a fused multiply-add would round
 // once and give other bits.
-#ifndef KVQ_KERNELS_CUDA_DEQUANT_HD_H_
-#define KVQ_KERNELS_CUDA_DEQUANT_HD_H_
+#ifndef KVQ_KERNELS_HD_DEQUANT_HD_H_
+#define KVQ_KERNELS_HD_DEQUANT_HD_H_
 
 #include <cstdint>
 
-#include "kernels/cuda/hd.h"
-#include "kernels/cuda/numeric_hd.h"
+#include "kernels/hd/hd.h"
+#include "kernels/hd/numeric_hd.h"
 #include "kernels/page_layout.h"
 
 namespace kvq::hd {
@@ -218,4 +218,4 @@ KVQ_HD void DequantRows(const PageLayout& L, Side side, const uint8_t* page, int
 
 }  // namespace kvq::hd
 
-#endif  // KVQ_KERNELS_CUDA_DEQUANT_HD_H_
+#endif  // KVQ_KERNELS_HD_DEQUANT_HD_H_

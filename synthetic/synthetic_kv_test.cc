@@ -1,4 +1,4 @@
-#include "bench/synthetic_kv.h"
+#include "synthetic/synthetic_kv.h"
 
 #include <cmath>
 #include <vector>

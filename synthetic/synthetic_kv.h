@@ -63,8 +63,8 @@
 // head and the purpose, with distributions written out (Box-Muller on
 // 53-bit uniforms, Bailey's polar Student-t), so the output is identical
 // across runs and standard libraries (up to libm's last-bit rounding).
-#ifndef KVQ_BENCH_SYNTHETIC_KV_H_
-#define KVQ_BENCH_SYNTHETIC_KV_H_
+#ifndef KVQ_SYNTHETIC_SYNTHETIC_KV_H_
+#define KVQ_SYNTHETIC_SYNTHETIC_KV_H_
 
 #include <cstdint>
 #include <vector>
@@ -162,4 +162,4 @@ absl::StatusOr<SyntheticKv> GenerateSyntheticKv(const SyntheticKvConfig& config)
 
 }  // namespace kvq
 
-#endif  // KVQ_BENCH_SYNTHETIC_KV_H_
+#endif  // KVQ_SYNTHETIC_SYNTHETIC_KV_H_

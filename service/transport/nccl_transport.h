@@ -3,8 +3,8 @@
 // client joins as rank 1 with the id from the reply; payloads then move
 // with ncclSend/ncclRecv while gRPC carries descriptors only. A deadline
 // that passes aborts the communicator (ncclCommAbort) and the session.
-#ifndef KVQ_KERNELS_CUDA_NCCL_TRANSPORT_H_
-#define KVQ_KERNELS_CUDA_NCCL_TRANSPORT_H_
+#ifndef KVQ_SERVICE_TRANSPORT_NCCL_TRANSPORT_H_
+#define KVQ_SERVICE_TRANSPORT_NCCL_TRANSPORT_H_
 
 #include <memory>
 #include <string>
@@ -48,4 +48,4 @@ class NcclTransport : public KvTransport {
 
 }  // namespace kvq
 
-#endif  // KVQ_KERNELS_CUDA_NCCL_TRANSPORT_H_
+#endif  // KVQ_SERVICE_TRANSPORT_NCCL_TRANSPORT_H_

@@ -1,4 +1,4 @@
-#include "kernels/cuda/cuda_device_peers.h"
+#include "client/cuda_device_peers.h"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>

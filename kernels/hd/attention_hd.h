@@ -5,16 +5,16 @@
 // the "cuda_host" backend (host_attention.cc) both compose these, so the
 // host build tests the device's arithmetic against the reference
 // (tests/unit/attention_hd_test.cc, attention_test.cc).
-#ifndef KVQ_KERNELS_CUDA_ATTENTION_HD_H_
-#define KVQ_KERNELS_CUDA_ATTENTION_HD_H_
+#ifndef KVQ_KERNELS_HD_ATTENTION_HD_H_
+#define KVQ_KERNELS_HD_ATTENTION_HD_H_
 
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/dequant_hd.h"
-#include "kernels/cuda/device_stream_view.h"
-#include "kernels/cuda/hd.h"
-#include "kernels/cuda/numeric_hd.h"
+#include "kernels/hd/dequant_hd.h"
+#include "kernels/hd/device_stream_view.h"
+#include "kernels/hd/hd.h"
+#include "kernels/hd/numeric_hd.h"
 
 namespace kvq::hd {
 
@@ -453,4 +453,4 @@ KVQ_HD float Dot(const float* a, const float* b, int d) {
 
 }  // namespace kvq::hd
 
-#endif  // KVQ_KERNELS_CUDA_ATTENTION_HD_H_
+#endif  // KVQ_KERNELS_HD_ATTENTION_HD_H_

@@ -3,12 +3,12 @@
 // it is passed to kernels as is; no CUDA headers. The service's device
 // residency code fills it from a KvStream whose pages live in the device
 // page pool; the kernels only read it.
-#ifndef KVQ_KERNELS_CUDA_DEVICE_STREAM_VIEW_H_
-#define KVQ_KERNELS_CUDA_DEVICE_STREAM_VIEW_H_
+#ifndef KVQ_KERNELS_HD_DEVICE_STREAM_VIEW_H_
+#define KVQ_KERNELS_HD_DEVICE_STREAM_VIEW_H_
 
 #include <cstdint>
 
-#include "kernels/cuda/dequant_hd.h"
+#include "kernels/hd/dequant_hd.h"
 #include "kernels/page_layout.h"
 
 namespace kvq {
@@ -53,4 +53,4 @@ struct DeviceStreamView {
 
 }  // namespace kvq
 
-#endif  // KVQ_KERNELS_CUDA_DEVICE_STREAM_VIEW_H_
+#endif  // KVQ_KERNELS_HD_DEVICE_STREAM_VIEW_H_

@@ -2,8 +2,8 @@
 // CudaIpcPeer exports device allocations as IPC handles; NcclPeer joins an
 // OpenTransfer session as the client rank and sends / receives device
 // memory. Pass one as AppendOptions::device.peer / FetchOptions::device.peer.
-#ifndef KVQ_KERNELS_CUDA_CUDA_DEVICE_PEERS_H_
-#define KVQ_KERNELS_CUDA_CUDA_DEVICE_PEERS_H_
+#ifndef KVQ_CLIENT_CUDA_DEVICE_PEERS_H_
+#define KVQ_CLIENT_CUDA_DEVICE_PEERS_H_
 
 #include <memory>
 
@@ -43,4 +43,4 @@ class NcclPeer : public DevicePeer {
 
 }  // namespace kvq
 
-#endif  // KVQ_KERNELS_CUDA_CUDA_DEVICE_PEERS_H_
+#endif  // KVQ_CLIENT_CUDA_DEVICE_PEERS_H_

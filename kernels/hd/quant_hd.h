@@ -20,15 +20,15 @@
 // Every float operation rounds on its own: on the device through the _rn
 // intrinsics, which nvcc never contracts into a fused multiply-add; on the
 // host the files that use this header compile with -ffp-contract=off.
-#ifndef KVQ_KERNELS_CUDA_QUANT_HD_H_
-#define KVQ_KERNELS_CUDA_QUANT_HD_H_
+#ifndef KVQ_KERNELS_HD_QUANT_HD_H_
+#define KVQ_KERNELS_HD_QUANT_HD_H_
 
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/dequant_hd.h"
-#include "kernels/cuda/hd.h"
-#include "kernels/cuda/numeric_hd.h"
+#include "kernels/hd/dequant_hd.h"
+#include "kernels/hd/hd.h"
+#include "kernels/hd/numeric_hd.h"
 #include "kernels/page_layout.h"
 
 namespace kvq::hd {
@@ -498,4 +498,4 @@ KVQ_HD int NextOutlierOrUnchosen(const ScoreFn& score, int n, float prev_score, 
 
 }  // namespace kvq::hd
 
-#endif  // KVQ_KERNELS_CUDA_QUANT_HD_H_
+#endif  // KVQ_KERNELS_HD_QUANT_HD_H_

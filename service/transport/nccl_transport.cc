@@ -1,4 +1,4 @@
-#include "kernels/cuda/nccl_transport.h"
+#include "service/transport/nccl_transport.h"
 
 #include <cuda_runtime_api.h>
 

@@ -4,8 +4,8 @@
 //
 // Headers that use it must not include CUDA headers: they compile with the
 // host compiler everywhere (kernels/cuda/*.cu include them under nvcc).
-#ifndef KVQ_KERNELS_CUDA_HD_H_
-#define KVQ_KERNELS_CUDA_HD_H_
+#ifndef KVQ_KERNELS_HD_HD_H_
+#define KVQ_KERNELS_HD_HD_H_
 
 #if defined(__CUDACC__)
 #define KVQ_HD __host__ __device__ __forceinline__
@@ -15,4 +15,4 @@
 #define KVQ_DEVICE_CODE 0
 #endif
 
-#endif  // KVQ_KERNELS_CUDA_HD_H_
+#endif  // KVQ_KERNELS_HD_HD_H_

@@ -3,8 +3,8 @@
 // server opens the handle once (cudaIpcOpenMemHandle, cached) and copies
 // with cudaMemcpyAsync straight between the two (device to device when the
 // destination is device memory, device to host for a host page pool).
-#ifndef KVQ_KERNELS_CUDA_CUDA_IPC_TRANSPORT_H_
-#define KVQ_KERNELS_CUDA_CUDA_IPC_TRANSPORT_H_
+#ifndef KVQ_SERVICE_TRANSPORT_CUDA_IPC_TRANSPORT_H_
+#define KVQ_SERVICE_TRANSPORT_CUDA_IPC_TRANSPORT_H_
 
 #include <cuda_runtime_api.h>
 
@@ -48,4 +48,4 @@ class CudaIpcTransport : public KvTransport {
 
 }  // namespace kvq
 
-#endif  // KVQ_KERNELS_CUDA_CUDA_IPC_TRANSPORT_H_
+#endif  // KVQ_SERVICE_TRANSPORT_CUDA_IPC_TRANSPORT_H_

@@ -1,0 +1,3 @@
+// Allowed: the benchmarks over everything below them.
+#include "service/kvq_service.h"
+#include "client/kvq_client.h"
