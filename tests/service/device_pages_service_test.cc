@@ -11,16 +11,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/server_credentials.h"
-#include "grpcpp/server.h"
-#include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/host_program_backend.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "service/kvq_service.h"
 #include "service/metrics.h"
 #include "service/page_checksum.h"
+#include "tests/service/loopback_service.h"
 #include "tests/service/wire_test_data.h"
 #include "tests/unit/hidden_page_allocator.h"
 #include "tests/unit/test_util.h"
@@ -45,23 +42,15 @@ struct Node {
     metrics = std::move(*Metrics::Create("", store.get(), "host"));
     ServiceOptions so;
     so.verify_fraction = 1.0;
-    service = std::make_unique<KvqService>(store.get(), metrics.get(), so);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service.get());
-    server = builder.BuildAndStart();
-    stub = v1::KvCache::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                                    grpc::InsecureChannelCredentials()));
+    server = std::make_unique<LoopbackService>(store.get(), metrics.get(), so);
+    stub = server->stub.get();
   }
-  ~Node() { server->Shutdown(); }
 
   std::shared_ptr<testutil::HiddenPageAllocator> hidden;
   std::unique_ptr<SequenceStore> store;
   std::unique_ptr<Metrics> metrics;
-  std::unique_ptr<KvqService> service;
-  std::unique_ptr<grpc::Server> server;
-  int port = 0;
-  std::unique_ptr<v1::KvCache::Stub> stub;
+  std::unique_ptr<LoopbackService> server;
+  v1::KvCache::Stub* stub = nullptr;
 };
 
 struct Answer {
