@@ -7,13 +7,14 @@
 //
 // Checked against protobuf's own parser of the same bytes (the decoder
 // promises the same verdict and the same message):
-//   - bytes protobuf refuses are refused, INVALID_ARGUMENT "the message is
-//     not a kvq.v1.AppendRequest";
+//   - bytes protobuf refuses are refused INVALID_ARGUMENT, with a message of
+//     at most kMaxMessage bytes naming the field or the message type;
 //   - bytes the decoder accepts decode to protobuf's message, page_data
 //     included, wherever it was left;
 //   - bytes protobuf accepts are accepted, unless they hold fields protobuf
 //     keeps as unknown (the decoder refuses deprecated groups, which no
-//     proto3 client sends).
+//     proto3 client sends) or a string over its bound (refused with
+//     CheckStringFields' message, service/request_decoder.h).
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -27,6 +28,7 @@
 
 #include "kvq/v1/kvq.pb.h"
 #include "service/append_decoder.h"
+#include "service/request_decoder.h"
 
 namespace {
 
@@ -34,6 +36,9 @@ namespace {
   std::fprintf(stderr, "append_decoder_fuzz: %s\n", what.c_str());
   std::abort();
 }
+
+// The longest refusal a client may be sent (no unbounded input echoed).
+constexpr size_t kMaxMessage = 512;
 
 bool HasUnknownFields(const google::protobuf::Message& m) {
   const google::protobuf::Reflection* r = m.GetReflection();
@@ -73,13 +78,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   kvq::AppendMessage m;
   const absl::Status st = m.Decode(buffer);
   if (!st.ok()) {
-    if (st.code() != absl::StatusCode::kInvalidArgument ||
-        st.message() != "the message is not a kvq.v1.AppendRequest") {
+    // The contract: INVALID_ARGUMENT with a short message (it names the field
+    // or says the bytes are not an AppendRequest, quoting no unbounded input).
+    if (st.code() != absl::StatusCode::kInvalidArgument || st.message().size() > kMaxMessage) {
       Fail("refusal is " + st.ToString());
     }
-    if (protobuf_ok && !HasUnknownFields(want)) Fail("refused bytes protobuf parses");
+    // Bytes protobuf parses are refused only for a string over its bound,
+    // with the bound's own message.
+    if (protobuf_ok && !HasUnknownFields(want)) {
+      const absl::Status bound = kvq::CheckStringFields(want);
+      if (bound.ok()) Fail("refused bytes protobuf parses: " + st.ToString());
+      if (bound != st) Fail("refusal is " + st.ToString() + ", the bound says " + bound.ToString());
+    }
     return 0;
   }
+  if (!kvq::CheckStringFields(want).ok()) Fail("accepted a string over its bound");
   if (!protobuf_ok) Fail("accepted bytes protobuf refuses");
   if (m.wire_bytes() != n) Fail("wire_bytes is not the message's size");
   kvq::v1::AppendRequest got = m.request();
