@@ -58,8 +58,10 @@ KvStream::KvStream(const StreamConfig& config, const PageLayout& layout,
 absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Create(const StreamConfig& config,
                                                            const KernelBackend* backend,
                                                            PageAllocator* allocator,
-                                                           const Codebook* codebook) {
+                                                           const Codebook* codebook,
+                                                           const HeadCalibration* calibration) {
   KVQ_RETURN_IF_ERROR(config.Validate());
+  if (calibration != nullptr) KVQ_RETURN_IF_ERROR(calibration->Validate(config.head_dim));
   if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
   KVQ_ASSIGN_OR_RETURN(PageLayout layout,
                        PageLayout::Make(config.spec, config.head_dim, config.page_tokens));

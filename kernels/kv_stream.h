@@ -25,6 +25,7 @@
 #include "kernels/page_allocator.h"
 #include "kernels/page_layout.h"
 #include "kernels/rope.h"
+#include "kernels/calibration.h"
 #include "kernels/stream_config.h"
 #include "kernels/tensor.h"
 
@@ -48,9 +49,12 @@ class KvStream {
  public:
   // `backend` quantizes on Append and dequantizes on Read; `allocator`
   // defaults to the heap. `codebook` is required for nuq and ignored otherwise.
+  // `calibration` (this stream's layer and KV head) is required by the
+  // calibrated schemes and ignored otherwise; it must outlive the stream.
   static absl::StatusOr<std::unique_ptr<KvStream>> Create(
       const StreamConfig& config, const KernelBackend* backend,
-      PageAllocator* allocator = nullptr, const Codebook* codebook = nullptr);
+      PageAllocator* allocator = nullptr, const Codebook* codebook = nullptr,
+      const HeadCalibration* calibration = nullptr);
   ~KvStream();
   KvStream(const KvStream&) = delete;
   KvStream& operator=(const KvStream&) = delete;
