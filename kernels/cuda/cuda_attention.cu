@@ -1,5 +1,6 @@
 // Fused decode attention (cuda_attention.h); docs/CUDA.md "Kernels" has the
-// design. Two split kernels, one per arithmetic, and one merge kernel, each
+// design. One split kernel, instantiated per arithmetic (its Math policy:
+// the tiles' element type and inner products), and one merge kernel, each
 // compiled per supported head_dim (a template parameter: every division by
 // head_dim in a loop is by a constant):
 //
@@ -15,9 +16,9 @@
 //   (no division in the tile loops), RoPE is applied to pre-RoPE keys, then
 //   the scores, the online softmax (a warp per 4 rows, lanes = the tile's
 //   32 keys, max and sum by warp shuffles) and the value accumulation.
-//     - SplitKernelFloat: fp32 CUDA-core math, for fp16/bf16/fp8/int8 and
-//       anything the tensor-core kernel does not take.
-//     - SplitKernelMma: packed codes of <= 4 bits. Keys and values are
+//     - SplitKernel<D, FloatMath>: fp32 CUDA-core math, for fp16/bf16/fp8/
+//       int8 and anything the tensor-core math does not take.
+//     - SplitKernel<D, MmaMath>: packed codes of <= 4 bits. Keys and values are
 //       dequantized to fp16 (2 and 4 bits with uniform levels and fp16
 //       parameters: the magic-number trick, one HSUB2 and one HFMA2 per
 //       two elements, clamped to fp16's finite range), queries scaled by a
@@ -394,7 +395,7 @@ __device__ __forceinline__ void WalkKeys(const LaunchParams& p, const DeviceStre
 }
 
 // Shared memory of a split kernel: the page buffers first (16-byte
-// aligned for cp.async), then the tables, then the kernel's tiles.
+// aligned for cp.async), then the tables, then the math's tiles.
 template <int D>
 struct CommonSmem {
   SideTables<D> key_tab, value_tab;
@@ -406,28 +407,6 @@ struct CommonSmem {
   float max_s[kRowTile];
   float sum_s[kRowTile];
   int visible_s[kRowTile];
-};
-template <int D>
-struct FloatSmem : CommonSmem<D> {
-  static constexpr int kKeyStride = D + 1;  // Padded: the score loop reads along key rows.
-  // Output accumulators per thread; above 16 (head_dim 256) they live in
-  // shared memory (each element owned by one thread) instead of registers,
-  // which keeps the kernel within 128 registers without spilling.
-  static constexpr int kAcc = kRowTile * D / kThreads;
-  static constexpr bool kAccShared = kAcc > 16;
-  float k_s[kKeyTile * kKeyStride];
-  float v_s[kKeyTile * D];
-  float acc_s[kAccShared ? kRowTile * D : 1];
-};
-template <int D>
-struct MmaSmem : CommonSmem<D> {
-  static constexpr int kHalfStride = D + kHalfPad;
-  static constexpr int kProbStride = kKeyTile + kHalfPad;
-  float score_scale_s[kRowTile];
-  __half q_h[kRowTile * kHalfStride];
-  __half k_h[kKeyTile * kHalfStride];
-  __half v_h[kKeyTile * kHalfStride];
-  __half p_h[kRowTile * kProbStride];
 };
 
 size_t AlignVector(size_t n) { return (n + kVector - 1) / kVector * kVector; }
@@ -474,104 +453,119 @@ __device__ void FinishSoftmax(const LaunchParams& p, const BlockWork& w, const f
 }
 
 // ---------------------------------------------------------------------------
-// fp32 split kernel.
+// The split kernel's two arithmetics: its Math policy (SplitKernel<D, Math>).
+//
+// A Math<D> names its shared memory (Smem: CommonSmem<D> plus the tile's
+// keys and values as k_tile / v_tile, row strides kKeyStride /
+// kValueStride, elements made from floats by FromFloat) and holds each
+// thread's output accumulators. Start(p, s) runs once after the common
+// preamble (MmaMath: the queries to fp16), ZeroAccumulators after it; then
+// per 32-key tile, between the kernel's barriers:
+//   LoadTile    the tile's keys and values, dequantized (before outliers
+//               and RoPE, which the kernel applies to k_tile / v_tile);
+//   Scores      p_s[r][j] = softmax_scale * q_r . k_j for the keys row r
+//               sees, -inf for the others;
+//   Softmax     SoftmaxTile over p_s (and the weights in the form
+//               Accumulate reads);
+//   Accumulate  acc = acc * rescale + P V.
+// Store writes acc / sum as the split's partial outputs.
 // ---------------------------------------------------------------------------
+
+// fp32 CUDA-core math: fp16/bf16/fp8/int8 and whatever MmaMath does not take.
 template <int D>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernelFloat(LaunchParams p) {
-  const DeviceAttentionTask& t = p.tasks[blockIdx.z];
-  BlockWork w;
-  if (!BlockWorkOf(p, t, &w) || !PagesFit(p, t, w, D)) return;
-  const DeviceStreamView& v = t.stream;
-  const PageLayout& L = v.layout;
-  constexpr int ks = FloatSmem<D>::kKeyStride;
-  constexpr int kAcc = FloatSmem<D>::kAcc;
-  constexpr bool kAccShared = FloatSmem<D>::kAccShared;
+struct FloatSmem : CommonSmem<D> {
+  static constexpr int kKeyStride = D + 1;  // Padded: the score loop reads along key rows.
+  static constexpr int kValueStride = D;
+  // Output accumulators per thread; above 16 (head_dim 256) they live in
+  // shared memory (each element owned by one thread) instead of registers,
+  // which keeps the kernel within 128 registers without spilling.
+  static constexpr int kAcc = kRowTile * D / kThreads;
+  static constexpr bool kAccShared = kAcc > 16;
+  float k_tile[kKeyTile * kKeyStride];
+  float v_tile[kKeyTile * kValueStride];
+  float acc_s[kAccShared ? kRowTile * D : 1];
+};
+template <int D>
+struct FloatMath {
+  using Smem = FloatSmem<D>;
+  static constexpr int ks = Smem::kKeyStride;
+  static constexpr int kAcc = Smem::kAcc;
+  static constexpr bool kAccShared = Smem::kAccShared;
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint8_t* buffers = smem;
-  auto* s = reinterpret_cast<FloatSmem<D>*>(smem + static_cast<size_t>(p.page_buffers) * p.page_buffer);
-  Prepare<D>(p, t, w, s);
-  const SideConsts kc = ConstsOf(L, L.key), vc = ConstsOf(L, L.value);
-
-  float m[kRowsPerWarp], l[kRowsPerWarp];
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    m[rr] = hd::NegInf();
-    l[rr] = 0.0f;
-  }
+  Smem* s = nullptr;
   float acc[kAcc];  // Unused (and allocated no register) when kAccShared.
-  float* acc_s = s->acc_s;
+
+  __device__ __forceinline__ void Start(const LaunchParams&, Smem* smem) { s = smem; }
+  __device__ __forceinline__ void ZeroAccumulators() {
 #pragma unroll
-  for (int k = 0; k < kAcc; ++k) {
-    if constexpr (kAccShared) {
-      acc_s[threadIdx.x + k * kThreads] = 0.0f;  // Read only by this thread.
-    } else {
-      acc[k] = 0.0f;
+    for (int k = 0; k < kAcc; ++k) {
+      if constexpr (kAccShared) {
+        s->acc_s[threadIdx.x + k * kThreads] = 0.0f;  // Read only by this thread.
+      } else {
+        acc[k] = 0.0f;
+      }
     }
   }
+  static __device__ __forceinline__ float FromFloat(float x) { return x; }
 
-  WalkKeys(p, v, w, buffers, [&](int t0, int n, const uint8_t* page, int row0) {
-    if (page != nullptr) {
-      FillRowParams(L, row0, n, s->key_rows, s->value_rows);
-      __syncthreads();
-    }
+  __device__ __forceinline__ void LoadTile(const DeviceStreamView& v, SideConsts kc, SideConsts vc,
+                                           const uint8_t* page, int row0, int t0, int n) {
+    const PageLayout& L = v.layout;
     for (int e = threadIdx.x; e < n * D; e += kThreads) {
       const int j = e / D, c = e % D;
-      s->k_s[j * ks + c] = TileElement<D>(v, L.key, v.key_extras, s->key_tab, kc, s->key_rows, page,
-                                          row0, Side::kKey, t0 + j, j, c);
-      s->v_s[e] = TileElement<D>(v, L.value, v.value_extras, s->value_tab, vc, s->value_rows, page,
-                                 row0, Side::kValue, t0 + j, j, c);
+      s->k_tile[j * ks + c] = TileElement<D>(v, L.key, v.key_extras, s->key_tab, kc, s->key_rows,
+                                             page, row0, Side::kKey, t0 + j, j, c);
+      s->v_tile[e] = TileElement<D>(v, L.value, v.value_extras, s->value_tab, vc, s->value_rows,
+                                    page, row0, Side::kValue, t0 + j, j, c);
     }
-    __syncthreads();
-    if (L.outliers_per_block > 0 && page != nullptr) {
-      ForEachOutlier<D>(L, L.key, page, s->key_rows, row0, n,
-                        [&](int j, int c, float x) { s->k_s[j * ks + c] = x; });
-      ForEachOutlier<D>(L, L.value, page, s->value_rows, row0, n,
-                        [&](int j, int c, float x) { s->v_s[j * D + c] = x; });
-      __syncthreads();
-    }
-    RopeTile(v.rope, s->inv_freq, t0, n, s->k_s, ks);
+  }
+
+  __device__ __forceinline__ void Scores(const LaunchParams& p, const BlockWork& w, int t0, int n) {
     for (int e = threadIdx.x; e < kRowTile * kKeyTile; e += kThreads) {
       const int r = e / kKeyTile, j = e % kKeyTile;
       float score = hd::NegInf();
       if (r < w.nrows && j < n && t0 + j < s->visible_s[r]) {
-        score = hd::Dot(s->q_f + r * D, s->k_s + j * ks, D) * p.softmax_scale;
+        score = hd::Dot(s->q_f + r * D, s->k_tile + j * ks, D) * p.softmax_scale;
       }
       s->p_s[e] = score;
     }
-    __syncthreads();
+  }
+
+  __device__ __forceinline__ void Softmax(float* m, float* l) {
     SoftmaxTile(s->p_s, s->rescale_s, m, l);
-    __syncthreads();
+  }
+
+  __device__ __forceinline__ void Accumulate(int n) {
 #pragma unroll
     for (int k = 0; k < kAcc; ++k) {
       const int e = threadIdx.x + k * kThreads;
       const int r = e / D, c = e % D;
-      float a = (kAccShared ? acc_s[e] : acc[k]) * s->rescale_s[r];
-      for (int j = 0; j < n; ++j) a += s->p_s[r * kKeyTile + j] * s->v_s[j * D + c];
+      float a = (kAccShared ? s->acc_s[e] : acc[k]) * s->rescale_s[r];
+      for (int j = 0; j < n; ++j) a += s->p_s[r * kKeyTile + j] * s->v_tile[j * D + c];
       if constexpr (kAccShared) {
-        acc_s[e] = a;
+        s->acc_s[e] = a;
       } else {
         acc[k] = a;
       }
     }
-    __syncthreads();
-  });
+  }
 
-  FinishSoftmax(p, w, m, l, s->max_s, s->sum_s, s->rescale_s);
+  __device__ __forceinline__ void Store(const LaunchParams& p, const BlockWork& w) {
 #pragma unroll
-  for (int k = 0; k < kAcc; ++k) {
-    const int e = threadIdx.x + k * kThreads;
-    const int r = e / D, c = e % D;
-    if (r < w.nrows) {
-      p.partial_out[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + r) * D + c] =
-          (kAccShared ? acc_s[e] : acc[k]) * s->rescale_s[r];
+    for (int k = 0; k < kAcc; ++k) {
+      const int e = threadIdx.x + k * kThreads;
+      const int r = e / D, c = e % D;
+      if (r < w.nrows) {
+        p.partial_out[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + r) * D + c] =
+            (kAccShared ? s->acc_s[e] : acc[k]) * s->rescale_s[r];
+      }
     }
   }
-}
+};
 
-// ---------------------------------------------------------------------------
-// Tensor-core split kernel.
-// ---------------------------------------------------------------------------
+// Tensor-core math (UseTensorCores: packed codes of <= 4 bits on both
+// sides): fp16 tiles, QK^T and PV as mma.sync m16n8k16 with the 16 query
+// rows as M and fp32 accumulators.
 __device__ __forceinline__ void Mma16816(float* c, const uint32_t* a, const uint32_t* b) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
@@ -668,96 +662,92 @@ __device__ void LoadTileHalf(const DeviceStreamView& v, const SideLayout& S,
 }
 
 template <int D>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernelMma(LaunchParams p) {
-  const DeviceAttentionTask& t = p.tasks[blockIdx.z];
-  BlockWork w;
-  if (!BlockWorkOf(p, t, &w) || !PagesFit(p, t, w, D)) return;
-  const DeviceStreamView& v = t.stream;
-  const PageLayout& L = v.layout;
-  constexpr int hs = MmaSmem<D>::kHalfStride;
-  constexpr int ps = MmaSmem<D>::kProbStride;
-  constexpr int kTiles = D / (8 * kWarps);  // n8 output tiles per warp.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;  // The MMA fragments' row group and column pair.
+struct MmaSmem : CommonSmem<D> {
+  static constexpr int kKeyStride = D + kHalfPad;
+  static constexpr int kValueStride = kKeyStride;
+  static constexpr int kProbStride = kKeyTile + kHalfPad;
+  float score_scale_s[kRowTile];
+  __half q_h[kRowTile * kKeyStride];
+  __half k_tile[kKeyTile * kKeyStride];
+  __half v_tile[kKeyTile * kValueStride];
+  __half p_h[kRowTile * kProbStride];
+};
+template <int D>
+struct MmaMath {
+  using Smem = MmaSmem<D>;
+  static constexpr int hs = Smem::kKeyStride;
+  static constexpr int ps = Smem::kProbStride;
+  static constexpr int kTiles = D / (8 * kWarps);  // n8 output tiles per warp.
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint8_t* buffers = smem;
-  auto* s = reinterpret_cast<MmaSmem<D>*>(smem + static_cast<size_t>(p.page_buffers) * p.page_buffer);
-  Prepare<D>(p, t, w, s);
-  const SideConsts kc = ConstsOf(L, L.key), vc = ConstsOf(L, L.value);
-
-  // Queries to fp16, each row scaled into fp16's range (hd::HalfQueryScale)
-  // and its scores scaled back: a warp per kRowsPerWarp rows.
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    const int r = warp * kRowsPerWarp + rr;
-    float max_abs = 0.0f;
-    for (int c = lane; c < D; c += 32) max_abs = hd::Max(max_abs, fabsf(s->q_f[r * D + c]));
-    const float qs = hd::HalfQueryScale(WarpMax(max_abs));
-    for (int c = lane; c < D; c += 32) s->q_h[r * hs + c] = __float2half_rn(s->q_f[r * D + c] * qs);
-    if (lane == 0) s->score_scale_s[r] = p.softmax_scale * hd::HalfQueryUnscale(qs);
-  }
-  __syncthreads();
-
-  float m[kRowsPerWarp], l[kRowsPerWarp];
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    m[rr] = hd::NegInf();
-    l[rr] = 0.0f;
-  }
+  Smem* s = nullptr;
+  const int warp, lane;
+  const int g, tq;  // The MMA fragments' row group and column pair.
   // Output accumulators: warp w owns channels [w * D / 4, (w + 1) * D / 4),
   // kTiles n8 tiles of 4 floats per lane (rows g and g + 8).
   float o[kTiles][4];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
-  WalkKeys(p, v, w, buffers, [&](int t0, int n, const uint8_t* page, int row0) {
-    if (page != nullptr) {
-      FillRowParams(L, row0, n, s->key_rows, s->value_rows);
-      __syncthreads();
+  __device__ __forceinline__ MmaMath()
+      : warp(threadIdx.x / 32), lane(threadIdx.x % 32), g(lane / 4), tq(lane % 4) {}
+  // Queries to fp16, each row scaled into fp16's range (hd::HalfQueryScale)
+  // and its scores scaled back: a warp per kRowsPerWarp rows.
+  __device__ __forceinline__ void Start(const LaunchParams& p, Smem* smem) {
+    s = smem;
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+      const int r = warp * kRowsPerWarp + rr;
+      float max_abs = 0.0f;
+      for (int c = lane; c < D; c += 32) max_abs = hd::Max(max_abs, fabsf(s->q_f[r * D + c]));
+      const float qs = hd::HalfQueryScale(WarpMax(max_abs));
+      for (int c = lane; c < D; c += 32) s->q_h[r * hs + c] = __float2half_rn(s->q_f[r * D + c] * qs);
+      if (lane == 0) s->score_scale_s[r] = p.softmax_scale * hd::HalfQueryUnscale(qs);
     }
+    __syncthreads();
+  }
+  __device__ __forceinline__ void ZeroAccumulators() {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  }
+  static __device__ __forceinline__ __half FromFloat(float x) { return __float2half_rn(x); }
+
+  __device__ __forceinline__ void LoadTile(const DeviceStreamView& v, SideConsts kc, SideConsts vc,
+                                           const uint8_t* page, int row0, int t0, int n) {
+    const PageLayout& L = v.layout;
     LoadTileHalf<D>(v, L.key, v.key_extras, s->key_tab, kc, s->key_rows, page, row0, Side::kKey,
-                    t0, n, s->k_h);
+                    t0, n, s->k_tile);
     LoadTileHalf<D>(v, L.value, v.value_extras, s->value_tab, vc, s->value_rows, page, row0,
-                    Side::kValue, t0, n, s->v_h);
-    __syncthreads();
-    if (L.outliers_per_block > 0 && page != nullptr) {
-      ForEachOutlier<D>(L, L.key, page, s->key_rows, row0, n, [&](int j, int c, float x) {
-        s->k_h[j * hs + c] = __float2half_rn(x);
-      });
-      ForEachOutlier<D>(L, L.value, page, s->value_rows, row0, n, [&](int j, int c, float x) {
-        s->v_h[j * hs + c] = __float2half_rn(x);
-      });
-      __syncthreads();
-    }
-    RopeTile(v.rope, s->inv_freq, t0, n, s->k_h, hs);
-    // S = Q K^T: warp w computes keys [8w, 8w + 8) for all 16 rows.
-    {
-      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const __half* krow = s->k_h + (8 * warp + g) * hs;
+                    Side::kValue, t0, n, s->v_tile);
+  }
+
+  // S = Q K^T: warp w computes keys [8w, 8w + 8) for all 16 rows.
+  __device__ __forceinline__ void Scores(const LaunchParams&, const BlockWork& w, int t0, int n) {
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const __half* krow = s->k_tile + (8 * warp + g) * hs;
 #pragma unroll
-      for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a[4], b[2];
-        a[0] = Load32(s->q_h + g * hs + k0 + 2 * tq);
-        a[1] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq);
-        a[2] = Load32(s->q_h + g * hs + k0 + 2 * tq + 8);
-        a[3] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq + 8);
-        b[0] = Load32(krow + k0 + 2 * tq);
-        b[1] = Load32(krow + k0 + 2 * tq + 8);
-        Mma16816(sc, a, b);
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = g + (i / 2) * 8;
-        const int j = 8 * warp + 2 * tq + (i % 2);
-        const bool seen = r < w.nrows && j < n && t0 + j < s->visible_s[r];
-        s->p_s[r * kKeyTile + j] = seen ? sc[i] * s->score_scale_s[r] : hd::NegInf();
-      }
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      uint32_t a[4], b[2];
+      a[0] = Load32(s->q_h + g * hs + k0 + 2 * tq);
+      a[1] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq);
+      a[2] = Load32(s->q_h + g * hs + k0 + 2 * tq + 8);
+      a[3] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq + 8);
+      b[0] = Load32(krow + k0 + 2 * tq);
+      b[1] = Load32(krow + k0 + 2 * tq + 8);
+      Mma16816(sc, a, b);
     }
-    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = g + (i / 2) * 8;
+      const int j = 8 * warp + 2 * tq + (i % 2);
+      const bool seen = r < w.nrows && j < n && t0 + j < s->visible_s[r];
+      s->p_s[r * kKeyTile + j] = seen ? sc[i] * s->score_scale_s[r] : hd::NegInf();
+    }
+  }
+
+  __device__ __forceinline__ void Softmax(float* m, float* l) {
     SoftmaxTile(s->p_s, s->rescale_s, m, l, s->p_h, ps);
-    __syncthreads();
-    // O = O * rescale + P V: warp w's channel tiles, k over the 32 keys.
+  }
+
+  // O = O * rescale + P V: warp w's channel tiles, k over the 32 keys.
+  __device__ __forceinline__ void Accumulate(int) {
     const float rescale_lo = s->rescale_s[g], rescale_hi = s->rescale_s[g + 8];
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
@@ -776,28 +766,86 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernelMma(LaunchPar
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
         const int col = warp * (D / kWarps) + 8 * i + g;
-        const __half* vk = s->v_h + (k0 + 2 * tq) * hs + col;
+        const __half* vk = s->v_tile + (k0 + 2 * tq) * hs + col;
         uint32_t b[2];
         b[0] = Pack(vk[0], vk[hs]);
         b[1] = Pack(vk[8 * hs], vk[9 * hs]);
         Mma16816(o[i], a, b);
       }
     }
+  }
+
+  __device__ __forceinline__ void Store(const LaunchParams& p, const BlockWork& w) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = g + (e / 2) * 8;
+        if (r >= w.nrows) continue;
+        const int c = warp * (D / kWarps) + 8 * i + 2 * tq + (e % 2);
+        p.partial_out[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + r) * D + c] =
+            o[i][e] * s->rescale_s[r];
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Split kernel: the block's keys walked tile by tile, Math's inner products.
+// ---------------------------------------------------------------------------
+template <int D, template <int> class Math>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchParams p) {
+  const DeviceAttentionTask& t = p.tasks[blockIdx.z];
+  BlockWork w;
+  if (!BlockWorkOf(p, t, &w) || !PagesFit(p, t, w, D)) return;
+  const DeviceStreamView& v = t.stream;
+  const PageLayout& L = v.layout;
+  using Smem = typename Math<D>::Smem;
+  constexpr int ks = Smem::kKeyStride, vs = Smem::kValueStride;
+  Math<D> math;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint8_t* buffers = smem;
+  auto* s = reinterpret_cast<Smem*>(smem + static_cast<size_t>(p.page_buffers) * p.page_buffer);
+  Prepare<D>(p, t, w, s);
+  const SideConsts kc = ConstsOf(L, L.key), vc = ConstsOf(L, L.value);
+  math.Start(p, s);
+
+  float m[kRowsPerWarp], l[kRowsPerWarp];
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    m[rr] = hd::NegInf();
+    l[rr] = 0.0f;
+  }
+  math.ZeroAccumulators();
+
+  WalkKeys(p, v, w, buffers, [&](int t0, int n, const uint8_t* page, int row0) {
+    if (page != nullptr) {
+      FillRowParams(L, row0, n, s->key_rows, s->value_rows);
+      __syncthreads();
+    }
+    math.LoadTile(v, kc, vc, page, row0, t0, n);
+    __syncthreads();
+    if (L.outliers_per_block > 0 && page != nullptr) {
+      ForEachOutlier<D>(L, L.key, page, s->key_rows, row0, n, [&](int j, int c, float x) {
+        s->k_tile[j * ks + c] = Math<D>::FromFloat(x);
+      });
+      ForEachOutlier<D>(L, L.value, page, s->value_rows, row0, n, [&](int j, int c, float x) {
+        s->v_tile[j * vs + c] = Math<D>::FromFloat(x);
+      });
+      __syncthreads();
+    }
+    RopeTile(v.rope, s->inv_freq, t0, n, s->k_tile, ks);
+    math.Scores(p, w, t0, n);
+    __syncthreads();
+    math.Softmax(m, l);
+    __syncthreads();
+    math.Accumulate(n);
     __syncthreads();
   });
 
   FinishSoftmax(p, w, m, l, s->max_s, s->sum_s, s->rescale_s);
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = g + (e / 2) * 8;
-      if (r >= w.nrows) continue;
-      const int c = warp * (D / kWarps) + 8 * i + 2 * tq + (e % 2);
-      p.partial_out[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + r) * D + c] =
-          o[i][e] * s->rescale_s[r];
-    }
-  }
+  math.Store(p, w);
 }
 
 // ---------------------------------------------------------------------------
@@ -927,7 +975,7 @@ absl::Status LaunchFor(const DecodeAttentionShape& shape, LaunchParams p, cudaSt
   }
   const int row_tiles = (shape.max_rows + kRowTile - 1) / kRowTile;
   const dim3 grid(p.splits, row_tiles, shape.num_tasks);
-  auto kernel = shape.tensor_cores ? SplitKernelMma<D> : SplitKernelFloat<D>;
+  auto kernel = shape.tensor_cores ? SplitKernel<D, MmaMath> : SplitKernel<D, FloatMath>;
   KVQ_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(smem)),
                            "decode attention: shared memory");

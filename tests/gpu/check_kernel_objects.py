@@ -49,6 +49,31 @@ def find_tool(name: str, cuda_bin: str | None) -> str | None:
     return None
 
 
+def template_args(args: str) -> list[str] | None:
+    """The readable template arguments at the start of a mangled argument
+    list: integers, float, half (unsigned short) and class templates named
+    in the kernel's namespace (the split kernel's Math policy)."""
+    if not args.startswith("I"):
+        return None
+    out: list[str] = []
+    i = 1
+    while i < len(args) and args[i] != "E":
+        rest = args[i:]
+        if m := re.match(r"Li(\d+)E", rest):
+            out.append(m.group(1))
+            i += m.end()
+        elif m := re.match(r"N(?:S[0-9A-Z]*_)*(\d+)", rest):  # N <scope> <len><name> E
+            n = int(m.group(1))
+            out.append(rest[m.end():m.end() + n])
+            i += m.end() + n + 1
+        elif rest[0] in "ft":
+            out.append("float" if rest[0] == "f" else "half")
+            i += 1
+        else:
+            break
+    return out
+
+
 def kernel_label(mangled: str) -> str | None:
     """A short name for a kernel of the checked sources, else None."""
     if not any(s in mangled for s in SOURCES):
@@ -60,11 +85,8 @@ def kernel_label(mangled: str) -> str | None:
         return mangled
     rest = mangled[m.end(1):]
     name = rest[: int(m.group(1))]
-    args = rest[int(m.group(1)):]
-    targs = re.match(r"I(?:Li(\d+)E|(f)|(t))", args)
-    if not targs:
-        return name
-    return name + "<" + (targs.group(1) or ("float" if targs.group(2) else "half")) + ">"
+    targs = template_args(rest[int(m.group(1)):])
+    return name + "<" + ", ".join(targs) + ">" if targs else name
 
 
 def run_each(cuobjdump: str, flag: str, files: list[str], env: dict) -> str:
