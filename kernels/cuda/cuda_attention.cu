@@ -35,11 +35,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/hd/attention_hd.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/kernel_head_dims.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -928,14 +928,6 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(LaunchParams p) {
 // ---------------------------------------------------------------------------
 // Launch.
 // ---------------------------------------------------------------------------
-constexpr int kHeadDims[] = {64, 96, 128, 256};
-
-std::string SupportedHeadDims() {
-  std::string s;
-  for (int d : kHeadDims) absl::StrAppend(&s, s.empty() ? "" : ", ", d);
-  return s;
-}
-
 int PageBuffer(const DecodeAttentionShape& shape) {
   return static_cast<int>(AlignVector(static_cast<size_t>(std::max(shape.max_page_bytes, 0))));
 }
@@ -988,9 +980,7 @@ absl::Status LaunchFor(const DecodeAttentionShape& shape, LaunchParams p, cudaSt
 
 }  // namespace
 
-bool DecodeAttentionTakesHeadDim(int head_dim) {
-  return std::find(std::begin(kHeadDims), std::end(kHeadDims), head_dim) != std::end(kHeadDims);
-}
+bool DecodeAttentionTakesHeadDim(int head_dim) { return KernelTakesHeadDim(head_dim); }
 
 bool UseTensorCores(const PageLayout& layout) {
   auto packed_small = [](const SideLayout& s) {
@@ -1037,7 +1027,7 @@ absl::Status LaunchDecodeAttention(const DeviceAttentionTask* tasks,
   }
   if (!DecodeAttentionTakesHeadDim(shape.head_dim)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "head_dim must be one of ", SupportedHeadDims(), ", got ", shape.head_dim));
+        "head_dim must be one of ", KernelHeadDimsText(), ", got ", shape.head_dim));
   }
   if (shape.group_size < 1 || shape.group_size > kMaxAttentionGroup) {
     return absl::InvalidArgumentError(absl::StrCat("group_size must be in [1, ",
@@ -1083,16 +1073,9 @@ absl::Status LaunchDecodeAttention(const DeviceAttentionTask* tasks,
   p.partial_out = static_cast<float*>(workspace);
   p.partial_lse = p.partial_out +
                   static_cast<size_t>(shape.num_tasks) * p.splits * shape.max_rows * shape.head_dim;
-  switch (shape.head_dim) {
-    case 64:
-      return LaunchFor<64>(shape, p, stream);
-    case 96:
-      return LaunchFor<96>(shape, p, stream);
-    case 128:
-      return LaunchFor<128>(shape, p, stream);
-    default:
-      return LaunchFor<256>(shape, p, stream);
-  }
+  return WithKernelHeadDim(shape.head_dim, [&](auto dim) {
+    return LaunchFor<decltype(dim)::value>(shape, p, stream);
+  });
 }
 
 }  // namespace kvq

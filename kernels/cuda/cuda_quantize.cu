@@ -2,8 +2,10 @@
 // blockIdx.y walks the jobs of the batch, blockIdx.x the units of a job: a
 // quantization block (block_tokens rows, whose parameters are set together)
 // for int8 and packed sides, one row for fp16 / bf16 / fp8 rows, and
-// kDequantRows rows when reading. Every value comes from the quant_hd.h /
-// dequant_hd.h functions that cuda_host runs on the CPU.
+// kDequantRows rows when reading. Each kernel is compiled per head_dim
+// (kernel_head_dims.h: a template parameter, so the element walks divide
+// by constants). Every value comes from the quant_hd.h / dequant_hd.h
+// functions that cuda_host runs on the CPU.
 #include "kernels/cuda/cuda_quantize.h"
 
 #include <cuda_runtime.h>
@@ -14,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/kernel_head_dims.h"
 #include "kernels/hd/quant_hd.h"
 
 namespace kvq {
@@ -22,9 +25,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kDequantRows = 8;
-// The largest unit: block_tokens (<= 256) rows of head_dim (<= 256), and
-// its groups (at most max(block_tokens, head_dim), quant_hd.h GroupsPerUnit).
-constexpr int kMaxUnitElements = 256 * kMaxHeadDim;
+// The largest unit: block_tokens (<= 256) rows of head_dim, and its
+// groups (at most max(block_tokens, head_dim), quant_hd.h GroupsPerUnit).
+constexpr int kMaxBlockTokens = 256;
 constexpr int kMaxUnitGroups = 256;
 
 constexpr int kVector = 16;  // Bytes per LDG.128.
@@ -70,12 +73,12 @@ __device__ __forceinline__ void StoreElement(float* out, float x) { *out = x; }
 __device__ __forceinline__ void StoreElement(uint16_t* out, float x) { *out = hd::FloatToHalf(x); }
 
 // fp16 / bf16 / fp8 rows: one block per row, a thread per channel.
-template <class T>
+template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     QuantizeFloatRows(const __grid_constant__ JobBatch<QuantizeJob> batch) {
   const PageLayout& L = batch.side.layout;
   const SideLayout& S = L.side(batch.side.side);
-  const int d = L.head_dim;
+  constexpr int d = D;
   for (int j = blockIdx.y; j < batch.count; j += gridDim.y) {
     const QuantizeJob& job = batch.jobs[j];
     const int r = blockIdx.x;
@@ -117,10 +120,10 @@ __device__ __forceinline__ void KeepBetter(float& score, int& index, float other
 // a thread per group (sequential in element order, as the reference sums),
 // p8 headers by one thread (their min / max keep the first of equal
 // zeros), then a thread per packed byte.
-template <class T>
+template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     QuantizePackedUnits(const __grid_constant__ JobBatch<QuantizeJob> batch) {
-  __shared__ uint32_t outlier_bits[kMaxUnitElements / 32];
+  __shared__ uint32_t outlier_bits[kMaxBlockTokens * D / 32];
   __shared__ hd::RobustCenter centers[kMaxUnitGroups];
   __shared__ hd::Range ranges[kMaxUnitGroups];
   __shared__ hd::ScaleZero params[kMaxUnitGroups];
@@ -131,16 +134,26 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int prev_index;
   __shared__ hd::ZeroSteps8 zero_steps;
   __shared__ hd::ZeroSteps8 scale_step;
+  __shared__ int16_t channel_group[D];  // hd::GroupOfChannel, once per block.
   extern __shared__ __align__(16) unsigned char staged_unit[];
 
   const PageLayout& L = batch.side.layout;
   const SideLayout& S = L.side(batch.side.side);
-  const int d = L.head_dim;
+  constexpr int d = D;
   const int g = L.block_tokens;
   const int tid = threadIdx.x;
   const int groups = hd::GroupsPerUnit(L, S, g);
   const int elements = g * d;
   const int k_out = L.outliers_per_block;
+  // hd::GroupOf by a table: the element walks below divide by constants
+  // (head_dim) and by nothing else.
+  const bool channels = S.axis == ParamAxis::kChannelGroups;
+  const int np = L.ParamsPerEntry(S);
+  for (int c = tid; c < d; c += blockDim.x) {
+    channel_group[c] = static_cast<int16_t>(hd::GroupOfChannel(S, c));
+  }
+  __syncthreads();
+  auto group_of = [&](int t, int c) { return (channels ? 0 : t * np) + channel_group[c]; };
   for (int j = blockIdx.y; j < batch.count; j += gridDim.y) {
     const QuantizeJob& job = batch.jobs[j];
     if (static_cast<int>(blockIdx.x) * g >= job.n) continue;
@@ -171,7 +184,7 @@ __global__ void __launch_bounds__(kThreads)
         int best = -1;
         for (int i = tid; i < elements; i += blockDim.x) {
           const float s =
-              hd::OutlierScore(hd::ElementToFloat(x[i]), centers[hd::GroupOf(L, S, i / d, i % d)]);
+              hd::OutlierScore(hd::ElementToFloat(x[i]), centers[group_of(i / d, i % d)]);
           if (pi >= 0 && !hd::OutlierBefore(ps, pi, s, i)) continue;
           KeepBetter(best_score, best, s, i);
         }
@@ -192,7 +205,7 @@ __global__ void __launch_bounds__(kThreads)
           if (best < 0) {
             best = hd::FirstUnchosen(hd::BitMask{outlier_bits}, elements);
             best_score = hd::OutlierScore(hd::ElementToFloat(x[best]),
-                                          centers[hd::GroupOf(L, S, best / d, best % d)]);
+                                          centers[group_of(best / d, best % d)]);
           }
           prev_score = best_score;
           prev_index = best;
@@ -213,8 +226,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
 
-    const bool channels = S.axis == ParamAxis::kChannelGroups;
-    const int np = L.ParamsPerEntry(S);
     if (S.param_bits == 16) {
       for (int k = tid; k < groups; k += blockDim.x) {
         params[k] = hd::Params16(ranges[k], S.bits, batch.side.nuq);
@@ -268,8 +279,7 @@ __global__ void __launch_bounds__(kThreads)
       const int t = i / row_bytes;
       const T* xr = x + static_cast<size_t>(t) * d;
       auto code = [&](int c) {
-        return hd::CodeOf(hd::ElementToFloat(xr[c]), params[hd::GroupOf(L, S, t, c)], S.bits,
-                          levels, c);
+        return hd::CodeOf(hd::ElementToFloat(xr[c]), params[group_of(t, c)], S.bits, levels, c);
       };
       PageLayout::CodeRow(page, S, row + t)[i % row_bytes] = hd::PackedByte(code, d, S.bits, i % row_bytes);
     }
@@ -281,15 +291,15 @@ __global__ void __launch_bounds__(kThreads)
 // with 16-byte loads (the aligned window around them, inside the page),
 // every element, then the chunk's outliers by one thread in table order (a
 // later entry wins, as in the reference), then the rows out.
-constexpr int kMaxCodeRowBytes = 2 * kMaxHeadDim;
-template <class T>
+template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     DequantizeRowsKernel(const __grid_constant__ JobBatch<DequantizeJob> batch) {
-  __shared__ float rows[kDequantRows * kMaxHeadDim];
+  constexpr int kMaxCodeRowBytes = 2 * D;  // fp16 / bf16 rows.
+  __shared__ float rows[kDequantRows * D];
   __shared__ __align__(16) uint8_t codes[kDequantRows * kMaxCodeRowBytes + 2 * kVector];
   const PageLayout& L = batch.side.layout;
   const SideLayout& S = L.side(batch.side.side);
-  const int d = L.head_dim;
+  constexpr int d = D;
   const int rb = static_cast<int>(S.code_row_bytes);
   for (int j = blockIdx.y; j < batch.count; j += gridDim.y) {
     const DequantizeJob& job = batch.jobs[j];
@@ -374,13 +384,13 @@ absl::Status CheckJob(const DeviceQuantSide& side, size_t i, const void* page, c
 
 absl::Status CheckSide(const DeviceQuantSide& side) {
   const PageLayout& L = side.layout;
-  if (L.head_dim < 16 || L.head_dim > kMaxHeadDim || L.head_dim % 16 != 0) {
+  if (!KernelTakesHeadDim(L.head_dim)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "layout.head_dim must be a multiple of 16 in [16, ", kMaxHeadDim, "], got ", L.head_dim));
+        "layout.head_dim must be one of ", KernelHeadDimsText(), ", got ", L.head_dim));
   }
-  if (L.block_tokens < 1 || L.block_tokens > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layout.block_tokens must be in [1, 256], got ", L.block_tokens));
+  if (L.block_tokens < 1 || L.block_tokens > kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("layout.block_tokens must be in [1, ",
+                                                   kMaxBlockTokens, "], got ", L.block_tokens));
   }
   const SideLayout& S = L.side(side.side);
   if (BlockQuantized(S) && hd::GroupsPerUnit(L, S, L.block_tokens) > kMaxUnitGroups) {
@@ -475,25 +485,32 @@ absl::Status LaunchQuantizeRows(const DeviceQuantSide& side, DeviceRowType input
   if (jobs.empty()) return absl::OkStatus();
   const SideLayout& S = side.layout.side(side.side);
   const bool f32 = input == DeviceRowType::kFloat32;
-  if (BlockQuantized(S)) {
-    const int unit_bytes =
-        side.layout.block_tokens * side.layout.head_dim * (f32 ? 4 : 2);
-    return LaunchBatches(side, jobs, side.layout.block_tokens,
-                         f32 ? QuantizePackedUnits<float> : QuantizePackedUnits<uint16_t>, stream,
-                         "quantize launch", unit_bytes <= kMaxStagedUnitBytes ? unit_bytes : 0);
-  }
-  return LaunchBatches(side, jobs, 1, f32 ? QuantizeFloatRows<float> : QuantizeFloatRows<uint16_t>,
-                       stream, "quantize launch");
+  return WithKernelHeadDim(side.layout.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    if (BlockQuantized(S)) {
+      const int unit_bytes = side.layout.block_tokens * D * (f32 ? 4 : 2);
+      return LaunchBatches(side, jobs, side.layout.block_tokens,
+                           f32 ? QuantizePackedUnits<float, D> : QuantizePackedUnits<uint16_t, D>,
+                           stream, "quantize launch",
+                           unit_bytes <= kMaxStagedUnitBytes ? unit_bytes : 0);
+    }
+    return LaunchBatches(side, jobs, 1,
+                         f32 ? QuantizeFloatRows<float, D> : QuantizeFloatRows<uint16_t, D>, stream,
+                         "quantize launch");
+  });
 }
 
 absl::Status LaunchDequantizeRows(const DeviceQuantSide& side, DeviceRowType output,
                                   absl::Span<const DequantizeJob> jobs, cudaStream_t stream) {
   if (absl::Status st = ValidateDequantizeJobs(side, jobs); !st.ok()) return st;
   if (jobs.empty()) return absl::OkStatus();
-  return LaunchBatches(side, jobs, kDequantRows,
-                       output == DeviceRowType::kFloat32 ? DequantizeRowsKernel<float>
-                                                         : DequantizeRowsKernel<uint16_t>,
-                       stream, "dequantize launch");
+  return WithKernelHeadDim(side.layout.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    return LaunchBatches(side, jobs, kDequantRows,
+                         output == DeviceRowType::kFloat32 ? DequantizeRowsKernel<float, D>
+                                                           : DequantizeRowsKernel<uint16_t, D>,
+                         stream, "dequantize launch");
+  });
 }
 
 }  // namespace kvq

@@ -13,6 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/ref_kernels.h"
 #include "kernels/cuda/device_info.h"
@@ -210,6 +213,35 @@ TEST(CudaQuantizeJobsTest, BadJobsNameTheJobAndTheField) {
   read.out_stride = 10;
   EXPECT_EQ(ValidateDequantizeJobs(DeviceQuantSideOf(fp8, LF, Side::kKey), {read}).message(),
             "job 0: out_stride 10 is below head_dim 64");
+}
+
+// The kernels are compiled for head_dim 64, 96, 128 and 256 (a template
+// parameter); any other head_dim is refused, naming the field and the
+// choices, before anything is enqueued. Runs on the host, no device.
+TEST(CudaQuantizeJobsTest, HeadDimsTheKernelsAreNotCompiledForAreRefused) {
+  const QuantSpec spec = *QuantSpec::Parse("kivi4:g16");  // Groups that divide every head_dim.
+  for (int d : {64, 96, 128, 256}) {
+    absl::StatusOr<PageLayout> L = PageLayout::Make(spec, d);
+    ASSERT_TRUE(L.ok()) << L.status();
+    const DeviceQuantSide side = DeviceQuantSideOf(spec, *L, Side::kKey);
+    EXPECT_TRUE(ValidateQuantizeJobs(side, {}).ok()) << d;
+    EXPECT_TRUE(ValidateDequantizeJobs(side, {}).ok()) << d;
+  }
+  for (int d : {16, 32, 48, 80, 112, 160, 240}) {
+    SCOPED_TRACE(d);
+    absl::StatusOr<PageLayout> L = PageLayout::Make(spec, d);
+    ASSERT_TRUE(L.ok()) << L.status();
+    const DeviceQuantSide side = DeviceQuantSideOf(spec, *L, Side::kKey);
+    const std::string want =
+        absl::StrCat("layout.head_dim must be one of 64, 96, 128, 256, got ", d);
+    for (const absl::Status& st :
+         {ValidateQuantizeJobs(side, {}), ValidateDequantizeJobs(side, {}),
+          LaunchQuantizeRows(side, DeviceRowType::kFloat32, {}, nullptr),
+          LaunchDequantizeRows(side, DeviceRowType::kFloat16, {}, nullptr)}) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(st.message(), want);
+    }
+  }
 }
 
 }  // namespace
