@@ -1025,10 +1025,7 @@ absl::Status LaunchDecodeAttention(const DeviceAttentionTask* tasks,
     return absl::InvalidArgumentError(
         absl::StrCat("num_tasks must be in [0, 65535], got ", shape.num_tasks));
   }
-  if (!DecodeAttentionTakesHeadDim(shape.head_dim)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head_dim must be one of ", KernelHeadDimsText(), ", got ", shape.head_dim));
-  }
+  if (absl::Status st = CheckKernelHeadDim("head_dim", shape.head_dim); !st.ok()) return st;
   if (shape.group_size < 1 || shape.group_size > kMaxAttentionGroup) {
     return absl::InvalidArgumentError(absl::StrCat("group_size must be in [1, ",
                                                    kMaxAttentionGroup, "], got ", shape.group_size));

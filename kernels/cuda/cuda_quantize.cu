@@ -384,10 +384,7 @@ absl::Status CheckJob(const DeviceQuantSide& side, size_t i, const void* page, c
 
 absl::Status CheckSide(const DeviceQuantSide& side) {
   const PageLayout& L = side.layout;
-  if (!KernelTakesHeadDim(L.head_dim)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layout.head_dim must be one of ", KernelHeadDimsText(), ", got ", L.head_dim));
-  }
+  if (absl::Status st = CheckKernelHeadDim("layout.head_dim", L.head_dim); !st.ok()) return st;
   if (L.block_tokens < 1 || L.block_tokens > kMaxBlockTokens) {
     return absl::InvalidArgumentError(absl::StrCat("layout.block_tokens must be in [1, ",
                                                    kMaxBlockTokens, "], got ", L.block_tokens));

@@ -8,7 +8,9 @@
 #include <string>
 #include <type_traits>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace kvq {
 
@@ -26,6 +28,13 @@ inline std::string KernelHeadDimsText() {
   std::string s;
   for (int d : kKernelHeadDims) absl::StrAppend(&s, s.empty() ? "" : ", ", d);
   return s;
+}
+
+// OK, or INVALID_ARGUMENT "<field> must be one of 64, 96, 128, 256, got N".
+inline absl::Status CheckKernelHeadDim(absl::string_view field, int head_dim) {
+  if (KernelTakesHeadDim(head_dim)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " must be one of ", KernelHeadDimsText(), ", got ", head_dim));
 }
 
 // f(std::integral_constant<int, head_dim>{}); head_dim must be one of
