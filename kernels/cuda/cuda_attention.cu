@@ -488,7 +488,7 @@ struct FloatSmem : CommonSmem<D> {
 template <int D>
 struct FloatMath {
   using Smem = FloatSmem<D>;
-  static constexpr int ks = Smem::kKeyStride;
+  static constexpr int kKeyStride = Smem::kKeyStride;
   static constexpr int kAcc = Smem::kAcc;
   static constexpr bool kAccShared = Smem::kAccShared;
 
@@ -513,8 +513,9 @@ struct FloatMath {
     const PageLayout& L = v.layout;
     for (int e = threadIdx.x; e < n * D; e += kThreads) {
       const int j = e / D, c = e % D;
-      s->k_tile[j * ks + c] = TileElement<D>(v, L.key, v.key_extras, s->key_tab, kc, s->key_rows,
-                                             page, row0, Side::kKey, t0 + j, j, c);
+      s->k_tile[j * kKeyStride + c] = TileElement<D>(v, L.key, v.key_extras, s->key_tab, kc,
+                                                     s->key_rows, page, row0, Side::kKey, t0 + j,
+                                                     j, c);
       s->v_tile[e] = TileElement<D>(v, L.value, v.value_extras, s->value_tab, vc, s->value_rows,
                                     page, row0, Side::kValue, t0 + j, j, c);
     }
@@ -525,7 +526,7 @@ struct FloatMath {
       const int r = e / kKeyTile, j = e % kKeyTile;
       float score = hd::NegInf();
       if (r < w.nrows && j < n && t0 + j < s->visible_s[r]) {
-        score = hd::Dot(s->q_f + r * D, s->k_tile + j * ks, D) * p.softmax_scale;
+        score = hd::Dot(s->q_f + r * D, s->k_tile + j * kKeyStride, D) * p.softmax_scale;
       }
       s->p_s[e] = score;
     }
@@ -675,8 +676,8 @@ struct MmaSmem : CommonSmem<D> {
 template <int D>
 struct MmaMath {
   using Smem = MmaSmem<D>;
-  static constexpr int hs = Smem::kKeyStride;
-  static constexpr int ps = Smem::kProbStride;
+  static constexpr int kHalfStride = Smem::kKeyStride;  // Keys, values and queries.
+  static constexpr int kProbStride = Smem::kProbStride;
   static constexpr int kTiles = D / (8 * kWarps);  // n8 output tiles per warp.
 
   Smem* s = nullptr;
@@ -698,7 +699,9 @@ struct MmaMath {
       float max_abs = 0.0f;
       for (int c = lane; c < D; c += 32) max_abs = hd::Max(max_abs, fabsf(s->q_f[r * D + c]));
       const float qs = hd::HalfQueryScale(WarpMax(max_abs));
-      for (int c = lane; c < D; c += 32) s->q_h[r * hs + c] = __float2half_rn(s->q_f[r * D + c] * qs);
+      for (int c = lane; c < D; c += 32) {
+        s->q_h[r * kHalfStride + c] = __float2half_rn(s->q_f[r * D + c] * qs);
+      }
       if (lane == 0) s->score_scale_s[r] = p.softmax_scale * hd::HalfQueryUnscale(qs);
     }
     __syncthreads();
@@ -721,14 +724,14 @@ struct MmaMath {
   // S = Q K^T: warp w computes keys [8w, 8w + 8) for all 16 rows.
   __device__ __forceinline__ void Scores(const LaunchParams&, const BlockWork& w, int t0, int n) {
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const __half* krow = s->k_tile + (8 * warp + g) * hs;
+    const __half* krow = s->k_tile + (8 * warp + g) * kHalfStride;
 #pragma unroll
     for (int k0 = 0; k0 < D; k0 += 16) {
       uint32_t a[4], b[2];
-      a[0] = Load32(s->q_h + g * hs + k0 + 2 * tq);
-      a[1] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq);
-      a[2] = Load32(s->q_h + g * hs + k0 + 2 * tq + 8);
-      a[3] = Load32(s->q_h + (g + 8) * hs + k0 + 2 * tq + 8);
+      a[0] = Load32(s->q_h + g * kHalfStride + k0 + 2 * tq);
+      a[1] = Load32(s->q_h + (g + 8) * kHalfStride + k0 + 2 * tq);
+      a[2] = Load32(s->q_h + g * kHalfStride + k0 + 2 * tq + 8);
+      a[3] = Load32(s->q_h + (g + 8) * kHalfStride + k0 + 2 * tq + 8);
       b[0] = Load32(krow + k0 + 2 * tq);
       b[1] = Load32(krow + k0 + 2 * tq + 8);
       Mma16816(sc, a, b);
@@ -743,7 +746,7 @@ struct MmaMath {
   }
 
   __device__ __forceinline__ void Softmax(float* m, float* l) {
-    SoftmaxTile(s->p_s, s->rescale_s, m, l, s->p_h, ps);
+    SoftmaxTile(s->p_s, s->rescale_s, m, l, s->p_h, kProbStride);
   }
 
   // O = O * rescale + P V: warp w's channel tiles, k over the 32 keys.
@@ -759,17 +762,17 @@ struct MmaMath {
 #pragma unroll
     for (int k0 = 0; k0 < kKeyTile; k0 += 16) {
       uint32_t a[4];
-      a[0] = Load32(s->p_h + g * ps + k0 + 2 * tq);
-      a[1] = Load32(s->p_h + (g + 8) * ps + k0 + 2 * tq);
-      a[2] = Load32(s->p_h + g * ps + k0 + 2 * tq + 8);
-      a[3] = Load32(s->p_h + (g + 8) * ps + k0 + 2 * tq + 8);
+      a[0] = Load32(s->p_h + g * kProbStride + k0 + 2 * tq);
+      a[1] = Load32(s->p_h + (g + 8) * kProbStride + k0 + 2 * tq);
+      a[2] = Load32(s->p_h + g * kProbStride + k0 + 2 * tq + 8);
+      a[3] = Load32(s->p_h + (g + 8) * kProbStride + k0 + 2 * tq + 8);
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
         const int col = warp * (D / kWarps) + 8 * i + g;
-        const __half* vk = s->v_tile + (k0 + 2 * tq) * hs + col;
+        const __half* vk = s->v_tile + (k0 + 2 * tq) * kHalfStride + col;
         uint32_t b[2];
-        b[0] = Pack(vk[0], vk[hs]);
-        b[1] = Pack(vk[8 * hs], vk[9 * hs]);
+        b[0] = Pack(vk[0], vk[kHalfStride]);
+        b[1] = Pack(vk[8 * kHalfStride], vk[9 * kHalfStride]);
         Mma16816(o[i], a, b);
       }
     }
