@@ -10,6 +10,7 @@
 # KVQ_FUZZ_SEED=N fixes libFuzzer's random seed (default 0: a new one each
 # run); scripts/test.sh fixes it, so that CI explores the same inputs on
 # every run and fails only for a change, not for an unlucky draw.
+# KVQ_FUZZ_JOBS=N runs N targets at a time (default KVQ_JOBS, the cores).
 # KVQ_FUZZ_TARGETS="rpc_fuzz npy_fuzz" runs only those; KVQ_FUZZ_SIMD=ALL
 # builds every SIMD target (default: AVX2 and the baseline, CMakeLists.txt).
 # New inputs the fuzzers find go to build-fuzz/corpus/<target>/ (kept
