@@ -10,6 +10,7 @@
 # KVQ_FUZZ_SEED=N fixes libFuzzer's random seed (default 0: a new one each
 # run); scripts/test.sh fixes it, so that CI explores the same inputs on
 # every run and fails only for a change, not for an unlucky draw.
+# KVQ_FUZZ_JOBS=N runs N targets at a time (default KVQ_JOBS, the cores).
 # KVQ_FUZZ_TARGETS="rpc_fuzz npy_fuzz" runs only those; KVQ_FUZZ_SIMD=ALL
 # builds every SIMD target (default: AVX2 and the baseline, CMakeLists.txt).
 # New inputs the fuzzers find go to build-fuzz/corpus/<target>/ (kept
@@ -37,14 +38,15 @@ read -r -a targets <<<"${KVQ_FUZZ_TARGETS:-${all_targets[*]}}"
 # Leaks fail a run; UB already aborts (-fno-sanitize-recover).
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:${UBSAN_OPTIONS:-}"
-failed=()
-for t in "${targets[@]}"; do
-  seeds="$KVQ_ROOT/tests/fuzz/corpus/$t"
-  corpus="$build/corpus/$t"
-  artifacts="$build/artifacts/$t"
-  log="$build/logs/$t.log"
+# Runs target $1 for its budget; its report goes to build-fuzz/logs/$1.out
+# and it exits non-zero when the target failed.
+fuzz_one() {
+  local t="$1"
+  local seeds="$KVQ_ROOT/tests/fuzz/corpus/$t"
+  local corpus="$build/corpus/$t"
+  local artifacts="$build/artifacts/$t"
+  local log="$build/logs/$t.log"
   mkdir -p "$corpus" "$artifacts" "$(dirname "$log")"
-  echo "fuzz: $t for ${seconds}s" >&2
   # -timeout: one input taking 30 s is a hang; -rss_limit_mb / -malloc_limit_mb:
   # the memory bound. The run's own time limit is twice its budget plus a
   # minute, in case a timeout report itself hangs.
@@ -54,17 +56,42 @@ for t in "${targets[@]}"; do
       -seed="${KVQ_FUZZ_SEED:-0}" \
       "$corpus" "$seeds" >"$log" 2>&1; then
     # The last status line: executions, coverage, features, corpus.
+    local summary execs rate
     summary="$(grep -E '^#[0-9]+' "$log" | tail -n 1 || true)"
     execs="$(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}' || true)"
     rate="$(grep -E '^stat::average_exec_per_sec' "$log" | awk '{print $2}' || true)"
-    echo "fuzz: $t ok: ${execs:-?} execs, ${rate:-?}/s; ${summary}" >&2
+    echo "fuzz: $t ok: ${execs:-?} execs, ${rate:-?}/s; ${summary}"
   else
-    echo "fuzz: $t FAILED (log $log, artifacts $artifacts):" >&2
-    grep -E 'ERROR|runtime error|Fail|deadly signal|rpc_fuzz:|_fuzz:' "$log" | head -n 20 >&2 || true
-    tail -n 40 "$log" >&2
-    failed+=("$t")
+    echo "fuzz: $t FAILED (log $log, artifacts $artifacts):"
+    grep -E 'ERROR|runtime error|Fail|deadly signal|rpc_fuzz:|_fuzz:' "$log" | head -n 20 || true
+    tail -n 40 "$log"
+    return 1
   fi
+}
+
+# The targets run KVQ_FUZZ_JOBS at a time (default KVQ_JOBS, the cores):
+# each libFuzzer run is one thread, so on N cores N of them take what one
+# alone would, and the smoke takes 1/N of the time. Each report is printed
+# whole when its target ends.
+jobs="${KVQ_FUZZ_JOBS:-$KVQ_JOBS}"
+mkdir -p "$build/logs"
+declare -A running=()  # pid -> target
+failed=()
+reap_one() {
+  local pid rc
+  wait -n -p pid "${!running[@]}" && rc=0 || rc=$?
+  local t="${running[$pid]}"
+  unset "running[$pid]"
+  cat "$build/logs/$t.out" >&2
+  if ((rc != 0)); then failed+=("$t"); fi
+}
+for t in "${targets[@]}"; do
+  while ((${#running[@]} >= jobs)); do reap_one; done
+  echo "fuzz: $t for ${seconds}s" >&2
+  fuzz_one "$t" >"$build/logs/$t.out" 2>&1 &
+  running[$!]="$t"
 done
+while ((${#running[@]} > 0)); do reap_one; done
 if ((${#failed[@]} > 0)); then
   echo "fuzz: failed: ${failed[*]}" >&2
   exit 1

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds kvq and runs every CPU test, then the GPU tests (ctest label "gpu"),
-# which skip themselves without a device, and the GPU bundle's checks
-# (label "bundle"); the bundle's gpu_check.sh runs the device tests and
-# benches on a machine with one (docs/CUDA.md).
+# Builds kvq and runs every test in one ctest run: the CPU tests, the GPU
+# tests (ctest label "gpu"), which skip themselves without a device, and the
+# GPU bundle's checks (label "bundle"); the bundle's gpu_check.sh runs the
+# device tests and benches on a machine with one (docs/CUDA.md). Then the
+# fuzz smoke.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 # The real-model tests (tests/eval) read the model and corpora from the eval
@@ -25,11 +26,14 @@ for f in "$KVQ_ROOT"/tests/python/test_*.py; do
     exit 1
   fi
 done
-ctest -LE gpu --output-on-failure -j "$KVQ_JOBS" "$@"
-# The gpu tests are built (kvq_cuda and tests/gpu compile with -Werror for
-# KVQ_CUDA_ARCHITECTURES, sm_90 by default) and run too: without a device
-# each one skips itself, and ctest reports it skipped, not failed.
-ctest -L gpu --output-on-failure
+# One run for the CPU and the gpu tests: the gpu tests are built (kvq_cuda
+# and tests/gpu compile with -Werror for KVQ_CUDA_ARCHITECTURES, sm_90 by
+# default) and run too; without a device each one skips itself, and ctest
+# reports it skipped, not failed. Those that use a device hold the lock
+# "gpu_device" (one at a time); the rest, the GPU bundle's checks included,
+# share the cores with the CPU tests, and the long tests start first (their
+# COST), so no core idles at the end (docs/DEVELOPING.md, "CI time").
+ctest --output-on-failure -j "$KVQ_JOBS" "$@"
 # The fuzz smoke (scripts/fuzz.sh, its own clang build); KVQ_SKIP_FUZZ=1
 # skips it in local iterations. A fixed seed: the same inputs every run, so
 # the smoke fails for a change, not for a draw (longer random campaigns:

@@ -91,6 +91,7 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<StoreCollector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string exposer_bind_;  // What exposer_ was asked to listen on.
   std::unique_ptr<MetricsHttpsServer> https_;  // Instead of exposer_ with --metrics_tls_*.
   int port_ = 0;
   std::array<std::array<prometheus::Counter*, kNumStatusCodes>, kNumRpcMethods> requests_{};

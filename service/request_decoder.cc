@@ -9,12 +9,15 @@
 #include <grpcpp/support/proto_buffer_writer.h>
 #include <grpcpp/support/slice.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace kvq {
 namespace {
@@ -35,15 +38,88 @@ std::string FieldPath(absl::string_view prefix, const FieldDescriptor& f, int in
                          : absl::StrCat(prefix, f.name());
 }
 
+// What a request's bound check walks for one message type: its string
+// fields and the message fields whose type can hold one (directly or
+// further down), in field-number order, the order Reflection::ListFields
+// reports set fields in, so the first failing field is the same. Built once
+// per type; a Tensor (bytes and numbers only) is never descended into, and
+// no per-message field list is allocated.
+struct TypePlan {
+  struct Field {
+    const FieldDescriptor* field;
+    const TypePlan* message;  // The field's type's plan; null for a string.
+  };
+  std::vector<Field> fields;
+};
+
+class TypePlans {
+ public:
+  const TypePlan& For(const Descriptor* d) {
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      if (auto it = plans_.find(d); it != plans_.end() && it->second.done) {
+        return *it->second.plan;
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    return *Build(d);
+  }
+
+ private:
+  struct Entry {
+    std::unique_ptr<TypePlan> plan;
+    bool done = false;  // False while its own fields are being planned.
+  };
+
+  const TypePlan* Build(const Descriptor* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto [it, inserted] = plans_.try_emplace(d);
+    if (!inserted) return it->second.plan.get();  // Planned, or in progress (a cycle).
+    it->second.plan = std::make_unique<TypePlan>();
+    TypePlan* plan = it->second.plan.get();
+    std::vector<const FieldDescriptor*> fields;
+    for (int i = 0; i < d->field_count(); ++i) fields.push_back(d->field(i));
+    std::sort(fields.begin(), fields.end(),
+              [](const FieldDescriptor* a, const FieldDescriptor* b) {
+                return a->number() < b->number();
+              });
+    for (const FieldDescriptor* f : fields) {
+      if (f->type() == FieldDescriptor::TYPE_STRING) {
+        plan->fields.push_back({f, nullptr});
+      } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+        const TypePlan* sub = Build(f->message_type());
+        // A type still in progress (a recursive message) is kept: it may
+        // hold strings.
+        if (!sub->fields.empty() || !plans_[f->message_type()].done) {
+          plan->fields.push_back({f, sub});
+        }
+      }
+    }
+    plans_[d].done = true;  // (`it` may be stale after the nested inserts.)
+    return plan;
+  }
+
+  absl::Mutex mu_;
+  absl::flat_hash_map<const Descriptor*, Entry> plans_ ABSL_GUARDED_BY(mu_);
+};
+
+TypePlans& Plans() {
+  static TypePlans* plans = new TypePlans();
+  return *plans;
+}
+
 // The path of a failing field is built on the way back up, so a request
 // that fits its bounds (every request on the hot path) allocates nothing.
-absl::Status CheckFields(const Message& m, int depth) {
+absl::Status CheckFields(const Message& m, const TypePlan& plan, int depth) {
   const Reflection& r = *m.GetReflection();
-  std::vector<const FieldDescriptor*> fields;
-  r.ListFields(m, &fields);  // Only the fields set.
-  for (const FieldDescriptor* f : fields) {
-    const int n = f->is_repeated() ? r.FieldSize(m, f) : 1;
-    if (f->type() == FieldDescriptor::TYPE_STRING) {
+  for (const TypePlan::Field& pf : plan.fields) {
+    const FieldDescriptor* f = pf.field;
+    int n = 1;
+    if (f->is_repeated()) {
+      n = r.FieldSize(m, f);
+    } else if (!r.HasField(m, f)) {
+      continue;  // Not set (ListFields would not list it).
+    }
+    if (pf.message == nullptr) {
       const size_t limit = StringFieldLimit(*f);
       std::string scratch;
       for (int i = 0; i < n; ++i) {
@@ -54,10 +130,10 @@ absl::Status CheckFields(const Message& m, int depth) {
                                                          " bytes; the limit is ", limit));
         }
       }
-    } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE && depth < kMaxDepth) {
+    } else if (depth < kMaxDepth) {
       for (int i = 0; i < n; ++i) {
         const Message& sub = f->is_repeated() ? r.GetRepeatedMessage(m, f, i) : r.GetMessage(m, f);
-        if (absl::Status st = CheckFields(sub, depth + 1); !st.ok()) {
+        if (absl::Status st = CheckFields(sub, *pf.message, depth + 1); !st.ok()) {
           return absl::InvalidArgumentError(
               absl::StrCat(FieldPath("", *f, i), ".", st.message()));
         }
@@ -112,7 +188,9 @@ size_t StringFieldLimit(const FieldDescriptor& field) {
   return field.name() == "scheme" ? kMaxSchemeBytes : kMaxNameBytes;
 }
 
-absl::Status CheckStringFields(const Message& message) { return CheckFields(message, 0); }
+absl::Status CheckStringFields(const Message& message) {
+  return CheckFields(message, Plans().For(message.GetDescriptor()), 0);
+}
 
 absl::Status DescribeUndecodable(const Message& prototype, absl::string_view bytes) {
   if (std::optional<std::string> bad = FindBadString(prototype, bytes, "", 0)) {
