@@ -24,9 +24,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kvq_client import KvqClient  # noqa: E402
 from kvq_client.circuit_breaker import BreakerState  # noqa: E402
 from kvq_client import quantized_append  # noqa: E402
+from kvq_client.vllm_events import Removed, Stored  # noqa: E402
 from kvq_client.vllm_plan import TokenRange  # noqa: E402
 from live_server import needs_server, running_server, start_server  # noqa: E402
-from vllm_halves import engine, scheduler_output  # noqa: E402
+from vllm_halves import LAYOUT, engine, new_request_output, scheduler_output  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
                               run_worker_event, token_kv)
 
@@ -200,12 +201,8 @@ def prefill(scheduler, worker, cache, rid, prompt, block_ids):
     external hit and the load errors the worker reported."""
     hit = scheduler.lookup(rid, prompt, len(prompt), 0)
     scheduler.after_alloc(rid, prompt, hit or 0)
-    meta = scheduler.build(scheduler_output({
-        "scheduled_new_reqs": [{"req_id": rid, "block_ids": [block_ids],
-                                "num_computed_tokens": hit or 0}],
-        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
-                                  "num_computed_tokens": []},
-        "num_scheduled_tokens": {rid: len(prompt) - (hit or 0)}}))
+    meta = scheduler.build(new_request_output(rid, block_ids, hit or 0,
+                                              len(prompt) - (hit or 0)))
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     slots = slots_of(block_ids, range(hit or 0, len(prompt)))
@@ -229,6 +226,8 @@ BLOCKS = list(range(1, 20))
 def test_lookups_change_nothing_on_the_server_and_creation_waits_for_allocation(address):
     a_sched, a_worker, a_cache = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
     assert prefill(a_sched, a_worker, a_cache, "a", PROMPT, BLOCKS) == (0, set())
+    # a's sequence is released by the worker's send thread, after its commit.
+    assert a_worker.worker.drain(30)
     with KvqClient(address) as kvq:
         before = kvq.stats()
         b_sched, b_worker, _ = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
@@ -484,12 +483,7 @@ def tp_engine(address, namespace, world=2):
 
 def tp_step(scheduler, ranks, rid, prompt, hit):
     scheduler.after_alloc(rid, prompt, hit)
-    plan = scheduler.build(scheduler_output({
-        "scheduled_new_reqs": [{"req_id": rid, "block_ids": [BLOCKS],
-                                "num_computed_tokens": hit}],
-        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
-                                  "num_computed_tokens": []},
-        "num_scheduled_tokens": {rid: len(prompt) - hit}}))
+    plan = scheduler.build(new_request_output(rid, BLOCKS, hit, len(prompt) - hit))
     heads = KV_HEADS // len(ranks)
     slots = torch.as_tensor(slots_of(BLOCKS, range(hit, len(prompt))))
     for rank, (worker, views) in enumerate(ranks):
@@ -581,3 +575,145 @@ def test_generated_tokens_are_found_by_the_next_turn(address):
     for s, w in ((a_sched, a_worker), (b_sched, b_worker)):
         s.shutdown()
         w.worker.shutdown()
+
+
+# ------------------------------------------------------------- KV events
+
+
+def chain_hashes(tokens):
+    """Chained per-block hashes standing in for vLLM's block hashes."""
+    hashes, parent = [], None
+    for i in range(len(tokens) // BLOCK_SIZE):
+        parent = hash((parent, tuple(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])))
+        hashes.append(parent)
+    return hashes
+
+
+def events_engine(address, namespace, **settings):
+    from kvq_client.vllm_events import BlockLedger
+    ledger = BlockLedger(BLOCK_SIZE, expect_release=settings.get("release_on_finish", True))
+    return engine(address, namespace, "int8", 64, ledger=ledger, lookup_wait_seconds=10,
+                  **settings)
+
+
+def prefill_step(scheduler, worker, cache, rid, prompt):
+    """A request's lookup (with its block hashes) and one prefill step; the
+    step's plan."""
+    hit = scheduler.lookup(rid, prompt, len(prompt), 0, block_hashes=chain_hashes(prompt))
+    scheduler.after_alloc(rid, prompt, hit)
+    return scheduler.build(new_request_output(rid, BLOCKS, hit, len(prompt) - hit))
+
+
+def run_step(worker, cache, meta, prompt):
+    begin = meta.saves[0].begin if meta.saves else len(prompt)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    positions = list(range(begin, len(prompt)))
+    for layer, name in enumerate(layer_names()):
+        worker.wait_for_layer_load(name)
+        cache.forward_layer(layer, name, slots_of(BLOCKS, positions), positions,
+                            prompt[begin:])
+        worker.save_kv_layer(name, cache.views[name], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def deliver_reports(scheduler, worker):
+    """What vLLM carries from the worker to the scheduler after a step."""
+    assert worker.worker.drain(30)
+    reports = worker.worker.take_reports()
+    if reports is not None:
+        scheduler.worker_reports(*reports)
+
+
+def finish(scheduler, worker, rid):
+    scheduler.finished(rid)
+    worker.get_finished({rid})  # The next step: the worker releases.
+    deliver_reports(scheduler, worker)
+    scheduler.wait_for_probes(30)
+
+
+def kvq_holds(address, namespace, prompt):
+    with KvqClient(address, namespace=namespace) as kvq:
+        return kvq.match_prefix(LAYOUT, scheme="int8",
+                                prompt_token_ids=prompt).matched_tokens
+
+
+HELD = 288  # int8's 32-token kvq blocks: 9 whole ones of PROMPT's 290 tokens.
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_kv_events_announce_acknowledged_saves_and_take_back_released_prefixes(evict):
+    """Stored only once the worker reported the commit, for the blocks kvq
+    serves; after the release a probe asks kvq: without --evict the prefix
+    went with the sequence (Removed), with --evict it stays (nothing)."""
+    flags = SERVER_FLAGS if evict else tuple(f for f in SERVER_FLAGS if f != "--evict")
+    hashes = chain_hashes(PROMPT)
+    with running_server(*flags) as address:
+        sched, worker, cache = events_engine(address, "ev")
+        meta = prefill_step(sched, worker, cache, "a", PROMPT)
+        assert [(r.begin, r.end) for r in meta.saves] == [(0, len(PROMPT))]
+        assert sched.take_events() == []  # Planned, not yet committed.
+        run_step(worker, cache, meta, PROMPT)
+        deliver_reports(sched, worker)
+        assert sched.take_events() == [Stored("a", hashes[:HELD // BLOCK_SIZE], None,
+                                              PROMPT[:HELD], None)]
+        assert kvq_holds(address, "ev", PROMPT) == HELD
+        finish(sched, worker, "a")
+        if evict:
+            assert sched.take_events() == []
+            assert kvq_holds(address, "ev", PROMPT) == HELD
+        else:
+            assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+            assert kvq_holds(address, "ev", PROMPT) == 0
+        assert sched.take_events() == []
+        sched.shutdown()
+        worker.worker.shutdown()
+
+
+def test_kv_events_never_announce_a_failed_save(address):
+    sched, worker, cache = events_engine(address, "ev-fail")
+    meta = prefill_step(sched, worker, cache, "a", PROMPT)
+    # The sequence goes away before the worker's Append (as if evicted).
+    with KvqClient(address, namespace="ev-fail") as kvq:
+        kvq.release(meta.saves[0].sequence_id)
+    run_step(worker, cache, meta, PROMPT)
+    deliver_reports(sched, worker)
+    assert worker.worker.counters.take().get("save_failures") == 1
+    assert sched.take_events() == []
+    assert kvq_holds(address, "ev-fail", PROMPT) == 0
+    sched.shutdown()
+    worker.worker.shutdown()
+
+
+def test_kv_events_take_back_an_expired_prefix_when_a_lookup_misses_it(address):
+    """Lease expiry (no release): kvq tells nobody; the next lookup of a
+    prompt covering the announced blocks finds none and takes them back."""
+    sched, worker, cache = events_engine(address, "ev-ttl", ttl_seconds=1,
+                                         release_on_finish=False)
+    hashes = chain_hashes(PROMPT)
+    run_step(worker, cache, prefill_step(sched, worker, cache, "a", PROMPT), PROMPT)
+    deliver_reports(sched, worker)
+    assert [e.block_hashes for e in sched.take_events()] == [hashes[:HELD // BLOCK_SIZE]]
+    finish(sched, worker, "a")
+    give_up = time.monotonic() + 60  # The server's reaper runs every second.
+    while kvq_holds(address, "ev-ttl", PROMPT) and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert kvq_holds(address, "ev-ttl", PROMPT) == 0
+    assert sched.take_events() == []  # Nothing learned yet.
+    assert sched.lookup("b", PROMPT, len(PROMPT), 0, block_hashes=hashes) == 0
+    assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+    sched.shutdown()
+    worker.worker.shutdown()
+
+
+def test_kv_events_reset_takes_back_every_announced_block(address):
+    sched, worker, cache = events_engine(address, "ev-reset")
+    hashes = chain_hashes(PROMPT)
+    run_step(worker, cache, prefill_step(sched, worker, cache, "a", PROMPT), PROMPT)
+    deliver_reports(sched, worker)
+    sched.take_events()
+    assert sched.reset()
+    assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+    sched.shutdown()
+    worker.worker.shutdown()
