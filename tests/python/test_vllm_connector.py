@@ -9,7 +9,6 @@ import inspect
 import json
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,12 +36,12 @@ from kvq_client import KvqClient  # noqa: E402
 from kvq_client.vllm_connector import KvqConnector, KvqConnectorMetadata  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from live_server import CPU_SERVER, server_fixture  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, MODEL_CONFIG,  # noqa: E402
                               NUM_BLOCKS, PagedCache, layer_names, run_worker_event,
                               token_kv)
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "vllm_trace.json")
-SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
 
 # ------------------------------------------------------------- interface
 
@@ -104,31 +103,8 @@ def test_stats_travel_through_vllms_stats_class():
 # ---------------------------------------------------------------- replay
 
 
-@pytest.fixture(scope="module")
-def address():
-    if not os.access(SERVER_BIN, os.X_OK):
-        pytest.skip("KVQ_SERVER_BIN does not name a kvq-server binary")
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "port")
-        # --evict: a released sequence's pages stay as prefix cache.
-        proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0",
-                                 "--metrics_address=127.0.0.1:0", f"--port_file={port_file}",
-                                 "--capacity_bytes=268435456", "--backend=cpu", "--evict"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            port, give_up = 0, time.monotonic() + 60  # Start-up bound, not a timing check.
-            while not port and time.monotonic() < give_up and proc.poll() is None:
-                time.sleep(0.02)
-                try:
-                    with open(port_file) as f:
-                        port = int(f.read().strip() or 0)
-                except (OSError, ValueError):
-                    port = 0
-            assert port > 0, "kvq-server did not start"
-            yield f"127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait()
+# --evict: a released sequence's pages stay as prefix cache.
+address = server_fixture(*CPU_SERVER, "--evict")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ from kvq_client.circuit_breaker import BreakerState  # noqa: E402
 from kvq_client import quantized_append  # noqa: E402
 from kvq_client.vllm_events import Removed, Stored  # noqa: E402
 from kvq_client.vllm_plan import TokenRange  # noqa: E402
-from live_server import needs_server, running_server, start_server  # noqa: E402
+from live_server import (CPU_SERVER, needs_server, running_server, server_fixture,  # noqa: E402
+                         start_server)
 from vllm_halves import LAYOUT, engine, new_request_output, scheduler_output  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
                               run_worker_event, token_kv)
@@ -34,14 +35,9 @@ from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # no
 pytestmark = needs_server
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "vllm_trace.json")
-SERVER_FLAGS = ("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456",
-                "--backend=cpu", "--evict")
-
-
-@pytest.fixture(scope="module")
-def address():
-    with running_server(*SERVER_FLAGS) as a:
-        yield a
+# --evict: a released sequence's pages stay as prefix cache.
+SERVER_FLAGS = (*CPU_SERVER, "--evict")
+address = server_fixture(*SERVER_FLAGS)
 
 
 def check_kv(got_k, got_v, want_k, want_v, scheme):
