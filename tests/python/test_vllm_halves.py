@@ -28,7 +28,8 @@ from kvq_client.vllm_events import Removed, Stored  # noqa: E402
 from kvq_client.vllm_plan import TokenRange  # noqa: E402
 from live_server import (CPU_SERVER, needs_server, running_server, server_fixture,  # noqa: E402
                          start_server)
-from vllm_halves import LAYOUT, engine, new_request_output, scheduler_output  # noqa: E402
+from vllm_halves import (ANSWERED, LAYOUT, engine, new_request_output,  # noqa: E402
+                         scheduler_output)
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
                               run_worker_event, token_kv)
 
@@ -103,7 +104,7 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(address, s
                     # A 1 MiB load buffer: loads go a few layers at a time.
                     # Lookups wait for their answer (the recording's did).
                     engines[name] = engine(address, namespace, scheme, event["num_blocks"],
-                                           load_buffer_bytes=1 << 20, lookup_wait_seconds=10)
+                                           load_buffer_bytes=1 << 20, **ANSWERED)
                 rid = event["request_id"]
                 prompts[rid] = list(event["prompt_token_ids"])
                 tokens[rid] = list(prompts[rid])
@@ -220,13 +221,13 @@ BLOCKS = list(range(1, 20))
 
 
 def test_lookups_change_nothing_on_the_server_and_creation_waits_for_allocation(address):
-    a_sched, a_worker, a_cache = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
+    a_sched, a_worker, a_cache = engine(address, "probe", "int8", 64, **ANSWERED)
     assert prefill(a_sched, a_worker, a_cache, "a", PROMPT, BLOCKS) == (0, set())
     # a's sequence is released by the worker's send thread, after its commit.
     assert a_worker.worker.drain(30)
     with KvqClient(address) as kvq:
         before = kvq.stats()
-        b_sched, b_worker, _ = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
+        b_sched, b_worker, _ = engine(address, "probe", "int8", 64, **ANSWERED)
         hits = [b_sched.lookup(f"b{i}", PROMPT, len(PROMPT), 0) for i in range(20)]
         # int8 shares 32-token blocks: 9 whole ones of the 290 saved tokens.
         assert hits == [288] * 20
@@ -355,13 +356,13 @@ def test_a_kvq_killed_mid_load_reports_the_blocks_and_the_engine_recomputes():
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = start_server(os.path.join(tmp, "port"), *SERVER_FLAGS)
         try:
-            a = engine(address, "killed", "int8", 64, lookup_wait_seconds=10,
+            a = engine(address, "killed", "int8", 64, **ANSWERED,
                        breaker_failures=1, breaker_backoff_seconds=60,
                        deadline_seconds=5, max_chunk_bytes=4096)
             prefill(*a, "a", PROMPT, BLOCKS)
             a[1].worker.drain(30)
             b_sched, b_worker, b_cache = engine(address, "killed", "int8", 64,
-                                                lookup_wait_seconds=10, breaker_failures=1,
+                                                **ANSWERED, breaker_failures=1,
                                                 breaker_backoff_seconds=60, deadline_seconds=5,
                                                 max_chunk_bytes=4096, load_buffer_bytes=1)
             hit = b_sched.lookup("b", PROMPT, len(PROMPT), 0)
@@ -427,7 +428,7 @@ def test_two_replicas_with_mutual_tls_and_a_token_file_share_a_prefix(tmp_path):
     with running_server(*flags) as r1, running_server(*flags) as r2:
         wiring = dict(tls_ca=f"{tmp_path}/ca.pem", tls_cert=f"{tmp_path}/client.pem",
                       tls_key=f"{tmp_path}/client.key", tls_server_name="localhost",
-                      token_file=str(token_file), lookup_wait_seconds=10)
+                      token_file=str(token_file), **ANSWERED)
         engines = [engine("", "tls", "int8", 64, targets=f"{r1},{r2}", **wiring)
                    for _ in range(2)]
         for e in engines:
@@ -463,7 +464,7 @@ def tp_engine(address, namespace, world=2):
     heads = KV_HEADS // world
     layout = ModelLayout(len(layer_names()), heads, 14 // world, HEAD_DIM)
     s = KvqSettings(address=address, namespace=namespace, scheme="int8",
-                    lookup_wait_seconds=10)
+                    **ANSWERED)
     s.check()
     scheduler = KvqScheduler(s, layout, save=True, load=True, world_size=world)
     ranks = []
@@ -531,7 +532,7 @@ def test_generated_tokens_are_found_by_the_next_turn(address):
     first 32 generated go to kvq with their ids. Engine b's prompt (the
     conversation so far plus a new message) finds 96 tokens: the prompt and
     the generated block."""
-    a_sched, a_worker, a_cache = engine(address, "turns", "int8", 64, lookup_wait_seconds=10,
+    a_sched, a_worker, a_cache = engine(address, "turns", "int8", 64, **ANSWERED,
                                         save_decode_tokens=32)
     prompt = list(range(500, 564))
     tokens = list(prompt)
@@ -565,7 +566,7 @@ def test_generated_tokens_are_found_by_the_next_turn(address):
         [(0, 64, []), (64, 96, tokens[64:96])]
     assert a_worker.worker.drain(30)
     assert a_worker.worker.counters.take().get("save_failures", 0) == 0
-    b_sched, b_worker, _ = engine(address, "turns", "int8", 64, lookup_wait_seconds=10)
+    b_sched, b_worker, _ = engine(address, "turns", "int8", 64, **ANSWERED)
     turn2 = tokens[:100] + list(range(9000, 9020))
     assert b_sched.lookup("b", turn2, len(turn2), 0) == 96
     for s, w in ((a_sched, a_worker), (b_sched, b_worker)):
@@ -588,7 +589,7 @@ def chain_hashes(tokens):
 def events_engine(address, namespace, **settings):
     from kvq_client.vllm_events import BlockLedger
     ledger = BlockLedger(BLOCK_SIZE, expect_release=settings.get("release_on_finish", True))
-    return engine(address, namespace, "int8", 64, ledger=ledger, lookup_wait_seconds=10,
+    return engine(address, namespace, "int8", 64, ledger=ledger, **ANSWERED,
                   **settings)
 
 

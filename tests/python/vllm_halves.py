@@ -13,6 +13,11 @@ from vllm_trace_model import BLOCK_SIZE, HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, Pa
 
 LAYOUT = ModelLayout(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM)
 
+# Settings of an engine whose lookups wait for kvq's answer, however loaded
+# the machine (the default 0.2 s MatchPrefix deadline would turn a slow
+# answer into a miss).
+ANSWERED = dict(lookup_wait_seconds=10, lookup_deadline_seconds=10)
+
 
 def ns(**kw):
     return types.SimpleNamespace(**kw)
