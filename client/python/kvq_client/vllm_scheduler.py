@@ -339,6 +339,9 @@ class KvqScheduler:
         if self.ledger is None:
             return
         for probe in self.ledger.acknowledged(saved, failed, released):
+            if not self.breaker.allow():  # kvq is being skipped: nothing learned.
+                self.ledger.probed(probe, None)
+                continue
             self._probes.append((probe, self._pool.submit(self._match, probe.namespace,
                                                           probe.token_ids)))
 
