@@ -222,3 +222,41 @@ def test_memory_is_bounded_by_max_blocks():
     tracked(led, 100)
     saved(led, "a", 100)
     assert led.announced_hashes() == HASHES[2:6]
+
+
+def released_and_kept(led, request_id, hashes, prompt):
+    """A request saved, announced, finished, released and found still held."""
+    led.track(request_id, "ns", hashes, prompt)
+    led.planned(request_id, len(prompt))
+    saved(led, request_id, len(prompt))
+    led.finished(request_id)
+    [probe] = released(led, request_id)
+    led.probed(probe, len(probe.token_ids))
+    led.take()
+
+
+def test_an_audit_reprobes_held_prefixes_until_kvq_drops_them():
+    led = ledger(audit_prefixes=8)
+    released_and_kept(led, "a", HASHES, PROMPT)
+    [probe] = led.audit()
+    assert led.audit() == []  # Its probe is in flight.
+    led.probed(probe, 32)     # kvq evicted past its first kvq block.
+    assert led.take() == [Removed(HASHES[2:6])]
+    [probe] = led.audit()     # Blocks 0 and 1 are still announced: audited again.
+    assert probe.token_ids == PROMPT[:96]
+    led.probed(probe, None)   # A failed probe learns nothing, keeps auditing.
+    [probe] = led.audit()
+    led.probed(probe, 0)
+    assert led.take() == [Removed(HASHES[0:2])]
+    assert led.audit() == [] and led.announced_hashes() == []
+
+
+def test_audits_keep_the_latest_prefixes_and_none_when_off():
+    led = ledger(audit_prefixes=1)
+    released_and_kept(led, "a", HASHES, PROMPT)
+    other = list(range(5000, 5100))
+    released_and_kept(led, "b", chain(other), other)
+    assert [p.request_id for p in led.audit()] == ["b"]
+    off = ledger()
+    released_and_kept(off, "a", HASHES, PROMPT)
+    assert off.audit() == []

@@ -714,3 +714,40 @@ def test_kv_events_reset_takes_back_every_announced_block(address):
     assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
     sched.shutdown()
     worker.worker.shutdown()
+
+
+def test_kv_events_audit_takes_back_a_released_prefix_kvq_evicts_later():
+    """--evict keeps a released prefix as cache until the pool needs its
+    pages: the release probe finds it; once other sequences fill the pool
+    and kvq evicts it, the next audit probe takes it back."""
+    from kvq_client.vllm_events import BlockLedger
+    flags = tuple(f for f in SERVER_FLAGS if not f.startswith("--capacity_bytes")) + \
+        ("--capacity_bytes=4194304",)
+    hashes = chain_hashes(PROMPT)
+    with running_server(*flags) as address:
+        ledger = BlockLedger(BLOCK_SIZE, audit_prefixes=8)
+        sched, worker, cache = engine(address, "ev-audit", "int8", 64, ledger=ledger,
+                                      events_audit_seconds=0.001, **ANSWERED)
+        run_step(worker, cache, prefill_step(sched, worker, cache, "a", PROMPT), PROMPT)
+        deliver_reports(sched, worker)
+        assert len(sched.take_events()) == 1
+        finish(sched, worker, "a")
+        assert sched.take_events() == []  # Released, kept as prefix cache.
+        sched.wait_for_probes(30)
+        assert sched.take_events() == []  # The audit found it held.
+        # Other sequences fill the 4 MiB pool: kvq evicts a's cached pages.
+        rng = np.random.default_rng(3)
+        with KvqClient(address, namespace="ev-audit-fill") as kvq:
+            for i in range(20):
+                if not kvq_holds(address, "ev-audit", PROMPT):
+                    break
+                kv = rng.standard_normal((len(layer_names()), KV_HEADS, 256, HEAD_DIM))
+                kv = kv.astype(np.float16)
+                sid = kvq.create_sequence(LAYOUT, scheme="int8").sequence_id
+                kvq.append_prompt(sid, kv, kv)
+        assert kvq_holds(address, "ev-audit", PROMPT) == 0
+        sched.take_events()       # Starts the audit's probe...
+        sched.wait_for_probes(30)
+        assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+        sched.shutdown()
+        worker.worker.shutdown()

@@ -145,7 +145,8 @@ class KvqConnector(KVConnectorBase_V1):
         self._events = kv_events_enabled(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             ledger = BlockLedger(self._block_size, world, scheme_sink(self._settings.scheme),
-                                 expect_release=self._settings.release_on_finish) \
+                                 expect_release=self._settings.release_on_finish,
+                                 audit_prefixes=self._settings.events_audit_prefixes) \
                 if self._events else None
             self._scheduler = KvqScheduler(self._settings, self._layout,
                                            save=transfer.is_kv_producer,

@@ -14,11 +14,11 @@ kvq does not tell its clients what it evicts, so a block is taken back
   prompt covers announced blocks of a finished request and finds fewer;
 - a probe of a finished request's prompt after its sequences were released
   (kvq-server without --evict drops them at once; with it they stay as
-  prefix cache);
+  prefix cache), repeated as an audit while they stay (audit());
 - reset_cache: every block announced (the engine moves to a new namespace
   epoch and no longer finds them).
-Evictions (lease expiry, pool pressure) of blocks no later lookup touches
-stay unannounced until one does.
+Evictions (lease expiry, pool pressure) of blocks no later lookup or audit
+probe touches stay unannounced until one does.
 """
 
 from __future__ import annotations
@@ -89,10 +89,12 @@ class BlockLedger:
     """One per scheduler connector. `block_size` is vLLM's; `sink` and kvq's
     block (learned from the first MatchPrefix or CreateSequence answer) give
     the prefix granularity. At most `max_blocks` announced hashes are
-    remembered (the oldest are forgotten, without an event)."""
+    remembered (the oldest are forgotten, without an event), and at most
+    `audit_prefixes` finished requests' prefixes are audited."""
 
     def __init__(self, block_size: int, world_size: int = 1, sink: int = 0,
-                 expect_release: bool = True, max_blocks: int = 1 << 20):
+                 expect_release: bool = True, max_blocks: int = 1 << 20,
+                 audit_prefixes: int = 0):
         self._bs = block_size
         self._world = world_size
         self._sink = sink
@@ -104,6 +106,10 @@ class BlockLedger:
             collections.OrderedDict()
         self._chains: Dict[str, _Chain] = {}
         self._probing: Dict[str, _Chain] = {}  # Released requests, probe in flight.
+        # Released requests whose announced blocks kvq still held, oldest
+        # audited first.
+        self._audited: "collections.OrderedDict[str, _Chain]" = collections.OrderedDict()
+        self._audit_prefixes = audit_prefixes
         self._tick = 0
         self._events: List[Any] = []
 
@@ -238,6 +244,9 @@ class BlockLedger:
 
     def _release_probe(self, request_id: str, chain: _Chain) -> Optional[Probe]:
         del self._chains[request_id]
+        return self._probe(request_id, chain)
+
+    def _probe(self, request_id: str, chain: _Chain) -> Optional[Probe]:
         tokens = self._reusable(chain.announced * self._bs)
         if not tokens:
             return None
@@ -247,12 +256,29 @@ class BlockLedger:
                      self._tick)
 
     def probed(self, probe: Probe, matched_tokens: Optional[int]) -> None:
-        """The answer to a release probe (None: it failed; nothing learned)."""
+        """The answer to a release or audit probe (None: it failed; nothing
+        learned). A prefix of which kvq still holds announced blocks is
+        audited again later."""
         chain = self._probing.pop(probe.request_id, None)
-        if chain is None or matched_tokens is None:
+        if chain is None:
             return
-        self._gone(chain.block_hashes[:chain.announced], matched_tokens, probe.tick,
-                   len(probe.token_ids), owners_finished=True)
+        if matched_tokens is not None:
+            self._gone(chain.block_hashes[:chain.announced], matched_tokens, probe.tick,
+                       len(probe.token_ids), owners_finished=True)
+        if self._audit_prefixes and self._owns_any(probe.request_id, chain):
+            self._audited[probe.request_id] = chain
+            while len(self._audited) > self._audit_prefixes:
+                self._audited.popitem(last=False)
+
+    def audit(self) -> List[Probe]:
+        """Probes of every audited prefix (its blocks announced and, when last
+        probed, still held); their answers go to probed()."""
+        probes = []
+        for request_id in list(self._audited):
+            probe = self._probe(request_id, self._audited.pop(request_id))
+            if probe is not None:
+                probes.append(probe)
+        return probes
 
     def served(self, block_hashes: Sequence[Any], num_prompt_tokens: int,
                matched_tokens: int, tick: int) -> None:
@@ -303,6 +329,7 @@ class BlockLedger:
         self._announced.clear()
         self._chains.clear()
         self._probing.clear()
+        self._audited.clear()
         self._tick += 1
 
     def forget(self, request_id: str) -> None:

@@ -74,6 +74,10 @@ class KvqScheduler:
         self._epoch = 0
         self._wait_left = settings.lookup_wait_seconds  # This step's lookup wait budget.
         self.ledger = ledger
+        # The ledger's release and audit probes: one thread of their own, so
+        # that an audit never queues ahead of a lookup.
+        self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-probe")
+        self._next_audit = time.monotonic() + settings.events_audit_seconds
         self._probes: List[Tuple[Probe, Future]] = []  # The ledger's, in flight.
 
     # ------------------------------------------------------------ lookup
@@ -338,18 +342,25 @@ class KvqScheduler:
         ledger's release probes in the background."""
         if self.ledger is None:
             return
-        for probe in self.ledger.acknowledged(saved, failed, released):
+        self._start_probes(self.ledger.acknowledged(saved, failed, released))
+
+    def _start_probes(self, probes: List[Probe]) -> None:
+        for probe in probes:
             if not self.breaker.allow():  # kvq is being skipped: nothing learned.
                 self.ledger.probed(probe, None)
                 continue
-            self._probes.append((probe, self._pool.submit(self._match, probe.namespace,
-                                                          probe.token_ids)))
+            self._probes.append((probe, self._probe_pool.submit(self._match, probe.namespace,
+                                                                probe.token_ids)))
 
     def take_events(self) -> List[Any]:
         """The ledger's events since the last call (vllm_events.Stored and
         Removed), with the answers of the release probes that came back."""
         if self.ledger is None:
             return []
+        audit = self._settings.events_audit_seconds
+        if audit > 0 and time.monotonic() >= self._next_audit:
+            self._next_audit = time.monotonic() + audit
+            self._start_probes(self.ledger.audit())
         waiting = []
         for probe, future in self._probes:
             if not future.done():
@@ -371,4 +382,5 @@ class KvqScheduler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
         self._clients.close()
