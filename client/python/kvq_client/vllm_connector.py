@@ -10,7 +10,9 @@ work without vLLM: KvqScheduler (vllm_scheduler.py: read-only lookups off
 the scheduler loop, sequences created after allocation, per-step plans) and KvqWorker (vllm_worker.py: layer-wise
 asynchronous loads, saves committed in the background). It adds what only
 vLLM has: its request objects, the tensor-parallel rank, the load-failure
-policy, and the connector's stats and Prometheus metrics.
+policy, the connector's stats and Prometheus metrics, and KV events with
+vLLM's block hashes (announced and taken back by vllm_events.BlockLedger,
+from the workers' reports carried as vLLM's worker metadata).
 """
 
 from __future__ import annotations
