@@ -3,7 +3,12 @@ loopback port for the Python tests that talk to one, and stops it.
 
 The server picks its own port (--address=127.0.0.1:0) and writes it to
 --port_file; the tests read it from there, so parallel ctest runs never
-collide on a port."""
+collide on a port.
+
+A test module that needs one server for all its tests declares it:
+
+    address = server_fixture(*CPU_SERVER, "--evict")
+    client = client_fixture("my-namespace")   # A KvqClient on it, per test."""
 
 import contextlib
 import os
@@ -20,6 +25,10 @@ needs_server = pytest.mark.skipif(not os.access(SERVER_BIN, os.X_OK),
                                   reason="KVQ_SERVER_BIN does not name a kvq-server binary")
 
 START_S = 60  # Start-up bound, not a timing assertion.
+
+# The flags most tests run the server with: the CPU backend, a 256 MiB pool,
+# metrics on a free port.
+CPU_SERVER = ("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456", "--backend=cpu")
 
 
 def start_server(port_file, *flags):
@@ -56,3 +65,30 @@ def running_server(*flags):
         finally:
             proc.terminate()
             proc.wait()
+
+
+def server_fixture(*flags):
+    """A module-scoped fixture yielding the address of one kvq-server
+    started with `flags` for the module's tests; they are skipped without
+    the binary (modules whose every test needs it also set
+    pytestmark = needs_server)."""
+
+    @pytest.fixture(scope="module")
+    def address():
+        if not os.access(SERVER_BIN, os.X_OK):
+            pytest.skip("KVQ_SERVER_BIN does not name a kvq-server binary")
+        with running_server(*flags) as a:
+            yield a
+    return address
+
+
+def client_fixture(namespace):
+    """A fixture yielding a KvqClient in `namespace` on the module's
+    `address`, closed after each test."""
+
+    @pytest.fixture
+    def client(address):
+        from kvq_client import KvqClient
+        with KvqClient(address, namespace=namespace) as c:
+            yield c
+    return client

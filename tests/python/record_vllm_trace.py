@@ -202,8 +202,10 @@ def make_config(address, engine_id, model_dir, prefix_caching=True):
         kv_role="kv_both", engine_id=engine_id,
         kv_connector_extra_config={"kvq_address": address, "kvq_namespace": "trace",
                                    "kvq_scheme": SCHEME,
-                                   # Lookups answer at once (deterministic).
-                                   "kvq_lookup_wait_seconds": 10})
+                                   # Lookups wait for their answer, however
+                                   # loaded the machine (deterministic).
+                                   "kvq_lookup_wait_seconds": 10,
+                                   "kvq_lookup_deadline_seconds": 10})
     return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
                       kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
 

@@ -9,25 +9,16 @@ import numpy as np
 import pytest
 
 import kvq
-from kvq_client import KvqClient, ModelLayout, RopeParams
-from live_server import needs_server, running_server
+from kvq_client import ModelLayout, RopeParams
+from live_server import CPU_SERVER, client_fixture, needs_server, server_fixture
 
 pytestmark = needs_server
 
 LAYERS, HEADS, QHEADS, DIM = 2, 2, 4, 64
 
 
-@pytest.fixture(scope="module")
-def address():
-    with running_server("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456",
-                        "--backend=cpu") as addr:
-        yield addr
-
-
-@pytest.fixture
-def client(address):
-    with KvqClient(address, namespace="quantize") as c:
-        yield c
+address = server_fixture(*CPU_SERVER)
+client = client_fixture("quantize")
 
 
 def layout():

@@ -6,25 +6,16 @@ skipped."""
 import numpy as np
 import pytest
 
-from kvq_client import AttendQuery, DecodeItem, KvqClient, KvqError, ModelLayout, RopeParams
-from live_server import needs_server, running_server
+from kvq_client import AttendQuery, DecodeItem, KvqError, ModelLayout, RopeParams
+from live_server import CPU_SERVER, client_fixture, needs_server, server_fixture
 
 pytestmark = needs_server
 
 LAYERS, HEADS, QHEADS, DIM = 2, 2, 4, 64
 
 
-@pytest.fixture(scope="module")
-def address():
-    with running_server("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456",
-                        "--backend=cpu") as addr:
-        yield addr
-
-
-@pytest.fixture
-def client(address):
-    with KvqClient(address, namespace="py") as c:
-        yield c
+address = server_fixture(*CPU_SERVER)
+client = client_fixture("py")
 
 
 def layout():

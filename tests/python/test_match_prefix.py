@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvq_client import KvqClient, KvqError, ModelLayout, RopeParams
-from live_server import needs_server, running_server
+from live_server import needs_server, server_fixture
 
 pytestmark = needs_server
 
@@ -17,10 +17,7 @@ SCHEME = "kivi2:sink=4"  # Blocks of 128 tokens after a sink of 4.
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 50000, 600)]
 
 
-@pytest.fixture(scope="module")
-def address():
-    with running_server("--capacity_bytes=268435456", "--backend=cpu") as addr:
-        yield addr
+address = server_fixture("--capacity_bytes=268435456", "--backend=cpu")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import inspect
 import json
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,12 +36,12 @@ from kvq_client import KvqClient  # noqa: E402
 from kvq_client.vllm_connector import KvqConnector, KvqConnectorMetadata  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from live_server import CPU_SERVER, server_fixture  # noqa: E402
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, MODEL_CONFIG,  # noqa: E402
                               NUM_BLOCKS, PagedCache, layer_names, run_worker_event,
                               token_kv)
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "vllm_trace.json")
-SERVER_BIN = os.environ.get("KVQ_SERVER_BIN", "")
 
 # ------------------------------------------------------------- interface
 
@@ -104,31 +103,8 @@ def test_stats_travel_through_vllms_stats_class():
 # ---------------------------------------------------------------- replay
 
 
-@pytest.fixture(scope="module")
-def address():
-    if not os.access(SERVER_BIN, os.X_OK):
-        pytest.skip("KVQ_SERVER_BIN does not name a kvq-server binary")
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "port")
-        # --evict: a released sequence's pages stay as prefix cache.
-        proc = subprocess.Popen([SERVER_BIN, "--address=127.0.0.1:0",
-                                 "--metrics_address=127.0.0.1:0", f"--port_file={port_file}",
-                                 "--capacity_bytes=268435456", "--backend=cpu", "--evict"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            port, give_up = 0, time.monotonic() + 60  # Start-up bound, not a timing check.
-            while not port and time.monotonic() < give_up and proc.poll() is None:
-                time.sleep(0.02)
-                try:
-                    with open(port_file) as f:
-                        port = int(f.read().strip() or 0)
-                except (OSError, ValueError):
-                    port = 0
-            assert port > 0, "kvq-server did not start"
-            yield f"127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait()
+# --evict: a released sequence's pages stay as prefix cache.
+address = server_fixture(*CPU_SERVER, "--evict")
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +128,7 @@ def vllm_config(model_dir, address, namespace, scheme, engine_id, extra=None):
             kv_role="kv_both", engine_id=engine_id,
             kv_connector_extra_config={"kvq_address": address, "kvq_namespace": namespace,
                                        "kvq_scheme": scheme, "kvq_lookup_wait_seconds": 10,
+                                       "kvq_lookup_deadline_seconds": 10,
                                        **(extra or {})}),
         device_config=DeviceConfig("cpu"))
 
@@ -406,7 +383,7 @@ def test_a_silent_kvq_never_blocks_the_lookup(model_dir, caplog):
         config_address = f"127.0.0.1:{silent.getsockname()[1]}"
         scheduler, worker, _ = engine(model_dir, config_address, "silent", "fp16", "e",
                                       extra={"kvq_deadline_seconds": 3600,
-                                             "kvq_scheduler_deadline_seconds": 0.5,
+                                             "kvq_lookup_deadline_seconds": 0.5,
                                              "kvq_lookup_wait_seconds": 0})
         request = Request(request_id="r", prompt_token_ids=list(range(10, 100)),
                           sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
@@ -419,22 +396,35 @@ def test_a_silent_kvq_never_blocks_the_lookup(model_dir, caplog):
                 time.sleep(0.05)
                 got = scheduler.get_num_new_matched_tokens(request, 0)
         assert got == (0, False)
-        # The scheduler's 0.5 s ran out; with the worker's hour gRPC would
+        # The lookup's 0.5 s ran out; with the worker's hour gRPC would
         # have given up on the connection instead (UNAVAILABLE).
-        assert "no sequence for request r (DEADLINE_EXCEEDED" in caplog.text
+        assert "lookup of request r failed (DEADLINE_EXCEEDED" in caplog.text
         assert not scheduler._planner.known("r")
         scheduler.shutdown()
         worker.shutdown()
 
 
-def test_planned_saves_publish_kv_events_with_vllms_block_hashes(address, model_dir):
-    from vllm.distributed.kv_events import BlockStored
+def test_kv_events_announce_what_the_workers_report_committed_with_vllms_block_hashes(
+        address, model_dir):
+    """BlockStored once the worker's report of the commit reached the
+    scheduler side (through vLLM's worker metadata, pickled as between
+    processes), for the blocks kvq serves; the release probe finds the
+    prefix kept (--evict) and removes nothing; reset_cache takes back
+    every announced block (BlockRemoved)."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
                                              maybe_convert_block_hash)
+    from vllm.v1.outputs import KVConnectorOutput
     init_none_hash(sha256)
-    scheduler, worker, _ = engine(model_dir, address, "events", "fp16", "e")
-    prompt = list(range(10, 60))  # 50 tokens: 3 whole blocks of 16.
+    config = vllm_config(model_dir, address, "events", "fp16", "e")
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    scheduler = KvqConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    worker = KvqConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    cache = PagedCache(torch.float16, NUM_BLOCKS)
+    worker.register_kv_caches(cache.views)
+    prompt = list(range(10, 60))  # 50 tokens: 3 whole vLLM blocks, 1 whole kvq block (32).
     request = Request(request_id="r", prompt_token_ids=prompt,
                       sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
                       block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
@@ -450,20 +440,68 @@ def test_planned_saves_publish_kv_events_with_vllms_block_hashes(address, model_
                                        "num_computed_tokens": [] if new else [computed]},
              "num_scheduled_tokens": {"r": scheduled}, "finished_req_ids": [],
              "has_sync_kv_loads": False}
-        scheduler.build_connector_meta(scheduler_output(j, {"r": prompt}))
+        meta = scheduler.build_connector_meta(scheduler_output(j, {"r": prompt}))
+        assert scheduler.take_events() == []  # Planned is not stored.
+        worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+        worker.start_load_kv(None)
+        for name in layer_names():
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, cache.views[name], None)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        deliver()
         return scheduler.take_events()
 
-    # A 20-token chunk completes block 0; the rest completes blocks 1 and 2.
-    [first] = step(0, 20, True)
-    [second] = step(20, 30, False)
-    assert isinstance(first, BlockStored) and first.medium == "kvq"
+    def deliver():
+        assert worker._worker.drain(30)
+        report = worker.build_connector_worker_meta()
+        if report is not None:
+            report = pickle.loads(pickle.dumps(report))
+            scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+
     hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
-    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == \
-        ([hashes[0]], None, prompt[:16])
-    assert (second.block_hashes, second.parent_block_hash, second.token_ids) == \
-        (hashes[1:3], hashes[0], prompt[16:48])
-    assert scheduler.take_events() == []
+    assert step(0, 20, True) == []  # 20 tokens: no whole kvq block yet.
+    [stored] = step(20, 30, False)  # 50 tokens: kvq serves 32, vLLM blocks 0 and 1.
+    assert isinstance(stored, BlockStored) and stored.medium == "kvq"
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids,
+            stored.block_size) == (hashes[:2], None, prompt[:32], BLOCK_SIZE)
+    with KvqClient(address, namespace="events") as kvq:
+        assert kvq.match_prefix(scheduler._layout, scheme="fp16",
+                                prompt_token_ids=prompt).matched_tokens == 32
     scheduler.request_finished(request, [1, 2, 3, 4])
+    worker.get_finished({"r"})
+    deliver()
+    scheduler._scheduler.wait_for_probes(30)
+    assert scheduler.take_events() == []  # --evict: the released prefix stays.
+    assert scheduler.reset_cache() is True
+    [removed] = scheduler.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.medium == "kvq"
+    assert removed.block_hashes == hashes[:2]
+    scheduler.shutdown()
+    worker.shutdown()
+
+
+def test_kv_events_off_means_no_reports_and_no_events(address, model_dir):
+    scheduler, worker, cache = engine(model_dir, address, "events-off", "fp16", "e")
+    prompt = list(range(10, 60))
+    request = Request(request_id="r", prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
+    j = {"scheduled_new_reqs": [{"req_id": "r", "block_ids": [[1, 2, 3, 4]],
+                                 "num_computed_tokens": 0}],
+         "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
+                                   "num_computed_tokens": []},
+         "num_scheduled_tokens": {"r": 50}, "finished_req_ids": [], "has_sync_kv_loads": False}
+    worker.bind_connector_metadata(scheduler.build_connector_meta(
+        scheduler_output(j, {"r": prompt})))
+    worker.start_load_kv(None)
+    for name in layer_names():
+        worker.save_kv_layer(name, cache.views[name], None)
+    worker.wait_for_save()
+    assert worker._worker.drain(30)
+    assert worker.build_connector_worker_meta() is None
+    assert scheduler.take_events() == []
     scheduler.shutdown()
     worker.shutdown()
 

@@ -24,23 +24,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kvq_client import KvqClient  # noqa: E402
 from kvq_client.circuit_breaker import BreakerState  # noqa: E402
 from kvq_client import quantized_append  # noqa: E402
+from kvq_client.vllm_events import Removed, Stored  # noqa: E402
 from kvq_client.vllm_plan import TokenRange  # noqa: E402
-from live_server import needs_server, running_server, start_server  # noqa: E402
-from vllm_halves import engine, scheduler_output  # noqa: E402
+from live_server import (CPU_SERVER, needs_server, running_server, server_fixture,  # noqa: E402
+                         start_server)
+from vllm_halves import (ANSWERED, LAYOUT, engine, new_request_output,  # noqa: E402
+                         scheduler_output)
 from vllm_trace_model import (BLOCK_SIZE, HEAD_DIM, KV_HEADS, layer_names,  # noqa: E402
                               run_worker_event, token_kv)
 
 pytestmark = needs_server
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "vllm_trace.json")
-SERVER_FLAGS = ("--metrics_address=127.0.0.1:0", "--capacity_bytes=268435456",
-                "--backend=cpu", "--evict")
-
-
-@pytest.fixture(scope="module")
-def address():
-    with running_server(*SERVER_FLAGS) as a:
-        yield a
+# --evict: a released sequence's pages stay as prefix cache.
+SERVER_FLAGS = (*CPU_SERVER, "--evict")
+address = server_fixture(*SERVER_FLAGS)
 
 
 def check_kv(got_k, got_v, want_k, want_v, scheme):
@@ -106,7 +104,7 @@ def test_replay_saves_prompts_and_loads_shared_and_preempted_prefixes(address, s
                     # A 1 MiB load buffer: loads go a few layers at a time.
                     # Lookups wait for their answer (the recording's did).
                     engines[name] = engine(address, namespace, scheme, event["num_blocks"],
-                                           load_buffer_bytes=1 << 20, lookup_wait_seconds=10)
+                                           load_buffer_bytes=1 << 20, **ANSWERED)
                 rid = event["request_id"]
                 prompts[rid] = list(event["prompt_token_ids"])
                 tokens[rid] = list(prompts[rid])
@@ -200,12 +198,8 @@ def prefill(scheduler, worker, cache, rid, prompt, block_ids):
     external hit and the load errors the worker reported."""
     hit = scheduler.lookup(rid, prompt, len(prompt), 0)
     scheduler.after_alloc(rid, prompt, hit or 0)
-    meta = scheduler.build(scheduler_output({
-        "scheduled_new_reqs": [{"req_id": rid, "block_ids": [block_ids],
-                                "num_computed_tokens": hit or 0}],
-        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
-                                  "num_computed_tokens": []},
-        "num_scheduled_tokens": {rid: len(prompt) - (hit or 0)}}))
+    meta = scheduler.build(new_request_output(rid, block_ids, hit or 0,
+                                              len(prompt) - (hit or 0)))
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     slots = slots_of(block_ids, range(hit or 0, len(prompt)))
@@ -227,11 +221,13 @@ BLOCKS = list(range(1, 20))
 
 
 def test_lookups_change_nothing_on_the_server_and_creation_waits_for_allocation(address):
-    a_sched, a_worker, a_cache = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
+    a_sched, a_worker, a_cache = engine(address, "probe", "int8", 64, **ANSWERED)
     assert prefill(a_sched, a_worker, a_cache, "a", PROMPT, BLOCKS) == (0, set())
+    # a's sequence is released by the worker's send thread, after its commit.
+    assert a_worker.worker.drain(30)
     with KvqClient(address) as kvq:
         before = kvq.stats()
-        b_sched, b_worker, _ = engine(address, "probe", "int8", 64, lookup_wait_seconds=10)
+        b_sched, b_worker, _ = engine(address, "probe", "int8", 64, **ANSWERED)
         hits = [b_sched.lookup(f"b{i}", PROMPT, len(PROMPT), 0) for i in range(20)]
         # int8 shares 32-token blocks: 9 whole ones of the 290 saved tokens.
         assert hits == [288] * 20
@@ -360,13 +356,13 @@ def test_a_kvq_killed_mid_load_reports_the_blocks_and_the_engine_recomputes():
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = start_server(os.path.join(tmp, "port"), *SERVER_FLAGS)
         try:
-            a = engine(address, "killed", "int8", 64, lookup_wait_seconds=10,
+            a = engine(address, "killed", "int8", 64, **ANSWERED,
                        breaker_failures=1, breaker_backoff_seconds=60,
                        deadline_seconds=5, max_chunk_bytes=4096)
             prefill(*a, "a", PROMPT, BLOCKS)
             a[1].worker.drain(30)
             b_sched, b_worker, b_cache = engine(address, "killed", "int8", 64,
-                                                lookup_wait_seconds=10, breaker_failures=1,
+                                                **ANSWERED, breaker_failures=1,
                                                 breaker_backoff_seconds=60, deadline_seconds=5,
                                                 max_chunk_bytes=4096, load_buffer_bytes=1)
             hit = b_sched.lookup("b", PROMPT, len(PROMPT), 0)
@@ -432,7 +428,7 @@ def test_two_replicas_with_mutual_tls_and_a_token_file_share_a_prefix(tmp_path):
     with running_server(*flags) as r1, running_server(*flags) as r2:
         wiring = dict(tls_ca=f"{tmp_path}/ca.pem", tls_cert=f"{tmp_path}/client.pem",
                       tls_key=f"{tmp_path}/client.key", tls_server_name="localhost",
-                      token_file=str(token_file), lookup_wait_seconds=10)
+                      token_file=str(token_file), **ANSWERED)
         engines = [engine("", "tls", "int8", 64, targets=f"{r1},{r2}", **wiring)
                    for _ in range(2)]
         for e in engines:
@@ -468,7 +464,7 @@ def tp_engine(address, namespace, world=2):
     heads = KV_HEADS // world
     layout = ModelLayout(len(layer_names()), heads, 14 // world, HEAD_DIM)
     s = KvqSettings(address=address, namespace=namespace, scheme="int8",
-                    lookup_wait_seconds=10)
+                    **ANSWERED)
     s.check()
     scheduler = KvqScheduler(s, layout, save=True, load=True, world_size=world)
     ranks = []
@@ -484,12 +480,7 @@ def tp_engine(address, namespace, world=2):
 
 def tp_step(scheduler, ranks, rid, prompt, hit):
     scheduler.after_alloc(rid, prompt, hit)
-    plan = scheduler.build(scheduler_output({
-        "scheduled_new_reqs": [{"req_id": rid, "block_ids": [BLOCKS],
-                                "num_computed_tokens": hit}],
-        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
-                                  "num_computed_tokens": []},
-        "num_scheduled_tokens": {rid: len(prompt) - hit}}))
+    plan = scheduler.build(new_request_output(rid, BLOCKS, hit, len(prompt) - hit))
     heads = KV_HEADS // len(ranks)
     slots = torch.as_tensor(slots_of(BLOCKS, range(hit, len(prompt))))
     for rank, (worker, views) in enumerate(ranks):
@@ -541,7 +532,7 @@ def test_generated_tokens_are_found_by_the_next_turn(address):
     first 32 generated go to kvq with their ids. Engine b's prompt (the
     conversation so far plus a new message) finds 96 tokens: the prompt and
     the generated block."""
-    a_sched, a_worker, a_cache = engine(address, "turns", "int8", 64, lookup_wait_seconds=10,
+    a_sched, a_worker, a_cache = engine(address, "turns", "int8", 64, **ANSWERED,
                                         save_decode_tokens=32)
     prompt = list(range(500, 564))
     tokens = list(prompt)
@@ -575,9 +566,188 @@ def test_generated_tokens_are_found_by_the_next_turn(address):
         [(0, 64, []), (64, 96, tokens[64:96])]
     assert a_worker.worker.drain(30)
     assert a_worker.worker.counters.take().get("save_failures", 0) == 0
-    b_sched, b_worker, _ = engine(address, "turns", "int8", 64, lookup_wait_seconds=10)
+    b_sched, b_worker, _ = engine(address, "turns", "int8", 64, **ANSWERED)
     turn2 = tokens[:100] + list(range(9000, 9020))
     assert b_sched.lookup("b", turn2, len(turn2), 0) == 96
     for s, w in ((a_sched, a_worker), (b_sched, b_worker)):
         s.shutdown()
         w.worker.shutdown()
+
+
+# ------------------------------------------------------------- KV events
+
+
+def chain_hashes(tokens):
+    """Chained per-block hashes standing in for vLLM's block hashes."""
+    hashes, parent = [], None
+    for i in range(len(tokens) // BLOCK_SIZE):
+        parent = hash((parent, tuple(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])))
+        hashes.append(parent)
+    return hashes
+
+
+def events_engine(address, namespace, **settings):
+    from kvq_client.vllm_events import BlockLedger
+    ledger = BlockLedger(BLOCK_SIZE, expect_release=settings.get("release_on_finish", True))
+    return engine(address, namespace, "int8", 64, ledger=ledger, **ANSWERED,
+                  **settings)
+
+
+def prefill_step(scheduler, worker, cache, rid, prompt):
+    """A request's lookup (with its block hashes) and one prefill step; the
+    step's plan."""
+    hit = scheduler.lookup(rid, prompt, len(prompt), 0, block_hashes=chain_hashes(prompt))
+    scheduler.after_alloc(rid, prompt, hit)
+    return scheduler.build(new_request_output(rid, BLOCKS, hit, len(prompt) - hit))
+
+
+def run_step(worker, cache, meta, prompt):
+    begin = meta.saves[0].begin if meta.saves else len(prompt)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    positions = list(range(begin, len(prompt)))
+    for layer, name in enumerate(layer_names()):
+        worker.wait_for_layer_load(name)
+        cache.forward_layer(layer, name, slots_of(BLOCKS, positions), positions,
+                            prompt[begin:])
+        worker.save_kv_layer(name, cache.views[name], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def deliver_reports(scheduler, worker):
+    """What vLLM carries from the worker to the scheduler after a step."""
+    assert worker.worker.drain(30)
+    reports = worker.worker.take_reports()
+    if reports is not None:
+        scheduler.worker_reports(*reports)
+
+
+def finish(scheduler, worker, rid):
+    scheduler.finished(rid)
+    worker.get_finished({rid})  # The next step: the worker releases.
+    deliver_reports(scheduler, worker)
+    scheduler.wait_for_probes(30)
+
+
+def kvq_holds(address, namespace, prompt):
+    with KvqClient(address, namespace=namespace) as kvq:
+        return kvq.match_prefix(LAYOUT, scheme="int8",
+                                prompt_token_ids=prompt).matched_tokens
+
+
+HELD = 288  # int8's 32-token kvq blocks: 9 whole ones of PROMPT's 290 tokens.
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_kv_events_announce_acknowledged_saves_and_take_back_released_prefixes(evict):
+    """Stored only once the worker reported the commit, for the blocks kvq
+    serves; after the release a probe asks kvq: without --evict the prefix
+    went with the sequence (Removed), with --evict it stays (nothing)."""
+    flags = SERVER_FLAGS if evict else tuple(f for f in SERVER_FLAGS if f != "--evict")
+    hashes = chain_hashes(PROMPT)
+    with running_server(*flags) as address:
+        sched, worker, cache = events_engine(address, "ev")
+        meta = prefill_step(sched, worker, cache, "a", PROMPT)
+        assert [(r.begin, r.end) for r in meta.saves] == [(0, len(PROMPT))]
+        assert sched.take_events() == []  # Planned, not yet committed.
+        run_step(worker, cache, meta, PROMPT)
+        deliver_reports(sched, worker)
+        assert sched.take_events() == [Stored("a", hashes[:HELD // BLOCK_SIZE], None,
+                                              PROMPT[:HELD], None)]
+        assert kvq_holds(address, "ev", PROMPT) == HELD
+        finish(sched, worker, "a")
+        if evict:
+            assert sched.take_events() == []
+            assert kvq_holds(address, "ev", PROMPT) == HELD
+        else:
+            assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+            assert kvq_holds(address, "ev", PROMPT) == 0
+        assert sched.take_events() == []
+        sched.shutdown()
+        worker.worker.shutdown()
+
+
+def test_kv_events_never_announce_a_failed_save(address):
+    sched, worker, cache = events_engine(address, "ev-fail")
+    meta = prefill_step(sched, worker, cache, "a", PROMPT)
+    # The sequence goes away before the worker's Append (as if evicted).
+    with KvqClient(address, namespace="ev-fail") as kvq:
+        kvq.release(meta.saves[0].sequence_id)
+    run_step(worker, cache, meta, PROMPT)
+    deliver_reports(sched, worker)
+    assert worker.worker.counters.take().get("save_failures") == 1
+    assert sched.take_events() == []
+    assert kvq_holds(address, "ev-fail", PROMPT) == 0
+    sched.shutdown()
+    worker.worker.shutdown()
+
+
+def test_kv_events_take_back_an_expired_prefix_when_a_lookup_misses_it(address):
+    """Lease expiry (no release): kvq tells nobody; the next lookup of a
+    prompt covering the announced blocks finds none and takes them back."""
+    sched, worker, cache = events_engine(address, "ev-ttl", ttl_seconds=1,
+                                         release_on_finish=False)
+    hashes = chain_hashes(PROMPT)
+    run_step(worker, cache, prefill_step(sched, worker, cache, "a", PROMPT), PROMPT)
+    deliver_reports(sched, worker)
+    assert [e.block_hashes for e in sched.take_events()] == [hashes[:HELD // BLOCK_SIZE]]
+    finish(sched, worker, "a")
+    give_up = time.monotonic() + 60  # The server's reaper runs every second.
+    while kvq_holds(address, "ev-ttl", PROMPT) and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert kvq_holds(address, "ev-ttl", PROMPT) == 0
+    assert sched.take_events() == []  # Nothing learned yet.
+    assert sched.lookup("b", PROMPT, len(PROMPT), 0, block_hashes=hashes) == 0
+    assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+    sched.shutdown()
+    worker.worker.shutdown()
+
+
+def test_kv_events_reset_takes_back_every_announced_block(address):
+    sched, worker, cache = events_engine(address, "ev-reset")
+    hashes = chain_hashes(PROMPT)
+    run_step(worker, cache, prefill_step(sched, worker, cache, "a", PROMPT), PROMPT)
+    deliver_reports(sched, worker)
+    sched.take_events()
+    assert sched.reset()
+    assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+    sched.shutdown()
+    worker.worker.shutdown()
+
+
+def test_kv_events_audit_takes_back_a_released_prefix_kvq_evicts_later():
+    """--evict keeps a released prefix as cache until the pool needs its
+    pages: the release probe finds it; once other sequences fill the pool
+    and kvq evicts it, the next audit probe takes it back."""
+    from kvq_client.vllm_events import BlockLedger
+    flags = tuple(f for f in SERVER_FLAGS if not f.startswith("--capacity_bytes")) + \
+        ("--capacity_bytes=4194304",)
+    hashes = chain_hashes(PROMPT)
+    with running_server(*flags) as address:
+        ledger = BlockLedger(BLOCK_SIZE, audit_prefixes=8)
+        sched, worker, cache = engine(address, "ev-audit", "int8", 64, ledger=ledger,
+                                      events_audit_seconds=0.001, **ANSWERED)
+        run_step(worker, cache, prefill_step(sched, worker, cache, "a", PROMPT), PROMPT)
+        deliver_reports(sched, worker)
+        assert len(sched.take_events()) == 1
+        finish(sched, worker, "a")
+        assert sched.take_events() == []  # Released, kept as prefix cache.
+        sched.wait_for_probes(30)
+        assert sched.take_events() == []  # The audit found it held.
+        # Other sequences fill the 4 MiB pool: kvq evicts a's cached pages.
+        rng = np.random.default_rng(3)
+        with KvqClient(address, namespace="ev-audit-fill") as kvq:
+            for i in range(20):
+                if not kvq_holds(address, "ev-audit", PROMPT):
+                    break
+                kv = rng.standard_normal((len(layer_names()), KV_HEADS, 256, HEAD_DIM))
+                kv = kv.astype(np.float16)
+                sid = kvq.create_sequence(LAYOUT, scheme="int8").sequence_id
+                kvq.append_prompt(sid, kv, kv)
+        assert kvq_holds(address, "ev-audit", PROMPT) == 0
+        sched.take_events()       # Starts the audit's probe...
+        sched.wait_for_probes(30)
+        assert sched.take_events() == [Removed(hashes[:HELD // BLOCK_SIZE])]
+        sched.shutdown()
+        worker.worker.shutdown()

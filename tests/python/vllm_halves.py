@@ -13,6 +13,11 @@ from vllm_trace_model import BLOCK_SIZE, HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, Pa
 
 LAYOUT = ModelLayout(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM)
 
+# Settings of an engine whose lookups wait for kvq's answer, however loaded
+# the machine (the default 0.2 s MatchPrefix deadline would turn a slow
+# answer into a miss).
+ANSWERED = dict(lookup_wait_seconds=10, lookup_deadline_seconds=10)
+
 
 def ns(**kw):
     return types.SimpleNamespace(**kw)
@@ -28,6 +33,16 @@ def scheduler_output(j):
                 num_computed_tokens=c["num_computed_tokens"])
     return ns(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
               num_scheduled_tokens=j["num_scheduled_tokens"])
+
+
+def new_request_output(request_id, block_ids, computed, scheduled):
+    """The SchedulerOutput stand-in of a step that schedules one new request."""
+    return scheduler_output({
+        "scheduled_new_reqs": [{"req_id": request_id, "block_ids": [block_ids],
+                                "num_computed_tokens": computed}],
+        "scheduled_cached_reqs": {"req_ids": [], "resumed_req_ids": [], "new_block_ids": [],
+                                  "num_computed_tokens": []},
+        "num_scheduled_tokens": {request_id: scheduled}})
 
 
 class WorkerAdapter:
@@ -66,12 +81,13 @@ class WorkerAdapter:
         return self.worker.take_load_errors()
 
 
-def engine(address, namespace, scheme, num_blocks, dtype=None, **settings):
-    """(KvqScheduler, WorkerAdapter, PagedCache) of one kv_both engine."""
+def engine(address, namespace, scheme, num_blocks, dtype=None, ledger=None, **settings):
+    """(KvqScheduler, WorkerAdapter, PagedCache) of one kv_both engine; with
+    `ledger` (a vllm_events.BlockLedger) its KV events are on."""
     import torch
     s = KvqSettings(address=address, namespace=namespace, scheme=scheme, **settings)
     s.check()
-    scheduler = KvqScheduler(s, LAYOUT, save=True, load=True)
+    scheduler = KvqScheduler(s, LAYOUT, save=True, load=True, ledger=ledger)
     worker = KvqWorker(s, LAYOUT, BLOCK_SIZE)
     cache = PagedCache(dtype or torch.float16, num_blocks)
     worker.register_caches(cache.views)

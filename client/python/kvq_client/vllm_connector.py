@@ -10,7 +10,9 @@ work without vLLM: KvqScheduler (vllm_scheduler.py: read-only lookups off
 the scheduler loop, sequences created after allocation, per-step plans) and KvqWorker (vllm_worker.py: layer-wise
 asynchronous loads, saves committed in the background). It adds what only
 vLLM has: its request objects, the tensor-parallel rank, the load-failure
-policy, and the connector's stats and Prometheus metrics.
+policy, the connector's stats and Prometheus metrics, and KV events with
+vLLM's block hashes (announced and taken back by vllm_events.BlockLedger,
+from the workers' reports carried as vLLM's worker metadata).
 """
 
 from __future__ import annotations
@@ -26,17 +28,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorRole)
 
 from .client import ModelLayout
+from .vllm_events import BlockLedger, Removed, Stored, scheme_sink
 from .vllm_plan import TokenRange
 from .vllm_scheduler import KvqScheduler
 from .vllm_settings import DEFAULT_SCHEME, KvqSettings, apply_failure_policy  # noqa: F401
 from .vllm_stats import COUNTS, SAMPLES, ConnectorCounters, is_empty, merge, reduce
 from .vllm_worker import KvqWorker, layer_order  # noqa: F401
 
-try:  # KV events for KV-aware routers.
-    from vllm.distributed.kv_events import BlockStored
+try:  # KV events for KV-aware routers, acknowledged by the workers (vLLM >= 0.34).
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 except ImportError:  # pragma: no cover
-    BlockStored = maybe_convert_block_hash = None
+    BlockRemoved = BlockStored = KVConnectorWorkerMetadata = maybe_convert_block_hash = None
 
 try:  # vLLM's stats and Prometheus hooks (absent from older releases).
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -60,6 +65,35 @@ logger = logging.getLogger(__name__)
 class KvqConnectorMetadata(KVConnectorMetadata):
     loads: List[TokenRange] = field(default_factory=list)
     saves: List[TokenRange] = field(default_factory=list)
+
+
+if KVConnectorWorkerMetadata is not None:
+
+    @dataclass
+    class KvqWorkerMetadata(KVConnectorWorkerMetadata):
+        """A worker's reports (vllm_worker.WorkerReports) of one step, to the
+        scheduler side; vLLM sums them over tensor-parallel workers."""
+        saved: Dict[str, int] = field(default_factory=dict)
+        failed: Dict[str, int] = field(default_factory=dict)
+        released: Dict[str, int] = field(default_factory=dict)
+
+        def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+            def add(a, b):
+                out = dict(a)
+                for k, n in b.items():
+                    out[k] = out.get(k, 0) + n
+                return out
+            return KvqWorkerMetadata(add(self.saved, other.saved),
+                                     add(self.failed, other.failed),
+                                     add(self.released, other.released))
+
+
+def kv_events_enabled(vllm_config: "VllmConfig") -> bool:
+    """Whether vLLM publishes KV events (--kv-events-config), and this vLLM
+    carries the workers' reports the connector's events wait for."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and getattr(events, "enable_kv_cache_events", False) and
+                KVConnectorWorkerMetadata is not None)
 
 
 def model_layout(vllm_config: "VllmConfig") -> ModelLayout:
@@ -109,19 +143,21 @@ class KvqConnector(KVConnectorBase_V1):
         world = vllm_config.parallel_config.tensor_parallel_size
         self._counters = ConnectorCounters()
         self._scheduler: Optional[KvqScheduler] = None
-        self._requests: Dict[str, "Request"] = {}  # Scheduled, for KV events.
-        self._events: List[Any] = []
-        self._events_sent: Dict[str, int] = {}     # Request -> blocks announced.
         self._worker: Optional[KvqWorker] = None
+        self._events = kv_events_enabled(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
+            ledger = BlockLedger(self._block_size, world, scheme_sink(self._settings.scheme),
+                                 expect_release=self._settings.release_on_finish,
+                                 audit_prefixes=self._settings.events_audit_prefixes) \
+                if self._events else None
             self._scheduler = KvqScheduler(self._settings, self._layout,
                                            save=transfer.is_kv_producer,
                                            load=transfer.is_kv_consumer, world_size=world,
-                                           counters=self._counters)
+                                           counters=self._counters, ledger=ledger)
         else:
             self._worker = KvqWorker(self._settings, self._layout, self._block_size,
                                      rank=_tp_rank(), world_size=world,
-                                     counters=self._counters)
+                                     counters=self._counters, reports=self._events)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -143,54 +179,55 @@ class KvqConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        lora = getattr(request, "lora_request", None)
         n = self._scheduler.lookup(
             request.request_id, request.prompt_token_ids or [], request.num_tokens,
             num_computed_tokens, cache_salt=getattr(request, "cache_salt", None),
-            lora_name=lora_name(request), keyed_by_tokens=keyed_by_tokens_alone(request))
+            lora_name=lora_name(request), keyed_by_tokens=keyed_by_tokens_alone(request),
+            block_hashes=getattr(request, "block_hashes", None) or None,
+            event_extra=(getattr(lora, "adapter_id", None), getattr(lora, "name", None))
+            if lora else None)
         return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
-        self._requests[request.request_id] = request
         self._scheduler.after_alloc(request.request_id, request.all_token_ids,
                                     num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         plan = self._scheduler.build(scheduler_output)
-        for r in plan.saves:
-            self._stored_events(r)
         return KvqConnectorMetadata(loads=plan.loads, saves=plan.saves)
 
-    def _stored_events(self, r: TokenRange) -> None:
-        """BlockStored (medium "kvq") for the vLLM blocks a save completes,
-        with vLLM's own block hashes, for KV-aware routers. Sent when the
-        save is planned: a save that fails later is not taken back."""
-        request = self._requests.get(r.request_id)
-        hashes = getattr(request, "block_hashes", None) if request is not None else None
-        if not hashes or BlockStored is None:
-            return
-        bs = self._block_size
-        first = self._events_sent.get(r.request_id, 0)
-        last = min(r.end // bs, len(hashes))
-        if last <= first:
-            return
-        lora = getattr(request, "lora_request", None)
-        self._events.append(BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
-            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
-            token_ids=list(request.all_token_ids[first * bs:last * bs]), block_size=bs,
-            lora_id=getattr(lora, "adapter_id", None) if lora else None, medium="kvq",
-            lora_name=getattr(lora, "name", None) if lora else None))
-        self._events_sent[r.request_id] = last
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if KVConnectorWorkerMetadata is not None and isinstance(meta, KvqWorkerMetadata):
+            self._scheduler.worker_reports(meta.saved, meta.failed, meta.released)
 
     def take_events(self):
-        events, self._events = self._events, []
-        return events
+        """KV events (medium "kvq") with vLLM's own block hashes: BlockStored
+        once every rank's worker reported the save committed, BlockRemoved
+        where kvq was seen not to serve announced blocks any more
+        (vllm_events.py; docs/VLLM.md, "KV events")."""
+        if not self._events:
+            return []
+        out = []
+        for e in self._scheduler.take_events():
+            if isinstance(e, Stored):
+                lora_id, lora_name_ = e.extra or (None, None)
+                out.append(BlockStored(
+                    block_hashes=[maybe_convert_block_hash(h) for h in e.block_hashes],
+                    parent_block_hash=None if e.parent_block_hash is None else
+                    maybe_convert_block_hash(e.parent_block_hash),
+                    token_ids=e.token_ids, block_size=self._block_size, lora_id=lora_id,
+                    medium="kvq", lora_name=lora_name_))
+            elif isinstance(e, Removed):
+                out.append(BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in e.block_hashes],
+                    medium="kvq"))
+        return out
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        self._events_sent.pop(request.request_id, None)
         self._scheduler.finished(request.request_id)
         # Saves were copied to the host in their step: vLLM may free the blocks.
         return False, None
@@ -223,6 +260,14 @@ class KvqConnector(KVConnectorBase_V1):
                                                                set[str] | None]:
         self._worker.get_finished(finished_req_ids)
         return None, None
+
+    def build_connector_worker_meta(self) -> "KVConnectorWorkerMetadata | None":
+        # The send thread's reports of commits and releases, for the
+        # scheduler side's KV events (dropped when vLLM publishes none).
+        reports = self._worker.take_reports()
+        if reports is None or not self._events:
+            return None
+        return KvqWorkerMetadata(*reports)
 
     def shutdown(self):
         if self._worker is not None:

@@ -82,6 +82,10 @@ class StepPlanner:
     def known(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def prompt_len(self, request_id: str) -> int:
+        r = self._requests.get(request_id)
+        return r.prompt_len if r else 0
+
     def sequence_id(self, request_id: str) -> Optional[str]:
         r = self._requests.get(request_id)
         return r.sequence_id if r else None

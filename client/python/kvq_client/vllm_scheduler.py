@@ -23,6 +23,11 @@ they saw it; here otherwise).
 
 While the circuit breaker is open, lookups answer 0 at once: requests run
 without kvq and vLLM computes every token itself.
+
+With a BlockLedger (vllm_events.py; vLLM's KV events on) the scheduler
+feeds it what kvq answered (lookups, creations), the saves planned, the
+workers' reports of commits and releases (worker_reports), and runs the
+ledger's release probes in the background.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import grpc
 
 from .circuit_breaker import CircuitBreaker
 from .client import KvqError, ModelLayout
+from .vllm_events import BlockLedger, Probe
 from .vllm_plan import StepPlan, StepPlanner
 from .vllm_settings import Clients, KvqSettings, rank_namespace, request_namespace
 from .vllm_stats import ConnectorCounters, note_outcome
@@ -48,7 +54,8 @@ class KvqScheduler:
     def __init__(self, settings: KvqSettings, layout: ModelLayout, save: bool, load: bool,
                  world_size: int = 1, clients: Optional[Clients] = None,
                  breaker: Optional[CircuitBreaker] = None,
-                 counters: Optional[ConnectorCounters] = None):
+                 counters: Optional[ConnectorCounters] = None,
+                 ledger: Optional[BlockLedger] = None):
         self._settings = settings
         self._layout = layout
         self._world_size = world_size
@@ -58,13 +65,20 @@ class KvqScheduler:
         self.planner = StepPlanner(save=save, load=load,
                                    save_decode_tokens=settings.save_decode_tokens)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvq-lookup")
-        self._pending: Dict[str, Tuple[Future, float]] = {}   # request -> its MatchPrefix
+        # request -> its MatchPrefix, when it started, the ledger's tick then.
+        self._pending: Dict[str, Tuple[Future, float, int]] = {}
         self._prompts: Dict[str, List[int]] = {}     # request -> prompt, until created
-        self._creating: Dict[str, Future] = {}       # request -> its CreateSequence calls
+        self._creating: Dict[str, Tuple[Future, int]] = {}  # request -> CreateSequence, tick
         self._namespaces: Dict[str, str] = {}   # request -> its kvq namespace
         self._seen_by_workers: Set[str] = set()
         self._epoch = 0
         self._wait_left = settings.lookup_wait_seconds  # This step's lookup wait budget.
+        self.ledger = ledger
+        # The ledger's release and audit probes: one thread of their own, so
+        # that an audit never queues ahead of a lookup.
+        self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-probe")
+        self._next_audit = time.monotonic() + settings.events_audit_seconds
+        self._probes: List[Tuple[Probe, Future]] = []  # The ledger's, in flight.
 
     # ------------------------------------------------------------ lookup
 
@@ -76,8 +90,11 @@ class KvqScheduler:
 
     def lookup(self, request_id: str, prompt_token_ids: Sequence[int], num_tokens: int,
                num_computed: int, cache_salt: Optional[str] = None,
-               lora_name: Optional[str] = None, keyed_by_tokens: bool = True) -> Optional[int]:
-        """Tokens past `num_computed` kvq can supply; None: ask again later."""
+               lora_name: Optional[str] = None, keyed_by_tokens: bool = True,
+               block_hashes: Optional[Sequence[Any]] = None,
+               event_extra: Any = None) -> Optional[int]:
+        """Tokens past `num_computed` kvq can supply; None: ask again later.
+        `block_hashes` (vLLM's, live) and `event_extra` go to the ledger."""
         rid = request_id
         if self.planner.known(rid):
             self.refresh_after_preemption(rid)
@@ -91,10 +108,11 @@ class KvqScheduler:
                 self.counters.breaker_state = int(self.breaker.state)
                 return 0
             namespace = self.namespace_of(cache_salt, lora_name)
+            tick = self.ledger.tick() if self.ledger else 0
             future = self._pool.submit(self._match, namespace, list(prompt_token_ids))
-            pending = self._pending[rid] = (future, time.monotonic())
+            pending = self._pending[rid] = (future, time.monotonic(), tick)
             self._namespaces[rid] = namespace
-        future, started = pending
+        future, started, tick = pending
         if not future.done() and self._wait_left > 0:
             # All lookups of one scheduler step share one wait budget.
             t0 = time.monotonic()
@@ -115,24 +133,32 @@ class KvqScheduler:
             logger.warning("kvq: lookup of request %s failed (%s); it runs without the cache",
                            rid, error)
             return 0
+        stored, block_tokens = future.result()
+        if self.ledger is not None and block_hashes is not None:
+            self.ledger.learn_block_tokens(block_tokens)
+            self.ledger.served(block_hashes, len(prompt_token_ids), stored, tick)
+            self.ledger.track(rid, self._namespaces[rid], block_hashes, prompt_token_ids,
+                              event_extra, held_tokens=stored)
         # Its sequences are created after allocation (update_state_after_alloc).
-        self.planner.add_request(rid, "", len(prompt_token_ids), future.result())
+        self.planner.add_request(rid, "", len(prompt_token_ids), stored)
         self._prompts[rid] = list(prompt_token_ids)
         matched = self.planner.matched_tokens(rid, num_tokens, num_computed)
         self.counters.add("lookup_hits" if matched > 0 else "lookup_misses")
         self.counters.add("hit_tokens", matched)
         return matched
 
-    def _match(self, namespace: str, prompt: List[int]) -> int:
-        """Read-only: the prompt tokens every rank's kvq holds (MatchPrefix)."""
-        matched = None
+    def _match(self, namespace: str, prompt: List[int]) -> Tuple[int, int]:
+        """Read-only: the prompt tokens every rank's kvq holds (MatchPrefix),
+        and kvq's prefix block."""
+        matched, block_tokens = None, 0
         for rank in range(self._world_size):
             ns = rank_namespace(namespace, rank, self._world_size)
             r = self._clients.get(ns).match_prefix(
                 self._layout, scheme=self._settings.scheme, prompt_token_ids=prompt,
                 deadline=self._settings.lookup_deadline_seconds)
             matched = r.matched_tokens if matched is None else min(matched, r.matched_tokens)
-        return int(matched or 0)
+            block_tokens = r.block_tokens
+        return int(matched or 0), int(block_tokens)
 
     def _create(self, namespace: str, prompt: List[int]) -> Tuple[str, int]:
         """Creates the request's sequence on every rank; (ids joined by ",",
@@ -173,6 +199,8 @@ class KvqScheduler:
     def after_alloc(self, request_id: str, all_token_ids: Sequence[int],
                     num_external_tokens: int) -> None:
         self.planner.track_tokens(request_id, all_token_ids)
+        if self.ledger is not None:
+            self.ledger.set_token_ids(request_id, all_token_ids)
         self.planner.after_alloc(request_id, num_external_tokens)
         prompt = self._prompts.get(request_id)
         if prompt is not None and request_id not in self._creating and \
@@ -181,11 +209,13 @@ class KvqScheduler:
             # sequences now (state changes belong here, not in the lookup).
             del self._prompts[request_id]
             namespace = self._namespaces.get(request_id, self._settings.namespace)
-            self._creating[request_id] = self._pool.submit(self._create, namespace, prompt)
+            tick = self.ledger.tick() if self.ledger else 0
+            self._creating[request_id] = (self._pool.submit(self._create, namespace, prompt),
+                                          tick)
 
     def _await_creations(self) -> None:
         """Gives the planner the sequences created since the last step."""
-        for rid, future in list(self._creating.items()):
+        for rid, (future, tick) in list(self._creating.items()):
             del self._creating[rid]
             try:
                 sequence_ids, stored = future.result(
@@ -199,10 +229,14 @@ class KvqScheduler:
                        KvqError(grpc.StatusCode.DEADLINE_EXCEEDED, str(error)))
             if error is None:
                 self.planner.set_sequence(rid, sequence_ids, stored)
+                if self.ledger is not None:
+                    self.ledger.served_request(rid, self.planner.prompt_len(rid), stored, tick)
             else:
                 logger.warning("kvq: no sequence for request %s (%s); it runs without the "
                                "cache", rid, error)
                 self.planner.set_sequence(rid, "", None)
+                if self.ledger is not None:
+                    self.ledger.forget(rid)  # Nothing of it is saved.
                 if self._settings.release_on_finish:
                     namespace = self._namespaces.get(rid, self._settings.namespace)
                     future.add_done_callback(lambda f, ns=namespace: self._release_created(f, ns))
@@ -229,6 +263,9 @@ class KvqScheduler:
         for r in plan.loads + plan.saves:
             r.namespace = self._namespaces.get(r.request_id, self._settings.namespace)
             self._seen_by_workers.add(r.request_id)
+        if self.ledger is not None:
+            for r in plan.saves:
+                self.ledger.planned(r.request_id, r.end)
         return plan
 
     def refresh_after_preemption(self, request_id: str) -> None:
@@ -263,7 +300,9 @@ class KvqScheduler:
         background)."""
         self._pending.pop(request_id, None)  # A lookup holds nothing on the server.
         self._prompts.pop(request_id, None)
-        creating = self._creating.pop(request_id, None)
+        creating = self._creating.pop(request_id, (None, 0))[0]
+        if self.ledger is not None:
+            self.ledger.finished(request_id)
         namespace = self._namespaces.pop(request_id, None)
         sequence_ids = self.planner.finish(request_id)
         if request_id in self._seen_by_workers:
@@ -289,8 +328,59 @@ class KvqScheduler:
         holds (a new namespace epoch; the old prefixes age out of kvq by
         lease and eviction). Requests in flight keep their sequences."""
         self._epoch += 1
+        if self.ledger is not None:
+            self.ledger.reset()
+            self._probes.clear()
         return True
+
+    # ------------------------------------------------------------ events
+
+    def worker_reports(self, saved: Dict[str, int], failed: Dict[str, int],
+                       released: Dict[str, int]) -> None:
+        """What the workers reported (vllm_worker.WorkerReports, summed over
+        ranks): saves committed or failed, sequences released. Starts the
+        ledger's release probes in the background."""
+        if self.ledger is None:
+            return
+        self._start_probes(self.ledger.acknowledged(saved, failed, released))
+
+    def _start_probes(self, probes: List[Probe]) -> None:
+        for probe in probes:
+            if not self.breaker.allow():  # kvq is being skipped: nothing learned.
+                self.ledger.probed(probe, None)
+                continue
+            self._probes.append((probe, self._probe_pool.submit(self._match, probe.namespace,
+                                                                probe.token_ids)))
+
+    def take_events(self) -> List[Any]:
+        """The ledger's events since the last call (vllm_events.Stored and
+        Removed), with the answers of the release probes that came back."""
+        if self.ledger is None:
+            return []
+        audit = self._settings.events_audit_seconds
+        if audit > 0 and time.monotonic() >= self._next_audit:
+            self._next_audit = time.monotonic() + audit
+            self._start_probes(self.ledger.audit())
+        waiting = []
+        for probe, future in self._probes:
+            if not future.done():
+                waiting.append((probe, future))
+                continue
+            error = future.exception()
+            self._note(error)
+            self.ledger.probed(probe, None if error else future.result()[0])
+        self._probes = waiting
+        return self.ledger.take()
+
+    def wait_for_probes(self, timeout: float) -> None:
+        """Waits until the release probes in flight answered (tests)."""
+        for _, future in list(self._probes):
+            try:
+                future.result(timeout=timeout)
+            except Exception:  # noqa: BLE001  take_events reads it.
+                pass
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
         self._clients.close()

@@ -78,6 +78,12 @@ class KvqSettings:
     # vLLM must recompute failed loads; "set" turns kv_load_failure_policy to
     # "recompute" when it is "fail", "require" refuses to start instead.
     failure_policy: str = "set"
+    # KV events (vLLM's --kv-events-config on): every events_audit_seconds
+    # the scheduler re-probes (read-only MatchPrefix) the prefixes of up to
+    # events_audit_prefixes finished requests whose announced blocks kvq
+    # still held, and takes back what it evicted since; 0 turns it off.
+    events_audit_seconds: float = 30.0
+    events_audit_prefixes: int = 256
 
     @classmethod
     def from_extra_config(cls, extra: Dict[str, Any], model: str) -> "KvqSettings":
@@ -123,8 +129,10 @@ class KvqSettings:
                      "save_deadline_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kvq_{name} = {getattr(self, name)} must be > 0")
-        if self.lookup_wait_seconds < 0 or self.save_decode_tokens < 0:
-            raise ValueError("kvq_lookup_wait_seconds and kvq_save_decode_tokens must be >= 0")
+        for name in ("lookup_wait_seconds", "save_decode_tokens", "events_audit_seconds",
+                     "events_audit_prefixes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"kvq_{name} = {getattr(self, name)} must be >= 0")
 
     def read_token(self) -> Optional[str]:
         if self.token_file:

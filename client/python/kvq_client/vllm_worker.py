@@ -17,6 +17,11 @@ thread streams them into one Append per sequence and step and commits it
 when wait_for_save() has closed the step. Steps are sent in order, so a
 sequence's next Append starts from its last commit. The thread releases a
 finished request's sequences after its last commit.
+
+The send thread reports what kvq acknowledged (take_reports): each save
+committed or failed, each request's sequences released; vLLM carries the
+reports to the scheduler side, whose KV events announce only what every
+rank committed (vllm_events.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from .client import KvqError, ModelLayout
 from .layer_append import LayerAppend
 from .vllm_paged import check_layer_view, gather, scatter, slot_indices
 from .vllm_plan import TokenRange
+from .vllm_events import save_key
 from .vllm_settings import Clients, KvqSettings, rank_namespace
 from .vllm_stats import ConnectorCounters, note_outcome
 
@@ -62,6 +68,35 @@ def rank_sequence(r: TokenRange, rank: int) -> str:
     return ids[rank]
 
 
+class WorkerReports:
+    """What the send thread learned since the last take: saves committed or
+    failed (vllm_events.save_key -> 1) and requests whose sequences this
+    worker released (-> 1). Counts, so that vLLM's aggregation over
+    tensor-parallel workers adds them up."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self.saved: Dict[str, int] = {}
+        self.failed: Dict[str, int] = {}
+        self.released: Dict[str, int] = {}
+
+    def add(self, kind: str, key: str) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            d = getattr(self, kind)
+            d[key] = d.get(key, 0) + 1
+
+    def take(self) -> Optional[Tuple[Dict[str, int], Dict[str, int], Dict[str, int]]]:
+        with self._lock:
+            if not (self.saved or self.failed or self.released):
+                return None
+            out = (self.saved, self.failed, self.released)
+            self.saved, self.failed, self.released = {}, {}, {}
+            return out
+
+
 class _Load:
     """One step's loads: the fetch thread fills `host[layer]`, the compute
     thread consumes it."""
@@ -83,7 +118,7 @@ class KvqWorker:
     def __init__(self, settings: KvqSettings, layout: ModelLayout, block_size: int,
                  rank: int = 0, world_size: int = 1, clients: Optional[Clients] = None,
                  breaker: Optional[CircuitBreaker] = None,
-                 counters: Optional[ConnectorCounters] = None):
+                 counters: Optional[ConnectorCounters] = None, reports: bool = True):
         self._settings = settings
         self._layout = layout
         self._block_size = block_size
@@ -106,6 +141,7 @@ class KvqWorker:
         self._committed: Dict[str, int] = {}   # sequence -> tokens committed (-1: broken)
         self._step = 0
         self._step_saves: Dict[str, TokenRange] = {}
+        self.reports = WorkerReports(reports)
         self._idle = threading.Event()
         self._idle.set()
         self._pending = 0
@@ -390,13 +426,16 @@ class KvqWorker:
             for sid_all, r in saves.items():
                 sid = rank_sequence(r, self._rank)
                 stream, layers, started = streams.pop(sid, (None, set(), 0.0))
+                key = save_key(r.request_id, r.end)
                 if stream is None:
                     self.counters.add("save_failures")
+                    self.reports.add("failed", key)
                     continue
                 if len(layers) != self._layout.num_layers:
                     stream.cancel()
                     self._committed[sid] = -1
                     self.counters.add("save_failures")
+                    self.reports.add("failed", key)
                     logger.warning("kvq: save of %s got %d of %d layers; dropped",
                                    r.request_id, len(layers), self._layout.num_layers)
                     continue
@@ -407,29 +446,37 @@ class KvqWorker:
                     self._note(e)
                     self._committed[sid] = -1
                     self.counters.add("save_failures")
+                    self.reports.add("failed", key)
                     logger.warning("kvq: save of %s tokens [%d, %d) failed: %s", r.request_id,
                                    r.begin, r.end, e)
                     continue
                 self._committed[sid] = num_tokens if num_tokens == r.end else -1
+                # Committed but not where planned: kvq holds other tokens there.
+                self.reports.add("saved" if num_tokens == r.end else "failed", key)
                 self.counters.add("tokens_saved", r.end - r.begin)
                 self.counters.add("bytes_saved", stream.wire_bytes)
                 self.counters.observe("save_seconds", time.monotonic() - started)
         elif kind == "release":
-            _, namespace, sequence_ids = item
-            for i, sid in enumerate(sequence_ids.split(",")):
-                if i != self._rank:
-                    continue
-                self._committed.pop(sid, None)
-                if not sid or not self._settings.release_on_finish or not self.breaker.allow():
-                    continue
-                try:
-                    ns = rank_namespace(namespace, self._rank, self._world_size)
-                    self._clients.get(ns).release(
-                        sid, deadline=self._settings.scheduler_deadline_seconds)
-                    self._note(None)
-                except KvqError as e:  # Its lease expires it anyway.
-                    self._note(e)
-                    logger.warning("kvq: release of %s failed: %s", sid, e)
+            _, request_id, namespace, sequence_ids = item
+            self._release(namespace, sequence_ids)
+            self.reports.add("released", request_id)
+
+    def _release(self, namespace: str, sequence_ids: str) -> None:
+        """Releases this rank's sequence of a finished request."""
+        for i, sid in enumerate(sequence_ids.split(",")):
+            if i != self._rank:
+                continue
+            self._committed.pop(sid, None)
+            if not sid or not self._settings.release_on_finish or not self.breaker.allow():
+                continue
+            try:
+                ns = rank_namespace(namespace, self._rank, self._world_size)
+                self._clients.get(ns).release(
+                    sid, deadline=self._settings.scheduler_deadline_seconds)
+                self._note(None)
+            except KvqError as e:  # Its lease expires it anyway.
+                self._note(e)
+                logger.warning("kvq: release of %s failed: %s", sid, e)
 
     # ----------------------------------------------------------- finish
 
@@ -439,7 +486,12 @@ class KvqWorker:
         for rid in finished_req_ids:
             known = self._sequences.pop(rid, None)
             if known is not None:
-                self._enqueue(("release", known[0], known[1]))
+                self._enqueue(("release", rid, known[0], known[1]))
+
+    def take_reports(self):
+        """(saved, failed, released) since the last call, or None (see
+        WorkerReports)."""
+        return self.reports.take()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.finish_load()
