@@ -21,6 +21,12 @@
 namespace kvq {
 namespace testutil {
 
+// A RoPE of `pairing` over the first `rotary_dim` channels (0: all), with
+// the default theta.
+RopeConfig MakeRope(RopeConfig::Pairing pairing, int rotary_dim = 0,
+                    RopeConfig::Scaling scaling = RopeConfig::Scaling::kNone,
+                    float factor = 1.0f);
+
 // One storage scheme under test: a scheme string plus the stream shape.
 struct SchemeCase {
   std::string spec;  // As written (not necessarily canonical).
