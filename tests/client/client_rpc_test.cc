@@ -23,6 +23,7 @@
 #include "kernels/numeric.h"
 #include "kernels/page_layout.h"
 #include "tests/client/fake_kv_cache.h"
+#include "tests/client/random_host_tensor.h"
 
 namespace kvq {
 namespace {
@@ -30,16 +31,6 @@ namespace {
 using testing_fake::FakeKvCache;
 
 constexpr int kLayers = 3, kHeads = 2, kDim = 64;
-
-HostTensor Random(std::vector<int64_t> shape, uint32_t seed, DType dtype = DType::kFloat32) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return *HostTensor::FromFloats(v, std::move(shape), dtype);
-}
 
 // Whether a fresh 1 MiB block comes from mmap (glibc's default above its
 // 128 KiB threshold) or from the heap. These two tests come first: malloc
@@ -111,8 +102,8 @@ class ClientRpcTest : public ::testing::Test {
   // 1), appended as pages the client quantized.
   std::string CreateWithQuantizedPrompt(uint32_t seed) {
     const std::string id = Create();
-    const HostTensor k = Random({kLayers, kHeads, 600, kDim}, seed);
-    const HostTensor v = Random({kLayers, kHeads, 600, kDim}, seed + 1);
+    const HostTensor k = RandomHostTensor({kLayers, kHeads, 600, kDim}, seed);
+    const HostTensor v = RandomHostTensor({kLayers, kHeads, 600, kDim}, seed + 1);
     const absl::StatusOr<AppendResult> appended =
         client_->AppendPromptQuantized(id, config_, k, v, {});
     EXPECT_TRUE(appended.ok()) << appended.status();
@@ -146,7 +137,7 @@ TEST_F(ClientRpcTest, RetriesStopAfterMaxAttempts) {
 TEST_F(ClientRpcTest, OtherErrorsAreNotRetriedAndKeepCodeAndMessage) {
   fake_.FailNext("Attend", 1,
                  grpc::Status(grpc::StatusCode::NOT_FOUND, "sequence tenant/x expired"));
-  AttendQuery q{"x", Random({1, 4, kDim}, 1), {}, 0, 0};
+  AttendQuery q{"x", RandomHostTensor({1, 4, kDim}, 1), {}, 0, 0};
   absl::StatusOr<std::vector<AttendOutput>> out = client_->Attend(0, {q});
   EXPECT_EQ(out.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(out.status().message(), "sequence tenant/x expired");
@@ -162,11 +153,11 @@ TEST_F(ClientRpcTest, CallsThatChangeStateAreNeverRetried) {
   CreateOptions create;
   create.config = config_;
   EXPECT_EQ(client_->CreateSequence(create).status().code(), absl::StatusCode::kUnavailable);
-  AppendAttendItem item{"s", Random({kHeads, 1, kDim}, 1), Random({kHeads, 1, kDim}, 2),
-                        Random({1, 4, kDim}, 3)};
+  AppendAttendItem item{"s", RandomHostTensor({kHeads, 1, kDim}, 1),
+                        RandomHostTensor({kHeads, 1, kDim}, 2), RandomHostTensor({1, 4, kDim}, 3)};
   EXPECT_EQ(client_->AppendAttend(0, {item}).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(client_->Fork("s").status().code(), absl::StatusCode::kUnavailable);
-  const HostTensor k = Random({kLayers, kHeads, 8, kDim}, 4);
+  const HostTensor k = RandomHostTensor({kLayers, kHeads, 8, kDim}, 4);
   EXPECT_EQ(client_->AppendPrompt("s", k, k).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(fake_.calls("CreateSequence"), 1);
   EXPECT_EQ(fake_.calls("AppendAttend"), 1);
@@ -230,8 +221,8 @@ TEST_F(ClientRpcTest, CreateChecksTheSchemeLocallyFirst) {
 
 TEST_F(ClientRpcTest, AppendPromptStreamsChunksThatStoreThePrompt) {
   const std::string id = Create();
-  const HostTensor k = Random({kLayers, kHeads, 500, kDim}, 5);
-  const HostTensor v = Random({kLayers, kHeads, 500, kDim}, 6);
+  const HostTensor k = RandomHostTensor({kLayers, kHeads, 500, kDim}, 5);
+  const HostTensor v = RandomHostTensor({kLayers, kHeads, 500, kDim}, 6);
   AppendOptions options;
   options.max_chunk_bytes = 64 << 10;  // 2 x 2 heads x 64 x 4 B = 1 KiB/token: 64 tokens.
   std::vector<std::pair<int64_t, int64_t>> progress;
@@ -263,8 +254,8 @@ TEST_F(ClientRpcTest, AppendPromptStreamsChunksThatStoreThePrompt) {
 TEST_F(ClientRpcTest, QuantizedAppendFetchesBackLikeADenseAppend) {
   const std::string q_id = Create("quantized");
   const std::string d_id = Create("dense");
-  const HostTensor k = Random({kLayers, kHeads, 700, kDim}, 7);
-  const HostTensor v = Random({kLayers, kHeads, 700, kDim}, 8);
+  const HostTensor k = RandomHostTensor({kLayers, kHeads, 700, kDim}, 7);
+  const HostTensor v = RandomHostTensor({kLayers, kHeads, 700, kDim}, 8);
   AppendOptions options;
   options.max_chunk_bytes = 16 << 10;
   absl::StatusOr<AppendResult> quantized = client_->AppendPromptQuantized(q_id, config_, k, v, options);
@@ -288,7 +279,7 @@ TEST_F(ClientRpcTest, QuantizedAppendFetchesBackLikeADenseAppend) {
 
 TEST_F(ClientRpcTest, QuantizedAppendFailingLocallyStoresNothing) {
   const std::string id = Create();
-  std::vector<float> kv = Random({kLayers, kHeads, 400, kDim}, 9).ToFloats();
+  std::vector<float> kv = RandomHostTensor({kLayers, kHeads, 400, kDim}, 9).ToFloats();
   kv[kv.size() - 1000] = 1e6f;  // Beyond fp16, in the last layer's pages.
   const HostTensor k = *HostTensor::FromFloats(kv, {kLayers, kHeads, 400, kDim});
   absl::StatusOr<AppendResult> r = client_->AppendPromptQuantized(id, config_, k, k, {});
@@ -299,7 +290,7 @@ TEST_F(ClientRpcTest, QuantizedAppendFailingLocallyStoresNothing) {
 
 TEST_F(ClientRpcTest, FetchAsksForTheRangeAndAssemblesIt) {
   const std::string id = Create();
-  const HostTensor k = Random({kLayers, kHeads, 300, kDim}, 10, DType::kFloat16);
+  const HostTensor k = RandomHostTensor({kLayers, kHeads, 300, kDim}, 10, DType::kFloat16);
   ASSERT_TRUE(client_->AppendPrompt(id, k, k).ok());
   FetchOptions fetch;
   fetch.layer_begin = 1;
@@ -340,7 +331,7 @@ TEST_F(ClientRpcTest, FetchAsksForTheRangeAndAssemblesIt) {
 
 TEST_F(ClientRpcTest, FetchOfAnEmptyTokenRangeIsAnEmptyTensor) {
   const std::string id = Create();
-  const HostTensor k = Random({kLayers, kHeads, 50, kDim}, 11, DType::kFloat16);
+  const HostTensor k = RandomHostTensor({kLayers, kHeads, 50, kDim}, 11, DType::kFloat16);
   ASSERT_TRUE(client_->AppendPrompt(id, k, k).ok());
   FetchOptions fetch;
   fetch.token_begin = 20;
@@ -354,7 +345,7 @@ TEST_F(ClientRpcTest, FetchOfAnEmptyTokenRangeIsAnEmptyTensor) {
 
 TEST_F(ClientRpcTest, FetchIsRetriedAsAWhole) {
   const std::string id = Create();
-  const HostTensor k = Random({kLayers, kHeads, 50, kDim}, 11);
+  const HostTensor k = RandomHostTensor({kLayers, kHeads, 50, kDim}, 11);
   ASSERT_TRUE(client_->AppendPrompt(id, k, k).ok());
   fake_.FailNext("FetchDequant", 1, grpc::Status(grpc::StatusCode::UNAVAILABLE, "blip"));
   absl::StatusOr<FetchedKv> kv = client_->FetchDequant(id);
@@ -366,7 +357,7 @@ TEST_F(ClientRpcTest, FetchIsRetriedAsAWhole) {
 TEST_F(ClientRpcTest, RawFetchDequantizedLocallyMatchesTheServersDequantization) {
   config_.scheme = "kivi4:g32:r128:pre_rope:outliers=1:sink=4";
   const std::string id = Create();
-  const HostTensor k = Random({kLayers, kHeads, 600, kDim}, 12);
+  const HostTensor k = RandomHostTensor({kLayers, kHeads, 600, kDim}, 12);
   ASSERT_TRUE(client_->AppendPromptQuantized(id, config_, k, k, {}).ok());
   // 600 tokens: sink 4, 512 in pages, 84 in the fp16 tail.
   absl::StatusOr<PageLayout> layout = PageLayout::Make(*QuantSpec::Parse(config_.scheme), kDim);
@@ -502,8 +493,9 @@ TEST_F(ClientRpcTest, LocalFetchOfAnyRangeMatchesTheServerBitForBit) {
 }
 
 TEST_F(ClientRpcTest, AttendSendsEveryItemAndReturnsTypedResults) {
-  std::vector<AttendQuery> items = {{"a", Random({1, 4, kDim}, 13), {}, 0, 0},
-                                    {"b", Random({3, 4, kDim}, 14, DType::kFloat16), {5, 6, 7}, 2, 8}};
+  std::vector<AttendQuery> items = {{"a", RandomHostTensor({1, 4, kDim}, 13), {}, 0, 0},
+                                    {"b", RandomHostTensor({3, 4, kDim}, 14, DType::kFloat16),
+                                     {5, 6, 7}, 2, 8}};
   absl::StatusOr<std::vector<AttendOutput>> out = client_->Attend(2, items);
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_EQ(out->size(), 2u);
@@ -522,8 +514,9 @@ TEST_F(ClientRpcTest, DecodeSessionStepsInOrderAndReportsTheStreamsError) {
   absl::StatusOr<std::unique_ptr<DecodeSession>> session = client_->OpenDecodeSession();
   ASSERT_TRUE(session.ok()) << session.status();
   for (int layer = 0; layer < kLayers; ++layer) {
-    AppendAttendItem item{"s", Random({kHeads, 1, kDim}, 20 + layer),
-                          Random({kHeads, 1, kDim}, 30 + layer), Random({1, 4, kDim}, 40 + layer)};
+    AppendAttendItem item{"s", RandomHostTensor({kHeads, 1, kDim}, 20 + layer),
+                          RandomHostTensor({kHeads, 1, kDim}, 30 + layer),
+                          RandomHostTensor({1, 4, kDim}, 40 + layer)};
     absl::StatusOr<std::vector<AttendOutput>> out = (*session)->Step(layer, {item});
     ASSERT_TRUE(out.ok()) << out.status();
     ASSERT_EQ(out->size(), 1u);
@@ -531,8 +524,8 @@ TEST_F(ClientRpcTest, DecodeSessionStepsInOrderAndReportsTheStreamsError) {
     EXPECT_EQ((*out)[0].out.ToFloats(), item.q.ToFloats());
   }
   // Two writes in flight, read back in order.
-  AppendAttendItem item{"s", Random({kHeads, 1, kDim}, 1), Random({kHeads, 1, kDim}, 2),
-                        Random({1, 4, kDim}, 3)};
+  AppendAttendItem item{"s", RandomHostTensor({kHeads, 1, kDim}, 1),
+                        RandomHostTensor({kHeads, 1, kDim}, 2), RandomHostTensor({1, 4, kDim}, 3)};
   ASSERT_TRUE((*session)->Write(0, {item}).ok());
   ASSERT_TRUE((*session)->Write(1, {item}).ok());
   EXPECT_EQ((*session)->Read()->at(0).lse.ToFloats()[0], 0.0f);
@@ -547,8 +540,8 @@ TEST_F(ClientRpcTest, DecodeSessionStepsInOrderAndReportsTheStreamsError) {
 TEST_F(ClientRpcTest, DecodeSessionClosesCleanly) {
   absl::StatusOr<std::unique_ptr<DecodeSession>> session = client_->OpenDecodeSession();
   ASSERT_TRUE(session.ok());
-  AppendAttendItem item{"s", Random({kHeads, 1, kDim}, 1), Random({kHeads, 1, kDim}, 2),
-                        Random({1, 4, kDim}, 3)};
+  AppendAttendItem item{"s", RandomHostTensor({kHeads, 1, kDim}, 1),
+                        RandomHostTensor({kHeads, 1, kDim}, 2), RandomHostTensor({1, 4, kDim}, 3)};
   ASSERT_TRUE((*session)->Write(0, {item}).ok());  // Never read: Close drains it.
   EXPECT_TRUE((*session)->Close().ok());
   EXPECT_EQ((*session)->Write(0, {item}).code(), absl::StatusCode::kFailedPrecondition);

@@ -76,15 +76,8 @@ class StepByStepCheck : public AttentionCache {
   double max_diff_ = 0.0, max_out_ = 0.0;
 };
 
-class DecodeFaithfulTest : public ::testing::Test {
+class DecodeFaithfulTest : public RealModelTest {
  protected:
-  void SetUp() override {
-    RealModel* real = SharedRealModel();
-    ASSERT_NE(real, nullptr);
-    model_ = real->model.get();
-    tokenizer_ = real->tokenizer.get();
-  }
-
   static std::vector<int32_t> Window() {
     std::vector<int32_t> tokens;
     while (static_cast<int>(tokens.size()) < kTokens) {
@@ -120,9 +113,6 @@ class DecodeFaithfulTest : public ::testing::Test {
     }
     return check.relative_diff();
   }
-
-  static inline LlamaModel* model_ = nullptr;
-  static inline BpeTokenizer* tokenizer_ = nullptr;
 };
 
 // Every layer of a whole-window pass attends as the token-by-token decode

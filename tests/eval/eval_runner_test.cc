@@ -34,14 +34,8 @@ TEST(EvalNumericsTest, KlDivergence) {
               0.5 * std::log(0.5 / 0.9) + 0.5 * std::log(0.5 / 0.1), 1e-6);
 }
 
-class EvalRunnerTest : public ::testing::Test {
+class EvalRunnerTest : public RealModelTest {
  protected:
-  void SetUp() override {
-    RealModel* real = SharedRealModel();
-    ASSERT_NE(real, nullptr);
-    model_ = real->model.get();
-    tokenizer_ = real->tokenizer.get();
-  }
   static std::unique_ptr<AttentionCache> Kvq(const char* scheme) {
     auto cache = KvqAttentionCache::Create(model_->config().cache_shape(),
                                            *QuantSpec::Parse(scheme), nullptr, &CpuBackend());
@@ -64,9 +58,6 @@ class EvalRunnerTest : public ::testing::Test {
     options.gen_tokens = 8;
     return options;
   }
-
-  static inline LlamaModel* model_ = nullptr;
-  static inline BpeTokenizer* tokenizer_ = nullptr;
 };
 
 TEST_F(EvalRunnerTest, ReferenceAgainstItselfIsExact) {

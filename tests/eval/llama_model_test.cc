@@ -17,14 +17,8 @@
 namespace kvq::eval {
 namespace {
 
-class LlamaModelTest : public ::testing::Test {
+class LlamaModelTest : public RealModelTest {
  protected:
-  void SetUp() override {
-    RealModel* real = SharedRealModel();
-    ASSERT_NE(real, nullptr);
-    model_ = real->model.get();
-  }
-
   // Deterministic ordinary token ids.
   static std::vector<int32_t> Tokens(int n) {
     std::vector<int32_t> t(n);
@@ -49,8 +43,6 @@ class LlamaModelTest : public ::testing::Test {
     }
     return diff / scale;
   }
-
-  static inline LlamaModel* model_ = nullptr;
 };
 
 TEST_F(LlamaModelTest, ConfigMatchesTheFile) {

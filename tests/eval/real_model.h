@@ -9,6 +9,7 @@
 #include "bench/eval/bpe_tokenizer.h"
 #include "bench/eval/gguf_file.h"
 #include "bench/eval/llama_model.h"
+#include "gtest/gtest.h"
 
 namespace kvq::eval {
 
@@ -24,6 +25,21 @@ struct RealModel {
 // Loaded once per test binary (the fp32 weights take half a GiB); nullptr
 // after ADD_FAILURE.
 RealModel* SharedRealModel();
+
+// A fixture whose tests run the shared model: SetUp fails the test when it
+// did not load.
+class RealModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RealModel* real = SharedRealModel();
+    ASSERT_NE(real, nullptr);
+    model_ = real->model.get();
+    tokenizer_ = real->tokenizer.get();
+  }
+
+  static inline LlamaModel* model_ = nullptr;
+  static inline BpeTokenizer* tokenizer_ = nullptr;
+};
 
 }  // namespace kvq::eval
 

@@ -30,6 +30,7 @@
 #include "kernels/cuda/device_info.h"
 #include "service/kvq_service.h"
 #include "service/metrics.h"
+#include "tests/client/random_host_tensor.h"
 #include "tests/service/store_test_data.h"
 #ifdef KVQ_HAVE_NCCL
 #include "service/transport/nccl_transport.h"
@@ -41,11 +42,7 @@ namespace {
 constexpr int kLayers = 2, kHeads = 2, kQHeads = 4, kDim = 64, kTokens = 300;
 
 HostTensor RandomFp16(uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> x(static_cast<size_t>(kLayers) * kHeads * kTokens * kDim);
-  for (float& f : x) f = dist(rng);
-  return *HostTensor::FromFloats(x, {kLayers, kHeads, kTokens, kDim}, DType::kFloat16);
+  return RandomHostTensor({kLayers, kHeads, kTokens, kDim}, seed, DType::kFloat16);
 }
 
 std::unique_ptr<KvqClient> Connect(int port) {

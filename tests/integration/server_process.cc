@@ -17,17 +17,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/client/random_host_tensor.h"
 
 namespace kvq {
 
 HostTensor Random(std::vector<int64_t> shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return *HostTensor::FromFloats(v, std::move(shape));
+  return RandomHostTensor(std::move(shape), seed);
 }
 
 int RunCommand(const std::string& command, std::string* output) {

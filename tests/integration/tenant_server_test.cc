@@ -2,8 +2,7 @@
 // rate limits, reloads, per-tenant metrics, and the cross-tenant probe:
 // tenant B calls every RPC with tenant A's ids and gets exactly the answer
 // of an id never used, while A's data stays byte-identical.
-#include <unistd.h>
-
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <regex>
@@ -20,6 +19,7 @@
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_helpers.h"
+#include "tests/service/temp_tokens_file.h"
 
 namespace kvq {
 namespace {
@@ -61,19 +61,13 @@ std::string TokensText(const std::string& extra = "") {
 class TenantServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char dir[] = "/tmp/kvq-tenants-it-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    tokens_ = dir_ + "/tokens";
+    ASSERT_TRUE(file_.Create("kvq-tenants-it-"));
+    tokens_ = file_.path();
     Write(TokensText());
     server_ = std::make_unique<ServerProcess>(KVQ_SERVER_BIN);
     ASSERT_TRUE(server_->Start({"--tokens_file=" + tokens_, "--tokens_reload_ms=50"}).ok());
   }
-  void TearDown() override {
-    server_.reset();
-    std::remove(tokens_.c_str());
-    rmdir(dir_.c_str());
-  }
+  void TearDown() override { server_.reset(); }
   void Write(const std::string& text) {
     // Write then rename: the server never reads a half-written file.
     const std::string tmp = tokens_ + ".tmp";
@@ -91,7 +85,8 @@ class TenantServerTest : public ::testing::Test {
     return std::move(*c);
   }
 
-  std::string dir_, tokens_;
+  TempTokensFile file_;  // The server's --tokens_file; removed after the server stops.
+  std::string tokens_;
   std::unique_ptr<ServerProcess> server_;
 };
 
@@ -122,7 +117,7 @@ TEST_F(TenantServerTest, MissingOrBadTokenIsUnauthenticated) {
 }
 
 TEST_F(TenantServerTest, CliSendsItsTokenFromAFileOrAFlag) {
-  const std::string token_file = dir_ + "/a.token";
+  const std::string token_file = file_.dir() + "/a.token";
   std::ofstream(token_file) << "  " << kTokenA << "\n";
   const std::string cli =
       absl::StrCat(KVQ_CLI_BIN, " --server=", server_->address(), " --retries=0");

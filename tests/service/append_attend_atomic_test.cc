@@ -31,14 +31,8 @@ class AppendAttendAtomicTest : public ::testing::Test {
   v1::KvCache::Stub& stub() { return *server_->stub; }
 
   void Create(const std::string& id, int layers, int heads, int q_heads) {
-    v1::CreateSequenceRequest req;
-    req.set_sequence_id(id);
-    v1::ModelLayout* l = req.mutable_layout();
-    l->set_num_layers(layers);
-    l->set_num_kv_heads(heads);
-    l->set_num_q_heads(q_heads);
-    l->set_head_dim(kDim);
-    req.set_scheme("fp16");
+    const v1::CreateSequenceRequest req =
+        MakeCreateSequenceRequest(id, layers, heads, q_heads, kDim, "fp16");
     v1::CreateSequenceResponse resp;
     grpc::ClientContext ctx;
     const grpc::Status st = stub().CreateSequence(&ctx, req, &resp);
@@ -46,10 +40,7 @@ class AppendAttendAtomicTest : public ::testing::Test {
   }
 
   grpc::Status Append(const std::string& id, int layers, int heads, int tokens, uint32_t seed) {
-    v1::AppendRequest append;
-    append.mutable_sequence()->set_sequence_id(id);
-    *append.mutable_chunk()->mutable_k() = RandomTensor({layers, heads, tokens, kDim}, seed);
-    *append.mutable_chunk()->mutable_v() = RandomTensor({layers, heads, tokens, kDim}, seed + 1);
+    const v1::AppendRequest append = RandomAppendRequest(id, {layers, heads, tokens, kDim}, seed);
     grpc::ClientContext ctx;
     v1::AppendResponse resp;
     std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> w = stub().Append(&ctx, &resp);

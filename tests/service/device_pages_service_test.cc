@@ -66,21 +66,13 @@ class DevicePagesServiceTest : public ::testing::TestWithParam<const char*> {
   }
 
   static void Create(Node& n, const std::string& id, uint32_t seed) {
-    v1::CreateSequenceRequest req;
-    req.set_sequence_id(id);
-    v1::ModelLayout* l = req.mutable_layout();
-    l->set_num_layers(kLayers);
-    l->set_num_kv_heads(kHeads);
-    l->set_num_q_heads(kQHeads);
-    l->set_head_dim(kDim);
-    req.set_scheme(GetParam());
+    const v1::CreateSequenceRequest req =
+        MakeCreateSequenceRequest(id, kLayers, kHeads, kQHeads, kDim, GetParam());
     v1::CreateSequenceResponse resp;
     grpc::ClientContext ctx;
     ASSERT_TRUE(n.stub->CreateSequence(&ctx, req, &resp).ok());
-    v1::AppendRequest append;
-    append.mutable_sequence()->set_sequence_id(id);
-    *append.mutable_chunk()->mutable_k() = RandomTensor({kLayers, kHeads, kTokens, kDim}, seed);
-    *append.mutable_chunk()->mutable_v() = RandomTensor({kLayers, kHeads, kTokens, kDim}, seed + 1);
+    const v1::AppendRequest append =
+        RandomAppendRequest(id, {kLayers, kHeads, kTokens, kDim}, seed);
     grpc::ClientContext actx;
     v1::AppendResponse aresp;
     std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> w = n.stub->Append(&actx, &aresp);

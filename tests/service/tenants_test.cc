@@ -1,13 +1,12 @@
 #include "service/tenants.h"
 
-#include <unistd.h>
-
-#include <cstdlib>
+#include <cstdio>
 #include <fstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/service/temp_tokens_file.h"
 
 namespace kvq {
 namespace {
@@ -79,17 +78,12 @@ TEST(TenantsTest, RateLimitNamesTheLimit) {
 class TenantsFileTest : public testing::Test {
  protected:
   void SetUp() override {
-    char dir[] = "/tmp/kvq-tenants-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    path_ = dir_ + "/tokens";
-  }
-  void TearDown() override {
-    std::remove(path_.c_str());
-    rmdir(dir_.c_str());
+    ASSERT_TRUE(file_.Create("kvq-tenants-"));
+    path_ = file_.path();
   }
   void Write(const std::string& text) { std::ofstream(path_, std::ios::trunc) << text; }
-  std::string dir_, path_;
+  TempTokensFile file_;
+  std::string path_;
 };
 
 TEST_F(TenantsFileTest, ReloadsWhenTheFileChangesAndKeepsTheTableOnABadFile) {

@@ -117,14 +117,10 @@ struct AttendCall {
   }
 };
 
-class AttentionTest : public ::testing::TestWithParam<StreamParam> {
+class AttentionTest : public testutil::StreamTest {
  protected:
   void SetUp() override {
-    config_ = GetParam().scheme.Config();
-    absl::StatusOr<const KernelBackend*> b = BackendByName(GetParam().backend);
-    ASSERT_TRUE(b.ok()) << b.status();
-    backend_ = *b;
-    d_ = config_.head_dim;
+    ASSERT_NO_FATAL_FAILURE(StreamTest::SetUp());
     const QuantSpec& s = config_.spec;
     n_ = s.is_kivi() ? s.sink + 3 * s.flush_tokens() + s.flush_tokens() / 2 + 3 : 300;
     k_ = testutil::MakeKeys(n_, d_, 2);
@@ -190,9 +186,7 @@ class AttentionTest : public ::testing::TestWithParam<StreamParam> {
     Check(run, begin, end, kd_, vd_, PathTol(), what, scale);
   }
 
-  StreamConfig config_;
-  const KernelBackend* backend_ = nullptr;
-  int d_ = 0, n_ = 0, pb_ = 0, pt_ = 0, quantized_ = 0;
+  int n_ = 0, pb_ = 0, pt_ = 0, quantized_ = 0;
   double scale_ = 0.0;
   std::vector<float> k_, v_, kd_, vd_, k0_;
   std::unique_ptr<KvStream> stream_;

@@ -30,14 +30,10 @@ using testutil::TestAllocator;
 // Failures reported in full per test before the rest are only counted.
 constexpr int kMaxReported = 8;
 
-class KvStreamTest : public ::testing::TestWithParam<StreamParam> {
+class KvStreamTest : public testutil::StreamTest {
  protected:
   void SetUp() override {
-    config_ = GetParam().scheme.Config();
-    absl::StatusOr<const KernelBackend*> b = BackendByName(GetParam().backend);
-    ASSERT_TRUE(b.ok()) << b.status();
-    backend_ = *b;
-    d_ = config_.head_dim;
+    ASSERT_NO_FATAL_FAILURE(StreamTest::SetUp());
     const QuantSpec& s = config_.spec;
     g_ = s.is_kivi() ? s.group : 1;
     flush_ = s.flush_tokens();
@@ -61,9 +57,7 @@ class KvStreamTest : public ::testing::TestWithParam<StreamParam> {
     return (side == Side::kKey ? k_ : v_).data() + static_cast<size_t>(t) * d_;
   }
 
-  StreamConfig config_;
-  const KernelBackend* backend_ = nullptr;
-  int d_ = 0, g_ = 1, flush_ = 1, n_ = 0;
+  int g_ = 1, flush_ = 1, n_ = 0;
   std::vector<float> k_, v_;
 };
 

@@ -12,21 +12,13 @@ namespace {
 using Pairing = RopeConfig::Pairing;
 using Scaling = RopeConfig::Scaling;
 
-RopeConfig Make(Pairing pairing, int rotary_dim = 0, Scaling scaling = Scaling::kNone,
-                float factor = 1.0f) {
-  RopeConfig c;
-  c.pairing = pairing;
-  c.rotary_dim = rotary_dim;
-  c.scaling = scaling;
-  c.factor = factor;
-  return c;
-}
+using testutil::MakeRope;
 
 // head_dim 4, theta 10000, position 1: pair 0 turns by 1 rad, pair 1 by
 // 10000^(-2/4) = 0.01 rad. Expected values worked out by hand from
 // cos 1 = 0.5403023, sin 1 = 0.8414710, cos 0.01 = 0.99995, sin 0.01 = 0.0099998.
 TEST(RopeTest, AdjacentPairsExplicit) {
-  const Rope rope(Make(Pairing::kAdjacent), 4);
+  const Rope rope(MakeRope(Pairing::kAdjacent), 4);
   float x[4] = {1, 2, 3, 4};
   rope.Apply(x, 1);
   // Pairs (0, 1) and (2, 3).
@@ -39,7 +31,7 @@ TEST(RopeTest, AdjacentPairsExplicit) {
 }
 
 TEST(RopeTest, HalfSplitPairsExplicit) {
-  const Rope rope(Make(Pairing::kHalfSplit), 4);
+  const Rope rope(MakeRope(Pairing::kHalfSplit), 4);
   float x[4] = {1, 2, 3, 4};
   rope.Apply(x, 1);
   // Pairs (0, 2) and (1, 3).
@@ -53,8 +45,8 @@ TEST(RopeTest, HalfSplitPairsExplicit) {
 
 TEST(RopeTest, PartialRotaryDimLeavesTheRestAlone) {
   for (Pairing pairing : {Pairing::kAdjacent, Pairing::kHalfSplit}) {
-    const Rope partial(Make(pairing, 4), 8);
-    const Rope full4(Make(pairing), 4);
+    const Rope partial(MakeRope(pairing, 4), 8);
+    const Rope full4(MakeRope(pairing), 4);
     EXPECT_EQ(partial.rotary_dim(), 4);
     float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     float y[4] = {1, 2, 3, 4};
@@ -67,7 +59,7 @@ TEST(RopeTest, PartialRotaryDimLeavesTheRestAlone) {
 
 TEST(RopeTest, InverseRestoresTheVector) {
   for (Pairing pairing : {Pairing::kAdjacent, Pairing::kHalfSplit}) {
-    const Rope rope(Make(pairing, 96, Scaling::kNtk, 2.0f), 128);
+    const Rope rope(MakeRope(pairing, 96, Scaling::kNtk, 2.0f), 128);
     const std::vector<float> x = testutil::MakeGaussian(128, 5);
     for (double position : {0.0, 1.0, 77.0, 4095.0, 100000.0}) {
       std::vector<float> y = x;
@@ -81,7 +73,7 @@ TEST(RopeTest, InverseRestoresTheVector) {
 }
 
 TEST(RopeTest, PreservesNormAndDependsOnlyOnRelativePosition) {
-  const Rope rope(Make(Pairing::kHalfSplit), 64);
+  const Rope rope(MakeRope(Pairing::kHalfSplit), 64);
   const std::vector<float> q = testutil::MakeGaussian(64, 6), k = testutil::MakeGaussian(64, 7);
   auto dot = [](const std::vector<float>& a, const std::vector<float>& b) {
     double s = 0;
@@ -100,8 +92,8 @@ TEST(RopeTest, PreservesNormAndDependsOnlyOnRelativePosition) {
 
 TEST(RopeTest, LinearScalingDividesThePosition) {
   for (Pairing pairing : {Pairing::kAdjacent, Pairing::kHalfSplit}) {
-    const Rope scaled(Make(pairing, 0, Scaling::kLinear, 4.0f), 64);
-    const Rope plain(Make(pairing), 64);
+    const Rope scaled(MakeRope(pairing, 0, Scaling::kLinear, 4.0f), 64);
+    const Rope plain(MakeRope(pairing), 64);
     std::vector<float> a = testutil::MakeGaussian(64, 8), b = a;
     scaled.Apply(a.data(), 1000);
     plain.Apply(b.data(), 250);
@@ -112,8 +104,8 @@ TEST(RopeTest, LinearScalingDividesThePosition) {
 
 TEST(RopeTest, NtkScalingRaisesTheBase) {
   const int rot = 64;
-  const Rope ntk(Make(Pairing::kHalfSplit, 0, Scaling::kNtk, 8.0f), rot);
-  const Rope plain(Make(Pairing::kHalfSplit), rot);
+  const Rope ntk(MakeRope(Pairing::kHalfSplit, 0, Scaling::kNtk, 8.0f), rot);
+  const Rope plain(MakeRope(Pairing::kHalfSplit), rot);
   const double base = 10000.0 * std::pow(8.0, static_cast<double>(rot) / (rot - 2));
   for (int i : {0, 1, 10, 31}) {
     const double want = 123.0 * std::pow(base, -2.0 * i / rot);
@@ -124,7 +116,7 @@ TEST(RopeTest, NtkScalingRaisesTheBase) {
 }
 
 TEST(RopeTest, ThetaSetsTheFrequencies) {
-  RopeConfig c = Make(Pairing::kAdjacent);
+  RopeConfig c = MakeRope(Pairing::kAdjacent);
   c.theta = 500000.0f;
   const Rope rope(c, 128);
   EXPECT_NEAR(rope.Angle(32, 10.0), 10.0 * std::pow(500000.0, -64.0 / 128), 1e-15);

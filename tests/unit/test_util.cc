@@ -26,9 +26,10 @@ namespace {
 // Calibration data for nuq codebooks uses its own seed, never used to append.
 constexpr uint64_t kCalibrationSeed = 0xca1b;
 
-RopeConfig MakeRope(RopeConfig::Pairing pairing, int rotary_dim,
-                    RopeConfig::Scaling scaling = RopeConfig::Scaling::kNone,
-                    float factor = 1.0f) {
+}  // namespace
+
+RopeConfig MakeRope(RopeConfig::Pairing pairing, int rotary_dim, RopeConfig::Scaling scaling,
+                    float factor) {
   RopeConfig r;
   r.pairing = pairing;
   r.rotary_dim = rotary_dim;
@@ -36,8 +37,6 @@ RopeConfig MakeRope(RopeConfig::Pairing pairing, int rotary_dim,
   r.factor = factor;
   return r;
 }
-
-}  // namespace
 
 StreamConfig SchemeCase::Config() const {
   absl::StatusOr<QuantSpec> parsed = QuantSpec::Parse(spec);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/kv_stream.h"
 #include "kernels/page_allocator.h"
@@ -20,6 +21,12 @@
 
 namespace kvq {
 namespace testutil {
+
+// A RoPE of `pairing` over the first `rotary_dim` channels (0: all), with
+// the default theta.
+RopeConfig MakeRope(RopeConfig::Pairing pairing, int rotary_dim = 0,
+                    RopeConfig::Scaling scaling = RopeConfig::Scaling::kNone,
+                    float factor = 1.0f);
 
 // One storage scheme under test: a scheme string plus the stream shape.
 struct SchemeCase {
@@ -58,6 +65,24 @@ std::vector<StreamParam> HiddenPageStreamParams(bool (*keep)(const QuantSpec&) =
 std::vector<StreamParam> StreamParamsWhere(bool (*keep)(const QuantSpec&));
 std::string StreamParamName(const StreamParam& p);
 void PrintTo(const StreamParam& p, std::ostream* os);
+
+// The common start of the typed suites' fixtures: the case's stream config,
+// its backend and head_dim. A subclass's SetUp runs this one first
+// (ASSERT_NO_FATAL_FAILURE(StreamTest::SetUp())).
+class StreamTest : public ::testing::TestWithParam<StreamParam> {
+ protected:
+  void SetUp() override {
+    config_ = GetParam().scheme.Config();
+    absl::StatusOr<const KernelBackend*> b = BackendByName(GetParam().backend);
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = *b;
+    d_ = config_.head_dim;
+  }
+
+  StreamConfig config_;
+  const KernelBackend* backend_ = nullptr;
+  int d_ = 0;
+};
 
 // Synthetic K/V rows [n, d], deterministic in `seed`. Keys have a few large
 // outlier channels with an offset (as real keys do); values are N(0, 1).
