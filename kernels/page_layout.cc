@@ -80,6 +80,9 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
     return absl::InvalidArgumentError(absl::StrCat(
         "head_dim ", head_dim, " must be a multiple of the value group size g=", spec.group));
   }
+  if (spec.is_crq()) {
+    return absl::UnimplementedError("scheme crq: its page layout is not built yet");
+  }
   PageLayout l;
   l.head_dim = head_dim;
   l.block_tokens = spec.is_kivi() ? spec.group : 1;
@@ -112,6 +115,8 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
         s.code_row_bytes = d;
         s.axis = ParamAxis::kTokenGroups;
         s.group_channels = d;
+        break;
+      case SchemeKind::kCrq:
         break;
       case SchemeKind::kKivi:
         s.format = CodeFormat::kPacked;
