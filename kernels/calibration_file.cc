@@ -73,6 +73,17 @@ absl::Status WithPath(const std::string& path, const absl::Status& s) {
 
 }  // namespace
 
+absl::Status CheckCalibrationShape(const ModelCalibration& c, int num_layers, int num_kv_heads,
+                                   int head_dim) {
+  if (c.num_layers == num_layers && c.num_kv_heads == num_kv_heads && c.head_dim == head_dim) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "calibration ", Quoted(c.name), " is for ", c.num_layers, " layers x ", c.num_kv_heads,
+      " KV heads x head_dim ", c.head_dim, "; the layout is ", num_layers, " layers x ",
+      num_kv_heads, " KV heads x head_dim ", head_dim));
+}
+
 absl::Status CheckCalibrationName(absl::string_view name, absl::string_view field) {
   if (name.empty() || name.size() > kMaxCalibrationNameBytes) {
     return absl::InvalidArgumentError(absl::StrCat(field, " must have 1 to ",

@@ -42,6 +42,11 @@ struct CalibrationFile {
   uint64_t checksum = 0;
 };
 
+// INVALID_ARGUMENT naming both shapes when `c` is not for a model of
+// `num_layers` x `num_kv_heads` x `head_dim`.
+absl::Status CheckCalibrationShape(const ModelCalibration& c, int num_layers, int num_kv_heads,
+                                   int head_dim);
+
 // Letters, digits and - _ . : only, 1..kMaxCalibrationNameBytes bytes;
 // INVALID_ARGUMENT naming `field` otherwise.
 absl::Status CheckCalibrationName(absl::string_view name, absl::string_view field);
