@@ -45,4 +45,4 @@ def test_a_crq_scheme_names_a_loaded_calibration(client):
         client.match_prefix(LAYOUT, scheme="crq3:pre_rope", prompt_token_ids=[1],
                             calibration="smollm2")
     assert e.value.code == grpc.StatusCode.NOT_FOUND
-    assert list(client.get_server_info().calibrations) == []
+    assert list(client.info().calibrations) == []

@@ -445,7 +445,7 @@ class KvqClient:
         """Creates a sequence; `codebooks` (nuq) is a list of (key_levels,
         value_levels) float32 arrays [head_dim, 2^bits] per (layer, kv head);
         `calibration` (crq schemes) names a calibration the server has loaded
-        (get_server_info().calibrations)."""
+        (info().calibrations)."""
         request = pb.CreateSequenceRequest(namespace=self.namespace, sequence_id=sequence_id,
                                            scheme=scheme, ttl_seconds=ttl_seconds)
         _fill_prefix_fields(request, layout, prompt_token_ids, codebooks, calibration)
