@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,13 @@ void SetLayout(v1::ModelLayout* l) {
   l->set_num_kv_heads(kHeads);
   l->set_num_q_heads(kQHeads);
   l->set_head_dim(kDim);
+}
+
+// The value of the unlabelled sample `name` in a /metrics body; -1 if absent.
+double Sample(const std::string& body, const std::string& name) {
+  std::smatch m;
+  if (!std::regex_search(body, m, std::regex("\n" + name + " ([-+.0-9eE]+)\n"))) return -1;
+  return std::stod(m[1].str());
 }
 
 class CalibrationServerTest : public ServerClientFixture {
@@ -143,6 +151,28 @@ TEST_F(CalibrationServerTest, LoadsValidFilesAndSkipsTheOthersSayingWhy) {
   absl::StatusOr<v1::StatsResponse> stats = client_->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->calibrations_loaded(), 2);
+  // The metrics say the same: two loaded, three files skipped.
+  absl::StatusOr<std::string> metrics = server_->MetricsAddress();
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  std::string body;
+  ASSERT_EQ(RunCommand(absl::StrCat("curl -sS --max-time 20 http://", *metrics, "/metrics"), &body),
+            0)
+      << body;
+  EXPECT_EQ(Sample(body, "kvq_calibrations_loaded"), 2.0) << body;
+  EXPECT_EQ(Sample(body, "kvq_calibration_files_skipped_total"), 3.0) << body;
+  // The CLI lists them and sends the field.
+  const std::string cli =
+      absl::StrCat(BinaryPath("KVQ_CLI_BIN", KVQ_CLI_BIN), " --server=", server_->address());
+  std::string cli_out;
+  ASSERT_EQ(RunCommand(cli + " info", &cli_out), 0) << cli_out;
+  EXPECT_TRUE(absl::StrContains(cli_out, "\ncalibrations: a, b\n")) << cli_out;
+  EXPECT_NE(RunCommand(cli + " create --layers=2 --kv_heads=2 --head_dim=64 --scheme=kivi2 "
+                             "--calibration=a",
+                       &cli_out),
+            0);
+  EXPECT_TRUE(absl::StrContains(cli_out, "calibration: scheme \"kivi2:g32:r128\" takes no "
+                                     "calibration"))
+      << cli_out;
 }
 
 TEST_F(CalibrationServerTest, SighupReloadsKeepingTheLastGoodVersion) {
