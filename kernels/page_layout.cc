@@ -80,9 +80,6 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
     return absl::InvalidArgumentError(absl::StrCat(
         "head_dim ", head_dim, " must be a multiple of the value group size g=", spec.group));
   }
-  if (spec.is_crq()) {
-    return absl::UnimplementedError("scheme crq: its page layout is not built yet");
-  }
   PageLayout l;
   l.head_dim = head_dim;
   l.block_tokens = spec.is_kivi() ? spec.group : 1;
@@ -117,6 +114,11 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
         s.group_channels = d;
         break;
       case SchemeKind::kCrq:
+        s.format = CodeFormat::kCrq;
+        s.half_bits = spec.crq_half_bits(is_key);
+        s.bits = (s.half_bits + 1) / 2;
+        s.code_row_bytes = static_cast<size_t>(d) / 2 * (s.half_bits / 2 + s.bits) / 8;
+        s.axis = ParamAxis::kTokenGain;
         break;
       case SchemeKind::kKivi:
         s.format = CodeFormat::kPacked;
