@@ -73,7 +73,10 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(
 }
 
 int Sequence::block_tokens() const {
-  return config_.spec.is_kivi() ? config_.spec.flush_tokens() : streams_[0]->layout().page_tokens;
+  // A stream with an fp16 tail (kivi; crq with a residual window) forks
+  // only on its flush boundaries.
+  return config_.spec.has_tail() ? config_.spec.flush_tokens()
+                                 : streams_[0]->layout().page_tokens;
 }
 
 int Sequence::num_tokens() const {

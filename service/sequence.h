@@ -93,8 +93,9 @@ class Sequence {
   const StreamConfig& config() const { return config_; }
   // The calibration its streams were created with (null: none).
   const std::shared_ptr<const CalibrationFile>& calibration() const { return calibration_; }
-  // Prefix-reuse and raw-page granularity: a flush block for kivi, a page
-  // otherwise; boundaries sit at sink + k * block_tokens().
+  // Prefix-reuse and raw-page granularity: a flush block for the schemes
+  // with an fp16 tail (kivi; crq with a residual window), a page otherwise;
+  // boundaries sit at sink + k * block_tokens().
   int block_tokens() const;
 
   // Everything below requires holding mu().

@@ -276,8 +276,10 @@ TEST_F(CalibrationServerTest, CrqSequenceKeepsItsVersionAndPrefixesNeedTheSameOn
   // The prefix is reusable under "a", not under "b" (same shape and scheme).
   v1::MatchPrefixResponse match;
   ASSERT_TRUE(Match(kCrq, "a", prompt, &match).ok());
-  const int matched = match.matched_tokens();
-  EXPECT_GT(matched, 0);
+  // Blocks of the residual window (crq3's default r128), all four stored.
+  EXPECT_EQ(match.block_tokens(), 128);
+  EXPECT_EQ(match.matched_tokens(), kTokens);
+  EXPECT_EQ(created.block_tokens(), 128);
   ASSERT_TRUE(Match(kCrq, "b", prompt, &match).ok());
   EXPECT_EQ(match.matched_tokens(), 0);
 
@@ -305,6 +307,12 @@ TEST_F(CalibrationServerTest, CrqSequenceKeepsItsVersionAndPrefixesNeedTheSameOn
   v1::CreateSequenceResponse second;
   ASSERT_TRUE(Create(kCrq, "a", &second, "second", prompt).ok());
   EXPECT_EQ(second.num_tokens(), 0);
+  // The same K/V under the new statistics store other codes: the
+  // calibration is what the streams code with.
+  ASSERT_TRUE(client_->AppendPrompt("second", k, v).ok());
+  absl::StatusOr<FetchedKv> other = client_->FetchDequant("second", fetch);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_FALSE(other->k.data == before->k.data);
 }
 
 }  // namespace
