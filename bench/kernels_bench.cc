@@ -27,6 +27,7 @@
 #include "kernels/accounting.h"
 #include "kernels/backend.h"
 #include "kernels/codebook_learner.h"
+#include "kernels/crq_transform.h"
 #include "kernels/cpu/simd_dispatch.h"
 #include "kernels/kv_stream.h"
 #include "kernels/quant_spec.h"
@@ -144,7 +145,7 @@ absl::StatusOr<LayerData> MakeLayerData(const KvLayout& layout, int context) {
   return data;
 }
 
-// nuq codebooks, learned once per (layout, scheme) and KV head from the
+// nuq codebooks and crq calibrations, learned once per (layout, scheme) and KV head from the
 // calibration set (same model seed, another sample seed).
 class CodebookCache {
  public:
@@ -153,6 +154,37 @@ class CodebookCache {
     const std::string key = absl::StrCat(layout.name, "/", config.spec.ToString());
     auto it = books_.find(key);
     if (it != books_.end()) return &it->second;
+    KVQ_ASSIGN_OR_RETURN(std::vector<SyntheticKv>* calibration, Data(layout));
+    std::vector<Codebook> books;
+    for (const SyntheticKv& kv : *calibration) {
+      KVQ_ASSIGN_OR_RETURN(
+          Codebook cb,
+          LearnCodebook(config, config.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(), kv.Values()));
+      books.push_back(std::move(cb));
+    }
+    return &books_.emplace(key, std::move(books)).first->second;
+  }
+
+  // crq: a calibration per KV head from the same calibration data (its
+  // moments: MomentCalibration).
+  absl::StatusOr<const std::vector<HeadCalibration>*> Calibrations(const KvLayout& layout,
+                                                                   const StreamConfig& config) {
+    const std::string key = absl::StrCat(layout.name, "/", config.head_dim);
+    auto it = calibrations_.find(key);
+    if (it != calibrations_.end()) return &it->second;
+    KVQ_RETURN_IF_ERROR(Data(layout).status());
+    std::vector<HeadCalibration> out;
+    for (const SyntheticKv& kv : calibration_[layout.name]) {
+      KVQ_ASSIGN_OR_RETURN(HeadCalibration cal,
+                           MomentCalibration(config, kv.KeysPreRope(), kv.Values()));
+      out.push_back(std::move(cal));
+    }
+    return &calibrations_.emplace(key, std::move(out)).first->second;
+  }
+
+ private:
+  // The calibration K/V of every KV head of `layout` (generated once).
+  absl::StatusOr<std::vector<SyntheticKv>*> Data(const KvLayout& layout) {
     std::vector<SyntheticKv>& calibration = calibration_[layout.name];
     if (calibration.empty()) {
       for (int h = 0; h < layout.kv_heads; ++h) {
@@ -162,17 +194,10 @@ class CodebookCache {
         calibration.push_back(std::move(kv));
       }
     }
-    std::vector<Codebook> books;
-    for (const SyntheticKv& kv : calibration) {
-      KVQ_ASSIGN_OR_RETURN(
-          Codebook cb,
-          LearnCodebook(config, config.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(), kv.Values()));
-      books.push_back(std::move(cb));
-    }
-    return &books_.emplace(key, std::move(books)).first->second;
+    return &calibration;
   }
 
- private:
+  std::map<std::string, std::vector<HeadCalibration>> calibrations_;
   std::map<std::string, std::vector<SyntheticKv>> calibration_;
   std::map<std::string, std::vector<Codebook>> books_;
 };
@@ -242,6 +267,10 @@ absl::StatusOr<std::unique_ptr<StoredScheme>> BuildScheme(
   if (scheme.spec.nuq) {
     KVQ_ASSIGN_OR_RETURN(books, codebooks.Get(layout, config));
   }
+  const std::vector<HeadCalibration>* calibrations = nullptr;
+  if (scheme.spec.is_crq()) {
+    KVQ_ASSIGN_OR_RETURN(calibrations, codebooks.Calibrations(layout, config));
+  }
 
   const auto append_start = Clock::now();
   stored->allocator = std::make_unique<CountingPageAllocator>(PagesFor(backend));
@@ -249,7 +278,8 @@ absl::StatusOr<std::unique_ptr<StoredScheme>> BuildScheme(
   for (int h = 0; h < heads; ++h) {
     KVQ_ASSIGN_OR_RETURN(
         std::unique_ptr<KvStream> s,
-        KvStream::Create(config, backend, stored->allocator.get(), books ? &(*books)[h] : nullptr));
+        KvStream::Create(config, backend, stored->allocator.get(), books ? &(*books)[h] : nullptr,
+                         calibrations ? &(*calibrations)[h] : nullptr));
     const SyntheticKv& kv = data.heads[h];
     KVQ_RETURN_IF_ERROR(
         s->Append(scheme.spec.pre_rope ? kv.KeysPreRope() : kv.Keys(), kv.Values()));
@@ -400,6 +430,11 @@ const std::vector<std::string>& DefaultKernelSchemes() {
       "kivi4:pre_rope:outliers=1:sink=4",
       "kivi2:pre_rope:outliers=1:sink=4:nuq",
       "kivi2:outliers=1:sink=4:rotate",
+      // crq at the bits of kivi2 (3.1 bits/element at head_dim 128 and 64)
+      // and below it.
+      "crq3:pre_rope",
+      "crq2.5:pre_rope",
+      "crq4:v2:pre_rope",
   };
   return *schemes;
 }

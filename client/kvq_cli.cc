@@ -74,6 +74,8 @@ ABSL_FLAG(std::string, scheme, "kivi4:g32:r128:sink=4",
           "kivi4:v3:g32:r32:p8:pre_rope:sink=4 (4-bit keys, 3-bit values) "
           "(the default is the one docs/QUALITY.md picked).");
 ABSL_FLAG(uint32_t, ttl_s, 0, "Idle lease in seconds (0: the server's default).");
+ABSL_FLAG(std::string, calibration, "",
+          "crq schemes: the name of a calibration the server has loaded (kvq info lists them).");
 ABSL_FLAG(double, rope_theta, 10000.0, "RoPE base (pre_rope schemes).");
 ABSL_FLAG(int32_t, rope_dim, 0, "Rotated channels (0: head_dim) (pre_rope schemes).");
 ABSL_FLAG(std::string, rope_pairing, "half_split",
@@ -276,6 +278,7 @@ absl::Status RunInfo() {
   absl::PrintF("output_dtypes: %s\n", DTypeList(info.output_dtypes()));
   absl::PrintF("capacity_bytes: %d\nmax_message_bytes: %d\nmax_tokens_per_sequence: %d\n",
                info.capacity_bytes(), info.max_message_bytes(), info.max_tokens_per_sequence());
+  absl::PrintF("calibrations: %s\n", absl::StrJoin(info.calibrations(), ", "));
   return absl::OkStatus();
 }
 
@@ -283,6 +286,7 @@ absl::Status RunCreate() {
   CreateOptions options;
   KVQ_ASSIGN_OR_RETURN(options.config.layout, LayoutFromFlags());
   options.config.scheme = absl::GetFlag(FLAGS_scheme);
+  options.config.calibration = absl::GetFlag(FLAGS_calibration);
   options.sequence_id = absl::GetFlag(FLAGS_id);
   options.ttl_seconds = absl::GetFlag(FLAGS_ttl_s);
   KVQ_ASSIGN_OR_RETURN(const QuantSpec spec, QuantSpec::Parse(options.config.scheme));
@@ -508,7 +512,7 @@ const std::vector<Command>& Commands() {
       {"create", "Create a sequence for a model layout and storage scheme; prints its id.",
        "kvq create --layers=32 --kv_heads=8 --q_heads=32 --head_dim=128 "
        "--scheme=kivi4:g32:r128:sink=4 [--id=ID]",
-       Concat({"id", "scheme", "ttl_s"}, LayoutFlags()), RunCreate},
+       Concat({"id", "scheme", "calibration", "ttl_s"}, LayoutFlags()), RunCreate},
       {"append", "Append a prompt's K/V from .npy files (streamed in chunks).",
        "kvq append --id=ID --k=k.npy --v=v.npy [--quantize]",
        {"id", "k", "v", "layer_begin", "chunk_bytes", "quantize", "wire_dtype"}, RunAppend},

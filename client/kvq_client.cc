@@ -213,6 +213,7 @@ absl::StatusOr<SequenceInfo> KvqClient::CreateSequence(const CreateOptions& opti
   request.set_scheme(options.config.scheme);
   request.set_ttl_seconds(options.ttl_seconds);
   for (const Codebook& c : options.config.codebooks) ToProto(c, request.add_codebooks());
+  request.set_calibration(options.config.calibration);
   request.mutable_prompt_token_ids()->Assign(options.prompt_token_ids.begin(),
                                              options.prompt_token_ids.end());
   v1::CreateSequenceResponse response;
@@ -232,6 +233,7 @@ absl::StatusOr<PrefixMatch> KvqClient::MatchPrefix(const SequenceConfig& config,
   ToProto(config.layout, request.mutable_layout());
   request.set_scheme(config.scheme);
   for (const Codebook& c : config.codebooks) ToProto(c, request.add_codebooks());
+  request.set_calibration(config.calibration);
   request.mutable_prompt_token_ids()->Assign(prompt_token_ids.begin(), prompt_token_ids.end());
   v1::MatchPrefixResponse response;
   KVQ_RETURN_IF_ERROR(Call(true, call, [&](grpc::ClientContext* ctx, int) {

@@ -33,6 +33,9 @@ struct SequenceConfig {
   std::string scheme = "kivi4:g32:r128:sink=4";
   // nuq schemes: one per (layer, kv head), [layer][kv_head] order.
   std::vector<Codebook> codebooks;
+  // crq schemes: the name of a calibration the server has loaded
+  // (ServerInfo.calibrations); empty for every other scheme.
+  std::string calibration;
 
   // The config of each of the sequence's streams, as the server builds it:
   // the scheme, head_dim, the layout's RoPE, the default page size and

@@ -12,7 +12,7 @@ size_t FpRowBytes(int head_dim) { return static_cast<size_t>(2) * head_dim * 2; 
 size_t LevelBytes(const StreamConfig& c) {
   return c.spec.nuq ? static_cast<size_t>(2) * c.head_dim * (1 << c.spec.bits) * 2 : 0;
 }
-int TailCapacity(const StreamConfig& c) { return c.spec.is_kivi() ? c.spec.flush_tokens() : 0; }
+int TailCapacity(const StreamConfig& c) { return c.spec.has_tail() ? c.spec.flush_tokens() : 0; }
 bool HasHeader(const StreamConfig& c) { return c.spec.kind == SchemeKind::kFp8E4m3; }
 
 }  // namespace

@@ -202,6 +202,16 @@ void LoadGroupParams(const PageLayout& L, const SideLayout& S, const uint8_t* pa
 absl::Status CheckGroupParams(const PageLayout& L, const SideLayout& S, const uint8_t* page,
                               int rows) {
   if (S.axis == ParamAxis::kNone) return absl::OkStatus();
+  if (S.axis == ParamAxis::kTokenGain) {
+    for (int r = 0; r < rows; ++r) {
+      const uint16_t g = Load16(PageLayout::Gain(page, S, r), 0);
+      if (!FiniteHalf(g) || !NonNegativeHalf(g)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("row ", r, ": gain must be finite and >= 0"));
+      }
+    }
+    return absl::OkStatus();
+  }
   const int n = L.ParamsPerEntry(S);
   if (S.param_bits == 8) {
     for (int b = 0; b < rows / L.block_tokens; ++b) {

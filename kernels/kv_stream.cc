@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/crq_transform.h"
 #include "kernels/cpu/simd_kernels.h"
 #include "kernels/group_params.h"
 #include "kernels/line_streamer.h"
@@ -65,6 +66,16 @@ absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Create(const StreamConfig& c
   if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
   KVQ_ASSIGN_OR_RETURN(PageLayout layout,
                        PageLayout::Make(config.spec, config.head_dim, config.page_tokens));
+  std::shared_ptr<const CrqTransform> crq;
+  if (config.spec.is_crq()) {
+    if (calibration == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "scheme ", config.spec.ToString(),
+          " needs a calibration (the HeadCalibration of this stream's layer and KV head)"));
+    }
+    KVQ_ASSIGN_OR_RETURN(CrqTransform t, CrqTransform::Make(config, *calibration));
+    crq = std::make_shared<const CrqTransform>(std::move(t));
+  }
   if (config.spec.nuq) {
     if (codebook == nullptr) {
       return absl::InvalidArgumentError(
@@ -76,7 +87,8 @@ absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Create(const StreamConfig& c
       new KvStream(config, layout, backend, allocator ? allocator : HeapPageAllocator()));
   if (config.spec.pre_rope) s->rope_.emplace(config.rope, config.head_dim);
   if (config.spec.rotate) s->rotation_.emplace(config.head_dim, config.rotation_seed);
-  s->tail_capacity_ = config.spec.is_kivi() ? config.spec.flush_tokens() : 0;
+  s->crq_ = std::move(crq);
+  s->tail_capacity_ = config.spec.has_tail() ? config.spec.flush_tokens() : 0;
 
   const size_t levels =
       config.spec.nuq ? static_cast<size_t>(2) * config.head_dim * (1 << config.spec.bits) : 0;
@@ -270,7 +282,7 @@ absl::Status KvStream::FinishAppend(const AppendCheckpoint& before, absl::Status
 
 bool KvStream::TakesBlocksChecked(ConstTensorView k, ConstTensorView v) const {
   const int d = head_dim();
-  return tail_capacity_ > 0 && !rotation_ && k.dtype == DType::kFloat16 &&
+  return tail_capacity_ > 0 && !rotation_ && !crq_ && k.dtype == DType::kFloat16 &&
          v.dtype == DType::kFloat16 && k.cols == d && v.cols == d && k.rows == v.rows &&
          k.data != nullptr && v.data != nullptr && k.stride() == d && v.stride() == d &&
          tail_tokens() == 0 && num_tokens_ >= config_.spec.sink && k.rows % tail_capacity_ == 0;
@@ -460,6 +472,9 @@ absl::Status KvStream::AppendUnsynced(ConstTensorView k, ConstTensorView v) {
             KVQ_RETURN_IF_ERROR(allocator_->WriteBlock(pages_[page], at, rows.data(), rows.size()));
           }
         }
+      } else if (crq_) {
+        QuantizeCrqRows(Side::kKey, &kf[static_cast<size_t>(r) * d], count, 0);
+        QuantizeCrqRows(Side::kValue, &vf[static_cast<size_t>(r) * d], count, 0);
       } else {
         backend_->QuantizeRows(*this, Side::kKey, &kf[static_cast<size_t>(r) * d], count,
                                pages_[page], row);
@@ -519,8 +534,30 @@ void KvStream::FlushTail() {
   // The tail is now empty (n == capacity); nothing to move.
 }
 
+void KvStream::QuantizeCrqRows(Side side, float* rows, int n, int done) {
+  const int d = head_dim();
+  const int pt = layout_.page_tokens;
+  for (int r = 0; r < n;) {
+    const int u = quantized_tokens_ + done + r;
+    const int count = std::min(n - r, pt - u % pt);
+    float* x = rows + static_cast<size_t>(r) * d;
+    crq_->Forward(side, x, count, page_base() + u);
+    backend_->QuantizeRows(*this, side, x, count, pages_[u / pt], u % pt);
+    r += count;
+  }
+}
+
 void KvStream::QuantizeBlocks(const void* k_rows, const void* v_rows, int n) {
   const int d = head_dim();
+  if (crq_) {
+    std::vector<float> x(static_cast<size_t>(n) * d);
+    for (Side side : {Side::kKey, Side::kValue}) {
+      RowToFloat(side == Side::kKey ? k_rows : v_rows, DType::kFloat16, n * d, x.data());
+      QuantizeCrqRows(side, x.data(), n, 0);
+    }
+    quantized_tokens_ += n;
+    return;
+  }
   const int g = layout_.block_tokens;
   const int pt = layout_.page_tokens;
   std::vector<float> block;  // Only where the backend takes floats.
@@ -559,7 +596,7 @@ absl::Status KvStream::CheckReadOutputs(int n, const ReadOptions& options, const
 }
 
 bool KvStream::StoredAsRead(Side side, const ReadOptions& options) const {
-  return !rotation_ && !(side == Side::kKey && rope_ && options.apply_rope);
+  return !rotation_ && !crq_ && !(side == Side::kKey && rope_ && options.apply_rope);
 }
 
 void KvStream::FinishRows(Side side, float* rows, int count, int t, const ReadOptions& options,
@@ -616,6 +653,7 @@ absl::Status KvStream::ReadPageRows(Side side, const uint8_t* page, bool stored,
   backend_->DequantizeRows(*this, side, page, row, count, scratch);
   // The floats are read here: a device backend's copy must have landed.
   KVQ_RETURN_IF_ERROR(backend_->Synchronize());
+  if (crq_) crq_->Inverse(side, scratch, count, t);
   FinishRows(side, scratch, count, t, options, out, out_row);
   return absl::OkStatus();
 }
@@ -962,6 +1000,7 @@ absl::StatusOr<std::unique_ptr<KvStream>> KvStream::Fork(int tokens) const {
   std::unique_ptr<KvStream> f(new KvStream(config_, layout_, backend_, allocator_));
   f->rope_ = rope_;
   f->rotation_ = rotation_;
+  f->crq_ = crq_;
   f->tail_capacity_ = tail_capacity_;
   f->levels_offset_ = levels_offset_;
   f->rows_offset_ = rows_offset_;
@@ -1003,6 +1042,8 @@ void KvStream::ReadStoredRow(Side side, int t, float* out) const {
     // NaNs, which no comparison against it accepts.
     if (!backend_->Synchronize().ok()) {
       std::fill(out, out + head_dim(), std::numeric_limits<float>::quiet_NaN());
+    } else if (crq_) {
+      crq_->Inverse(side, out, 1, t);
     }
   } else {
     RowToFloat(tail_row(side, t - page_base() - quantized_tokens_), DType::kFloat16, head_dim(),

@@ -5,7 +5,10 @@
 //   - a page: quantized in blocks once the fp16 tail fills;
 //   - the tail: the newest tokens (< flush_tokens()) in fp16, the residual.
 // Stored values are in the stored basis: rotated when spec.rotate, pre-RoPE
-// keys when spec.pre_rope. Read() and attention undo both.
+// keys when spec.pre_rope. Read() and attention undo both. crq pages hold
+// coded coordinates (kernels/crq_transform.h): the stream maps them to the
+// stored basis (pre-RoPE keys, values) where it reads them; its sink and
+// tail rows are in the stored basis as they came.
 //
 // Not thread-safe for writers: callers serialise Append() against everything
 // else; concurrent readers are fine.
@@ -31,6 +34,7 @@
 
 namespace kvq {
 
+class CrqTransform;  // kernels/crq_transform.h
 class KernelBackend;
 
 struct ReadOptions {
@@ -50,7 +54,9 @@ class KvStream {
   // `backend` quantizes on Append and dequantizes on Read; `allocator`
   // defaults to the heap. `codebook` is required for nuq and ignored otherwise.
   // `calibration` (this stream's layer and KV head) is required by the
-  // calibrated schemes and ignored otherwise; it must outlive the stream.
+  // calibrated schemes (crq: INVALID_ARGUMENT without one, or when a key
+  // scale differs within a RoPE pair) and ignored otherwise; the stream
+  // keeps a copy.
   static absl::StatusOr<std::unique_ptr<KvStream>> Create(
       const StreamConfig& config, const KernelBackend* backend,
       PageAllocator* allocator = nullptr, const Codebook* codebook = nullptr,
@@ -193,6 +199,9 @@ class KvStream {
   const uint16_t* levels(Side side, int channel) const;
   const Rope* rope() const { return rope_ ? &*rope_ : nullptr; }
   const HadamardRotation* rotation() const { return rotation_ ? &*rotation_ : nullptr; }
+  // crq: the calibration and rotation of the coded coordinates (nullptr
+  // for the other schemes).
+  const CrqTransform* crq() const { return crq_.get(); }
 
  private:
   KvStream(const StreamConfig& config, const PageLayout& layout,
@@ -236,6 +245,9 @@ class KvStream {
   // Quantizes n contiguous fp16 rows of K and of V (n a multiple of the
   // block; the pages already allocated) at the end of the quantized part.
   void QuantizeBlocks(const void* k_rows, const void* v_rows, int n);
+  // crq: n float rows of one side (original basis, modified in place) at
+  // the end of the quantized part, starting `done` rows past it.
+  void QuantizeCrqRows(Side side, float* rows, int n, int done);
   // Zeroes every byte of a fresh page except code rows [0, rows) of both
   // sides (which the caller writes). Pages without parameter sections only.
   absl::Status ZeroAroundRows(uint8_t* page, int rows) const;
@@ -277,6 +289,7 @@ class KvStream {
   PageAllocator* allocator_;
   std::optional<Rope> rope_;
   std::optional<HadamardRotation> rotation_;
+  std::shared_ptr<const CrqTransform> crq_;  // Shared with forks.
 
   std::vector<uint8_t*> pages_;
   // One allocation for everything that is not a page, so the allocator sees

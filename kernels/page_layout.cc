@@ -113,6 +113,13 @@ absl::StatusOr<PageLayout> PageLayout::Make(const QuantSpec& spec, int head_dim,
         s.axis = ParamAxis::kTokenGroups;
         s.group_channels = d;
         break;
+      case SchemeKind::kCrq:
+        s.format = CodeFormat::kCrq;
+        s.half_bits = spec.crq_half_bits(is_key);
+        s.bits = (s.half_bits + 1) / 2;
+        s.code_row_bytes = static_cast<size_t>(d) / 2 * (s.half_bits / 2 + s.bits) / 8;
+        s.axis = ParamAxis::kTokenGain;
+        break;
       case SchemeKind::kKivi:
         s.format = CodeFormat::kPacked;
         s.code_row_bytes = static_cast<size_t>(d) * s.bits / 8;

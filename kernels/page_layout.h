@@ -45,13 +45,16 @@ enum class ParamAxis {
   kNone,           // fp16 / bf16 / fp8: no per-page parameters.
   kChannelGroups,  // Per channel, per G-token block: scale[D], zero[D].
   kTokenGroups,    // Per token, per group of group_channels: scale[n], zero[n].
+  kTokenGain,      // crq: one fp16 gain per token.
 };
 
 // Size of one p8 parameter block's header: fp16 scale step, zero base and
 // zero step, and two bytes of padding (see kernels/group_params.h).
 inline constexpr size_t kParams8HeaderBytes = 8;
 
-enum class CodeFormat { kFp16, kBf16, kInt8, kFp8E4m3, kPacked };
+// kCrq: Lloyd-Max codes of the calibrated, rotated coordinates, split into
+// two halves of d/2 codes (kernels/hd/crq_hd.h), with a kTokenGain gain.
+enum class CodeFormat { kFp16, kBf16, kInt8, kFp8E4m3, kPacked, kCrq };
 
 struct SideLayout {
   CodeFormat format = CodeFormat::kFp16;
@@ -59,6 +62,7 @@ struct SideLayout {
   ParamAxis axis = ParamAxis::kNone;
   int group_channels = 0;  // kTokenGroups: channels per group.
   int param_bits = 16;     // 16: fp16 scale/zero; 8: p8 blocks (group_params.h).
+  int half_bits = 0;       // kCrq: the side's width x 2 (bits is its ceiling).
   size_t codes_offset = 0;
   size_t code_row_bytes = 0;
   size_t params_offset = 0;
@@ -121,6 +125,7 @@ struct PageLayout {
   }
   // Bytes of one block's parameters, in either format.
   KVQ_HD size_t ParamBlockBytes(const SideLayout& s) const {
+    if (s.axis == ParamAxis::kTokenGain) return 2;
     const size_t groups = static_cast<size_t>(EntriesPerBlock(s)) * ParamsPerEntry(s);
     return s.param_bits == 8 ? kParams8HeaderBytes + 2 * groups : 4 * groups;
   }
@@ -131,6 +136,13 @@ struct PageLayout {
   }
   KVQ_HD const uint8_t* ParamBlock(const uint8_t* page, const SideLayout& s, int block) const {
     return page + s.params_offset + static_cast<size_t>(block) * ParamBlockBytes(s);
+  }
+  // kTokenGain: the fp16 gain of row `row`.
+  KVQ_HD static uint16_t* Gain(uint8_t* page, const SideLayout& s, int row) {
+    return reinterpret_cast<uint16_t*>(page + s.params_offset) + row;
+  }
+  KVQ_HD static const uint16_t* Gain(const uint8_t* page, const SideLayout& s, int row) {
+    return reinterpret_cast<const uint16_t*>(page + s.params_offset) + row;
   }
   // Outlier table of block `block`: index[k] (t_in_block * head_dim + channel)
   // then value[k] (fp16).

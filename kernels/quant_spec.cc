@@ -21,16 +21,60 @@ bool ParseInt(absl::string_view s, int* out) {
   return !s.empty() && absl::SimpleAtoi(s, out);
 }
 
+// crq's widths as written: "2", "2.5", ..., "4" -> 4, 5, ..., 8 half bits.
+// Only these spellings, so that every width has one canonical form.
+bool ParseHalfBits(absl::string_view s, int* half_bits) {
+  static constexpr absl::string_view kNames[] = {"2", "2.5", "3", "3.5", "4"};
+  for (int i = 0; i < 5; ++i) {
+    if (s == kNames[i]) {
+      *half_bits = 4 + i;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string HalfBitsName(int half_bits) {
+  return half_bits % 2 == 0 ? absl::StrCat(half_bits / 2) : absl::StrCat(half_bits / 2, ".5");
+}
+
+constexpr absl::string_view kBaseList =
+    "fp16, bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2, crq<K> (K in 2, 2.5, 3, 3.5, 4)";
+
+// crq's options: vV, rN, sink=S and pre_rope; anything else is named back.
+absl::Status ParseCrqOption(absl::string_view text, absl::string_view opt, QuantSpec* spec) {
+  if (opt.size() > 1 && opt[0] == 'v' && std::isdigit(static_cast<unsigned char>(opt[1]))) {
+    if (!ParseHalfBits(opt.substr(1), &spec->value_half_bits)) {
+      return Bad(text, "crq value bits v must be 2, 2.5, 3, 3.5 or 4, e.g. v2.5");
+    }
+    if (spec->value_half_bits == spec->key_half_bits) spec->value_half_bits = 0;
+  } else if (opt.size() > 1 && opt[0] == 'r' && std::isdigit(static_cast<unsigned char>(opt[1]))) {
+    if (!ParseInt(opt.substr(1), &spec->residual)) return Bad(text, "r needs an integer, e.g. r128");
+  } else if (opt.substr(0, opt.find('=')) == "sink") {
+    if (opt.size() <= 5 || !ParseInt(opt.substr(5), &spec->sink)) {
+      return Bad(text, "sink needs a token count, e.g. sink=4");
+    }
+  } else if (opt == "pre_rope") {
+    spec->pre_rope = true;
+  } else {
+    return Bad(text, absl::StrCat("option ", Quoted(opt),
+                                  " does not apply to crq; crq takes vV, rN, sink=S and pre_rope"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const std::vector<std::string>& SchemeNames() {
   static const auto* names = new std::vector<std::string>{
-      "fp16", "bf16", "int8", "fp8_e4m3", "kivi4", "kivi3", "kivi2"};
+      "fp16", "bf16", "int8", "fp8_e4m3", "kivi4", "kivi3", "kivi2",
+      "crq4", "crq3.5", "crq3", "crq2.5", "crq2"};
   return *names;
 }
 
 int QuantSpec::flush_tokens() const {
-  return is_kivi() ? std::max(residual, group) : 1;
+  if (is_kivi()) return std::max(residual, group);
+  return is_crq() ? std::max(residual, 1) : 1;
 }
 
 absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
@@ -50,14 +94,28 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
   } else if (base == "kivi4" || base == "kivi3" || base == "kivi2") {
     spec.kind = SchemeKind::kKivi;
     spec.bits = base[4] - '0';
+  } else if (base.substr(0, 3) == "crq" && ParseHalfBits(base.substr(3), &spec.key_half_bits)) {
+    spec.kind = SchemeKind::kCrq;
+    spec.bits = 0;
   } else {
-    return Bad(text, absl::StrCat("unknown base scheme ", Quoted(base),
-                                  "; expected one of fp16, bf16, int8, "
-                                  "fp8_e4m3, kivi4, kivi3, kivi2"));
+    return Bad(text, absl::StrCat("unknown base scheme ", Quoted(base), "; expected one of ",
+                                  kBaseList));
   }
   std::set<std::string> seen;
   for (size_t i = 1; i < parts.size(); ++i) {
     absl::string_view opt = parts[i];
+    if (spec.is_crq()) {
+      std::string key(opt.substr(0, opt.find('=')));
+      if (opt.size() > 1 && (opt[0] == 'r' || opt[0] == 'v') &&
+          std::isdigit(static_cast<unsigned char>(opt[1]))) {
+        key = std::string(opt.substr(0, 1));
+      }
+      if (!seen.insert(key).second) {
+        return Bad(text, absl::StrCat("option ", Quoted(key), " given twice"));
+      }
+      if (absl::Status s = ParseCrqOption(text, opt, &spec); !s.ok()) return s;
+      continue;
+    }
     if (!spec.is_kivi()) {
       return Bad(text, absl::StrCat("option ", Quoted(opt), " applies only to kivi schemes"));
     }
@@ -112,7 +170,56 @@ absl::StatusOr<QuantSpec> QuantSpec::Parse(absl::string_view text) {
   return spec;
 }
 
+absl::Status QuantSpec::ValidateCrq() const {
+  if (bits != 0 || vbits != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "crq keeps its widths in key_half_bits/value_half_bits; bits and vbits must be 0, got ",
+        bits, " and ", vbits));
+  }
+  if (key_half_bits < 4 || key_half_bits > 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "crq key bits must be 2, 2.5, 3, 3.5 or 4, got ", key_half_bits, " half bits"));
+  }
+  if (value_half_bits != 0 && (value_half_bits < 4 || value_half_bits > 8)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "crq value bits v must be 2, 2.5, 3, 3.5 or 4, got ", value_half_bits, " half bits"));
+  }
+  if (value_half_bits == key_half_bits) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "crq value bits equal to the key bits (", HalfBitsName(key_half_bits),
+        ") are written as value_half_bits = 0"));
+  }
+  // Options of the other schemes, each named (a QuantSpec built in code can
+  // set them; the parser refuses them as text).
+  const char* other = group != 32                         ? "g"
+                      : param_bits != 16                  ? "p8"
+                      : fit                               ? "fit"
+                      : outlier_percent != 0.0            ? "outliers"
+                      : nuq                               ? "nuq"
+                      : rotate                            ? "rotate"
+                      : key_axis != KeyAxis::kPerChannel  ? "ktok"
+                                                          : nullptr;
+  if (other != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "option ", other, " does not apply to crq; crq takes vV, rN, sink=S and pre_rope"));
+  }
+  if (residual < 0 || residual > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("residual r must be in [0, 4096], got ", residual));
+  }
+  if (sink < 0 || sink > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("sink must be in [0, 1024], got ", sink));
+  }
+  if (!pre_rope) {
+    return absl::InvalidArgumentError(
+        "crq needs pre_rope: its calibrated key means are pre-RoPE, so keys are appended "
+        "before RoPE (write crq...:pre_rope)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status QuantSpec::Validate() const {
+  if (is_crq()) return ValidateCrq();
   if (!is_kivi()) {
     QuantSpec plain;
     plain.kind = kind;
@@ -176,6 +283,14 @@ std::string QuantSpec::ToString() const {
     case SchemeKind::kInt8: return "int8";
     case SchemeKind::kFp8E4m3: return "fp8_e4m3";
     case SchemeKind::kKivi: break;
+    case SchemeKind::kCrq: {
+      std::string out = absl::StrCat("crq", HalfBitsName(key_half_bits));
+      if (value_half_bits != 0) absl::StrAppend(&out, ":v", HalfBitsName(value_half_bits));
+      absl::StrAppend(&out, ":r", residual);
+      if (pre_rope) absl::StrAppend(&out, ":pre_rope");
+      if (sink > 0) absl::StrAppend(&out, ":sink=", sink);
+      return out;
+    }
   }
   std::string out = absl::StrCat("kivi", bits);
   if (value_bits() != bits) absl::StrAppend(&out, ":v", value_bits());

@@ -17,6 +17,10 @@ absl::Status StreamConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "rotate needs a power-of-two head_dim, got ", head_dim));
   }
+  if (spec.is_crq() && (head_dim & (head_dim - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scheme crq needs a power-of-two head_dim (its Hadamard rotation), got ", head_dim));
+  }
   if (spec.pre_rope) return rope.Validate(head_dim);
   return absl::OkStatus();
 }

@@ -272,6 +272,9 @@ grpc::ServerUnaryReactor* KvqService::GetServerInfo(grpc::CallbackServerContext*
         resp->set_capacity_bytes(store_->pool().Stats().capacity_bytes);
         resp->set_max_message_bytes(options_.max_message_bytes);
         resp->set_max_tokens_per_sequence(1 << 24);
+        if (calibrations_ != nullptr) {
+          for (const std::string& name : calibrations_->Names()) resp->add_calibrations(name);
+        }
         return absl::OkStatus();
       });
 }
@@ -286,6 +289,7 @@ grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext
         KVQ_ASSIGN_OR_RETURN(CreateSequenceArgs args,
                              SequenceArgsFromWire(call.tenant_name, req.namespace_(),
                                                   req.layout(), req.scheme(), req.codebooks(),
+                                                  req.calibration(), calibrations_,
                                                   req.prompt_token_ids()));
         args.id = req.sequence_id();
         args.ttl = absl::Seconds(req.ttl_seconds());
@@ -1010,6 +1014,8 @@ grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
         if (req.sequence().sequence_id().empty()) {
           StoreStats st = scoped ? std::move(scoped_stats) : store_->Stats();
           resp->set_sequences(st.sequences);
+          resp->set_calibrations_loaded(
+              calibrations_ ? static_cast<int32_t>(calibrations_->size()) : 0);
           bytes = st.bytes;
           fp16 = st.fp16_equivalent_bytes;
           elements = fp16 / 2;
@@ -1023,6 +1029,7 @@ grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
           // Tokens as readers see them (an open append stream's are not yet).
           resp->set_num_tokens(seq->committed_num_tokens());
           resp->set_scheme(seq->config().spec.ToString());
+          if (seq->calibration()) resp->set_calibration(seq->calibration()->calibration.name);
           bytes = seq->Bytes();
           elements = int64_t{seq->committed_num_tokens()} * m.num_layers * m.num_kv_heads *
                      m.head_dim * 2;

@@ -14,6 +14,7 @@
 
 #include "kernels/build_info.h"
 #include "kvq/v1/kvq.grpc.pb.h"
+#include "service/calibrations.h"
 #include "service/kernel_thread.h"
 #include "service/metrics.h"
 #include "service/page_guard.h"
@@ -81,6 +82,9 @@ class KvqService final : public RawKvCacheService {
   // With a table every call must carry a tenant's bearer token and runs in
   // that tenant's namespace; null (the default): the default tenant.
   void set_tenants(const Tenants* tenants) { tenants_ = tenants; }
+  // The calibrations CreateSequence and MatchPrefix may name (not owned);
+  // null (the default): none, a crq scheme is answered NOT_FOUND.
+  void set_calibrations(const Calibrations* calibrations) { calibrations_ = calibrations; }
   // The device payload paths (docs/TRANSPORT.md), not owned; a path left
   // null answers FAILED_PRECONDITION (a server built without CUDA).
   void set_transport(TransportKind kind, KvTransport* transport) {
@@ -169,6 +173,7 @@ class KvqService final : public RawKvCacheService {
   SequenceStore* store_;
   Metrics* metrics_;
   const Tenants* tenants_ = nullptr;
+  const Calibrations* calibrations_ = nullptr;
   ServiceOptions options_;
   KernelThread kernel_thread_;  // Runs the backend's multi-threaded calls.
   PageGuard guard_;             // Page checksums: sealed on append, verified on read.

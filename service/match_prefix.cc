@@ -10,7 +10,8 @@ absl::Status KvqService::DoMatchPrefix(const v1::MatchPrefixRequest& req,
                                        v1::MatchPrefixResponse* resp, absl::string_view tenant) {
   KVQ_ASSIGN_OR_RETURN(CreateSequenceArgs args,
                        SequenceArgsFromWire(tenant, req.namespace_(), req.layout(), req.scheme(),
-                                            req.codebooks(), req.prompt_token_ids()));
+                                            req.codebooks(), req.calibration(), calibrations_,
+                                            req.prompt_token_ids()));
   int block_tokens = 0;
   KVQ_ASSIGN_OR_RETURN(int matched, store_->MatchPrefix(args, &block_tokens));
   resp->set_matched_tokens(matched);

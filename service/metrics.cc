@@ -221,6 +221,17 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& bind
                                      "(answered DATA_LOSS; the sequence was removed).")
                                .Register(*m->registry_)
                                .Add({});
+  m->calibrations_loaded_ = &prometheus::BuildGauge()
+                                 .Name("kvq_calibrations_loaded")
+                                 .Help("Calibrations loaded from --calibration_dir.")
+                                 .Register(*m->registry_)
+                                 .Add({});
+  m->calibration_skips_ = &prometheus::BuildCounter()
+                               .Name("kvq_calibration_files_skipped_total")
+                               .Help("Calibration files a scan of --calibration_dir skipped "
+                                     "(failed validation; counted at every scan).")
+                               .Register(*m->registry_)
+                               .Add({});
   auto& transfers = prometheus::BuildCounter()
                         .Name("kvq_device_transfers_total")
                         .Help("Device payloads (AppendDevice: receive, FetchDevice: send) by "
@@ -375,6 +386,11 @@ void Metrics::RecordTransfer(TransportKind kind, bool receive, int status_code) 
 }
 
 void Metrics::RecordChecksumFailure() { checksum_failures_->Increment(); }
+
+void Metrics::RecordCalibrationScan(size_t loaded, size_t skipped) {
+  calibrations_loaded_->Set(static_cast<double>(loaded));
+  calibration_skips_->Increment(static_cast<double>(skipped));
+}
 
 RpcTimer::RpcTimer(Metrics* metrics, RpcMethod method)
     : metrics_(metrics), method_(method), start_(absl::Now()) {}

@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "service/metrics_https_server.h"
@@ -83,6 +84,9 @@ class Metrics {
   void RecordTransfer(TransportKind kind, bool receive, int status_code);
   // One call of a tenant (none for the default tenant: null).
   void RecordTenantRpc(Tenant* tenant, int status_code, double seconds);
+  // After a scan of --calibration_dir: the calibrations loaded now and the
+  // files the scan skipped (failed validation).
+  void RecordCalibrationScan(size_t loaded, size_t skipped);
 
  private:
   class StoreCollector;
@@ -103,6 +107,8 @@ class Metrics {
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_tokens_ = nullptr;
   prometheus::Counter* checksum_failures_ = nullptr;
+  prometheus::Gauge* calibrations_loaded_ = nullptr;
+  prometheus::Counter* calibration_skips_ = nullptr;
   // [transport][direction: 0 send, 1 receive][code]
   std::array<std::array<std::array<prometheus::Counter*, kNumStatusCodes>, 2>, 2> transfers_{};
   prometheus::Family<prometheus::Counter>* tenant_requests_ = nullptr;

@@ -28,13 +28,17 @@ absl::Status ModelShape::Validate() const {
 }
 
 Sequence::Sequence(std::string ns, std::string id, const ModelShape& shape,
-                   const StreamConfig& config)
-    : ns_(std::move(ns)), id_(std::move(id)), shape_(shape), config_(config) {}
+                   const StreamConfig& config, std::shared_ptr<const CalibrationFile> calibration)
+    : ns_(std::move(ns)),
+      id_(std::move(id)),
+      shape_(shape),
+      config_(config),
+      calibration_(std::move(calibration)) {}
 
 absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(
     std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config,
     const std::vector<Codebook>& codebooks, const KernelBackend* backend,
-    PageAllocator* allocator) {
+    PageAllocator* allocator, std::shared_ptr<const CalibrationFile> calibration) {
   KVQ_RETURN_IF_ERROR(shape.Validate());
   const int streams = shape.num_layers * shape.num_kv_heads;
   if (config.spec.nuq && static_cast<int>(codebooks.size()) != streams) {
@@ -42,19 +46,37 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(
         "codebooks: a nuq scheme needs one per (layer, kv head) = ", streams, ", got ",
         codebooks.size()));
   }
-  std::unique_ptr<Sequence> s(new Sequence(std::move(ns), std::move(id), shape, config));
+  if (calibration != nullptr) {
+    KVQ_RETURN_IF_ERROR(CheckCalibrationShape(calibration->calibration, shape.num_layers,
+                                              shape.num_kv_heads, shape.head_dim));
+  }
+  std::unique_ptr<Sequence> s(
+      new Sequence(std::move(ns), std::move(id), shape, config, std::move(calibration)));
   s->streams_.reserve(streams);
   for (int i = 0; i < streams; ++i) {
-    KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> stream,
-                         KvStream::Create(config, backend, allocator,
-                                          config.spec.nuq ? &codebooks[i] : nullptr));
-    s->streams_.push_back(std::move(stream));
+    const HeadCalibration* head =
+        s->calibration_ ? &s->calibration_->calibration.heads[i] : nullptr;
+    absl::StatusOr<std::unique_ptr<KvStream>> stream = KvStream::Create(
+        config, backend, allocator, config.spec.nuq ? &codebooks[i] : nullptr, head);
+    // A calibration the stream refuses (its key scales split a RoPE pair of
+    // this layout) says which one and where.
+    if (!stream.ok() && head != nullptr && absl::IsInvalidArgument(stream.status())) {
+      return absl::Status(stream.status().code(),
+                          absl::StrCat("calibration ", Quoted(s->calibration_->calibration.name),
+                                       ", layer ", i / shape.num_kv_heads, " KV head ",
+                                       i % shape.num_kv_heads, ": ", stream.status().message()));
+    }
+    if (!stream.ok()) return stream.status();
+    s->streams_.push_back(*std::move(stream));
   }
   return s;
 }
 
 int Sequence::block_tokens() const {
-  return config_.spec.is_kivi() ? config_.spec.flush_tokens() : streams_[0]->layout().page_tokens;
+  // A stream with an fp16 tail (kivi; crq with a residual window) forks
+  // only on its flush boundaries.
+  return config_.spec.has_tail() ? config_.spec.flush_tokens()
+                                 : streams_[0]->layout().page_tokens;
 }
 
 int Sequence::num_tokens() const {
@@ -243,7 +265,8 @@ absl::Status Sequence::Commit(TransactionToken& token) {
 
 absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string ns, std::string id,
                                                          int tokens) const {
-  std::unique_ptr<Sequence> f(new Sequence(std::move(ns), std::move(id), shape_, config_));
+  std::unique_ptr<Sequence> f(
+      new Sequence(std::move(ns), std::move(id), shape_, config_, calibration_));
   for (int l = 0; l < shape_.num_layers; ++l) {
     for (int head = 0; head < shape_.num_kv_heads; ++head) {
       KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s, committed_stream(l, head).Fork(tokens));

@@ -15,6 +15,7 @@
 #include "absl/types/span.h"
 #include "kernels/backend.h"
 #include "kernels/byte_reader.h"
+#include "kernels/calibration_file.h"
 #include "kernels/kv_stream.h"
 
 namespace kvq {
@@ -77,18 +78,24 @@ class TransactionToken {
 class Sequence {
  public:
   // Every stream is created from `config` (head_dim and RoPE from `shape`);
-  // `codebooks` (nuq) has one per (layer, kv head) or is empty.
+  // `codebooks` (nuq) has one per (layer, kv head) or is empty;
+  // `calibration` (crq) gives each stream its head's statistics and is kept
+  // (by this sequence and its forks) for as long as a stream uses it. A
+  // calibration of another shape than `shape` is INVALID_ARGUMENT naming both.
   static absl::StatusOr<std::unique_ptr<Sequence>> Create(
       std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config,
       const std::vector<Codebook>& codebooks, const KernelBackend* backend,
-      PageAllocator* allocator);
+      PageAllocator* allocator, std::shared_ptr<const CalibrationFile> calibration = nullptr);
 
   const std::string& ns() const { return ns_; }
   const std::string& id() const { return id_; }
   const ModelShape& shape() const { return shape_; }
   const StreamConfig& config() const { return config_; }
-  // Prefix-reuse and raw-page granularity: a flush block for kivi, a page
-  // otherwise; boundaries sit at sink + k * block_tokens().
+  // The calibration its streams were created with (null: none).
+  const std::shared_ptr<const CalibrationFile>& calibration() const { return calibration_; }
+  // Prefix-reuse and raw-page granularity: a flush block for the schemes
+  // with an fp16 tail (kivi; crq with a residual window), a page otherwise;
+  // boundaries sit at sink + k * block_tokens().
   int block_tokens() const;
 
   // Everything below requires holding mu().
@@ -159,7 +166,8 @@ class Sequence {
   int active_calls = 0;
 
  private:
-  Sequence(std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config);
+  Sequence(std::string ns, std::string id, const ModelShape& shape, const StreamConfig& config,
+           std::shared_ptr<const CalibrationFile> calibration);
   ConstTensorView DenseView(const DenseKv& kv, const uint8_t* base, int layer, int head) const;
   // Checks that `token` owns the open transaction and clears both.
   absl::Status EndTransaction(TransactionToken& token);
@@ -173,6 +181,8 @@ class Sequence {
   const std::string id_;
   const ModelShape shape_;
   const StreamConfig config_;
+  // Before the streams, which point into it: it goes after them.
+  const std::shared_ptr<const CalibrationFile> calibration_;
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<KvStream>> streams_;
   std::vector<std::unique_ptr<KvStream>> snapshot_;

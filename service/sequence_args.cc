@@ -3,10 +3,41 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quoted.h"
 #include "kernels/status_macros.h"
 #include "service/tensor_codec.h"
 
 namespace kvq {
+namespace {
+
+// The loaded calibration `name` names for `spec` on `shape`; null for a
+// scheme that takes none.
+absl::StatusOr<std::shared_ptr<const CalibrationFile>> CalibrationFromWire(
+    const QuantSpec& spec, absl::string_view name, const Calibrations* calibrations,
+    const ModelShape& shape) {
+  if (!TakesCalibration(spec)) {
+    if (name.empty()) return nullptr;
+    return absl::InvalidArgumentError(absl::StrCat("calibration: scheme ", Quoted(spec.ToString()),
+                                                   " takes no calibration; leave it empty"));
+  }
+  if (name.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "calibration: scheme ", Quoted(spec.ToString()),
+        " needs one: name a calibration the server has loaded (ServerInfo.calibrations)"));
+  }
+  std::shared_ptr<const CalibrationFile> file =
+      calibrations == nullptr ? nullptr : calibrations->Find(name);
+  if (file == nullptr) {
+    return absl::NotFoundError(absl::StrCat("calibration ", Quoted(name),
+                                            " is not loaded on this server "
+                                            "(ServerInfo.calibrations lists those that are)"));
+  }
+  KVQ_RETURN_IF_ERROR(CheckCalibrationShape(file->calibration, shape.num_layers,
+                                            shape.num_kv_heads, shape.head_dim));
+  return file;
+}
+
+}  // namespace
 
 absl::StatusOr<ModelShape> ShapeFromWire(const v1::ModelLayout& l) {
   ModelShape m;
@@ -39,6 +70,7 @@ absl::StatusOr<ModelShape> ShapeFromWire(const v1::ModelLayout& l) {
 absl::StatusOr<CreateSequenceArgs> SequenceArgsFromWire(
     absl::string_view tenant, absl::string_view ns, const v1::ModelLayout& layout,
     absl::string_view scheme, const google::protobuf::RepeatedPtrField<v1::Codebook>& codebooks,
+    absl::string_view calibration, const Calibrations* calibrations,
     const google::protobuf::RepeatedField<int32_t>& prompt_token_ids) {
   CreateSequenceArgs args;
   args.tenant = std::string(tenant);
@@ -67,6 +99,8 @@ absl::StatusOr<CreateSequenceArgs> SequenceArgsFromWire(
     cb.value_levels = ToFloats(v);
     args.codebooks.push_back(std::move(cb));
   }
+  KVQ_ASSIGN_OR_RETURN(args.calibration,
+                       CalibrationFromWire(spec, calibration, calibrations, args.shape));
   args.prompt_token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
   return args;
 }

@@ -187,7 +187,7 @@ absl::StatusOr<SequenceStore::Handle> SequenceStore::Create(const CreateSequence
   PageAllocator* pages = PagesFor(args.tenant);
   KVQ_RETURN_IF_ERROR(WithEviction(nullptr, [&]() -> absl::Status {
     KVQ_ASSIGN_OR_RETURN(seq, Sequence::Create(args.ns, id, args.shape, config, args.codebooks,
-                                               backend_, pages));
+                                               backend_, pages, args.calibration));
     return absl::OkStatus();
   }));
   seq->tenant = args.tenant;
@@ -457,6 +457,11 @@ uint64_t SequenceStore::Fingerprint(const Sequence& seq) const {
                             m.num_kv_heads, m.num_q_heads, m.head_dim, m.rope.theta,
                             m.rope.rotary_dim, static_cast<int>(m.rope.pairing),
                             static_cast<int>(m.rope.scaling), m.rope.factor);
+  if (seq.calibration() != nullptr) {
+    // Sequences centered and scaled by different statistics store different
+    // codes: the name and the version (its file's checksum) must both match.
+    h = absl::HashOf(h, seq.calibration()->calibration.name, seq.calibration()->checksum);
+  }
   if (seq.config().spec.nuq) {
     // Sequences with different codebooks store different codes.
     for (int l = 0; l < m.num_layers; ++l) {
@@ -534,7 +539,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const Creat
     std::shared_ptr<Sequence> source = RegisteredPrefix(hashes[k], /*drop_dead=*/true, &tokens);
     if (!source) continue;
     absl::MutexLock lock(&source->mu());
-    if (!ServesPrefix(*source, fresh.tenant, tokens, args.prompt_token_ids)) continue;
+    if (!ServesPrefix(*source, fresh, tokens, args.prompt_token_ids)) continue;
     std::unique_ptr<Sequence> fork;
     absl::Status st = WithEviction(source.get(), [&]() -> absl::Status {
       KVQ_ASSIGN_OR_RETURN(fork, source->Fork(fresh.ns(), fresh.id(), tokens));
@@ -547,10 +552,15 @@ absl::StatusOr<std::unique_ptr<Sequence>> SequenceStore::ReusePrefix(const Creat
   return std::unique_ptr<Sequence>();
 }
 
-bool SequenceStore::ServesPrefix(Sequence& source, absl::string_view tenant, int tokens,
+bool SequenceStore::ServesPrefix(Sequence& source, const Sequence& fresh, int tokens,
                                  absl::Span<const int32_t> ids) {
   const std::vector<int32_t>& stored = source.token_ids();
-  return source.tenant == tenant && !source.in_transaction() && source.num_tokens() >= tokens &&
+  const CalibrationFile* a = source.calibration().get();
+  const CalibrationFile* b = fresh.calibration().get();
+  const bool same_calibration =
+      (a == nullptr) == (b == nullptr) &&
+      (a == nullptr || (a->calibration.name == b->calibration.name && a->checksum == b->checksum));
+  return source.tenant == fresh.tenant && same_calibration && !source.in_transaction() && source.num_tokens() >= tokens &&
          static_cast<int>(stored.size()) >= tokens && static_cast<int>(ids.size()) >= tokens &&
          std::equal(stored.begin(), stored.begin() + tokens, ids.begin());
 }
@@ -563,7 +573,7 @@ absl::StatusOr<int> SequenceStore::MatchPrefix(const CreateSequenceArgs& args,
   // store.
   KVQ_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> probe,
                        Sequence::Create(args.ns, "", args.shape, config, args.codebooks, backend_,
-                                        /*allocator=*/nullptr));
+                                        /*allocator=*/nullptr, args.calibration));
   probe->tenant = args.tenant;
   *block_tokens = probe->block_tokens();
   std::vector<uint64_t> hashes = ChainHashes(*probe, args.prompt_token_ids);
@@ -573,7 +583,7 @@ absl::StatusOr<int> SequenceStore::MatchPrefix(const CreateSequenceArgs& args,
     std::shared_ptr<Sequence> source = RegisteredPrefix(hashes[k], /*drop_dead=*/false, &tokens);
     if (!source) continue;
     absl::ReaderMutexLock lock(&source->mu());
-    if (ServesPrefix(*source, args.tenant, tokens, args.prompt_token_ids)) return tokens;
+    if (ServesPrefix(*source, *probe, tokens, args.prompt_token_ids)) return tokens;
   }
   return 0;
 }

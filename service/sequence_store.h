@@ -60,6 +60,9 @@ struct CreateSequenceArgs {
   std::string scheme;
   absl::Duration ttl = absl::ZeroDuration();  // Zero: default; capped to max_ttl.
   std::vector<Codebook> codebooks;
+  // crq schemes: the calibration CreateSequenceRequest.calibration names
+  // (service/calibrations.h), shared with the sequence.
+  std::shared_ptr<const CalibrationFile> calibration;
   std::vector<int32_t> prompt_token_ids;
 };
 
@@ -212,9 +215,10 @@ class SequenceStore {
   // scheme, layout): INVALID_ARGUMENT naming the field.
   absl::StatusOr<StreamConfig> ConfigFor(const CreateSequenceArgs& args) const;
   // Whether `source` (locked by the caller) holds `tokens` tokens equal to
-  // the start of `ids`, committed, for `tenant`: never serve wrong KV on a
-  // hash collision or from a source that changed since it registered.
-  static bool ServesPrefix(Sequence& source, absl::string_view tenant, int tokens,
+  // the start of `ids`, committed, for `fresh`'s tenant and calibration
+  // (name and checksum): never serve wrong KV on a hash collision or from a
+  // source that changed since it registered.
+  static bool ServesPrefix(Sequence& source, const Sequence& fresh, int tokens,
                            absl::Span<const int32_t> ids);
 
   const StoreOptions options_;

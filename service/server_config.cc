@@ -63,6 +63,13 @@ ABSL_FLAG(std::string, tokens_file, "",
           "empty: no authentication, every call is the default tenant");
 ABSL_FLAG(int32_t, tokens_reload_ms, 1000,
           "How often the tokens file is checked for changes (modification time and size)");
+ABSL_FLAG(std::string, calibration_dir, "",
+          "Directory of calibration files (NAME.kvqcal, from kvq-eval --write_calibration) that "
+          "crq schemes name in CreateSequence; rescanned on SIGHUP and every "
+          "--calibration_reload_seconds (a file that fails validation is skipped and logged, the "
+          "version loaded before stays); empty: none");
+ABSL_FLAG(int32_t, calibration_reload_seconds, 60,
+          "How often --calibration_dir is rescanned; 0: only at start and on SIGHUP");
 
 namespace kvq {
 
@@ -199,6 +206,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
     return bad("tokens_reload_ms", reload_ms, "must be in [10, 3600000]");
   }
   c.tokens_reload_interval = absl::Milliseconds(reload_ms);
+  c.calibration_dir = absl::GetFlag(FLAGS_calibration_dir);
+  const int32_t calibration_reload = absl::GetFlag(FLAGS_calibration_reload_seconds);
+  if (calibration_reload < 0 || calibration_reload > 86400) {
+    return bad("calibration_reload_seconds", calibration_reload, "must be in [0, 86400]");
+  }
+  c.calibration_reload_interval = absl::Seconds(calibration_reload);
   return c;
 }
 

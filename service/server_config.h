@@ -24,6 +24,8 @@ struct ServerConfig {
   bool retain_message_buffers = true;  // RetainMessageBuffers() at start.
   std::string tokens_file;  // Empty: no tenants (every call is the default tenant).
   absl::Duration tokens_reload_interval = absl::Seconds(1);
+  std::string calibration_dir;  // Empty: no calibrations (service/calibrations.h).
+  absl::Duration calibration_reload_interval = absl::Seconds(60);  // Zero: SIGHUP only.
   StoreOptions store;
   DevicePoolConfig device_pool;  // --device_*: the pages' pool with --backend=cuda.
   ServiceOptions service;

@@ -8,7 +8,7 @@
 // (service/exposure_check.h).
 //
 // SIGTERM or SIGINT: stop accepting, let in-flight RPCs finish (up to
-// --shutdown_grace_seconds), exit 0.
+// --shutdown_grace_seconds), exit 0. SIGHUP: rescan --calibration_dir.
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -43,6 +43,26 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
+std::atomic<bool> g_rescan{false};
+void OnHangup(int) { g_rescan.store(true); }
+
+// Rescans the calibration directory and logs what changed (a file that
+// fails validation at every scan it fails).
+void ScanCalibrations(kvq::Calibrations& calibrations, kvq::Metrics* metrics) {
+  const kvq::Calibrations::ScanReport report = calibrations.Rescan();
+  for (const std::string& name : report.loaded) {
+    std::printf("kvq-server: calibration \"%s\" loaded\n", name.c_str());
+  }
+  for (const std::string& name : report.removed) {
+    std::printf("kvq-server: calibration \"%s\" unloaded: its file is gone\n", name.c_str());
+  }
+  for (const absl::Status& s : report.skipped) {
+    std::printf("kvq-server: calibration file skipped (a version loaded before stays): %s\n",
+                std::string(s.message()).c_str());
+  }
+  metrics->RecordCalibrationScan(calibrations.size(), report.skipped.size());
+  std::fflush(stdout);
+}
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "kvq-server: %s\n", std::string(s.message()).c_str());
@@ -129,10 +149,14 @@ int main(int argc, char** argv) {
     tenants = std::move(*t);
     tenants->AttachStore(store->get());
   }
+  // Loaded before the port opens, so the first CreateSequence finds them.
+  kvq::Calibrations calibrations(config->calibration_dir);
+  if (!config->calibration_dir.empty()) ScanCalibrations(calibrations, m);
   // Before the service: its open sessions close on them when it goes.
   std::unique_ptr<kvq::KvTransport> ipc_transport, nccl_transport;
   kvq::KvqService service(store->get(), m, config->service);
   service.set_tenants(tenants.get());
+  service.set_calibrations(&calibrations);
 #ifdef KVQ_HAVE_CUDA_TRANSPORT
   // Device payloads (docs/TRANSPORT.md) on GPU 0 when there is one;
   // without, AppendDevice / FetchDevice answer FAILED_PRECONDITION.
@@ -164,6 +188,7 @@ int main(int argc, char** argv) {
   // SIGTERM sent as soon as they appear must shut it down cleanly.
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
+  std::signal(SIGHUP, OnHangup);
   if (!config->port_file.empty()) {
     std::ofstream(config->port_file) << port << "\n";
   }
@@ -185,8 +210,15 @@ int main(int argc, char** argv) {
 
   absl::Time next_reap = absl::Now() + config->reaper_interval;
   absl::Time next_tokens = absl::Now() + config->tokens_reload_interval;
+  const bool reload_calibrations = config->calibration_reload_interval > absl::ZeroDuration();
+  absl::Time next_calibrations = absl::Now() + config->calibration_reload_interval;
   while (!g_stop.load()) {
     absl::SleepFor(absl::Milliseconds(50));
+    if (!config->calibration_dir.empty() &&
+        (g_rescan.exchange(false) || (reload_calibrations && absl::Now() >= next_calibrations))) {
+      ScanCalibrations(calibrations, m);
+      next_calibrations = absl::Now() + config->calibration_reload_interval;
+    }
     if (tenants && absl::Now() >= next_tokens) {
       // A file that does not parse keeps the table in force.
       absl::StatusOr<bool> reloaded = tenants->ReloadIfChanged();

@@ -32,6 +32,7 @@ const std::vector<FlagGroup>& Groups() {
       {"Limits",
        {"default_ttl_seconds", "max_ttl_seconds", "max_sequences", "max_message_bytes",
         "fetch_chunk_bytes"}},
+      {"Calibrations", {"calibration_dir", "calibration_reload_seconds"}},
   };
   return *groups;
 }

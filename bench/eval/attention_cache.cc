@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/calibration_file.h"
 #include "kernels/status_macros.h"
 
 namespace kvq::eval {
@@ -46,8 +47,12 @@ absl::StatusOr<EvalScheme> ParseEvalScheme(absl::string_view name, int num_layer
 
 absl::StatusOr<std::unique_ptr<KvqAttentionCache>> KvqAttentionCache::Create(
     const CacheShape& shape, const QuantSpec& spec, const std::vector<Codebook>* codebooks,
-    const KernelBackend* backend, LayerRange layers) {
+    const KernelBackend* backend, LayerRange layers, const ModelCalibration* calibration) {
   const int streams = shape.num_layers * shape.num_kv_heads;
+  if (calibration != nullptr) {
+    KVQ_RETURN_IF_ERROR(CheckCalibrationShape(*calibration, shape.num_layers, shape.num_kv_heads,
+                                              shape.head_dim));
+  }
   if (spec.nuq && (codebooks == nullptr || static_cast<int>(codebooks->size()) != streams)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "codebooks: scheme ", spec.ToString(), " needs one per layer and KV head (", streams,
@@ -61,8 +66,10 @@ absl::StatusOr<std::unique_ptr<KvqAttentionCache>> KvqAttentionCache::Create(
   for (int i = 0; i < streams; ++i) {
     const bool quantized = layers.Contains(i / shape.num_kv_heads);
     const Codebook* codebook = spec.nuq && quantized ? &(*codebooks)[i] : nullptr;
-    KVQ_ASSIGN_OR_RETURN(auto stream,
-                         KvStream::Create(quantized ? config : fp16, backend, nullptr, codebook));
+    const HeadCalibration* head =
+        calibration != nullptr && quantized ? &calibration->heads[i] : nullptr;
+    KVQ_ASSIGN_OR_RETURN(auto stream, KvStream::Create(quantized ? config : fp16, backend,
+                                                       nullptr, codebook, head));
     cache->streams_.push_back(std::move(stream));
   }
   return cache;

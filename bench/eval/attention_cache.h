@@ -75,14 +75,16 @@ struct EvalScheme {
 absl::StatusOr<EvalScheme> ParseEvalScheme(absl::string_view name, int num_layers);
 
 // In-process kvq streams. `codebooks` (nuq schemes): one per layer and KV
-// head, index layer * num_kv_heads + head. Layers outside `layers` store
+// head, index layer * num_kv_heads + head. `calibration` (crq schemes, of
+// `shape`) must outlive the cache. Layers outside `layers` store
 // fp16 (keys rotated by RoPE before they are stored when the scheme takes
 // them before RoPE, so the model sees one convention for every layer).
 class KvqAttentionCache : public AttentionCache {
  public:
   static absl::StatusOr<std::unique_ptr<KvqAttentionCache>> Create(
       const CacheShape& shape, const QuantSpec& spec, const std::vector<Codebook>* codebooks,
-      const KernelBackend* backend, LayerRange layers = {});
+      const KernelBackend* backend, LayerRange layers = {},
+      const ModelCalibration* calibration = nullptr);
 
   bool KeysBeforeRope() const override { return spec_.pre_rope; }
   absl::Status AppendAttend(int layer, int n, const float* k, const float* v, const float* q,

@@ -23,9 +23,9 @@ TensorView RowView(std::vector<float>& rows, int t, int count, int d) {
 
 absl::StatusOr<std::unique_ptr<DecodeFaithfulCache>> DecodeFaithfulCache::Create(
     const CacheShape& shape, const QuantSpec& spec, const std::vector<Codebook>* codebooks,
-    const KernelBackend* backend, LayerRange layers) {
-  KVQ_ASSIGN_OR_RETURN(auto streams,
-                       KvqAttentionCache::Create(shape, spec, codebooks, backend, layers));
+    const KernelBackend* backend, LayerRange layers, const ModelCalibration* calibration) {
+  KVQ_ASSIGN_OR_RETURN(auto streams, KvqAttentionCache::Create(shape, spec, codebooks, backend,
+                                                               layers, calibration));
   return std::unique_ptr<DecodeFaithfulCache>(new DecodeFaithfulCache(shape, std::move(streams)));
 }
 

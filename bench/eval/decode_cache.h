@@ -32,7 +32,8 @@ class DecodeFaithfulCache : public AttentionCache {
   // Same arguments as KvqAttentionCache::Create.
   static absl::StatusOr<std::unique_ptr<DecodeFaithfulCache>> Create(
       const CacheShape& shape, const QuantSpec& spec, const std::vector<Codebook>* codebooks,
-      const KernelBackend* backend, LayerRange layers = {});
+      const KernelBackend* backend, LayerRange layers = {},
+      const ModelCalibration* calibration = nullptr);
 
   bool KeysBeforeRope() const override { return streams_->KeysBeforeRope(); }
   absl::Status AppendAttend(int layer, int n, const float* k, const float* v, const float* q,

@@ -6,6 +6,7 @@
 //   kvq-eval --quick              # the short CI slice
 //   kvq-eval --json --out=r.json  # JSON rows (bench/eval/plot_quality.py)
 //   kvq-eval --server=host:port   # end-to-end: through a running kvq-server
+//   kvq-eval --write_calibration=cal/NAME.kvqcal   # the crq schemes' calibration
 #include <cblas.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -30,6 +31,7 @@
 #include "bench/eval/attention_cache.h"
 #include "bench/eval/bootstrap.h"
 #include "bench/eval/bpe_tokenizer.h"
+#include "bench/eval/calibration_stats.h"
 #include "bench/eval/decode_cache.h"
 #include "bench/eval/decode_metric.h"
 #include "bench/eval/eval_data.h"
@@ -40,6 +42,7 @@
 #include "client/kvq_client.h"
 #include "client/progress_bar.h"
 #include "kernels/build_info.h"
+#include "kernels/calibration_file.h"
 #include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, model, "", "GGUF model (default: the eval data dir's SmolLM2 file)");
@@ -47,8 +50,19 @@ ABSL_FLAG(std::string, data_dir, "", "Eval data dir (default: KVQ_EVAL_DATA or t
 ABSL_FLAG(std::vector<std::string>, corpora, {},
           "Evaluation corpora: names of <data_dir>/corpora/<name>.txt (default: every file but "
           "calibration.txt)");
-ABSL_FLAG(std::string, calibration, "calibration", "Corpus the nuq codebooks are learned from");
+ABSL_FLAG(std::string, calibration, "calibration",
+          "Corpus the nuq codebooks and the crq calibration are learned from (never an "
+          "evaluation corpus)");
 ABSL_FLAG(int, calib_tokens, 2048, "Calibration tokens");
+ABSL_FLAG(std::string, write_calibration, "",
+          "Compute the crq schemes' calibration from --calibration (fp16 cache) and write it to "
+          "this file (NAME.kvqcal, for kvq-server --calibration_dir), then exit");
+ABSL_FLAG(std::string, calibration_name, "",
+          "Name written into --write_calibration's file (default: its file name without "
+          ".kvqcal)");
+ABSL_FLAG(std::string, calibration_file, "",
+          "crq schemes: read the calibration from this file instead of computing it (with "
+          "--server, its name is the one the server is asked for)");
 ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({"512", "2048", "8192"}),
           "Window lengths in tokens");
 ABSL_FLAG(int, windows, 5, "Windows per corpus and context");
@@ -303,6 +317,51 @@ int Main(int argc, char** argv) {
 
   // Corpora and windows.
   const std::string corpus_dir = data_dir + "/corpora";
+  // The calibration text's first calib_tokens tokens: the nuq codebooks and
+  // the crq calibration are learned from them.
+  auto calibration_tokens = [&]() -> absl::StatusOr<std::vector<int32_t>> {
+    KVQ_ASSIGN_OR_RETURN(std::string text,
+                         ReadFile(corpus_dir + "/" + absl::GetFlag(FLAGS_calibration) + ".txt"));
+    std::vector<int32_t> tokens = tokenizer.Encode(absl::string_view(text).substr(0, 1 << 20));
+    if (static_cast<int>(tokens.size()) > calib_tokens) tokens.resize(calib_tokens);
+    return tokens;
+  };
+  const std::string model_file = std::filesystem::path(model_path).filename().string();
+  // The crq schemes' calibration: read from --calibration_file, or computed
+  // once per run.
+  std::unique_ptr<ModelCalibration> calibration;
+  auto get_calibration = [&](const std::string& name) -> absl::StatusOr<const ModelCalibration*> {
+    if (calibration != nullptr) return calibration.get();
+    if (!absl::GetFlag(FLAGS_calibration_file).empty()) {
+      KVQ_ASSIGN_OR_RETURN(CalibrationFile file,
+                           ReadCalibrationFile(absl::GetFlag(FLAGS_calibration_file)));
+      calibration = std::make_unique<ModelCalibration>(std::move(file.calibration));
+    } else {
+      KVQ_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, calibration_tokens());
+      KVQ_ASSIGN_OR_RETURN(ModelCalibration c, ComputeCalibration(model, tokens,
+                                                                  absl::GetFlag(FLAGS_chunk), name));
+      calibration = std::make_unique<ModelCalibration>(std::move(c));
+    }
+    return calibration.get();
+  };
+  if (!absl::GetFlag(FLAGS_write_calibration).empty()) {
+    const std::string path = absl::GetFlag(FLAGS_write_calibration);
+    std::string name = absl::GetFlag(FLAGS_calibration_name);
+    if (name.empty()) name = std::filesystem::path(path).stem().string();
+    auto c = get_calibration(name);
+    absl::Status st = c.ok() ? WriteCalibrationFile(path, **c, ModelFingerprint(model_file,
+                                                                                model.config()))
+                             : c.status();
+    if (!st.ok()) {
+      std::fprintf(stderr, "kvq-eval: --write_calibration: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    std::printf("kvq-eval: calibration \"%s\" (%d layers x %d KV heads x head_dim %d, from %s) "
+                "written to %s\n",
+                (*c)->name.c_str(), (*c)->num_layers, (*c)->num_kv_heads, (*c)->head_dim,
+                absl::GetFlag(FLAGS_calibration).c_str(), path.c_str());
+    return 0;
+  }
   if (corpora.empty()) {
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(corpus_dir, ec)) {
@@ -317,6 +376,12 @@ int Main(int argc, char** argv) {
                    corpus_dir.c_str());
       return 1;
     }
+  }
+  if (std::find(corpora.begin(), corpora.end(), absl::GetFlag(FLAGS_calibration)) !=
+      corpora.end()) {
+    std::fprintf(stderr, "kvq-eval: --corpora: %s is the calibration corpus (--calibration); "
+                 "evaluate on other text\n", absl::GetFlag(FLAGS_calibration).c_str());
+    return 2;
   }
   if (quick) corpora.resize(1);
   // --contexts= (empty) runs the passkey probe alone.
@@ -399,26 +464,37 @@ int Main(int argc, char** argv) {
     if (spec.nuq) {
       const std::string key = spec.ToString();
       if (!codebooks.count(key)) {
-        KVQ_ASSIGN_OR_RETURN(std::string text,
-                             ReadFile(corpus_dir + "/" + absl::GetFlag(FLAGS_calibration) + ".txt"));
-        std::vector<int32_t> tokens = tokenizer.Encode(absl::string_view(text).substr(0, 1 << 20));
-        if (static_cast<int>(tokens.size()) > calib_tokens) tokens.resize(calib_tokens);
+        KVQ_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, calibration_tokens());
         KVQ_ASSIGN_OR_RETURN(codebooks[key], LearnCodebooks(model, tokens, spec,
                                                             absl::GetFlag(FLAGS_chunk)));
       }
       cb = &codebooks[key];
     }
+    const ModelCalibration* cal = nullptr;
+    if (spec.is_crq()) {
+      if (client && absl::GetFlag(FLAGS_calibration_file).empty()) {
+        return absl::FailedPreconditionError(
+            "--server with a crq scheme needs --calibration_file: the file the server loaded "
+            "(--calibration_dir), so both sides use the same statistics");
+      }
+      const std::string name = absl::GetFlag(FLAGS_calibration_name).empty()
+                                   ? std::filesystem::path(model_file).stem().string()
+                                   : absl::GetFlag(FLAGS_calibration_name);
+      KVQ_ASSIGN_OR_RETURN(cal, get_calibration(name));
+    }
     if (decode) {
       KVQ_ASSIGN_OR_RETURN(auto cache, DecodeFaithfulCache::Create(shape, spec, cb, &CpuBackend(),
-                                                                   scheme.layers));
+                                                                   scheme.layers, cal));
       return std::unique_ptr<AttentionCache>(std::move(cache));
     }
     if (client) {
-      KVQ_ASSIGN_OR_RETURN(auto cache, RemoteAttentionCache::Create(client.get(), shape, spec, cb));
+      // The server holds the statistics: the sequence names them.
+      KVQ_ASSIGN_OR_RETURN(auto cache, RemoteAttentionCache::Create(client.get(), shape, spec, cb,
+                                                                    cal ? cal->name : ""));
       return std::unique_ptr<AttentionCache>(std::move(cache));
     }
-    KVQ_ASSIGN_OR_RETURN(auto cache,
-                         KvqAttentionCache::Create(shape, spec, cb, &CpuBackend(), scheme.layers));
+    KVQ_ASSIGN_OR_RETURN(auto cache, KvqAttentionCache::Create(shape, spec, cb, &CpuBackend(),
+                                                               scheme.layers, cal));
     return std::unique_ptr<AttentionCache>(std::move(cache));
   };
 

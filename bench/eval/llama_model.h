@@ -56,6 +56,11 @@ class LlamaModel {
   absl::Status Forward(absl::Span<const int32_t> tokens, AttentionCache* cache,
                        bool all_logits, std::vector<float>* logits);
 
+  // Layer `layer`'s attention output projection W_o, [hidden][q_heads *
+  // head_dim] row-major: column i weighs attention output channel i (value
+  // calibration weighs each value channel's error by these columns).
+  const std::vector<float>& output_projection(int layer) const { return layers_[layer].wo; }
+
  private:
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down;

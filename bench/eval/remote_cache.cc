@@ -35,11 +35,12 @@ std::vector<float> HeadsFirst(const float* x, int n, int heads, int d) {
 
 absl::StatusOr<std::unique_ptr<RemoteAttentionCache>> RemoteAttentionCache::Create(
     KvqClient* client, const CacheShape& shape, const QuantSpec& spec,
-    const std::vector<Codebook>* codebooks) {
+    const std::vector<Codebook>* codebooks, const std::string& calibration) {
   CreateOptions options;
   options.config.layout = ToLayout(shape);
   options.config.scheme = spec.ToString();
   if (spec.nuq && codebooks != nullptr) options.config.codebooks = *codebooks;
+  options.config.calibration = calibration;
   KVQ_ASSIGN_OR_RETURN(SequenceInfo info, client->CreateSequence(options));
   return std::unique_ptr<RemoteAttentionCache>(
       new RemoteAttentionCache(client, shape, spec, info.sequence_id));

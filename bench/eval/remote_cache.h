@@ -17,10 +17,11 @@ namespace kvq::eval {
 class RemoteAttentionCache : public AttentionCache {
  public:
   // Creates a sequence of `shape` in `scheme` (codebooks: nuq schemes, one
-  // per layer and KV head). The client must outlive the cache.
+  // per layer and KV head; calibration: crq schemes, the name of one the
+  // server has loaded). The client must outlive the cache.
   static absl::StatusOr<std::unique_ptr<RemoteAttentionCache>> Create(
       KvqClient* client, const CacheShape& shape, const QuantSpec& spec,
-      const std::vector<Codebook>* codebooks);
+      const std::vector<Codebook>* codebooks, const std::string& calibration = "");
   ~RemoteAttentionCache() override;  // Releases the sequence.
 
   bool KeysBeforeRope() const override { return spec_.pre_rope; }

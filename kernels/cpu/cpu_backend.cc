@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/crq_cpu.h"
 #include "kernels/cpu/ref_kernels.h"
 #include "kernels/cpu/simd_dispatch.h"
 #include "kernels/cpu/simd_kernels.h"
@@ -96,6 +97,10 @@ class CpuBackendImpl final : public KernelBackend {
 
   void QuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) const override {
+    if (s.layout().side(side).format == CodeFormat::kCrq) {
+      cpu::QuantizeCrqRows(s, side, rows, n, page, row0);
+      return;
+    }
     if (!cpu::QuantizeRowsSimd(s, side, rows, n, page, row0)) {
       QuantizeRowsRef(s, side, rows, n, page, row0);
     }
@@ -103,16 +108,22 @@ class CpuBackendImpl final : public KernelBackend {
 
   bool QuantizeRowsHalf(const KvStream& s, Side side, const uint16_t* rows, int n,
                         uint8_t* page, int row0) const override {
+    if (s.layout().side(side).format == CodeFormat::kCrq) return false;
     return cpu::QuantizeRowsHalfSimd(s, side, rows, n, page, row0);
   }
 
   void DequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                       float* out) const override {
+    if (s.layout().side(side).format == CodeFormat::kCrq) {
+      cpu::DequantizeCrqRows(s, side, page, row0, n, out);
+      return;
+    }
     cpu::DequantizeRowsSimd(s, side, page, row0, n, out);
   }
 
   bool DequantizeRowsHalf(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                           uint16_t* out, size_t stride) const override {
+    if (s.layout().side(side).format == CodeFormat::kCrq) return false;
     return cpu::DequantizeRowsHalfSimd(s, side, page, row0, n, out, stride);
   }
 
@@ -133,6 +144,17 @@ class CpuBackendImpl final : public KernelBackend {
   absl::Status Attend(absl::Span<const AttentionTask> tasks,
                       const AttentionOptions& options) const override {
     if (absl::Status st = ValidateAttention(tasks, options); !st.ok()) return st;
+    if (std::any_of(tasks.begin(), tasks.end(),
+                    [](const AttentionTask& t) { return t.stream->crq() != nullptr; })) {
+      // crq attends in its coded space (crq_cpu.h); the other tasks as below.
+      std::vector<AttentionTask> crq, other;
+      for (const AttentionTask& t : tasks) (t.stream->crq() ? crq : other).push_back(t);
+      cpu::AttendCrq(crq, options);
+      if (!other.empty()) {
+        if (absl::Status st = Attend(other, options); !st.ok()) return st;
+      }
+      return CheckAttentionResults(tasks, options);
+    }
     CallScratch& cs = ThreadCallScratch();
     const int group = options.group_size;
 

@@ -12,7 +12,9 @@
 #include "kernels/cpu/ref_kernels.h"
 #include "kernels/cpu/quant_math.h"
 #include "kernels/cpu/range_fit.h"
+#include "kernels/crq_transform.h"
 #include "kernels/group_params.h"
+#include "kernels/lloyd_max.h"
 #include "kernels/numeric.h"
 
 namespace kvq {
@@ -168,6 +170,155 @@ void DequantizeAffineRef(const KvStream& s, Side side, const uint8_t* page, int 
   }
 }
 
+// crq: each row's coordinates coded to the nearest Lloyd-Max level of
+// their width after dividing by sigma = ||y|| / sqrt(d), with the
+// least-squares gain; sums in fp64 and an explicit nearest-level search.
+void QuantizeCrqRef(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
+                    int row0) {
+  const SideLayout& S = s.layout().side(side);
+  const int d = s.head_dim();
+  const int h = d / 2;
+  const int bits[2] = {(S.half_bits + 1) / 2, S.half_bits / 2};
+  std::vector<uint8_t> codes(d);
+  for (int r = 0; r < n; ++r) {
+    const float* y = rows + static_cast<size_t>(r) * d;
+    double sq = 0.0;
+    for (int c = 0; c < d; ++c) sq += static_cast<double>(y[c]) * y[c];
+    const double sigma = std::sqrt(sq / d);
+    double yc = 0.0, cc = 0.0;
+    for (int c = 0; c < d; ++c) {
+      const std::vector<float>& levels = LloydMax(bits[c < h ? 0 : 1]).levels;
+      const double x = sigma > 0.0 ? y[c] / sigma : 0.0;
+      int best = 0;
+      for (int i = 1; i < static_cast<int>(levels.size()); ++i) {
+        if (std::fabs(x - levels[i]) < std::fabs(x - levels[best])) best = i;
+      }
+      codes[c] = static_cast<uint8_t>(best);
+      yc += static_cast<double>(y[c]) * levels[best];
+      cc += static_cast<double>(levels[best]) * levels[best];
+    }
+    uint8_t* row = PageLayout::CodeRow(page, S, row0 + r);
+    PackCodes(codes.data(), h, bits[0], row);
+    PackCodes(codes.data() + h, h, bits[1], row + h * bits[0] / 8);
+    *PageLayout::Gain(page, S, row0 + r) =
+        FloatToHalf(sq > 0.0 ? static_cast<float>(yc / cc) : 0.0f);
+  }
+}
+
+void DequantizeCrqRef(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
+                      float* out) {
+  const SideLayout& S = s.layout().side(side);
+  const int d = s.head_dim();
+  const int h = d / 2;
+  const int bits[2] = {(S.half_bits + 1) / 2, S.half_bits / 2};
+  std::vector<uint8_t> codes(d);
+  for (int r = 0; r < n; ++r) {
+    const uint8_t* row = PageLayout::CodeRow(page, S, row0 + r);
+    UnpackCodes(row, h, bits[0], codes.data());
+    UnpackCodes(row + h * bits[0] / 8, h, bits[1], codes.data() + h);
+    const float gain = HalfToFloat(*PageLayout::Gain(page, S, row0 + r));
+    for (int c = 0; c < d; ++c) {
+      out[static_cast<size_t>(r) * d + c] = gain * LloydMax(bits[c < h ? 0 : 1]).levels[codes[c]];
+    }
+  }
+}
+
+// crq attention in the coded space, fp64 (docs/KERNELS.md, "crq"): per
+// query q' = H (s_k q) once; a coded key's score is q . R_t mu_k +
+// q' . y_t, its value is accumulated as p_t y_t and mapped back once
+// (s_v H^T (sum) + mu_v sum p). Sink and tail rows take the fp16 path.
+void AttendCrqRef(const AttentionTask& task, const AttentionOptions& options) {
+  const KvStream& s = *task.stream;
+  const CrqTransform& T = *s.crq();
+  const HeadCalibration& cal = T.calibration();
+  const Rope& rope = T.rope();
+  const int d = s.head_dim();
+  const int pt = s.layout().page_tokens;
+  const int pairs = rope.rotary_dim() / 2;
+  const int begin = task.key_begin;
+  const int end = task.key_end == -1 ? s.num_tokens() : task.key_end;
+  const double scale = SoftmaxScale(options, d);
+  std::vector<float> q(d), qr(d), row(d);
+  std::vector<double> a(pairs), b(pairs), scores, acc(d), acc_coded(d);
+  std::vector<char> rotates(d, 0);
+  for (int j = 0; j < pairs; ++j) rotates[rope.First(j)] = rotates[rope.Second(j)] = 1;
+  auto coded = [&](int t) {
+    return t >= s.sink_tokens() && t - s.page_base() < s.quantized_tokens();
+  };
+  // The coded row of token t: g * level[code], in the coded coordinates.
+  auto coded_row = [&](Side side, int t, float* out) {
+    const int u = t - s.page_base();
+    DequantizeCrqRef(s, side, s.page(u / pt), u % pt, 1, out);
+  };
+  for (int i = 0; i < task.num_queries; ++i) {
+    const int visible_end = task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
+    for (int g = 0; g < options.group_size; ++g) {
+      const float* qsrc = task.q + static_cast<size_t>(i) * task.q_stride + g * d;
+      std::copy(qsrc, qsrc + d, q.begin());
+      for (int c = 0; c < d; ++c) qr[c] = q[c] * cal.key_scale[c];
+      T.rotation().Forward(qr.data());
+      double fixed = 0.0;  // Channels that do not rotate.
+      for (int c = 0; c < d; ++c) {
+        if (!rotates[c]) fixed += static_cast<double>(q[c]) * cal.key_mean[c];
+      }
+      for (int j = 0; j < pairs; ++j) {
+        const int f = rope.First(j), sc = rope.Second(j);
+        a[j] = static_cast<double>(q[f]) * cal.key_mean[f] + static_cast<double>(q[sc]) * cal.key_mean[sc];
+        b[j] = static_cast<double>(q[sc]) * cal.key_mean[f] - static_cast<double>(q[f]) * cal.key_mean[sc];
+      }
+      float* out = task.out + static_cast<size_t>(i) * task.out_stride + g * d;
+      float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
+      scores.clear();
+      double max_score = -std::numeric_limits<double>::infinity();
+      for (int t = begin; t < visible_end; ++t) {
+        double dot = 0.0;
+        if (coded(t)) {
+          coded_row(Side::kKey, t, row.data());
+          dot = fixed;
+          for (int j = 0; j < pairs; ++j) {
+            const double angle = rope.Angle(j, t);
+            dot += a[j] * std::cos(angle) + b[j] * std::sin(angle);
+          }
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(qr[c]) * row[c];
+        } else {
+          s.ReadStoredRow(Side::kKey, t, row.data());
+          rope.Apply(row.data(), t);
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * row[c];
+        }
+        scores.push_back(dot * scale);
+        max_score = std::max(max_score, scores.back());
+      }
+      if (scores.empty()) {
+        std::fill(out, out + d, 0.0f);
+        *lse = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      std::fill(acc_coded.begin(), acc_coded.end(), 0.0);
+      double sum = 0.0, sum_coded = 0.0;
+      for (int t = begin; t < visible_end; ++t) {
+        const double p = std::exp(scores[t - begin] - max_score);
+        sum += p;
+        if (coded(t)) {
+          sum_coded += p;
+          coded_row(Side::kValue, t, row.data());
+          for (int c = 0; c < d; ++c) acc_coded[c] += p * row[c];
+        } else {
+          s.ReadStoredRow(Side::kValue, t, row.data());
+          for (int c = 0; c < d; ++c) acc[c] += p * row[c];
+        }
+      }
+      for (int c = 0; c < d; ++c) row[c] = static_cast<float>(acc_coded[c] / sum);
+      T.rotation().Inverse(row.data());
+      for (int c = 0; c < d; ++c) {
+        out[c] = static_cast<float>(acc[c] / sum + cal.value_mean[c] * (sum_coded / sum) +
+                                    static_cast<double>(cal.value_scale[c]) * row[c]);
+      }
+      *lse = static_cast<float>(max_score + std::log(sum));
+    }
+  }
+}
+
 }  // namespace
 
 void QuantizeRowsRef(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
@@ -194,6 +345,9 @@ void QuantizeRowsRef(const KvStream& s, Side side, const float* rows, int n, uin
     case CodeFormat::kInt8:
     case CodeFormat::kPacked:
       QuantizeAffineRef(s, side, rows, n, page, row0);
+      return;
+    case CodeFormat::kCrq:
+      QuantizeCrqRef(s, side, rows, n, page, row0);
       return;
   }
 }
@@ -223,10 +377,17 @@ void DequantizeRowsRef(const KvStream& s, Side side, const uint8_t* page, int ro
     case CodeFormat::kPacked:
       DequantizeAffineRef(s, side, page, row0, n, out);
       return;
+    case CodeFormat::kCrq:
+      DequantizeCrqRef(s, side, page, row0, n, out);
+      return;
   }
 }
 
 void AttendRef(const AttentionTask& task, const AttentionOptions& options) {
+  if (task.stream->crq() != nullptr) {
+    AttendCrqRef(task, options);
+    return;
+  }
   const KvStream& s = *task.stream;
   const int d = s.head_dim();
   const int begin = task.key_begin;

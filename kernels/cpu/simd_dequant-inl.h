@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/crq_cpu.h"
 #include "kernels/group_params.h"
 #include "kernels/kv_stream.h"
 #include "kernels/numeric.h"
@@ -562,6 +563,9 @@ inline HWY_NOINLINE void DequantRows(SideContext& ctx, const uint8_t* HWY_RESTRI
     case CodeFormat::kInt8:
     case CodeFormat::kPacked:
       DequantAffineRows(ctx, page, row0, n, out);
+      return;
+    case CodeFormat::kCrq:
+      ::kvq::cpu::DequantizeCrqRows(s, ctx.side, page, row0, n, out);
       return;
   }
 }

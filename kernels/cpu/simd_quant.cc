@@ -763,6 +763,8 @@ bool QuantizeRowsImpl(const KvStream& s, Side side, const float* rows, int n, ui
       return true;
     }
     case CodeFormat::kInt8:
+    case CodeFormat::kCrq:
+      return false;  // cpu_backend.cc sends crq to crq_cpu.h.
     case CodeFormat::kPacked:
       if (s.spec().nuq) return false;
       QuantizeAffine(s, side, rows, n, page, row0);

@@ -351,6 +351,13 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
   return absl::OkStatus();
 }
 
+// crq has no device kernels yet: every call on a crq stream fails with
+// this (an append is then undone, backend.h's Synchronize contract).
+absl::Status CrqRefusal() {
+  return absl::UnimplementedError(
+      "the cuda backend has no crq kernels yet; crq runs on the cpu and cuda_host backends");
+}
+
 class CudaBackendImpl final : public KernelBackend {
  public:
   absl::string_view name() const override { return "cuda"; }
@@ -359,11 +366,13 @@ class CudaBackendImpl final : public KernelBackend {
 
   void QuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) const override {
+    if (s.crq() != nullptr) return Record(CrqRefusal());
     Record(QuantizeOnDevice(s, side, rows, sizeof(float), DeviceRowType::kFloat32, n, page, row0));
   }
 
   bool QuantizeRowsHalf(const KvStream& s, Side side, const uint16_t* rows, int n, uint8_t* page,
                         int row0) const override {
+    if (s.crq() != nullptr) return false;
     Record(QuantizeOnDevice(s, side, rows, sizeof(uint16_t), DeviceRowType::kFloat16, n, page,
                             row0));
     return true;
@@ -371,12 +380,14 @@ class CudaBackendImpl final : public KernelBackend {
 
   void DequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                       float* out) const override {
+    if (s.crq() != nullptr) return Record(CrqRefusal());
     Record(DequantizeOnDevice(s, side, page, row0, n, DeviceRowType::kFloat32, sizeof(float), out,
                               s.head_dim()));
   }
 
   bool DequantizeRowsHalf(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                           uint16_t* out, size_t stride) const override {
+    if (s.crq() != nullptr) return false;
     Record(DequantizeOnDevice(s, side, page, row0, n, DeviceRowType::kFloat16, sizeof(uint16_t),
                               out, stride));
     return true;
@@ -393,6 +404,7 @@ class CudaBackendImpl final : public KernelBackend {
                       const AttentionOptions& options) const override {
     KVQ_RETURN_IF_ERROR(ValidateAttention(tasks, options));
     for (const AttentionTask& t : tasks) {
+      if (t.stream->crq() != nullptr) return CrqRefusal();
       if (!DecodeAttentionTakesHeadDim(t.stream->head_dim())) {
         return absl::InvalidArgumentError(absl::StrCat(
             "the cuda backend's attention takes head_dim 64, 96, 128 or 256; got ",
@@ -424,6 +436,9 @@ absl::StatusOr<std::vector<double>> TimeDeviceAttention(absl::Span<const Attenti
                                                         int warmup, int reps) {
   KVQ_RETURN_IF_ERROR(ValidateAttention(tasks, options));
   if (tasks.empty()) return absl::InvalidArgumentError("timed attention: no tasks");
+  for (const AttentionTask& t : tasks) {
+    if (t.stream->crq() != nullptr) return CrqRefusal();
+  }
   const KvStream& first = *tasks.front().stream;
   std::vector<int> which;
   for (size_t i = 0; i < tasks.size(); ++i) {

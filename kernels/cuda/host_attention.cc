@@ -131,6 +131,10 @@ absl::Status HostAttend(absl::Span<const AttentionTask> tasks, const AttentionOp
   HostStreamView view;
   const KvStream* filled = nullptr;
   for (const AttentionTask& task : tasks) {
+    if (task.stream->crq() != nullptr) {
+      HostAttendCrq(task, options);
+      continue;
+    }
     if (task.stream != filled) {
       FillView(*task.stream, &view);
       filled = task.stream;

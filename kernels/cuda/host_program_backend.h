@@ -27,6 +27,8 @@ void HostQuantizeRows(const KvStream& s, Side side, const float* rows, int n, ui
 void HostDequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                         float* out);
 absl::Status HostAttend(absl::Span<const AttentionTask> tasks, const AttentionOptions& options);
+// One crq task (host_crq_attention.cc); HostAttend sends crq tasks there.
+void HostAttendCrq(const AttentionTask& task, const AttentionOptions& options);
 
 }  // namespace kvq
 

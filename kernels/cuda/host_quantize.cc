@@ -8,6 +8,8 @@
 #include "kernels/hd/dequant_hd.h"
 #include "kernels/cuda/host_program_backend.h"
 #include "kernels/hd/quant_hd.h"
+#include "kernels/hd/crq_hd.h"
+#include "kernels/crq_transform.h"
 #include "kernels/cuda/stream_view_host.h"
 #include "kernels/cpu/range_fit.h"
 #include "kernels/kv_stream.h"
@@ -149,6 +151,16 @@ void HostQuantizeRows(const KvStream& s, Side side, const float* rows, int n, ui
     case CodeFormat::kInt8:
     case CodeFormat::kPacked:
       break;
+    case CodeFormat::kCrq: {
+      const hd::CrqCodebooks& cb = CrqCodebooks();
+      std::vector<uint8_t> codes(d);
+      for (int r = 0; r < n; ++r) {
+        hd::CrqStoreRow(rows + static_cast<size_t>(r) * d, d, S.half_bits, cb, codes.data(),
+                        PageLayout::CodeRow(page, S, row0 + r),
+                        reinterpret_cast<uint8_t*>(PageLayout::Gain(page, S, row0 + r)));
+      }
+      return;
+    }
   }
   const std::vector<float> levels = LevelsAsFloats(s, side);
   const int g = L.block_tokens;
@@ -160,6 +172,20 @@ void HostQuantizeRows(const KvStream& s, Side side, const float* rows, int n, ui
 
 void HostDequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                         float* out) {
+  const SideLayout& S = s.layout().side(side);
+  if (S.format == CodeFormat::kCrq) {
+    const int d = s.head_dim();
+    const hd::CrqCodebooks& cb = CrqCodebooks();
+    for (int r = 0; r < n; ++r) {
+      const uint8_t* row = PageLayout::CodeRow(page, S, row0 + r);
+      const float gain = hd::HalfToFloat(
+          hd::LoadHalfBits(reinterpret_cast<const uint8_t*>(PageLayout::Gain(page, S, row0 + r))));
+      for (int c = 0; c < d; ++c) {
+        out[static_cast<size_t>(r) * d + c] = hd::CrqDequant(row, d, S.half_bits, gain, cb, c);
+      }
+    }
+    return;
+  }
   const std::vector<float> levels = LevelsAsFloats(s, side);
   hd::DequantRows(s.layout(), side, page, row0, n,
                   ExtrasFor(s, side, levels.empty() ? nullptr : levels.data()), out);

@@ -165,6 +165,10 @@ KVQ_HD float DequantCode(const SideLayout& S, const uint8_t* code_row, int c, co
     case CodeFormat::kInt8:
     case CodeFormat::kPacked:
       break;
+    case CodeFormat::kCrq:
+      // A crq row's element needs its row's gain: CrqDequant (crq_hd.h),
+      // which every backend calls for kCrq instead of this.
+      return 0.0f;
   }
   const int code = CodeFrom(code_row, pos);
   const float level =

@@ -21,7 +21,8 @@ TEST(CommandLineTest, ServerHelpListsItsFlagsGroupedWithDefaults) {
   // The groups, in order.
   size_t at = 0;
   for (const char* group :
-       {"\nListening:\n", "\nBackend and pool:\n", "\nSecurity:\n", "\nLimits:\n"}) {
+       {"\nListening:\n", "\nBackend and pool:\n", "\nSecurity:\n", "\nLimits:\n",
+        "\nCalibrations:\n"}) {
     const size_t found = out.find(group, at);
     ASSERT_NE(found, std::string::npos) << group << " (in order) in:\n" << out;
     at = found;
@@ -45,6 +46,11 @@ TEST(CommandLineTest, ServerHelpListsItsFlagsGroupedWithDefaults) {
   EXPECT_TRUE(absl::StrContains(section("Limits"), "--max_message_bytes (default: 67108864)"))
       << out;
   EXPECT_TRUE(absl::StrContains(out, "Largest idle lease a client may ask for")) << out;
+  EXPECT_TRUE(absl::StrContains(section("Calibrations"), "--calibration_dir (default: \"\")"))
+      << out;
+  EXPECT_TRUE(
+      absl::StrContains(section("Calibrations"), "--calibration_reload_seconds (default: 60)"))
+      << out;
 }
 
 TEST(CommandLineTest, EveryBinaryPrintsItsVersionRevisionBackendsAndSimdTarget) {

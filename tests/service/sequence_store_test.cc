@@ -58,7 +58,7 @@ TEST(SequenceStoreTest, CreateRejectsBadInputWithTheField) {
   CreateSequenceArgs a = Args("a", "kivi5");
   EXPECT_EQ(store->Create(a).status().message(),
             "scheme \"kivi5\": unknown base scheme \"kivi5\"; expected one of fp16, bf16, int8, "
-            "fp8_e4m3, kivi4, kivi3, kivi2");
+            "fp8_e4m3, kivi4, kivi3, kivi2, crq<K> (K in 2, 2.5, 3, 3.5, 4)");
   a = Args("a");
   a.shape.num_q_heads = 3;
   EXPECT_EQ(store->Create(a).status().message(),

@@ -27,13 +27,18 @@ TEST(QuantSpecTest, ParsesAndPrintsCanonicalForm) {
 }
 
 TEST(QuantSpecTest, EveryBaseNameParsesAndRoundTrips) {
-  const std::vector<std::string> expected = {"fp16",  "bf16",  "int8", "fp8_e4m3",
-                                             "kivi4", "kivi3", "kivi2"};
+  const std::vector<std::string> expected = {
+      "fp16", "bf16", "int8",   "fp8_e4m3", "kivi4", "kivi3",
+      "kivi2", "crq4", "crq3.5", "crq3",    "crq2.5", "crq2"};
   EXPECT_EQ(SchemeNames(), expected) << "SchemeNames() changed order or content";
   for (const std::string& name : SchemeNames()) {
-    const QuantSpec spec = MustParse(name);
+    const bool crq = name.substr(0, 3) == "crq";
+    // crq needs pre_rope (its calibrated key means are pre-RoPE).
+    const QuantSpec spec = MustParse(crq ? name + ":pre_rope" : name);
     const std::string printed = spec.ToString();
-    if (spec.is_kivi()) {
+    if (crq) {
+      EXPECT_EQ(printed, name + ":r128:pre_rope") << "crq prints r canonically";
+    } else if (spec.is_kivi()) {
       EXPECT_EQ(printed, name + ":g32:r128") << "kivi prints g and r canonically";
     } else {
       EXPECT_EQ(printed, name) << "non-kivi base prints as its name";
@@ -157,11 +162,11 @@ TEST(QuantSpecTest, OutlierPercentPrintsSoItReadsBackTheSame) {
 
 TEST(QuantSpecTest, RejectsUnknownBase) {
   ExpectParseError("int4", "scheme \"int4\": unknown base scheme \"int4\"; expected one of fp16, "
-                           "bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2");
+                           "bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2, crq<K> (K in 2, 2.5, 3, 3.5, 4)");
   ExpectParseError("", "scheme \"\": unknown base scheme \"\"; expected one of fp16, bf16, int8, "
-                       "fp8_e4m3, kivi4, kivi3, kivi2");
+                       "fp8_e4m3, kivi4, kivi3, kivi2, crq<K> (K in 2, 2.5, 3, 3.5, 4)");
   ExpectParseError("KIVI2", "scheme \"KIVI2\": unknown base scheme \"KIVI2\"; expected one of "
-                            "fp16, bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2");
+                            "fp16, bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2, crq<K> (K in 2, 2.5, 3, 3.5, 4)");
 }
 
 TEST(QuantSpecTest, RejectsUnknownOption) {
@@ -266,6 +271,115 @@ TEST(QuantSpecTest, RejectsBadValueBits) {
   EXPECT_TRUE(MustParse("kivi4:v4:nuq").nuq) << "equal bits are not a mix";
 }
 
+TEST(QuantSpecTest, CrqWidthsAndOptions) {
+  struct Case {
+    const char* text;
+    int key_half_bits;
+    int value_half_bits;  // As stored: 0 when equal to the keys.
+    const char* canonical;
+  };
+  for (const Case& c : {
+           Case{"crq2:pre_rope", 4, 0, "crq2:r128:pre_rope"},
+           Case{"crq2.5:pre_rope", 5, 0, "crq2.5:r128:pre_rope"},
+           Case{"crq3:pre_rope", 6, 0, "crq3:r128:pre_rope"},
+           Case{"crq3.5:pre_rope", 7, 0, "crq3.5:r128:pre_rope"},
+           Case{"crq4:pre_rope", 8, 0, "crq4:r128:pre_rope"},
+           Case{"crq3:v2.5:pre_rope", 6, 5, "crq3:v2.5:r128:pre_rope"},
+           Case{"crq3:v3:pre_rope", 6, 0, "crq3:r128:pre_rope"},
+           Case{"crq2.5:sink=4:pre_rope:r0:v4", 5, 8, "crq2.5:v4:r0:pre_rope:sink=4"},
+           Case{"crq4:r64:pre_rope:sink=0", 8, 0, "crq4:r64:pre_rope"},
+           Case{"crq3:r4096:pre_rope:sink=1024", 6, 0, "crq3:r4096:pre_rope:sink=1024"},
+       }) {
+    const QuantSpec s = MustParse(c.text);
+    EXPECT_EQ(s.kind, SchemeKind::kCrq) << c.text;
+    EXPECT_TRUE(s.is_crq()) << c.text;
+    EXPECT_FALSE(s.is_kivi()) << c.text;
+    EXPECT_EQ(s.bits, 0) << c.text << ": crq's widths are in the half-bit fields";
+    EXPECT_EQ(s.key_half_bits, c.key_half_bits) << c.text;
+    EXPECT_EQ(s.value_half_bits, c.value_half_bits) << c.text;
+    EXPECT_EQ(s.crq_half_bits(true), c.key_half_bits) << c.text;
+    EXPECT_EQ(s.crq_half_bits(false), c.value_half_bits ? c.value_half_bits : c.key_half_bits)
+        << c.text;
+    EXPECT_EQ(s.ToString(), c.canonical) << c.text;
+    EXPECT_EQ(MustParse(s.ToString()), s) << "round trip of " << c.text;
+  }
+  EXPECT_EQ(MustParse("crq3:pre_rope").residual, 128) << "default r";
+  EXPECT_EQ(MustParse("crq3:r64:pre_rope").flush_tokens(), 64);
+  EXPECT_TRUE(MustParse("crq3:r64:pre_rope").has_tail());
+  EXPECT_EQ(MustParse("crq3:r0:pre_rope").flush_tokens(), 1) << "r0 quantizes on append";
+  EXPECT_FALSE(MustParse("crq3:r0:pre_rope").has_tail());
+  EXPECT_TRUE(MustParse("kivi2:r0").has_tail()) << "kivi keeps its unfinished group";
+  EXPECT_FALSE(MustParse("int8").has_tail());
+}
+
+TEST(QuantSpecTest, CrqRefusesOtherOptionsNamingThem) {
+  const std::string takes = " does not apply to crq; crq takes vV, rN, sink=S and pre_rope";
+  for (const char* opt : {"g64", "fit", "p8", "p16", "outliers=1", "nuq", "rotate", "ktok", "x"}) {
+    const std::string text = std::string("crq3:pre_rope:") + opt;
+    ExpectParseError(text, "scheme \"" + text + "\": option \"" + opt + "\"" + takes);
+  }
+  ExpectParseError("crq3", "scheme \"crq3\": crq needs pre_rope: its calibrated key means are "
+                           "pre-RoPE, so keys are appended before RoPE (write crq...:pre_rope)");
+  ExpectParseError("crq3:r0", "scheme \"crq3:r0\": crq needs pre_rope: its calibrated key means "
+                              "are pre-RoPE, so keys are appended before RoPE (write "
+                              "crq...:pre_rope)");
+  const std::string bases = "; expected one of fp16, bf16, int8, fp8_e4m3, kivi4, kivi3, kivi2, "
+                            "crq<K> (K in 2, 2.5, 3, 3.5, 4)";
+  for (const char* base : {"crq1", "crq5", "crq2.0", "crq2.25", "crq", "crq3.", "crq.5", "crq-3"}) {
+    ExpectParseError(base, std::string("scheme \"") + base + "\": unknown base scheme \"" + base +
+                               "\"" + bases);
+  }
+  const std::string vbad = "crq value bits v must be 2, 2.5, 3, 3.5 or 4, e.g. v2.5";
+  for (const char* v : {"v1", "v5", "v2.0", "v3.25", "v4x"}) {
+    const std::string text = std::string("crq3:pre_rope:") + v;
+    ExpectParseError(text, "scheme \"" + text + "\": " + vbad);
+  }
+  ExpectParseError("crq3:pre_rope:r-1", "scheme \"crq3:pre_rope:r-1\": option \"r-1\"" + takes);
+  ExpectParseError("crq3:pre_rope:r5000",
+                   "scheme \"crq3:pre_rope:r5000\": residual r must be in [0, 4096], got 5000");
+  ExpectParseError("crq3:pre_rope:r1.5",
+                   "scheme \"crq3:pre_rope:r1.5\": r needs an integer, e.g. r128");
+  ExpectParseError("crq3:pre_rope:sink=2000",
+                   "scheme \"crq3:pre_rope:sink=2000\": sink must be in [0, 1024], got 2000");
+  ExpectParseError("crq3:pre_rope:r0:r8",
+                   "scheme \"crq3:pre_rope:r0:r8\": option \"r\" given twice");
+  ExpectParseError("crq3:pre_rope:pre_rope",
+                   "scheme \"crq3:pre_rope:pre_rope\": option \"pre_rope\" given twice");
+  ExpectParseError("crq3:v2:v4:pre_rope",
+                   "scheme \"crq3:v2:v4:pre_rope\": option \"v\" given twice");
+}
+
+TEST(QuantSpecTest, CrqValidateNamesWhatIsWrong) {
+  const QuantSpec good = MustParse("crq2.5:pre_rope");
+  auto expect = [](const QuantSpec& s, const std::string& message) {
+    const absl::Status st = s.Validate();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_EQ(st.message(), message);
+  };
+  QuantSpec s = good;
+  s.key_half_bits = 3;
+  expect(s, "crq key bits must be 2, 2.5, 3, 3.5 or 4, got 3 half bits");
+  s = good;
+  s.value_half_bits = 9;
+  expect(s, "crq value bits v must be 2, 2.5, 3, 3.5 or 4, got 9 half bits");
+  s = good;
+  s.value_half_bits = 5;
+  expect(s, "crq value bits equal to the key bits (2.5) are written as value_half_bits = 0");
+  s = good;
+  s.bits = 3;
+  expect(s, "crq keeps its widths in key_half_bits/value_half_bits; bits and vbits must be 0, "
+            "got 3 and 0");
+  s = good;
+  s.group = 64;
+  expect(s, "option g does not apply to crq; crq takes vV, rN, sink=S and pre_rope");
+  s = good;
+  s.rotate = true;
+  expect(s, "option rotate does not apply to crq; crq takes vV, rN, sink=S and pre_rope");
+  s = good;
+  s.key_axis = KeyAxis::kPerToken;
+  expect(s, "option ktok does not apply to crq; crq takes vV, rN, sink=S and pre_rope");
+}
+
 void ExpectValidateError(const QuantSpec& s, const std::string& message) {
   const absl::Status st = s.Validate();
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << s.ToString();
@@ -296,7 +410,8 @@ TEST(QuantSpecTest, RandomStringsParseOrFailCleanly) {
       "kivi2", "kivi3", "kivi4", "int8", "fp16", "bf16", "fp8_e4m3", "fp8", "g32", "g16", "g0",
       "g1024", "r128", "r0", "r32", "r-1", "pre_rope", "outliers=1", "outliers=0.5",
       "outliers=-1", "outliers=x", "sink=4", "sink=999999999999", "nuq", "rotate", "ktok",
-      "p8", "fit", "v2", "v3", "v4", "v9", "", "=", ":"};
+      "p8", "fit", "v2", "v3", "v4", "v9", "", "=", ":", "crq2.5", "crq3", "crq4", "v2.5",
+      "v3.5"};
   std::mt19937_64 rng(11);
   int accepted = 0;
   auto check = [&](const std::string& text) {
@@ -312,7 +427,8 @@ TEST(QuantSpecTest, RandomStringsParseOrFailCleanly) {
     EXPECT_EQ(again->ToString(), canonical) << "\"" << text << "\"";
   };
   for (int trial = 0; trial < 4000; ++trial) {
-    std::string text = pieces[rng() % 8];
+    const size_t base = rng() % 10;
+    std::string text = pieces[base < 8 ? base : pieces.size() - 5 + base - 8];
     for (int n = static_cast<int>(rng() % 5); n > 0; --n) text += ":" + pieces[rng() % pieces.size()];
     if (rng() % 4 == 0 && !text.empty()) text[rng() % text.size()] = static_cast<char>(rng() % 128);
     check(text);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/codebook_learner.h"
+#include "kernels/crq_transform.h"
 #include "kernels/cpu/range_fit.h"
 #include "kernels/group_params.h"
 #include "kernels/numeric.h"
@@ -234,9 +235,27 @@ Codebook LearnTestCodebook(const StreamConfig& config) {
   return cache->emplace(key, *std::move(cb)).first->second;
 }
 
+HeadCalibration TestCalibration(const StreamConfig& config) {
+  const int n = 512;
+  const int d = config.head_dim;
+  const std::vector<float> k = MakeKeys(n, d, kCalibrationSeed);
+  const std::vector<float> v = MakeValues(n, d, kCalibrationSeed);
+  absl::StatusOr<HeadCalibration> cal =
+      MomentCalibration(config, Floats(k.data(), n, d), Floats(v.data(), n, d));
+  if (!cal.ok()) {
+    std::fprintf(stderr, "MomentCalibration failed: %s\n", std::string(cal.status().message()).c_str());
+    std::abort();
+  }
+  return *std::move(cal);
+}
+
 absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& config,
                                                         const KernelBackend* backend,
                                                         PageAllocator* allocator) {
+  if (config.spec.is_crq()) {
+    const HeadCalibration cal = TestCalibration(config);
+    return KvStream::Create(config, backend, allocator, nullptr, &cal);
+  }
   if (config.spec.nuq) {
     const Codebook cb = LearnTestCodebook(config);
     return KvStream::Create(config, backend, allocator, &cb);

@@ -99,7 +99,12 @@ std::vector<float> MakeGaussian(size_t count, uint64_t seed);
 // differs from every seed the tests append (learned once per config).
 Codebook LearnTestCodebook(const StreamConfig& config);
 
-// Creates a stream of `p` (learning a codebook for nuq); fails the test on error.
+// A calibration for a crq stream of `config`: MomentCalibration of
+// MakeKeys / MakeValues rows drawn with a seed no test appends.
+HeadCalibration TestCalibration(const StreamConfig& config);
+
+// Creates a stream of `p` (learning a codebook for nuq, a calibration for
+// crq); fails the test on error.
 std::unique_ptr<KvStream> MakeStream(const StreamParam& p, PageAllocator* allocator = nullptr);
 absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& config,
                                                         const KernelBackend* backend,

@@ -125,10 +125,12 @@ class ModelLayout:
         return m
 
 
-def _fill_prefix_fields(request, layout, prompt_token_ids, codebooks):
+def _fill_prefix_fields(request, layout, prompt_token_ids, codebooks, calibration=""):
     """The fields CreateSequence and MatchPrefix share: layout, prompt ids,
-    codebooks (nuq: (key_levels, value_levels) per (layer, kv head))."""
+    codebooks (nuq: (key_levels, value_levels) per (layer, kv head)) and the
+    calibration name (crq schemes)."""
     request.layout.CopyFrom(layout.to_proto() if isinstance(layout, ModelLayout) else layout)
+    request.calibration = calibration or ""
     request.prompt_token_ids.extend(prompt_token_ids or [])
     for key_levels, value_levels in codebooks or []:
         c = request.codebooks.add()
@@ -438,12 +440,15 @@ class KvqClient:
                           idempotent=True, deadline=deadline)
 
     def create_sequence(self, layout, scheme="kivi4:g32:r128:sink=4", sequence_id="", ttl_seconds=0,
-                        prompt_token_ids=None, codebooks=None, deadline=None):
+                        prompt_token_ids=None, codebooks=None, deadline=None,
+                        calibration: str = ""):
         """Creates a sequence; `codebooks` (nuq) is a list of (key_levels,
-        value_levels) float32 arrays [head_dim, 2^bits] per (layer, kv head)."""
+        value_levels) float32 arrays [head_dim, 2^bits] per (layer, kv head);
+        `calibration` (crq schemes) names a calibration the server has loaded
+        (info().calibrations)."""
         request = pb.CreateSequenceRequest(namespace=self.namespace, sequence_id=sequence_id,
                                            scheme=scheme, ttl_seconds=ttl_seconds)
-        _fill_prefix_fields(request, layout, prompt_token_ids, codebooks)
+        _fill_prefix_fields(request, layout, prompt_token_ids, codebooks, calibration)
         r = self._call(lambda t, _: self._stub.CreateSequence(request, timeout=t),
                        idempotent=False, deadline=deadline)
         if codebooks:
@@ -453,13 +458,13 @@ class KvqClient:
         return SequenceInfo(r.sequence_id, r.scheme, r.num_tokens, r.block_tokens, r.ttl_seconds)
 
     def match_prefix(self, layout, scheme="kivi4:g32:r128:sink=4", prompt_token_ids=None,
-                     codebooks=None, deadline=None):
+                     codebooks=None, deadline=None, calibration: str = ""):
         """Read-only probe of the server's prefix cache (MatchPrefix): how
         many leading tokens of prompt_token_ids a create_sequence with this
-        layout, scheme and codebooks would start with. Creates, forks, pins
-        and extends the lease of nothing; idempotent (retried)."""
+        layout, scheme, codebooks and calibration would start with. Creates,
+        forks, pins and extends the lease of nothing; idempotent (retried)."""
         request = pb.MatchPrefixRequest(namespace=self.namespace, scheme=scheme)
-        _fill_prefix_fields(request, layout, prompt_token_ids, codebooks)
+        _fill_prefix_fields(request, layout, prompt_token_ids, codebooks, calibration)
         r = self._call(lambda t, _: self._stub.MatchPrefix(request, timeout=t),
                        idempotent=True, deadline=deadline)
         return MatchResult(r.matched_tokens, r.block_tokens)
