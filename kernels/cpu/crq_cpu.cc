@@ -53,12 +53,16 @@ struct Row {
   double fixed = 0.0;        // Mean term of channels that do not rotate.
 };
 
+// A chunk of keys [begin, end) for the rows [row0, row0 + rows) of one
+// query (its GQA group: they share the keys they see), so each code row is
+// unpacked once for all of them.
 struct Unit {
-  int row = 0;
+  int row0 = 0;
+  int rows = 0;
   int begin = 0;
   int end = 0;
-  std::vector<float> out;  // Original basis, normalized.
-  float lse = 0.0f;
+  std::vector<float> out;  // [rows][d], original basis, normalized.
+  std::vector<float> lse;  // [rows]
 };
 
 constexpr int kChunkTokens = 512;
@@ -97,8 +101,9 @@ void PrepareRow(const AttentionOptions& options, Row& r) {
   }
 }
 
-void RunUnit(const AttentionOptions& options, const Row& r, Unit& u) {
-  const KvStream& s = *r.task->stream;
+void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit& u) {
+  const Row& first = all[u.row0];
+  const KvStream& s = *first.task->stream;
   const CrqTransform& T = *s.crq();
   const HeadCalibration& cal = T.calibration();
   const Rope& rope = T.rope();
@@ -106,11 +111,10 @@ void RunUnit(const AttentionOptions& options, const Row& r, Unit& u) {
   const int d = s.head_dim();
   const int pt = L.page_tokens;
   const int n = u.end - u.begin;
-  u.out.assign(d, 0.0f);
-  if (n <= 0) {
-    u.lse = -std::numeric_limits<float>::infinity();
-    return;
-  }
+  const int nr = u.rows;
+  u.out.assign(static_cast<size_t>(nr) * d, 0.0f);
+  u.lse.assign(nr, -std::numeric_limits<float>::infinity());
+  if (n <= 0) return;
   const int pairs = rope.rotary_dim() / 2;
   // RoPE of the mean term walks position by position: the angle is linear
   // in the position, so each pair turns by a fixed step (exact at the
@@ -135,63 +139,85 @@ void RunUnit(const AttentionOptions& options, const Row& r, Unit& u) {
     }
     return s.page(v / pt);
   };
-  std::vector<float> scores(n), x(d);
+  std::vector<float> scores(static_cast<size_t>(nr) * n), x(d);
   std::vector<uint8_t> codes(d);
-  float mx = -std::numeric_limits<float>::infinity();
+  std::vector<float> mx(nr, -std::numeric_limits<float>::infinity());
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
-    float score;
     if (coded(t)) {
       int row;
       const uint8_t* page = page_of(t, &row);
       UnpackRow(PageLayout::CodeRow(page, L.key, row), d, L.key.half_bits, codes.data());
-      float dot = 0.0f;
-      for (int c = 0; c < d; ++c) dot += r.table[static_cast<size_t>(c) * kSlots + codes[c]];
-      double mean = r.fixed;
-      for (int j = 0; j < pairs; ++j) mean += r.a[j] * cs[j] + r.b[j] * sn[j];
-      score = static_cast<float>(mean) + HalfToFloat(*PageLayout::Gain(page, L.key, row)) * dot;
+      const float gain = HalfToFloat(*PageLayout::Gain(page, L.key, row));
+      for (int k = 0; k < nr; ++k) {
+        const Row& r = all[u.row0 + k];
+        if (t >= r.visible_end) continue;
+        const float* table = r.table.data();
+        float dot = 0.0f;
+        for (int c = 0; c < d; ++c) dot += table[c * kSlots + codes[c]];
+        double mean = r.fixed;
+        for (int j = 0; j < pairs; ++j) mean += r.a[j] * cs[j] + r.b[j] * sn[j];
+        scores[static_cast<size_t>(k) * n + i] = static_cast<float>(mean) + gain * dot;
+      }
     } else {
       s.ReadStoredRow(Side::kKey, t, x.data());
       rope.Apply(x.data(), t);
-      float dot = 0.0f;
-      for (int c = 0; c < d; ++c) dot += r.q[c] * x[c];
-      score = dot;
+      for (int k = 0; k < nr; ++k) {
+        const Row& r = all[u.row0 + k];
+        float dot = 0.0f;
+        for (int c = 0; c < d; ++c) dot += r.q[c] * x[c];
+        scores[static_cast<size_t>(k) * n + i] = dot;
+      }
+    }
+    for (int k = 0; k < nr; ++k) {
+      if (t < all[u.row0 + k].visible_end) mx[k] = std::max(mx[k], scores[static_cast<size_t>(k) * n + i]);
     }
     for (int j = 0; j < pairs; ++j) {
       const double c0 = cs[j];
       cs[j] = c0 * step_c[j] - sn[j] * step_s[j];
       sn[j] = c0 * step_s[j] + sn[j] * step_c[j];
     }
-    scores[i] = score;
-    mx = std::max(mx, score);
   }
-  std::vector<float> acc(d, 0.0f), acc_coded(d, 0.0f), levels(static_cast<size_t>(d) * kSlots);
+  std::vector<float> acc(static_cast<size_t>(nr) * d, 0.0f), acc_coded(acc.size(), 0.0f);
+  std::vector<float> levels(static_cast<size_t>(d) * kSlots), decoded(d);
   FillLevels(d, L.value.half_bits, nullptr, levels.data());
-  double sum = 0.0, sum_coded = 0.0;
+  std::vector<double> sum(nr, 0.0), sum_coded(nr, 0.0);
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
-    const float p = std::exp(scores[i] - mx);
-    sum += p;
-    if (coded(t)) {
+    const bool from_pages = coded(t);
+    if (from_pages) {
       int row;
       const uint8_t* page = page_of(t, &row);
       UnpackRow(PageLayout::CodeRow(page, L.value, row), d, L.value.half_bits, codes.data());
-      const float w = p * HalfToFloat(*PageLayout::Gain(page, L.value, row));
-      for (int c = 0; c < d; ++c) acc_coded[c] += w * levels[static_cast<size_t>(c) * kSlots + codes[c]];
-      sum_coded += p;
+      const float gain = HalfToFloat(*PageLayout::Gain(page, L.value, row));
+      for (int c = 0; c < d; ++c) decoded[c] = gain * levels[static_cast<size_t>(c) * kSlots + codes[c]];
     } else {
       s.ReadStoredRow(Side::kValue, t, x.data());
-      for (int c = 0; c < d; ++c) acc[c] += p * x[c];
+    }
+    for (int k = 0; k < nr; ++k) {
+      if (t >= all[u.row0 + k].visible_end) continue;
+      const float p = std::exp(scores[static_cast<size_t>(k) * n + i] - mx[k]);
+      sum[k] += p;
+      float* a = (from_pages ? acc_coded : acc).data() + static_cast<size_t>(k) * d;
+      const float* src = from_pages ? decoded.data() : x.data();
+      for (int c = 0; c < d; ++c) a[c] += p * src[c];
+      if (from_pages) sum_coded[k] += p;
     }
   }
-  const float inv = static_cast<float>(1.0 / sum);
-  for (int c = 0; c < d; ++c) acc_coded[c] *= inv;
-  T.rotation().Inverse(acc_coded.data());
-  const float coded_share = static_cast<float>(sum_coded / sum);
-  for (int c = 0; c < d; ++c) {
-    u.out[c] = acc[c] * inv + cal.value_mean[c] * coded_share + cal.value_scale[c] * acc_coded[c];
+  for (int k = 0; k < nr; ++k) {
+    if (sum[k] == 0.0) continue;  // No key of the chunk is visible to this row.
+    const float inv = static_cast<float>(1.0 / sum[k]);
+    float* ac = acc_coded.data() + static_cast<size_t>(k) * d;
+    for (int c = 0; c < d; ++c) ac[c] *= inv;
+    T.rotation().Inverse(ac);
+    const float coded_share = static_cast<float>(sum_coded[k] / sum[k]);
+    const float* ao = acc.data() + static_cast<size_t>(k) * d;
+    float* o = u.out.data() + static_cast<size_t>(k) * d;
+    for (int c = 0; c < d; ++c) {
+      o[c] = ao[c] * inv + cal.value_mean[c] * coded_share + cal.value_scale[c] * ac[c];
+    }
+    u.lse[k] = mx[k] + static_cast<float>(std::log(sum[k]));
   }
-  u.lse = mx + static_cast<float>(std::log(sum));
 }
 
 }  // namespace
@@ -238,40 +264,46 @@ void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& op
       }
     }
   }
+  // Units: per query (its group's rows), chunks of the keys its rows see.
   std::vector<Unit> units;
-  std::vector<int> first_unit(rows.size() + 1);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    first_unit[i] = static_cast<int>(units.size());
-    const int begin = rows[i].task->key_begin;
-    const int end = std::max(begin, rows[i].visible_end);
-    for (int b = begin; b < end || b == begin; b += kChunkTokens) {
+  std::vector<int> first_unit;  // Per query, its units in order.
+  std::vector<int> unit_query;
+  const int group = options.group_size;
+  for (int q0 = 0; q0 < static_cast<int>(rows.size()); q0 += group) {
+    first_unit.push_back(static_cast<int>(units.size()));
+    const int begin = rows[q0].task->key_begin;
+    int end = begin;
+    for (int k = 0; k < group; ++k) end = std::max(end, rows[q0 + k].visible_end);
+    for (int b = begin; b == begin || b < end; b += kChunkTokens) {
       Unit& u = units.emplace_back();
-      u.row = static_cast<int>(i);
+      u.row0 = q0;
+      u.rows = group;
       u.begin = b;
       u.end = std::min(end, b + kChunkTokens);
-      if (end == begin) break;
     }
   }
-  first_unit[rows.size()] = static_cast<int>(units.size());
+  first_unit.push_back(static_cast<int>(units.size()));
   const int nrows = static_cast<int>(rows.size());
   const int nunits = static_cast<int>(units.size());
 #pragma omp parallel for schedule(dynamic, 1) if (nrows > 1)
   for (int i = 0; i < nrows; ++i) PrepareRow(options, rows[i]);
 #pragma omp parallel for schedule(dynamic, 1) if (nunits > 1)
-  for (int i = 0; i < nunits; ++i) RunUnit(options, rows[units[i].row], units[i]);
-  for (int i = 0; i < nrows; ++i) {
-    const Row& r = rows[i];
-    const AttentionTask& t = *r.task;
-    const int d = t.stream->head_dim();
-    std::vector<float> merged = units[first_unit[i]].out;
-    float lse = units[first_unit[i]].lse;
-    for (int k = first_unit[i] + 1; k < first_unit[i + 1]; ++k) {
-      MergeAttention(merged.data(), lse, units[k].out.data(), units[k].lse, d, merged.data(), &lse);
+  for (int i = 0; i < nunits; ++i) RunUnit(options, rows, units[i]);
+  for (size_t qi = 0; qi + 1 < first_unit.size(); ++qi) {
+    for (int k = 0; k < group; ++k) {
+      const Row& r = rows[qi * group + k];
+      const AttentionTask& t = *r.task;
+      const int d = t.stream->head_dim();
+      float* out = t.out + static_cast<size_t>(r.query) * t.out_stride + static_cast<size_t>(r.head) * d;
+      float* lse = t.lse + static_cast<size_t>(r.query) * t.lse_stride + r.head;
+      const Unit& u0 = units[first_unit[qi]];
+      std::copy_n(u0.out.data() + static_cast<size_t>(k) * d, d, out);
+      *lse = u0.lse[k];
+      for (int m = first_unit[qi] + 1; m < first_unit[qi + 1]; ++m) {
+        MergeAttention(out, *lse, units[m].out.data() + static_cast<size_t>(k) * d, units[m].lse[k],
+                       d, out, lse);
+      }
     }
-    // Scores carried the softmax scale already; lse is of the scaled scores.
-    float* out = t.out + static_cast<size_t>(r.query) * t.out_stride + static_cast<size_t>(r.head) * d;
-    std::copy(merged.begin(), merged.end(), out);
-    t.lse[static_cast<size_t>(r.query) * t.lse_stride + r.head] = lse;
   }
 }
 

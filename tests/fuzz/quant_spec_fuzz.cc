@@ -39,7 +39,11 @@ void CheckLayout(const kvq::PageLayout& l, const std::string& scheme) {
     if (codes == 0) Fail("a side has no code bytes", scheme);
     if (s->codes_offset % kvq::kPageAlign != 0) Fail("code rows are not line-aligned", scheme);
     sections.push_back({s->codes_offset, codes});
-    if (s->code_row_bytes != static_cast<size_t>(l.head_dim) * s->bits / 8) {
+    // crq's widths may be fractional: half_bits per coordinate on average.
+    const size_t row_bits = s->format == kvq::CodeFormat::kCrq
+                                ? static_cast<size_t>(l.head_dim) * s->half_bits / 2
+                                : static_cast<size_t>(l.head_dim) * s->bits;
+    if (s->code_row_bytes != row_bits / 8) {
       Fail("code_row_bytes does not hold head_dim codes of the side's bits", scheme);
     }
     if ((s->axis == kvq::ParamAxis::kNone) != (s->params_bytes == 0)) {
