@@ -52,6 +52,10 @@ ABSL_FLAG(int, calib_tokens, 2048, "Calibration tokens");
 ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({"512", "2048", "8192"}),
           "Window lengths in tokens");
 ABSL_FLAG(int, windows, 5, "Windows per corpus and context");
+ABSL_FLAG(std::vector<std::string>, window_order, {},
+          "Which of the --windows evenly spaced windows of each corpus and context to run, in "
+          "this order (0-based; default: all, in order). A long run scores first the windows "
+          "it must not miss, e.g. 2,0,4,1,3 starts with the middle one");
 ABSL_FLAG(std::vector<std::string>, metrics, std::vector<std::string>({"decode", "prefill"}),
           "Perplexity metrics: decode (every position scored with the cache state "
           "token-by-token decoding gives it; in-process only, skipped with --server) and "
@@ -154,6 +158,7 @@ struct Row {
   int tokens = 0;
   int passkey_ok = -1, passkey_trials = 0;
   std::vector<WindowScore> per_window;  // Paired with the reference, for the bootstrap.
+  std::vector<int> window_indices;      // Which of the corpus's windows, in run order.
 
   void Add(const WindowResult& r, double ref_nll) {
     ++windows;
@@ -240,6 +245,18 @@ int Main(int argc, char** argv) {
       // Plain KIVI and the picked 4-bit default (docs/QUALITY.md).
       scheme_names = {"fp16", "kivi4", "kivi4:pre_rope:sink=4"};
     }
+  }
+  std::vector<int> window_order;
+  for (const auto& s : absl::GetFlag(FLAGS_window_order)) {
+    int i = -1;
+    if (!absl::SimpleAtoi(s, &i) || i < 0 || i >= windows ||
+        std::find(window_order.begin(), window_order.end(), i) != window_order.end()) {
+      std::fprintf(stderr,
+                   "kvq-eval: --window_order: '%s' is not a new window index in [0, %d)\n",
+                   s.substr(0, 16).c_str(), windows);
+      return 2;
+    }
+    window_order.push_back(i);
   }
   std::vector<double> depths;
   for (const auto& s : absl::GetFlag(FLAGS_passkey_depths)) {
@@ -341,7 +358,11 @@ int Main(int argc, char** argv) {
                      name.c_str(), tokens.size(), c);
         return 1;
       }
-      all_windows.insert(all_windows.end(), w.begin(), w.end());
+      if (window_order.empty()) {
+        all_windows.insert(all_windows.end(), w.begin(), w.end());
+      } else {
+        for (int i : window_order) all_windows.push_back(w[i]);
+      }
     }
   }
   if (!absl::GetFlag(FLAGS_dump_windows).empty()) {
@@ -473,6 +494,7 @@ int Main(int argc, char** argv) {
       row.context = w.context;
       row.metric = metric;
       row.Add(r, ref_nll);
+      row.window_indices.push_back(w.index);
     }
   };
   // Report. Every pooled dPPL and KL comes with its bootstrap interval
@@ -529,7 +551,20 @@ int Main(int argc, char** argv) {
             r.windows, r.scored, r.nll / r.scored, r.ppl(), pooled.delta_ppl_pct, pooled.kl_mean,
             bits, r.bytes.total(), r.bytes.codes, r.bytes.scales, r.bytes.outliers,
             r.bytes.residual, r.bytes.sink, r.bytes.codebook, r.bytes.padding);
-        if (pooled.has_interval) {
+        if (r.corpus != "all") {
+        // Each window's sums beside the reference's, so runs of different
+        // corpora pool with their intervals (quality_tables.py --frontier).
+        json += ", \"per_window\": [";
+        for (size_t i = 0; i < r.per_window.size(); ++i) {
+          const WindowScore& w = r.per_window[i];
+          json += absl::StrFormat(
+              "%s{\"index\": %d, \"nll\": %.17g, \"ref_nll\": %.17g, \"kl\": %.17g, "
+              "\"tokens\": %d}",
+              i ? ", " : "", r.window_indices[i], w.nll, w.ref_nll, w.kl, w.scored);
+        }
+        json += "]";
+      }
+      if (pooled.has_interval) {
           json += absl::StrFormat(
               ", \"delta_ppl_pct_ci95\": [%.6g, %.6g], \"kl_mean_ci95\": [%.9g, %.9g]",
               pooled.delta_ppl_pct_ci.lo, pooled.delta_ppl_pct_ci.hi, pooled.kl_mean_ci.lo,

@@ -19,8 +19,15 @@ each met, not met (with the measured bound) or not measured.
 
 import argparse
 import json
+import math
 import re
 import sys
+from collections import defaultdict
+from pathlib import Path
+
+# The peer's bootstrap (kvq-eval's method) pools windows of separate runs.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_peer import bootstrap  # noqa: E402
 
 
 def metric_of(row):
@@ -31,8 +38,11 @@ def metric_of(row):
 
 
 def metrics_of(row):
-    """Every metric a row stands for: the llama.cpp peer's rows list both
-    ("metrics"), since its cache gives prefill and decode the same state."""
+    """Every metric a row stands for: the llama.cpp peer's rows stand for
+    both (newer files list them in "metrics"), since llama.cpp stores every
+    token quantized before any query attends, in prefill as in decoding."""
+    if row.get("engine") == "llama.cpp":
+        return row.get("metrics", ["decode", "prefill"])
     return row.get("metrics", [metric_of(row)])
 
 
@@ -188,6 +198,44 @@ def with_ci(row, field, spec):
     return f"{text} [{format(ci[0], spec)}, {format(ci[1], spec)}]" if ci else text
 
 
+def pool_corpora(rows):
+    """The rows with every (engine, scheme, context)'s "all" row recomputed
+    from its per-corpus rows' per-window sums ("per_window": nll, ref_nll,
+    kl, tokens), so runs of one corpus each pool like one run: ΔPPL and KL
+    by tokens, and the 95% bootstrap interval over all their windows.
+    Groups without per-window sums keep the "all" row they came with."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["corpus"] not in ("all", "passkey") and r.get("per_window"):
+            groups[(r.get("engine", "kvq"), r["scheme"], r["context"])].append(r)
+    pooled = {}
+    for key, parts in groups.items():
+        parts.sort(key=lambda r: r["corpus"])
+        windows = [w for r in parts for w in r["per_window"]]
+        tokens = sum(w["tokens"] for w in windows)
+        nll = sum(w["nll"] for w in windows) / tokens
+        row = {k: v for k, v in parts[0].items() if k not in ("per_window", "window_indices")}
+        row.update({
+            "corpus": "all", "corpora": [r["corpus"] for r in parts], "windows": len(windows),
+            "tokens_scored": tokens, "nll": nll, "ppl": math.exp(nll),
+            "delta_ppl_pct": 100.0 * math.expm1(
+                sum(w["nll"] - w["ref_nll"] for w in windows) / tokens),
+            "kl_mean": sum(w["kl"] for w in windows) / tokens,
+        })
+        bits = [r["bits_per_element"] for r in parts if r.get("bits_per_element") is not None]
+        if bits:
+            row["bits_per_element"] = sum(bits) / len(bits)
+        row.pop("delta_ppl_pct_ci95", None)
+        row.pop("kl_mean_ci95", None)
+        ci = bootstrap(windows)
+        if ci:
+            row["delta_ppl_pct_ci95"], row["kl_mean_ci95"] = ci
+        pooled[key] = row
+    out = [r for r in rows if not (r["corpus"] == "all" and
+                                   (r.get("engine", "kvq"), r["scheme"], r["context"]) in pooled)]
+    return out + list(pooled.values())
+
+
 def frontier_rows(rows, context, corpus="all"):
     """The rows of one context, kvq first, each engine's by falling bits."""
     sel = [r for r in rows if r["corpus"] == corpus and r["context"] == context and "ppl" in r]
@@ -199,7 +247,7 @@ def frontier_rows(rows, context, corpus="all"):
 def frontier_table(rows, contexts=None):
     """The frontier: one markdown table per context."""
     out = []
-    contexts = contexts or sorted({r["context"] for r in rows if r["corpus"] == "all"})
+    contexts = contexts or sorted(GOAL_CONTEXTS)
     for ctx in contexts:
         sel = frontier_rows(rows, ctx)
         if not sel:
@@ -320,7 +368,7 @@ def main():
                          "chunked prefill, are kept whatever the metric)")
     args = ap.parse_args()
     if args.frontier:
-        rows = load(args.results, args.metric) + [
+        rows = pool_corpora(load(args.results, args.metric)) + [
             r for r in load(args.results) if r["corpus"] == "passkey"]
         print("\n".join(frontier_table(rows) + goals(rows)))
         return 0

@@ -5,7 +5,10 @@ by the mean code width of keys and values."""
 
 import importlib.util
 import json
+import math
 import pathlib
+
+import pytest
 
 SOURCE = pathlib.Path(__file__).parents[2]
 spec = importlib.util.spec_from_file_location("quality_tables",
@@ -124,3 +127,24 @@ def test_passkey_goal_needs_twenty_trials_and_fp16s_score():
     assert worse[0].endswith("not met: `kivi3` 19 |"), "kivi2 is under 3 bits: not a goal"
     met = tables.passkey_goal(base + [passkey("fp16", 18, 20), passkey("kivi3", 19, 20)])
     assert met[0].endswith("| met |")
+
+
+def test_runs_of_one_corpus_each_pool_by_tokens_with_an_interval():
+    # kvq-eval run once per corpus: each file's "all" row is that corpus
+    # alone; the frontier pools their per-window sums instead.
+    def corpus_row(corpus, windows):
+        r = frontier_row("kivi3", 3.74, 0.0, corpus=corpus)
+        r["per_window"] = [{"index": i, "nll": n * 100, "ref_nll": ref * 100, "kl": kl * 100,
+                            "tokens": 100} for i, (n, ref, kl) in enumerate(windows)]
+        return r
+    austen = corpus_row("austen", [(3.0, 2.9, 0.05), (3.2, 3.1, 0.04)])
+    code = corpus_row("code", [(1.5, 1.45, 0.03)])
+    stale = frontier_row("kivi3", 3.74, 99.0)  # The last file's one-corpus "all" row.
+    rows = tables.pool_corpora([austen, code, stale])
+    pooled = [r for r in rows if r["corpus"] == "all"]
+    assert len(pooled) == 1 and pooled[0]["corpora"] == ["austen", "code"]
+    assert pooled[0]["windows"] == 3 and pooled[0]["tokens_scored"] == 300
+    assert pooled[0]["delta_ppl_pct"] == pytest.approx(100 * math.expm1((10 + 10 + 5) / 300))
+    assert pooled[0]["kl_mean"] == pytest.approx(0.04)
+    lo, hi = pooled[0]["delta_ppl_pct_ci95"]
+    assert lo < pooled[0]["delta_ppl_pct"] < hi
