@@ -8,8 +8,9 @@
 #  1. kvq-eval, decode metric only (--metrics=decode skips the chunked
 #     prefill and the generation, which only the prefill metric uses; the
 #     decode rows are the same with or without it: tests/python/
-#     test_eval_quick.py), 5 windows per corpus at 2048 tokens, one process
-#     per corpus (each writes its JSON after every window);
+#     test_eval_quick.py), 5 windows per corpus at 2048 tokens, the middle
+#     one first (--window_order), one process per corpus (each rewrites its
+#     JSON after every window, so a stopped run keeps what it measured);
 #  2. the llama.cpp peer (f16, q8_0, q5_0, q4_0) on the same windows;
 #  3. with KVQ_FRONTIER_LONG=1, the same at 8192 tokens on austen and code;
 #  4. with KVQ_FRONTIER_PASSKEY=N, N passkey trials (depths spread over
@@ -29,6 +30,9 @@ source "$root/scripts/env.sh"
 kvq_build --target kvq_eval >/dev/null
 eval_bin="$KVQ_BUILD/bench/eval/kvq-eval"
 windows="${KVQ_FRONTIER_WINDOWS:-5}"
+# The middle window first (the one-window runs of run_quality.sh used it),
+# then the others spread out; KVQ_FRONTIER_ORDER lists 0..windows-1 anew.
+order="${KVQ_FRONTIER_ORDER:-2,0,4,1,3}"
 mkdir -p "$out" "$root/docs/img"
 
 # KIVI near 4.3 bits (4-bit keys, 3-bit values) and all-4-bit, near 3.5
@@ -43,7 +47,8 @@ run_context() {
   local context="$1" corpora="$2" pids=()
   for corpus in ${corpora//,/ }; do
     OMP_NUM_THREADS=1 "$eval_bin" --corpora="$corpus" --contexts="$context" \
-      --windows="$windows" --metrics=decode --passkey_contexts= --progress=false \
+      --windows="$windows" --window_order="$order" --metrics=decode --passkey_contexts= \
+      --progress=false \
       --schemes="$schemes" --out="$out/kvq_frontier_${context}_${corpus}.json" >/dev/null &
     pids+=($!)
   done
