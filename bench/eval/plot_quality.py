@@ -48,7 +48,7 @@ from matplotlib.ticker import MultipleLocator  # noqa: E402
 
 # The frontier's families and goals are quality_tables.py's (same directory).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_tables import GOALS, family  # noqa: E402
+from quality_tables import GOALS, family, metrics_of, pool_corpora  # noqa: E402
 
 ENGINE_STYLE = {
     "kvq": {"marker": "o", "linestyle": "-"},
@@ -62,8 +62,8 @@ REFERENCE_SCHEMES = {"fp16", "f16", "bf16", "fp32"}
 
 def load_rows(paths: list[Path], metric: str | None = None) -> list[dict]:
     """All rows of all files (only those of `metric` when given; rows
-    without one were scored on chunked prefill, and rows listing "metrics"
-    stand for each of them); rows without an engine count as kvq's, and a
+    without one were scored on chunked prefill, and llama.cpp's stand for
+    both: quality_tables.metrics_of); rows without an engine count as kvq's, and a
     row measured again (same engine, scheme, metric, corpus, context) keeps
     the later file's figures."""
     rows = {}
@@ -73,9 +73,9 @@ def load_rows(paths: list[Path], metric: str | None = None) -> list[dict]:
         for r in file_rows:
             r = dict(r)
             r.setdefault("engine", "kvq")
-            r.setdefault("metric", "prefill")
-            if metric is not None and metric not in r.get("metrics", [r["metric"]]):
+            if metric is not None and metric not in metrics_of(r):
                 continue
+            r.setdefault("metric", "prefill")
             if metric is not None:
                 r["metric"] = metric
             rows[(r["engine"], r["scheme"], r["metric"], r.get("corpus"),
@@ -292,7 +292,8 @@ def plot_frontier(rows: list[dict], contexts: list[int], out: Path,
         ax.set_xlim(max(0.0, min(xs + [2.0]) - 0.4), max(xs + [5.0]) + 2.2)
         ax.xaxis.set_major_locator(MultipleLocator(0.5))
         ax.set_xlabel("bits per element (K and V, every overhead, from the allocation)")
-        ax.set_title(f"context {ctx}, decode metric ({corpus})")
+        ax.set_title(f"context {ctx}, decode metric, "
+                     + ("pooled over the corpora" if corpus == "all" else corpus))
         ax.grid(True, which="both", alpha=0.3)
         if not items:
             ax.text(0.5, 0.5, "no rows", transform=ax.transAxes, ha="center")
@@ -337,6 +338,8 @@ def main(argv: list[str]) -> int:
     if not rows:
         ap.error("no rows in the input")
     if args.frontier:
+        # One-corpus runs pool into "all" rows with their intervals.
+        rows = pool_corpora([r for r in rows if r.get("corpus") != "passkey"])
         wanted = [int(c) for c in args.contexts.split(",") if c]
         contexts = [c for c in wanted if any(r.get("context") == c and r.get("corpus") ==
                                              args.corpus for r in rows)]
