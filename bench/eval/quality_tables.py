@@ -254,12 +254,10 @@ def frontier_table(rows, contexts=None):
             continue
         corpora = sorted({r["corpus"] for r in rows if r["context"] == ctx and "ppl" in r}
                          - {"all", "passkey"})
-        windows = sorted({r.get("windows", 1) for r in sel})
-        out.append(f"\n**{ctx} tokens** (pooled over {', '.join(corpora)}; "
-                   f"{'/'.join(str(w) for w in windows)} windows)\n")
-        out.append("| engine | scheme | family | bits/elem | ΔPPL % [95% CI] | KL [95% CI] | "
+        out.append(f"\n**{ctx} tokens** (pooled over {', '.join(corpora)})\n")
+        out.append("| engine | scheme | family | bits/elem | windows | ΔPPL % [95% CI] | KL [95% CI] | "
                    + " | ".join(f"{c} ΔPPL %" for c in corpora) + " | passkey |")
-        out.append("|---|---|---|---:|---:|---:|" + "---:|" * len(corpora) + "---:|")
+        out.append("|---|---|---|---:|---:|---:|---:|" + "---:|" * len(corpora) + "---:|")
         for r in sel:
             engine = r.get("engine", "kvq")
             per = []
@@ -269,7 +267,7 @@ def frontier_table(rows, contexts=None):
                             and x["context"] == ctx and "ppl" in x), None)
                 per.append(fmt(one and one["delta_ppl_pct"], "+.2f"))
             out.append(f'| {engine} | `{r["scheme"]}` | {family(r)} '
-                       f'| {fmt(r.get("bits_per_element"), ".2f")} '
+                       f'| {fmt(r.get("bits_per_element"), ".2f")} | {r.get("windows", 1)} '
                        f'| {with_ci(r, "delta_ppl_pct", "+.2f")} | {with_ci(r, "kl_mean", ".4f")} '
                        f'| {" | ".join(per)} | {passkey_for(rows, engine, r["scheme"], ctx)} |')
     return out
