@@ -36,10 +36,11 @@ order="${KVQ_FRONTIER_ORDER:-2,0,4,1,3}"
 mkdir -p "$out" "$root/docs/img"
 
 # KIVI near 4.3 bits (4-bit keys, 3-bit values) and all-4-bit, near 3.5
-# (3-bit) and near 2.6 (2-bit, fitted key ranges); the rotate option and a
+# (3-bit; 3-bit keys with 2-bit values under it) and near 2.6 (2-bit, fitted
+# key ranges); the rotate option and a
 # KVQuant-like configuration (nuq levels, pre-RoPE keys, 1% outliers, sink)
 # on the 3-bit layout. Bits at 2048 tokens include the 64-token fp16 tail.
-schemes="${KVQ_FRONTIER_SCHEMES:-fp16,kivi4:g64:r64:p8:pre_rope:sink=4,kivi4:v3:g64:r64:p8:pre_rope:sink=4,kivi3:g64:r64:p8:pre_rope:sink=4,kivi3:g64:r64:p8:rotate:sink=4,kivi3:g64:r64:p8:pre_rope:outliers=1:sink=4:nuq,kivi2:g64:r64:fit:p8:pre_rope:sink=4}"
+schemes="${KVQ_FRONTIER_SCHEMES:-fp16,kivi4:g64:r64:p8:pre_rope:sink=4,kivi4:v3:g64:r64:p8:pre_rope:sink=4,kivi3:g64:r64:p8:pre_rope:sink=4,kivi3:g64:r64:p8:rotate:sink=4,kivi3:g64:r64:p8:pre_rope:outliers=1:sink=4:nuq,kivi3:v2:g64:r64:p8:pre_rope:sink=4,kivi2:g64:r64:fit:p8:pre_rope:sink=4}"
 
 # One process per corpus (the windows of one corpus share its fp16
 # reference); OMP_NUM_THREADS=1 keeps the scoring reductions in one order.
