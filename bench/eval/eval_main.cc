@@ -66,6 +66,10 @@ ABSL_FLAG(std::string, calibration_file, "",
 ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({"512", "2048", "8192"}),
           "Window lengths in tokens");
 ABSL_FLAG(int, windows, 5, "Windows per corpus and context");
+ABSL_FLAG(std::vector<std::string>, window_order, {},
+          "Which of the --windows evenly spaced windows of each corpus and context to run, in "
+          "this order (0-based; default: all, in order). A long run scores first the windows "
+          "it must not miss, e.g. 2,0,4,1,3 starts with the middle one");
 ABSL_FLAG(std::vector<std::string>, metrics, std::vector<std::string>({"decode", "prefill"}),
           "Perplexity metrics: decode (every position scored with the cache state "
           "token-by-token decoding gives it; in-process only, skipped with --server) and "
@@ -168,6 +172,7 @@ struct Row {
   int tokens = 0;
   int passkey_ok = -1, passkey_trials = 0;
   std::vector<WindowScore> per_window;  // Paired with the reference, for the bootstrap.
+  std::vector<int> window_indices;      // Which of the corpus's windows, in run order.
 
   void Add(const WindowResult& r, double ref_nll) {
     ++windows;
@@ -254,6 +259,18 @@ int Main(int argc, char** argv) {
       // Plain KIVI and the picked 4-bit default (docs/QUALITY.md).
       scheme_names = {"fp16", "kivi4", "kivi4:pre_rope:sink=4"};
     }
+  }
+  std::vector<int> window_order;
+  for (const auto& s : absl::GetFlag(FLAGS_window_order)) {
+    int i = -1;
+    if (!absl::SimpleAtoi(s, &i) || i < 0 || i >= windows ||
+        std::find(window_order.begin(), window_order.end(), i) != window_order.end()) {
+      std::fprintf(stderr,
+                   "kvq-eval: --window_order: '%s' is not a new window index in [0, %d)\n",
+                   s.substr(0, 16).c_str(), windows);
+      return 2;
+    }
+    window_order.push_back(i);
   }
   std::vector<double> depths;
   for (const auto& s : absl::GetFlag(FLAGS_passkey_depths)) {
@@ -406,7 +423,11 @@ int Main(int argc, char** argv) {
                      name.c_str(), tokens.size(), c);
         return 1;
       }
-      all_windows.insert(all_windows.end(), w.begin(), w.end());
+      if (window_order.empty()) {
+        all_windows.insert(all_windows.end(), w.begin(), w.end());
+      } else {
+        for (int i : window_order) all_windows.push_back(w[i]);
+      }
     }
   }
   if (!absl::GetFlag(FLAGS_dump_windows).empty()) {
@@ -549,7 +570,163 @@ int Main(int argc, char** argv) {
       row.context = w.context;
       row.metric = metric;
       row.Add(r, ref_nll);
+      row.window_indices.push_back(w.index);
     }
+  };
+  // Report. Every pooled dPPL and KL comes with its bootstrap interval
+  // over windows; the table puts the decode metric first. `partial`: some
+  // windows or passkey trials are still to run (the JSON says so).
+  auto report = [&](bool partial, std::string& json, std::string& table) {
+    const double elems_per_token = 2.0 * shape.num_layers * shape.num_kv_heads * shape.head_dim;
+    const int resamples = absl::GetFlag(FLAGS_bootstrap_resamples);
+    const uint64_t seed = absl::GetFlag(FLAGS_bootstrap_seed);
+    json = absl::StrCat(
+        "{\"tool\": \"kvq-eval\", \"model\": ",
+        JsonString(std::filesystem::path(model_path).filename().string()),
+        ", \"mode\": ", JsonString(client ? "server" : "in-process"), ", \"chunk\": ", wopt.chunk,
+      // The BLAS kernels (OPENBLAS_CORETYPE picks them where OpenBLAS does
+      // not know the CPU): numbers agree to the last bit only on one kind.
+      ", \"blas_core\": ", JsonString(openblas_get_corename()),
+        ", \"bootstrap\": {\"resamples\": ", resamples, ", \"seed\": ", seed,
+        ", \"interval\": 0.95}", partial ? ", \"partial\": true" : "", ", \"rows\": [");
+    table = absl::StrFormat(
+        "%-40s %-8s %6s %6s %8s | %-28s %-28s | %8s %9s %6s %8s %8s %9s\n", "scheme", "corpus",
+        "ctx", "bits", "KV MiB", "decode dPPL% [95% CI]", "decode KL [95% CI]", "prefill%",
+        "prefillKL", "top1", "passkey", "prefill", "ms/token");
+    auto with_ci = [](double x, bool has, Interval ci, const char* fmt) {
+      std::string out = absl::StrFormat(fmt, x);
+      if (has) {
+        absl::StrAppend(&out, " [", absl::StrFormat(fmt, ci.lo), ", ", absl::StrFormat(fmt, ci.hi),
+                        "]");
+      }
+      return out;
+    };
+    bool first = true;
+    size_t kv_max = 0;
+    for (const auto& [key, r] : rows) {
+      const bool has_ppl = r.scored > 0;
+      const double bits = r.tokens ? 8.0 * r.bytes.total() / (elems_per_token * r.tokens) : 0.0;
+      const PooledScore pooled = Pool(r.per_window, resamples, seed);
+      const double top1 = r.generated ? static_cast<double>(r.agree) / r.generated : 0.0;
+      const double decode_ms = 1e3 * Median(r.decode_seconds);
+      const bool prefill = r.metric == "prefill";
+      kv_max = std::max(kv_max, r.bytes.total());
+      json += absl::StrCat(first ? "\n" : ",\n", "{\"engine\": \"kvq\", \"scheme\": ",
+                           JsonString(r.scheme), ", \"metric\": ", JsonString(r.metric),
+                           ", \"corpus\": ", JsonString(r.corpus), ", \"context\": ", r.context);
+      first = false;
+      const std::string method = Method(ParseEvalScheme(r.scheme, shape.num_layers)->spec);
+      if (!method.empty()) json += ", \"method\": " + JsonString(method);
+      if (has_ppl) {
+        json += absl::StrFormat(
+            ", \"windows\": %d, \"tokens_scored\": %d, \"nll\": %.9g, \"ppl\": %.9g, "
+            "\"delta_ppl_pct\": %.6g, \"kl_mean\": %.9g, \"bits_per_element\": %.6g, "
+            "\"kv_bytes\": %d, "
+            "\"kv_bytes_by_component\": {\"codes\": %d, \"scales\": %d, \"outliers\": %d, "
+            "\"residual\": %d, \"sink\": %d, \"codebook\": %d, \"padding\": %d}",
+            r.windows, r.scored, r.nll / r.scored, r.ppl(), pooled.delta_ppl_pct, pooled.kl_mean,
+            bits, r.bytes.total(), r.bytes.codes, r.bytes.scales, r.bytes.outliers,
+            r.bytes.residual, r.bytes.sink, r.bytes.codebook, r.bytes.padding);
+        if (r.corpus != "all") {
+        // Each window's sums beside the reference's, so runs of different
+        // corpora pool with their intervals (quality_tables.py --frontier).
+        json += ", \"per_window\": [";
+        for (size_t i = 0; i < r.per_window.size(); ++i) {
+          const WindowScore& w = r.per_window[i];
+          json += absl::StrFormat(
+              "%s{\"index\": %d, \"nll\": %.17g, \"ref_nll\": %.17g, \"kl\": %.17g, "
+              "\"tokens\": %d}",
+              i ? ", " : "", r.window_indices[i], w.nll, w.ref_nll, w.kl, w.scored);
+        }
+        json += "]";
+      }
+      if (pooled.has_interval) {
+          json += absl::StrFormat(
+              ", \"delta_ppl_pct_ci95\": [%.6g, %.6g], \"kl_mean_ci95\": [%.9g, %.9g]",
+              pooled.delta_ppl_pct_ci.lo, pooled.delta_ppl_pct_ci.hi, pooled.kl_mean_ci.lo,
+              pooled.kl_mean_ci.hi);
+        }
+        if (prefill) {
+          json += absl::StrFormat(
+              ", \"top1_agree\": %.6g, \"generated\": %d, \"prefill_ms\": %.6g, "
+              "\"decode_ms_per_token\": %.6g, \"decode_tokens_per_s\": %.6g",
+              top1, r.generated, 1e3 * r.prefill_seconds / r.windows, decode_ms,
+              decode_ms > 0 ? 1e3 / decode_ms : 0.0);
+        } else {
+          json += absl::StrFormat(", \"scoring_ms\": %.6g", 1e3 * r.prefill_seconds / r.windows);
+        }
+      }
+      if (r.passkey_trials) {
+        json += absl::StrFormat(", \"passkey_ok\": %d, \"passkey_trials\": %d, \"passkey_acc\": %.6g",
+                                r.passkey_ok, r.passkey_trials,
+                                static_cast<double>(r.passkey_ok) / r.passkey_trials);
+      }
+      json += "}";
+
+      // One table line per (scheme, corpus, context): at its decode row, or
+      // at its prefill row when there is no decode row.
+      const auto other = rows.find({r.scheme, r.corpus, r.context, prefill ? "decode" : "prefill"});
+      if (prefill && other != rows.end()) continue;
+      const Row* d = prefill ? nullptr : &r;
+      const Row* p = prefill ? &r : (other == rows.end() ? nullptr : &other->second);
+      std::string passkey = "-";
+      if (p && p->passkey_trials) passkey = absl::StrCat(p->passkey_ok, "/", p->passkey_trials);
+      if (!has_ppl) {
+        table += absl::StrFormat("%-40s %-8s %6d %6s %8s | %-28s %-28s | %8s %9s %6s %8s %8s %9s\n",
+                                 r.scheme, r.corpus, r.context, "", "", "", "", "", "", "", passkey,
+                                 "", "");
+        continue;
+      }
+      std::string d_ppl = "-", d_kl = "-", p_ppl = "-", p_kl = "-", p_top1 = "-", p_time = "-",
+                  p_ms = "-";
+      if (d) {
+        const PooledScore s = Pool(d->per_window, resamples, seed);
+        d_ppl = with_ci(s.delta_ppl_pct, s.has_interval, s.delta_ppl_pct_ci, "%+.3f");
+        d_kl = with_ci(s.kl_mean, s.has_interval, s.kl_mean_ci, "%.5f");
+      }
+      if (p) {
+        const PooledScore s = Pool(p->per_window, resamples, seed);
+        p_ppl = absl::StrFormat("%+.3f", s.delta_ppl_pct);
+        p_kl = absl::StrFormat("%.5f", s.kl_mean);
+        p_top1 = absl::StrFormat("%.3f", p->generated ? double(p->agree) / p->generated : 0.0);
+        p_time = absl::StrFormat("%.1fs", p->prefill_seconds / p->windows);
+        p_ms = absl::StrFormat("%.2f", 1e3 * Median(p->decode_seconds));
+      }
+      table += absl::StrFormat(
+          "%-40s %-8s %6d %6.2f %8.1f | %-28s %-28s | %8s %9s %6s %8s %8s %9s\n", r.scheme,
+          r.corpus, r.context, bits, r.bytes.total() / 1048576.0, d_ppl, d_kl, p_ppl, p_kl, p_top1,
+          passkey, p_time, p_ms);
+    }
+    table += "\ndecode: every position scored with the cache state token-by-token decoding gives "
+             "it; prefill: chunked prefill (each chunk stored before its queries attend). "
+             "Intervals: 95% bootstrap over windows.\n";
+    for (const EvalScheme& e : specs) {
+      const std::string method = Method(e.spec);
+      if (!method.empty()) {
+        table += absl::StrFormat("%s: %s\n", e.spec.ToString(), method);
+      }
+    }
+    const size_t scratch = model.ScratchBytes(wopt.chunk);
+    json += absl::StrFormat(
+        "\n], \"memory\": {\"weights_bytes\": %d, \"kv_bytes_max\": %d, \"scratch_bytes\": %d, "
+        "\"reference_logprobs_bytes\": %d, \"reserved_pool_bytes\": %d, \"peak_rss_bytes\": %d}}\n",
+        model.weight_bytes(), kv_max, scratch, reference_bytes, 0, PeakRssBytes());
+    table += absl::StrFormat(
+        "\nmemory: weights %.1f MiB (fp32), KV cache up to %.1f MiB, forward scratch %.1f MiB, "
+        "fp16 reference log-probs %.1f MiB, reserved pool %s, peak RSS %.1f MiB\n",
+        model.weight_bytes() / 1048576.0, kv_max / 1048576.0, scratch / 1048576.0,
+        reference_bytes / 1048576.0, client ? "on the server (see its Stats)" : "none (pages on demand)",
+        PeakRssBytes() / 1048576.0);
+  };
+  // With --out the JSON is rewritten after every window, so a long run
+  // leaves what it has measured should it be stopped.
+  auto write_out = [&](const std::string& json) {
+    const std::string path = absl::GetFlag(FLAGS_out);
+    if (path.empty()) return;
+    const std::string tmp = path + ".tmp";
+    std::ofstream(tmp) << json;
+    std::error_code ec;
+    std::filesystem::rename(tmp, path, ec);
   };
   for (const Window& w : all_windows) {
     // One metric at a time, so one fp16 reference is held at once.
@@ -583,6 +760,11 @@ int Main(int argc, char** argv) {
         bar.Update(++steps, total_steps);
       }
     }
+    if (!absl::GetFlag(FLAGS_out).empty()) {
+      std::string json, table;
+      report(/*partial=*/true, json, table);
+      write_out(json);
+    }
   }
   for (size_t s = 0; s < specs.size(); ++s) {
     if (!runs_passkey(scheme_names[s])) continue;
@@ -609,136 +791,10 @@ int Main(int argc, char** argv) {
   }
   bar.Finish();
 
-  // Report. Every pooled dPPL and KL comes with its bootstrap interval
-  // over windows; the table puts the decode metric first.
-  const double elems_per_token = 2.0 * shape.num_layers * shape.num_kv_heads * shape.head_dim;
-  const int resamples = absl::GetFlag(FLAGS_bootstrap_resamples);
-  const uint64_t seed = absl::GetFlag(FLAGS_bootstrap_seed);
-  std::string json = absl::StrCat(
-      "{\"tool\": \"kvq-eval\", \"model\": ",
-      JsonString(std::filesystem::path(model_path).filename().string()),
-      ", \"mode\": ", JsonString(client ? "server" : "in-process"), ", \"chunk\": ", wopt.chunk,
-      ", \"bootstrap\": {\"resamples\": ", resamples, ", \"seed\": ", seed,
-      ", \"interval\": 0.95}, \"rows\": [");
-  std::string table = absl::StrFormat(
-      "%-40s %-8s %6s %6s %8s | %-28s %-28s | %8s %9s %6s %8s %8s %9s\n", "scheme", "corpus",
-      "ctx", "bits", "KV MiB", "decode dPPL% [95% CI]", "decode KL [95% CI]", "prefill%",
-      "prefillKL", "top1", "passkey", "prefill", "ms/token");
-  auto with_ci = [](double x, bool has, Interval ci, const char* fmt) {
-    std::string out = absl::StrFormat(fmt, x);
-    if (has) {
-      absl::StrAppend(&out, " [", absl::StrFormat(fmt, ci.lo), ", ", absl::StrFormat(fmt, ci.hi),
-                      "]");
-    }
-    return out;
-  };
-  bool first = true;
-  size_t kv_max = 0;
-  for (const auto& [key, r] : rows) {
-    const bool has_ppl = r.scored > 0;
-    const double bits = r.tokens ? 8.0 * r.bytes.total() / (elems_per_token * r.tokens) : 0.0;
-    const PooledScore pooled = Pool(r.per_window, resamples, seed);
-    const double top1 = r.generated ? static_cast<double>(r.agree) / r.generated : 0.0;
-    const double decode_ms = 1e3 * Median(r.decode_seconds);
-    const bool prefill = r.metric == "prefill";
-    kv_max = std::max(kv_max, r.bytes.total());
-    json += absl::StrCat(first ? "\n" : ",\n", "{\"engine\": \"kvq\", \"scheme\": ",
-                         JsonString(r.scheme), ", \"metric\": ", JsonString(r.metric),
-                         ", \"corpus\": ", JsonString(r.corpus), ", \"context\": ", r.context);
-    first = false;
-    const std::string method = Method(ParseEvalScheme(r.scheme, shape.num_layers)->spec);
-    if (!method.empty()) json += ", \"method\": " + JsonString(method);
-    if (has_ppl) {
-      json += absl::StrFormat(
-          ", \"windows\": %d, \"tokens_scored\": %d, \"nll\": %.9g, \"ppl\": %.9g, "
-          "\"delta_ppl_pct\": %.6g, \"kl_mean\": %.9g, \"bits_per_element\": %.6g, "
-          "\"kv_bytes\": %d, "
-          "\"kv_bytes_by_component\": {\"codes\": %d, \"scales\": %d, \"outliers\": %d, "
-          "\"residual\": %d, \"sink\": %d, \"codebook\": %d, \"padding\": %d}",
-          r.windows, r.scored, r.nll / r.scored, r.ppl(), pooled.delta_ppl_pct, pooled.kl_mean,
-          bits, r.bytes.total(), r.bytes.codes, r.bytes.scales, r.bytes.outliers,
-          r.bytes.residual, r.bytes.sink, r.bytes.codebook, r.bytes.padding);
-      if (pooled.has_interval) {
-        json += absl::StrFormat(
-            ", \"delta_ppl_pct_ci95\": [%.6g, %.6g], \"kl_mean_ci95\": [%.9g, %.9g]",
-            pooled.delta_ppl_pct_ci.lo, pooled.delta_ppl_pct_ci.hi, pooled.kl_mean_ci.lo,
-            pooled.kl_mean_ci.hi);
-      }
-      if (prefill) {
-        json += absl::StrFormat(
-            ", \"top1_agree\": %.6g, \"generated\": %d, \"prefill_ms\": %.6g, "
-            "\"decode_ms_per_token\": %.6g, \"decode_tokens_per_s\": %.6g",
-            top1, r.generated, 1e3 * r.prefill_seconds / r.windows, decode_ms,
-            decode_ms > 0 ? 1e3 / decode_ms : 0.0);
-      } else {
-        json += absl::StrFormat(", \"scoring_ms\": %.6g", 1e3 * r.prefill_seconds / r.windows);
-      }
-    }
-    if (r.passkey_trials) {
-      json += absl::StrFormat(", \"passkey_ok\": %d, \"passkey_trials\": %d, \"passkey_acc\": %.6g",
-                              r.passkey_ok, r.passkey_trials,
-                              static_cast<double>(r.passkey_ok) / r.passkey_trials);
-    }
-    json += "}";
-
-    // One table line per (scheme, corpus, context): at its decode row, or
-    // at its prefill row when there is no decode row.
-    const auto other = rows.find({r.scheme, r.corpus, r.context, prefill ? "decode" : "prefill"});
-    if (prefill && other != rows.end()) continue;
-    const Row* d = prefill ? nullptr : &r;
-    const Row* p = prefill ? &r : (other == rows.end() ? nullptr : &other->second);
-    std::string passkey = "-";
-    if (p && p->passkey_trials) passkey = absl::StrCat(p->passkey_ok, "/", p->passkey_trials);
-    if (!has_ppl) {
-      table += absl::StrFormat("%-40s %-8s %6d %6s %8s | %-28s %-28s | %8s %9s %6s %8s %8s %9s\n",
-                               r.scheme, r.corpus, r.context, "", "", "", "", "", "", "", passkey,
-                               "", "");
-      continue;
-    }
-    std::string d_ppl = "-", d_kl = "-", p_ppl = "-", p_kl = "-", p_top1 = "-", p_time = "-",
-                p_ms = "-";
-    if (d) {
-      const PooledScore s = Pool(d->per_window, resamples, seed);
-      d_ppl = with_ci(s.delta_ppl_pct, s.has_interval, s.delta_ppl_pct_ci, "%+.3f");
-      d_kl = with_ci(s.kl_mean, s.has_interval, s.kl_mean_ci, "%.5f");
-    }
-    if (p) {
-      const PooledScore s = Pool(p->per_window, resamples, seed);
-      p_ppl = absl::StrFormat("%+.3f", s.delta_ppl_pct);
-      p_kl = absl::StrFormat("%.5f", s.kl_mean);
-      p_top1 = absl::StrFormat("%.3f", p->generated ? double(p->agree) / p->generated : 0.0);
-      p_time = absl::StrFormat("%.1fs", p->prefill_seconds / p->windows);
-      p_ms = absl::StrFormat("%.2f", 1e3 * Median(p->decode_seconds));
-    }
-    table += absl::StrFormat(
-        "%-40s %-8s %6d %6.2f %8.1f | %-28s %-28s | %8s %9s %6s %8s %8s %9s\n", r.scheme,
-        r.corpus, r.context, bits, r.bytes.total() / 1048576.0, d_ppl, d_kl, p_ppl, p_kl, p_top1,
-        passkey, p_time, p_ms);
-  }
-  table += "\ndecode: every position scored with the cache state token-by-token decoding gives "
-           "it; prefill: chunked prefill (each chunk stored before its queries attend). "
-           "Intervals: 95% bootstrap over windows.\n";
-  for (const EvalScheme& e : specs) {
-    const std::string method = Method(e.spec);
-    if (!method.empty()) {
-      table += absl::StrFormat("%s: %s\n", e.spec.ToString(), method);
-    }
-  }
-  const size_t scratch = model.ScratchBytes(wopt.chunk);
-  json += absl::StrFormat(
-      "\n], \"memory\": {\"weights_bytes\": %d, \"kv_bytes_max\": %d, \"scratch_bytes\": %d, "
-      "\"reference_logprobs_bytes\": %d, \"reserved_pool_bytes\": %d, \"peak_rss_bytes\": %d}}\n",
-      model.weight_bytes(), kv_max, scratch, reference_bytes, 0, PeakRssBytes());
-  table += absl::StrFormat(
-      "\nmemory: weights %.1f MiB (fp32), KV cache up to %.1f MiB, forward scratch %.1f MiB, "
-      "fp16 reference log-probs %.1f MiB, reserved pool %s, peak RSS %.1f MiB\n",
-      model.weight_bytes() / 1048576.0, kv_max / 1048576.0, scratch / 1048576.0,
-      reference_bytes / 1048576.0, client ? "on the server (see its Stats)" : "none (pages on demand)",
-      PeakRssBytes() / 1048576.0);
+  std::string json, table;
+  report(/*partial=*/false, json, table);
   std::fputs(absl::GetFlag(FLAGS_json) ? json.c_str() : table.c_str(), stdout);
-  if (!absl::GetFlag(FLAGS_out).empty()) {
-    std::ofstream(absl::GetFlag(FLAGS_out)) << json;
-  }
+  write_out(json);
   return 0;
 }
 

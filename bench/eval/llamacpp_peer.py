@@ -2,8 +2,9 @@
 """Measures llama.cpp's own quantized KV caches on kvq-eval's windows.
 
 The peer of kvq-eval: the same model (SmolLM2-135M-Instruct, GGUF Q4_1), the
-same token windows, and llama.cpp's cache types f16, q8_0 and q4_0 in place of
-kvq's schemes, so ΔPPL and KL divergence can be compared scheme for scheme.
+same token windows, and llama.cpp's cache types f16, q8_0, q5_0 and q4_0 in
+place of kvq's schemes, so ΔPPL and KL divergence can be compared scheme for
+scheme.
 
 Input: a windows file written by kvq-eval,
   {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "model_sha256": "...",
@@ -17,14 +18,26 @@ logits for every position. Per window:
 computed in float64 from the logits, and for q8_0/q4_0 the mean over the
 same positions of KL(p_f16 || p_quant) of the next-token distributions.
 
-Output (stdout, or --out): rows per (cache type, corpus, context), windows
-pooled by tokens, ppl = exp(mean NLL):
+Output (stdout, or --out, rewritten after every window): rows per (cache
+type, corpus, context), windows pooled by tokens, ppl = exp(mean NLL):
   {"tool": "llama.cpp", "version": "...", "rows": [{"engine": "llama.cpp",
-   "scheme": "q4_0", "corpus": "kjv", "context": 2048, "windows": 2,
+   "scheme": "q4_0", "metric": "decode", "metrics": ["decode", "prefill"],
+   "corpus": "kjv", "context": 2048, "windows": 2,
    "tokens_scored": 4094, "nll": 2.1, "ppl": 8.2, "delta_ppl_pct": 1.3,
-   "kl_mean": 0.01, "bits_per_element": 4.5, "prefill_ms": 1234.0}]}
+   "kl_mean": 0.01, "delta_ppl_pct_ci95": [0.9, 1.7],
+   "kl_mean_ci95": [0.008, 0.012], "bits_per_element": 4.5,
+   "prefill_ms": 1234.0, "per_window": [...]}]}
 prefill_ms is the mean wall time of one window's forward pass (the decode
-calls only, not the log-softmax arithmetic done here).
+calls only, not the log-softmax arithmetic done here). The intervals are
+95% percentile bootstrap intervals over windows (as kvq-eval's), present
+with at least two windows; per_window keeps each window's sums paired with
+the f16 run on it, so --merge recomputes them.
+
+Both metrics at once: llama.cpp writes every token's K/V into its quantized
+cache before any query attends (a ubatch is stored, then attended), and
+keeps no fp16 window, so chunked prefill and token-by-token decoding give
+every query the same cache state (up to float summation order). Each row
+says so: "metric" is "decode" and "metrics" lists both.
 
 Run it through scripts/run_llamacpp_peer.sh, which installs llama-cpp-python.
 """
@@ -45,13 +58,19 @@ from pathlib import Path
 import numpy as np
 
 # ggml's block formats: q8_0 is 32 int8 + one fp16 scale per block (34 bytes
-# for 32 elements), q4_0 32 nibbles + one fp16 scale (18 bytes).
+# for 32 elements), q5_0 32 nibbles, 32 high bits and one fp16 scale (22
+# bytes), q4_0 32 nibbles + one fp16 scale (18 bytes).
 CACHE_TYPES = {
     "f16": ("GGML_TYPE_F16", 16.0),
     "q8_0": ("GGML_TYPE_Q8_0", 8.5),
+    "q5_0": ("GGML_TYPE_Q5_0", 5.5),
     "q4_0": ("GGML_TYPE_Q4_0", 4.5),
 }
 REFERENCE = "f16"
+# The metrics each row stands for (see the module docstring).
+METRICS = ["decode", "prefill"]
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 1
 
 
 def log(msg: str) -> None:
@@ -98,6 +117,32 @@ def log_softmax64(logits: np.ndarray) -> np.ndarray:
     x -= m
     x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
     return x
+
+
+def quantile(v: list[float], q: float) -> float:
+    """The q-quantile of sorted v, interpolating between ranks."""
+    at = q * (len(v) - 1)
+    lo = int(math.floor(at))
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (at - lo) * (v[hi] - v[lo])
+
+
+def bootstrap(per_window: list[dict], resamples: int = BOOTSTRAP_RESAMPLES,
+              seed: int = BOOTSTRAP_SEED):
+    """95% percentile intervals of pooled ΔPPL (%) and mean KL over
+    resamples of the windows with replacement (kvq-eval's method), or None
+    with fewer than two windows. Each window: nll, ref_nll, kl (sums over
+    its scored positions) and tokens."""
+    if len(per_window) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    w = np.array([[p["nll"] - p["ref_nll"], p["kl"], p["tokens"]] for p in per_window])
+    picks = rng.integers(0, len(per_window), size=(resamples, len(per_window)))
+    sums = w[picks].sum(axis=1)
+    dppl = sorted((100.0 * np.expm1(sums[:, 0] / sums[:, 2])).tolist())
+    kl = sorted((sums[:, 1] / sums[:, 2]).tolist())
+    return ([quantile(dppl, 0.025), quantile(dppl, 0.975)],
+            [quantile(kl, 0.025), quantile(kl, 0.975)])
 
 
 class Evaluator:
@@ -206,18 +251,21 @@ def result_rows(acc: dict) -> list[dict]:
     """Rows per (cache type, corpus, context) and pooled over corpora.
 
     acc maps (cache type, corpus, context) to sums over windows: windows,
-    tokens, nll, kl, seconds. The pooled "all" row of a cache type is made
-    only where it covers the same corpora as the reference, so its change
-    against the reference compares the same tokens.
+    tokens, nll, kl, seconds, and optionally per_window (each window's nll,
+    ref_nll, kl and tokens, for the bootstrap intervals). The pooled "all"
+    row of a cache type is made only where it covers the same corpora as
+    the reference, so its change against the reference compares the same
+    tokens.
     """
     acc = dict(acc)
     pooled: dict = {}
     for (c, corpus, context), a in list(acc.items()):
         p = pooled.setdefault((c, "all", context),
                               {"nll": 0.0, "kl": 0.0, "seconds": 0.0, "tokens": 0,
-                               "windows": 0, "corpora": set()})
+                               "windows": 0, "corpora": set(), "per_window": []})
         for k in ("nll", "kl", "seconds", "tokens", "windows"):
             p[k] += a[k]
+        p["per_window"].extend(a.get("per_window", []))
         p["corpora"].add(corpus)
     for (c, _, context), p in pooled.items():
         if p["corpora"] == pooled[(REFERENCE, "all", context)]["corpora"]:
@@ -230,15 +278,24 @@ def result_rows(acc: dict) -> list[dict]:
         nll = a["nll"] / a["tokens"]
         ref = acc[(REFERENCE, corpus, context)]
         ref_ppl = math.exp(ref["nll"] / ref["tokens"])
-        rows.append({
-            "engine": "llama.cpp", "scheme": c, "corpus": corpus,
+        row = {
+            "engine": "llama.cpp", "scheme": c, "metric": METRICS[0],
+            "metrics": METRICS, "corpus": corpus,
             "context": context, "windows": a["windows"],
             "tokens_scored": a["tokens"], "nll": nll, "ppl": math.exp(nll),
             "delta_ppl_pct": (math.exp(nll) / ref_ppl - 1.0) * 100.0,
             "kl_mean": a["kl"] / a["tokens"],
             "bits_per_element": CACHE_TYPES[c][1],
             "prefill_ms": a["seconds"] * 1e3 / a["windows"],
-        })
+        }
+        per_window = a.get("per_window", [])
+        # Intervals only where every window of the row has its sums.
+        ci = bootstrap(per_window) if len(per_window) == a["windows"] else None
+        if ci:
+            row["delta_ppl_pct_ci95"], row["kl_mean_ci95"] = ci
+        if corpus != "all" and per_window:
+            row["per_window"] = per_window
+        rows.append(row)
     return rows
 
 
@@ -266,7 +323,8 @@ def merge_results(paths: list[Path]) -> dict:
             acc[key] = {"windows": r["windows"], "tokens": r["tokens_scored"],
                         "nll": r["nll"] * r["tokens_scored"],
                         "kl": r["kl_mean"] * r["tokens_scored"],
-                        "seconds": r["prefill_ms"] / 1e3 * r["windows"]}
+                        "seconds": r["prefill_ms"] / 1e3 * r["windows"],
+                        "per_window": r.get("per_window", [])}
     return {"tool": "llama.cpp", "version": version, "rows": result_rows(acc)}
 
 
@@ -283,8 +341,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="one window per (corpus, context), contexts <= 2048")
     ap.add_argument("--cache-types", default=",".join(CACHE_TYPES),
-                    help="comma-separated subset of f16,q8_0,q4_0 (f16 is "
-                         "always run: it is the reference)")
+                    help="comma-separated subset of f16,q8_0,q5_0,q4_0 (f16 "
+                         "is always run: it is the reference)")
     ap.add_argument("--threads", type=int,
                     default=len(os.sched_getaffinity(0)))
     ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULT",
@@ -333,7 +391,7 @@ def main(argv: list[str]) -> int:
     # (scheme, corpus, context) -> sums.
     acc: dict[tuple[str, str, int], dict] = defaultdict(
         lambda: {"windows": 0, "tokens": 0, "nll": 0.0, "kl": 0.0,
-                 "seconds": 0.0})
+                 "seconds": 0.0, "per_window": []})
     for context in sorted({w["context"] for w in windows}):
         group = [w for w in windows if w["context"] == context]
         evaluators = {c: Evaluator(llama_cpp, model, c, context, chunk,
@@ -348,22 +406,30 @@ def main(argv: list[str]) -> int:
                     raise ValueError(f"{w['corpus']}/{context}/{w['index']}: "
                                      f"token {bad[0]} out of range")
                 ref_logp = None
+                ref_nll = 0.0
                 for c in cache_types:
                     nll, kl, secs, logp = evaluate_window(
                         evaluators[c], tokens, ref_logp,
                         keep_logp=(c == REFERENCE and len(cache_types) > 1))
                     if c == REFERENCE:
                         ref_logp = logp
+                        ref_nll = nll
                     a = acc[(c, w["corpus"], context)]
                     a["windows"] += 1
                     a["tokens"] += len(tokens) - 1
                     a["nll"] += nll
                     a["kl"] += kl
                     a["seconds"] += secs
+                    a["per_window"].append({"index": w["index"], "nll": nll,
+                                            "ref_nll": ref_nll, "kl": kl,
+                                            "tokens": len(tokens) - 1})
                     log(f"{c:5s} {w['corpus']}/{context}/{w['index']}: "
                         f"ppl {math.exp(nll / (len(tokens) - 1)):.4f} "
                         f"kl {kl / (len(tokens) - 1):.6f} {secs * 1e3:.0f} ms")
                 del ref_logp
+                if args.out:  # What has run so far, should the run stop.
+                    write_result({"tool": "llama.cpp", "version": llama_cpp.__version__,
+                                  "rows": result_rows(acc)}, args.out)
         finally:
             for ev in evaluators.values():
                 ev.close()

@@ -16,8 +16,16 @@ tokens); --corpus plots one corpus instead. kvq's points are circles with
 solid lines, llama.cpp's squares with dashed lines; each scheme has its own
 colour.
 
+With --frontier it writes one plot instead, quality_frontier.png: pooled
+ΔPPL (decode metric) against bits per element with the 95% bootstrap
+interval of each point as an error bar, a panel per context, marker by
+family (KIVI, KVQuant-like, rotation, crq, llama.cpp), and the goals of
+docs/QUALITY.md drawn as the region they allow.
+
 Usage:
   python3 bench/eval/plot_quality.py results.json peer.json --out-dir docs/img
+  python3 bench/eval/plot_quality.py --frontier kvq_frontier_*.json llamacpp_frontier.json \
+      --out-dir docs/img
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MultipleLocator  # noqa: E402
 
+# The frontier's families and goals are quality_tables.py's (same directory).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality_tables import GOALS, family, metrics_of, pool_corpora  # noqa: E402
+
 ENGINE_STYLE = {
     "kvq": {"marker": "o", "linestyle": "-"},
     "llama.cpp": {"marker": "s", "linestyle": "--"},
@@ -50,9 +62,10 @@ REFERENCE_SCHEMES = {"fp16", "f16", "bf16", "fp32"}
 
 def load_rows(paths: list[Path], metric: str | None = None) -> list[dict]:
     """All rows of all files (only those of `metric` when given; rows
-    without one were scored on chunked prefill); rows without an engine
-    count as kvq's, and a row measured again (same engine, scheme, metric,
-    corpus, context) keeps the later file's figures."""
+    without one were scored on chunked prefill, and llama.cpp's stand for
+    both: quality_tables.metrics_of); rows without an engine count as kvq's, and a
+    row measured again (same engine, scheme, metric, corpus, context) keeps
+    the later file's figures."""
     rows = {}
     for p in paths:
         data = json.loads(p.read_text())
@@ -60,9 +73,11 @@ def load_rows(paths: list[Path], metric: str | None = None) -> list[dict]:
         for r in file_rows:
             r = dict(r)
             r.setdefault("engine", "kvq")
-            r.setdefault("metric", "prefill")
-            if metric is not None and r["metric"] != metric:
+            if metric is not None and metric not in metrics_of(r):
                 continue
+            r.setdefault("metric", "prefill")
+            if metric is not None:
+                r["metric"] = metric
             rows[(r["engine"], r["scheme"], r["metric"], r.get("corpus"),
                   r.get("context"))] = r
     return list(rows.values())
@@ -230,6 +245,76 @@ def plot_kl(points, colours, title_note: str, out: Path) -> None:
     plt.close(fig)
 
 
+# Families of the frontier plot: marker and colour, in legend order.
+FAMILIES = [
+    ("reference", "D", "0.35"),
+    ("KIVI", "o", "tab:blue"),
+    ("KVQuant-like (nuq levels)", "^", "tab:orange"),
+    ("Hadamard rotation + uniform levels", "v", "tab:purple"),
+    ("crq (calibrated, rotated, Lloyd-Max)", "*", "tab:red"),
+    ("llama.cpp cache", "s", "tab:green"),
+]
+def plot_frontier(rows: list[dict], contexts: list[int], out: Path,
+                  corpus: str = "all", max_bits: float = 9.0) -> None:
+    """ΔPPL against bits with bootstrap error bars, goals shaded; formats
+    wider than max_bits (fp16) are left out of the axes."""
+    fig, axes = plt.subplots(1, len(contexts), figsize=(7.2 * len(contexts), 5.6),
+                             sharey=True, squeeze=False)
+    used = set()
+    for ax, ctx in zip(axes[0], contexts):
+        sel = [r for r in rows if r.get("corpus") == corpus and r.get("context") == ctx
+               and r.get("delta_ppl_pct") is not None
+               and r.get("bits_per_element") is not None
+               and r["bits_per_element"] <= max_bits]
+        # The goals: each allows the rectangle left of its budget, under its bound.
+        for bits, dppl in GOALS:
+            ax.fill_between([0, bits], -1, dppl, color="tab:green", alpha=0.07, zorder=0)
+            ax.plot([bits, bits, 0], [-1, dppl, dppl], color="tab:green", linewidth=0.9,
+                    linestyle=":", zorder=1)
+            ax.annotate(f"goal ≤{bits:g} b, ≤{dppl:g}%", (bits, dppl), fontsize=7,
+                        color="tab:green", xytext=(-4, 3), textcoords="offset points",
+                        ha="right")
+        items = []
+        for r in sel:
+            fam = family(r)
+            used.add(fam)
+            marker, colour = next(((m, c) for f, m, c in FAMILIES if f == fam), ("x", "k"))
+            x, y = r["bits_per_element"], r["delta_ppl_pct"]
+            ci = r.get("delta_ppl_pct_ci95")
+            yerr = [[max(0.0, y - ci[0])], [max(0.0, ci[1] - y)]] if ci else None
+            ax.errorbar([x], [y], yerr=yerr, fmt=marker, color=colour,
+                        markeredgecolor="black", markeredgewidth=0.5, markersize=8,
+                        ecolor=colour, elinewidth=1.2, capsize=3, zorder=3)
+            items.append((x, y, label(r["engine"], r["scheme"])))
+        ax.set_yscale("symlog", linthresh=0.5, linscale=0.6)
+        ax.axhline(0.0, color="0.6", linewidth=0.8)
+        xs = [x for x, _, _ in items] or [2.0, 9.0]
+        ax.set_xlim(max(0.0, min(xs + [2.0]) - 0.4), max(xs + [5.0]) + 2.2)
+        ax.xaxis.set_major_locator(MultipleLocator(0.5))
+        ax.set_xlabel("bits per element (K and V, every overhead, from the allocation)")
+        ax.set_title(f"context {ctx}, decode metric, "
+                     + ("pooled over the corpora" if corpus == "all" else corpus))
+        ax.grid(True, which="both", alpha=0.3)
+        if not items:
+            ax.text(0.5, 0.5, "no rows", transform=ax.transAxes, ha="center")
+        ax._frontier_items = items  # Labelled once the layout is final.
+    ys = [r["delta_ppl_pct_ci95"][1] if r.get("delta_ppl_pct_ci95") else r["delta_ppl_pct"]
+          for r in rows if r.get("context") in contexts and r.get("corpus") == corpus
+          and r.get("delta_ppl_pct") is not None]
+    axes[0][0].set_ylim(-0.3, max(12.0, 1.5 * max(ys, default=10.0)))
+    axes[0][0].set_ylabel("ΔPPL vs fp16 cache (%), 95% bootstrap interval over windows")
+    handles = [Line2D([], [], marker=m, color=c, markeredgecolor="black", linestyle="",
+                      markersize=8, label=f) for f, m, c in FAMILIES if f in used]
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+               title="family", frameon=False)
+    fig.suptitle("Quality frontier: perplexity cost of the KV-cache format against its size")
+    fig.tight_layout()
+    for ax in axes[0]:
+        place_labels(ax, ax._frontier_items, fontsize=6.5)
+    fig.savefig(out, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     """Reads the result files and writes both plots."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -245,11 +330,26 @@ def main(argv: list[str]) -> int:
                     help="perplexity metric to plot (rows without one are prefill)")
     ap.add_argument("--no-labels", action="store_true",
                     help="no scheme names next to the ΔPPL points")
+    ap.add_argument("--frontier", action="store_true",
+                    help="write the one frontier plot (quality_frontier.png) instead")
     args = ap.parse_args(argv)
 
     rows = load_rows(args.results, args.metric)
     if not rows:
         ap.error("no rows in the input")
+    if args.frontier:
+        # One-corpus runs pool into "all" rows with their intervals.
+        rows = pool_corpora([r for r in rows if r.get("corpus") != "passkey"])
+        wanted = [int(c) for c in args.contexts.split(",") if c]
+        contexts = [c for c in wanted if any(r.get("context") == c and r.get("corpus") ==
+                                             args.corpus for r in rows)]
+        if not contexts:
+            ap.error(f"no {args.corpus} rows at contexts {args.contexts}")
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        out = args.out_dir / "quality_frontier.png"
+        plot_frontier(rows, contexts, out, args.corpus)
+        print(f"plot_quality: wrote {out}")
+        return 0
     corpora = sorted({r.get("corpus", "?") for r in rows
                       if args.corpus is None or r.get("corpus") == args.corpus})
     note = (f" ({args.corpus})" if args.corpus != "all"

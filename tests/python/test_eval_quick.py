@@ -20,11 +20,11 @@ REFERENCE = SOURCE / "docs" / "quality" / "quick_reference.json"
 VOLATILE = {"prefill_ms", "decode_ms_per_token", "decode_tokens_per_s", "scoring_ms"}
 
 
-def run_quick(tmp_path, name):
+def run_quick(tmp_path, name, *flags):
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
-        [os.environ["KVQ_EVAL_BIN"], "--quick", "--json", "--progress=false", f"--out={out}"],
-        capture_output=True, text=True, timeout=600)
+        [os.environ["KVQ_EVAL_BIN"], "--quick", "--json", "--progress=false", f"--out={out}",
+         *flags], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == json.loads(out.read_text())
     return json.loads(out.read_text())
@@ -109,6 +109,19 @@ def test_two_runs_print_identical_numbers(runs):
     a, b = ([{k: v for k, v in r.items() if k not in VOLATILE} for r in run["rows"]]
             for run in runs)
     assert a == b
+    # The file written after each window is marked partial; the last is not.
+    assert "partial" not in runs[0]
+    assert runs[0]["blas_core"]
+
+
+def test_decode_metric_alone_gives_the_same_decode_rows(runs, tmp_path):
+    # --metrics=decode skips the chunked prefill, the generation and their
+    # metric (the long frontier runs use it): the decode rows must not move.
+    alone = run_quick(tmp_path, "decode", "--metrics=decode")
+    assert {r["metric"] for r in alone["rows"]} == {"decode"}
+    both = [{k: v for k, v in r.items() if k not in VOLATILE}
+            for r in runs[0]["rows"] if r["metric"] == "decode"]
+    assert [{k: v for k, v in r.items() if k not in VOLATILE} for r in alone["rows"]] == both
 
 
 def test_nothing_to_run_is_a_clear_error():

@@ -70,3 +70,33 @@ def test_merge_refuses_overlapping_runs(tmp_path):
     austen = write(tmp_path, "austen.json", [k for k in ACC if k[1] == "austen"])
     with pytest.raises(ValueError, match="is in two files"):
         peer.merge_results([austen, austen])
+
+
+def test_rows_carry_both_metrics_and_bootstrap_intervals(tmp_path):
+    # Three windows of one corpus: the interval brackets the pooled value
+    # and is the same after a merge, which recomputes it from per_window.
+    windows = [(3.40, 3.41, 0.01), (3.50, 3.55, 0.03), (3.30, 3.31, 0.02)]
+    tokens = 2047
+    acc = {("f16", "austen", 2048): {
+               "windows": 3, "tokens": 3 * tokens, "nll": sum(w[0] for w in windows) * tokens,
+               "kl": 0.0, "seconds": 3.0,
+               "per_window": [{"nll": w[0] * tokens, "ref_nll": w[0] * tokens, "kl": 0.0,
+                               "tokens": tokens} for w in windows]},
+           ("q4_0", "austen", 2048): {
+               "windows": 3, "tokens": 3 * tokens, "nll": sum(w[1] for w in windows) * tokens,
+               "kl": sum(w[2] for w in windows) * tokens, "seconds": 6.0,
+               "per_window": [{"nll": w[1] * tokens, "ref_nll": w[0] * tokens,
+                               "kl": w[2] * tokens, "tokens": tokens} for w in windows]}}
+    rows = by_key(peer.result_rows(acc))
+    q4 = rows[("q4_0", "all", 2048)]
+    assert q4["metric"] == "decode" and q4["metrics"] == ["decode", "prefill"]
+    lo, hi = q4["delta_ppl_pct_ci95"]
+    assert lo < q4["delta_ppl_pct"] < hi
+    assert lo >= 100 * math.expm1(0.01) - 1e-9 and hi <= 100 * math.expm1(0.05) + 1e-9
+    assert q4["kl_mean_ci95"][0] <= q4["kl_mean"] <= q4["kl_mean_ci95"][1]
+    assert rows[("f16", "all", 2048)]["delta_ppl_pct_ci95"] == [0.0, 0.0]
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"tool": "llama.cpp", "version": "0.3.36",
+                                "rows": list(rows.values())}))
+    merged = by_key(peer.merge_results([path])["rows"])
+    assert merged[("q4_0", "all", 2048)]["delta_ppl_pct_ci95"] == pytest.approx([lo, hi])

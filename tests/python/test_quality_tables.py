@@ -5,7 +5,10 @@ by the mean code width of keys and values."""
 
 import importlib.util
 import json
+import math
 import pathlib
+
+import pytest
 
 SOURCE = pathlib.Path(__file__).parents[2]
 spec = importlib.util.spec_from_file_location("quality_tables",
@@ -75,3 +78,73 @@ def test_metric_selects_rows_and_keeps_both(tmp_path):
     assert len(tables.load([a])) == 3
     assert [r["delta_ppl_pct"] for r in tables.load([a], "decode")] == [0.4]
     assert sorted(r["delta_ppl_pct"] for r in tables.load([a], "prefill")) == [1.0, 40.0]
+
+
+def frontier_row(scheme, bits, dppl, corpus="all", context=2048, engine="kvq", ci=None):
+    r = dict(row(scheme, bits, dppl), corpus=corpus, context=context, engine=engine,
+             metric="decode")
+    if ci:
+        r["delta_ppl_pct_ci95"] = ci
+    return r
+
+
+def test_peer_rows_stand_for_both_metrics(tmp_path):
+    # The llama.cpp peer's cache gives prefill and decode the same state.
+    peer = dict(frontier_row("q4_0", 4.5, 3.0, engine="llama.cpp"),
+                metrics=["decode", "prefill"])
+    a = write(tmp_path / "a.json", [peer])
+    assert [r["scheme"] for r in tables.load([a], "decode")] == ["q4_0"]
+    assert [r["scheme"] for r in tables.load([a], "prefill")] == ["q4_0"]
+
+
+def test_frontier_goals_met_not_met_and_not_measured():
+    rows = [frontier_row("fp16", 16.0, 0.0)]
+    for corpus in ("austen", "code", "kjv"):
+        rows.append(frontier_row("kivi4:v3", 4.23, 0.4, corpus=corpus))
+    rows += [frontier_row("kivi4:v3", 4.23, 0.4, ci=[0.2, 0.6]),
+             frontier_row("kivi3", 3.4, 3.1, ci=[2.6, 3.7]),
+             frontier_row("kivi4", 4.7, 0.1),
+             frontier_row("q4_0", 4.5, 0.05, engine="llama.cpp")]
+    lines = tables.goals(rows)
+    at = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line for line in lines[2:]}
+    four = at[("≤ 4.3 bits, ΔPPL ≤ 0.5%", "2048")]
+    assert "`kivi4:v3`" in four and "met (the interval reaches +0.60)" in four, \
+        "kivi4 is over the budget and llama.cpp rows are not kvq formats"
+    assert "not met: best +3.10%, interval from +2.60" in at[("≤ 3.5 bits, ΔPPL ≤ 2.5%", "2048")]
+    assert "not met: no format ≤ 2.6 bits" in at[("≤ 2.6 bits, ΔPPL ≤ 10.0%", "2048")]
+    assert at[("≤ 4.3 bits, ΔPPL ≤ 0.5%", "8192")].endswith("not measured |")
+
+
+def test_passkey_goal_needs_twenty_trials_and_fp16s_score():
+    def passkey(scheme, ok, trials):
+        return {"engine": "kvq", "scheme": scheme, "corpus": "passkey", "context": 2048,
+                "passkey_ok": ok, "passkey_trials": trials}
+    base = [frontier_row("kivi3", 3.7, 3.0), frontier_row("kivi2", 2.7, 9.0)]
+    few = tables.passkey_goal(base + [passkey("fp16", 3, 3), passkey("kivi3", 3, 3)])
+    assert few[0].endswith("not measured (3 trials < 20) |")
+    worse = tables.passkey_goal(base + [passkey("fp16", 20, 20), passkey("kivi3", 19, 20),
+                                        passkey("kivi2", 0, 20)])
+    assert worse[0].endswith("not met: `kivi3` 19 |"), "kivi2 is under 3 bits: not a goal"
+    met = tables.passkey_goal(base + [passkey("fp16", 18, 20), passkey("kivi3", 19, 20)])
+    assert met[0].endswith("| met |")
+
+
+def test_runs_of_one_corpus_each_pool_by_tokens_with_an_interval():
+    # kvq-eval run once per corpus: each file's "all" row is that corpus
+    # alone; the frontier pools their per-window sums instead.
+    def corpus_row(corpus, windows):
+        r = frontier_row("kivi3", 3.74, 0.0, corpus=corpus)
+        r["per_window"] = [{"index": i, "nll": n * 100, "ref_nll": ref * 100, "kl": kl * 100,
+                            "tokens": 100} for i, (n, ref, kl) in enumerate(windows)]
+        return r
+    austen = corpus_row("austen", [(3.0, 2.9, 0.05), (3.2, 3.1, 0.04)])
+    code = corpus_row("code", [(1.5, 1.45, 0.03)])
+    stale = frontier_row("kivi3", 3.74, 99.0)  # The last file's one-corpus "all" row.
+    rows = tables.pool_corpora([austen, code, stale])
+    pooled = [r for r in rows if r["corpus"] == "all"]
+    assert len(pooled) == 1 and pooled[0]["corpora"] == ["austen", "code"]
+    assert pooled[0]["windows"] == 3 and pooled[0]["tokens_scored"] == 300
+    assert pooled[0]["delta_ppl_pct"] == pytest.approx(100 * math.expm1((10 + 10 + 5) / 300))
+    assert pooled[0]["kl_mean"] == pytest.approx(0.04)
+    lo, hi = pooled[0]["delta_ppl_pct_ci95"]
+    assert lo < pooled[0]["delta_ppl_pct"] < hi
