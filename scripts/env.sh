@@ -33,5 +33,18 @@ kvq_install_python_package() {
   if [[ -f "$stdlib/EXTERNALLY-MANAGED" && -z "${VIRTUAL_ENV:-}" ]]; then
     args+=(--user --break-system-packages)
   fi
-  "$python" -m pip install "${args[@]}" "$KVQ_ROOT" >&2
+  # The package's build (scikit-build-core) compiles with Python's CC and
+  # CXX (g++ here) unless told otherwise, and ccache keys on the compiler's
+  # name: with the main build's compilers its kernels' compile lines are the
+  # main build's, and ccache serves them instead of a second compile.
+  # A fresh clone without a main build, or a CC/CXX the caller set, keeps
+  # what it has.
+  local cache="$KVQ_BUILD/CMakeCache.txt" compilers=() cc cxx
+  if [[ -f "$cache" ]]; then
+    cc="$(sed -n 's/^CMAKE_C_COMPILER:FILEPATH=//p' "$cache")"
+    cxx="$(sed -n 's/^CMAKE_CXX_COMPILER:FILEPATH=//p' "$cache")"
+    if [[ -z "${CC:-}" && -n "$cc" ]]; then compilers+=("CC=$cc"); fi
+    if [[ -z "${CXX:-}" && -n "$cxx" ]]; then compilers+=("CXX=$cxx"); fi
+  fi
+  env "${compilers[@]}" "$python" -m pip install "${args[@]}" "$KVQ_ROOT" >&2
 }

@@ -12,7 +12,8 @@
 # every run and fails only for a change, not for an unlucky draw.
 # KVQ_FUZZ_JOBS=N runs N targets at a time (default KVQ_JOBS, the cores).
 # KVQ_FUZZ_TARGETS="rpc_fuzz npy_fuzz" runs only those; KVQ_FUZZ_SIMD=ALL
-# builds every SIMD target (default: AVX2 and the baseline, CMakeLists.txt).
+# builds every SIMD target (default: AVX2 only, compiled for Haswell, where
+# the CPU has it; CMakeLists.txt).
 # New inputs the fuzzers find go to build-fuzz/corpus/<target>/ (kept
 # between runs, not committed); tests/fuzz/corpus/<target>/ holds the
 # committed seeds.
@@ -27,8 +28,20 @@ source "$(dirname "$0")/env.sh"
 "$KVQ_ROOT/scripts/install_deps.sh"
 
 build="$KVQ_ROOT/build-fuzz"
+# The AVX2-only build runs the AVX2 kernels without dispatch: it needs what
+# -march=haswell -maes let the compiler use. A CPU without it gets every target.
+simd="${KVQ_FUZZ_SIMD:-AVX2}"
+if [[ "$simd" == AVX2 ]]; then
+  for flag in avx2 fma bmi1 bmi2 f16c abm aes pclmulqdq movbe; do
+    if ! grep -qw "$flag" /proc/cpuinfo; then
+      echo "fuzz: this CPU lacks $flag: building every SIMD target (KVQ_FUZZ_SIMD=ALL)" >&2
+      simd=ALL
+      break
+    fi
+  done
+fi
 CC=clang CXX=clang++ cmake -S "$KVQ_ROOT" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DKVQ_FUZZ=ON -DKVQ_FUZZ_SIMD="${KVQ_FUZZ_SIMD:-AVX2}" -DKVQ_WITH_CUDA=OFF -DKVQ_BUILD_TESTS=OFF \
+  -DKVQ_FUZZ=ON -DKVQ_FUZZ_SIMD="$simd" -DKVQ_WITH_CUDA=OFF -DKVQ_BUILD_TESTS=OFF \
   -DKVQ_BUILD_BENCH=OFF >/dev/null
 cmake --build "$build" -j "$KVQ_JOBS" --target kvq_fuzz
 
