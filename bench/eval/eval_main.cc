@@ -67,6 +67,10 @@ ABSL_FLAG(std::vector<std::string>, schemes,
           "sensitivity probe; in-process only)");
 ABSL_FLAG(int, chunk, 512, "Prefill chunk (tokens per forward step)");
 ABSL_FLAG(int, gen_tokens, 256, "Greedy tokens for the top-1 agreement");
+ABSL_FLAG(bool, generate, true,
+          "Generate the gen_tokens (top-1 agreement, decode ms/token); false leaves that out "
+          "and keeps the prefill metric's split of the window, so its perplexity and KL are "
+          "unchanged");
 ABSL_FLAG(std::vector<std::string>, passkey_contexts,
           std::vector<std::string>({"2048", "8192"}), "Passkey prompt lengths ('' for none)");
 ABSL_FLAG(std::vector<std::string>, passkey_depths,
@@ -154,10 +158,14 @@ struct Row {
   int tokens = 0;
   int passkey_ok = -1, passkey_trials = 0;
   std::vector<WindowScore> per_window;  // Paired with the reference, for the bootstrap.
+  // "corpus/index" of each per_window entry: another engine's run of the
+  // same protocol file pairs its windows with these (compare_forward.py).
+  std::vector<std::string> window_ids;
 
-  void Add(const WindowResult& r, double ref_nll) {
+  void Add(const WindowResult& r, double ref_nll, std::string window_id) {
     ++windows;
     per_window.push_back({r.nll_sum, ref_nll, r.kl_sum, r.scored});
+    window_ids.push_back(std::move(window_id));
     nll += r.nll_sum;
     scored += r.scored;
     kl += r.kl_sum;
@@ -351,7 +359,14 @@ int Main(int argc, char** argv) {
     // the prefill chunk, the decode length and the passkey prompts.
     out << "{\"model\": " << JsonString(std::filesystem::path(model_path).filename().string())
         << ", \"chunk\": " << absl::GetFlag(FLAGS_chunk) << ", \"gen_tokens\": " << gen_tokens
-        << ", \"windows_per_corpus\": " << windows << ", \"windows\": [";
+        << ", \"windows_per_corpus\": " << windows << ", \"metrics\": ["
+        << absl::StrJoin(absl::GetFlag(FLAGS_metrics), ", ",
+                         [](std::string* out, const std::string& m) {
+                           absl::StrAppend(out, JsonString(m));
+                         })
+        << "], \"bootstrap\": {\"resamples\": " << absl::GetFlag(FLAGS_bootstrap_resamples)
+        << ", \"seed\": " << absl::GetFlag(FLAGS_bootstrap_seed)
+        << ", \"interval\": 0.95}, \"windows\": [";
     for (size_t i = 0; i < all_windows.size(); ++i) {
       const Window& w = all_windows[i];
       out << (i ? ",\n" : "\n") << "{\"corpus\": " << JsonString(w.corpus)
@@ -425,6 +440,7 @@ int Main(int argc, char** argv) {
   WindowOptions wopt;
   wopt.chunk = absl::GetFlag(FLAGS_chunk);
   wopt.gen_tokens = gen_tokens;
+  wopt.generate = absl::GetFlag(FLAGS_generate);
   int passkey_runs = 0;
   for (const auto& name : scheme_names) {
     if (runs_passkey(name)) passkey_runs += passkey_contexts.size() * depths.size();
@@ -472,7 +488,7 @@ int Main(int argc, char** argv) {
       row.corpus = corpus;
       row.context = w.context;
       row.metric = metric;
-      row.Add(r, ref_nll);
+      row.Add(r, ref_nll, absl::StrCat(w.corpus, "/", w.index));
     }
   };
   for (const Window& w : all_windows) {
@@ -588,6 +604,15 @@ int Main(int argc, char** argv) {
             pooled.delta_ppl_pct_ci.lo, pooled.delta_ppl_pct_ci.hi, pooled.kl_mean_ci.lo,
             pooled.kl_mean_ci.hi);
       }
+      json += ", \"per_window\": [";
+      for (size_t i = 0; i < r.per_window.size(); ++i) {
+        const WindowScore& w = r.per_window[i];
+        json += absl::StrFormat(
+            "%s{\"window\": %s, \"nll\": %.17g, \"ref_nll\": %.17g, \"kl\": %.17g, "
+            "\"scored\": %d}",
+            i ? ", " : "", JsonString(r.window_ids[i]), w.nll, w.ref_nll, w.kl, w.scored);
+      }
+      json += "]";
       if (prefill) {
         json += absl::StrFormat(
             ", \"top1_agree\": %.6g, \"generated\": %d, \"prefill_ms\": %.6g, "
