@@ -3,9 +3,15 @@
 
 The transformers mode of kvq-eval (docs/QUALITY.md): the model's own forward
 pass (transformers), every attention layer's K/V stored in a kvq scheme
-through kvq.hf.KvqCache, measured as kvq-eval measures its C++ forward pass:
+measured as kvq-eval measures its C++ forward pass, in two metrics:
 
-  per window of C tokens: prefill the first C - G tokens in `chunk`-token
+  decode (the headline): every position of the window scored with the cache
+  state token-by-token decoding gives it, in one forward pass whose
+  attention reads each token's fp16 or quantized form as decoding would
+  (DecodeFaithfulPass, kvq streams appended token by token);
+
+  prefill, through kvq.hf.KvqCache and kvq's fused attention: per window
+  of C tokens, prefill the first C - G tokens in `chunk`-token
   chunks; on a second cache holding the same prefix, decode G tokens one at
   a time (greedy for fp16, teacher-forced on fp16's tokens otherwise: top-1
   agreement, decode ms/token); prefill the rest of the window on the first
@@ -14,16 +20,15 @@ through kvq.hf.KvqCache, measured as kvq-eval measures its C++ forward pass:
   component with the whole window stored; then the passkey probe.
 
 The protocol comes from one place, kvq-eval: `kvq-eval --dump_windows=W.json`
-writes the windows (token ids), the chunk, the decode length and the passkey
-prompts, and this reads them (as the llama.cpp peer does), so a SmolLM2 run
+writes the windows (token ids), the chunk, the decode length, the metrics,
+the bootstrap settings and the passkey prompts, and this reads them (as the llama.cpp peer does), so a SmolLM2 run
 here is on exactly the C++ run's windows. For a model with another tokenizer,
 --corpora/--contexts select windows by kvq-eval's rule (evenly spaced inside
 the corpus, never at its start) with that tokenizer, and the passkey prompts
 are built from the texts in W.json; tests/python/test_hf_eval.py checks that
 both give kvq-eval's own windows and prompts with SmolLM2's tokenizer.
 
-  kvq-eval --contexts=512 --windows=1 --passkey_contexts= --schemes=fp16 \\
-      --dump_windows=w.json --out=/dev/null
+  kvq-eval --contexts=512 --windows=5 --passkey_contexts= --dump_windows=w.json --dump_only
   python3 bench/eval/hf_eval.py w.json --schemes=fp16,int8,kivi4 --out=hf.json
   python3 bench/eval/hf_eval.py w.json --model=HuggingFaceTB/SmolLM2-360M \\
       --corpora=austen --contexts=2048 --schemes=fp16,kivi4
