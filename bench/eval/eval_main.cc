@@ -85,6 +85,10 @@ ABSL_FLAG(std::vector<std::string>, schemes,
           "sensitivity probe; in-process only)");
 ABSL_FLAG(int, chunk, 512, "Prefill chunk (tokens per forward step)");
 ABSL_FLAG(int, gen_tokens, 256, "Greedy tokens for the top-1 agreement");
+ABSL_FLAG(bool, generate, true,
+          "Generate the gen_tokens (top-1 agreement, decode ms/token); false leaves that out "
+          "and keeps the prefill metric's split of the window, so its perplexity and KL are "
+          "unchanged");
 ABSL_FLAG(std::vector<std::string>, passkey_contexts,
           std::vector<std::string>({"2048", "8192"}), "Passkey prompt lengths ('' for none)");
 ABSL_FLAG(std::vector<std::string>, passkey_depths,
@@ -173,10 +177,14 @@ struct Row {
   int passkey_ok = -1, passkey_trials = 0;
   std::vector<WindowScore> per_window;  // Paired with the reference, for the bootstrap.
   std::vector<int> window_indices;      // Which of the corpus's windows, in run order.
+  // "corpus/index" of each per_window entry: another engine's run of the
+  // same protocol file pairs its windows with these (compare_forward.py).
+  std::vector<std::string> window_ids;
 
-  void Add(const WindowResult& r, double ref_nll) {
+  void Add(const WindowResult& r, double ref_nll, std::string window_id) {
     ++windows;
     per_window.push_back({r.nll_sum, ref_nll, r.kl_sum, r.scored});
+    window_ids.push_back(std::move(window_id));
     nll += r.nll_sum;
     scored += r.scored;
     kl += r.kl_sum;
@@ -437,7 +445,14 @@ int Main(int argc, char** argv) {
     // the prefill chunk, the decode length and the passkey prompts.
     out << "{\"model\": " << JsonString(std::filesystem::path(model_path).filename().string())
         << ", \"chunk\": " << absl::GetFlag(FLAGS_chunk) << ", \"gen_tokens\": " << gen_tokens
-        << ", \"windows_per_corpus\": " << windows << ", \"windows\": [";
+        << ", \"windows_per_corpus\": " << windows << ", \"metrics\": ["
+        << absl::StrJoin(absl::GetFlag(FLAGS_metrics), ", ",
+                         [](std::string* out, const std::string& m) {
+                           absl::StrAppend(out, JsonString(m));
+                         })
+        << "], \"bootstrap\": {\"resamples\": " << absl::GetFlag(FLAGS_bootstrap_resamples)
+        << ", \"seed\": " << absl::GetFlag(FLAGS_bootstrap_seed)
+        << ", \"interval\": 0.95}, \"windows\": [";
     for (size_t i = 0; i < all_windows.size(); ++i) {
       const Window& w = all_windows[i];
       out << (i ? ",\n" : "\n") << "{\"corpus\": " << JsonString(w.corpus)
@@ -522,6 +537,7 @@ int Main(int argc, char** argv) {
   WindowOptions wopt;
   wopt.chunk = absl::GetFlag(FLAGS_chunk);
   wopt.gen_tokens = gen_tokens;
+  wopt.generate = absl::GetFlag(FLAGS_generate);
   int passkey_runs = 0;
   for (const auto& name : scheme_names) {
     if (runs_passkey(name)) passkey_runs += passkey_contexts.size() * depths.size();
@@ -569,7 +585,7 @@ int Main(int argc, char** argv) {
       row.corpus = corpus;
       row.context = w.context;
       row.metric = metric;
-      row.Add(r, ref_nll);
+      row.Add(r, ref_nll, absl::StrCat(w.corpus, "/", w.index));
       row.window_indices.push_back(w.index);
     }
   };
@@ -627,20 +643,21 @@ int Main(int argc, char** argv) {
             r.windows, r.scored, r.nll / r.scored, r.ppl(), pooled.delta_ppl_pct, pooled.kl_mean,
             bits, r.bytes.total(), r.bytes.codes, r.bytes.scales, r.bytes.outliers,
             r.bytes.residual, r.bytes.sink, r.bytes.codebook, r.bytes.padding);
-        if (r.corpus != "all") {
         // Each window's sums beside the reference's, so runs of different
-        // corpora pool with their intervals (quality_tables.py --frontier).
+        // corpora pool with their intervals (quality_tables.py --frontier)
+        // and another engine's run pairs with them by "window"
+        // (compare_forward.py).
         json += ", \"per_window\": [";
         for (size_t i = 0; i < r.per_window.size(); ++i) {
           const WindowScore& w = r.per_window[i];
           json += absl::StrFormat(
-              "%s{\"index\": %d, \"nll\": %.17g, \"ref_nll\": %.17g, \"kl\": %.17g, "
-              "\"tokens\": %d}",
-              i ? ", " : "", r.window_indices[i], w.nll, w.ref_nll, w.kl, w.scored);
+              "%s{\"window\": %s, \"index\": %d, \"nll\": %.17g, \"ref_nll\": %.17g, "
+              "\"kl\": %.17g, \"tokens\": %d}",
+              i ? ", " : "", JsonString(r.window_ids[i]), r.window_indices[i], w.nll, w.ref_nll,
+              w.kl, w.scored);
         }
         json += "]";
-      }
-      if (pooled.has_interval) {
+        if (pooled.has_interval) {
           json += absl::StrFormat(
               ", \"delta_ppl_pct_ci95\": [%.6g, %.6g], \"kl_mean_ci95\": [%.9g, %.9g]",
               pooled.delta_ppl_pct_ci.lo, pooled.delta_ppl_pct_ci.hi, pooled.kl_mean_ci.lo,

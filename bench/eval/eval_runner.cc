@@ -125,17 +125,21 @@ absl::StatusOr<WindowResult> RunWindow(LlamaModel& model, absl::Span<const int32
                                        const Reference* reference, Reference* reference_out) {
   const int C = static_cast<int>(window.size());
   const int V = model.config().vocab;
-  const int G = reference ? static_cast<int>(reference->greedy.size())
-                          : std::min(options.gen_tokens, C / 2);
-  if (C < 2 || G < 1 || options.chunk < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("window: ", C, " tokens is too short"));
-  }
   if (reference && reference->logprobs.size() != static_cast<size_t>(C - 1) * V) {
     return absl::InvalidArgumentError("reference: computed for a different window");
   }
+  const int G = reference ? reference->gen_tokens : std::min(options.gen_tokens, C / 2);
+  if (C < 2 || G < 1 || options.chunk < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("window: ", C, " tokens is too short"));
+  }
+  // Teacher forcing needs the reference's tokens: a reference that did not
+  // generate leaves this run's generation out too.
+  const bool generate =
+      options.generate && (!reference || static_cast<int>(reference->greedy.size()) == G);
   if (reference_out) {
     reference_out->logprobs.assign(static_cast<size_t>(C - 1) * V, 0.0f);
     reference_out->greedy.clear();
+    reference_out->gen_tokens = G;
   }
   const int prefix = C - G;
   WindowResult r;
@@ -161,7 +165,7 @@ absl::StatusOr<WindowResult> RunWindow(LlamaModel& model, absl::Span<const int32
   };
 
   KVQ_RETURN_IF_ERROR(prefill(0, prefix));
-  {
+  if (generate) {
     KVQ_ASSIGN_OR_RETURN(std::unique_ptr<AttentionCache> fork, cache->Fork());
     std::vector<float> step_lp = last_lp;
     for (int s = 0; s < G; ++s) {

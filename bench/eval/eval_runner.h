@@ -19,12 +19,17 @@ namespace kvq::eval {
 struct WindowOptions {
   int chunk = 512;        // Prefill chunk, as a serving engine prefills.
   int gen_tokens = 256;   // Greedy tokens generated after the window's prefix.
+  // False leaves the generation out (no top-1 agreement or decode timing):
+  // the window is still prefilled as size - gen_tokens tokens and then the
+  // rest, so perplexity, KL and bytes are those of a run that generates.
+  bool generate = true;
 };
 
 // What the fp16-cache run leaves for the others to compare against.
 struct Reference {
   std::vector<float> logprobs;   // [scored][vocab] next-token log-probabilities.
-  std::vector<int32_t> greedy;   // The fp16 cache's greedy continuation.
+  std::vector<int32_t> greedy;   // The fp16 cache's greedy continuation (if generated).
+  int gen_tokens = 0;            // The window's split: prefix = size - gen_tokens.
 };
 
 struct WindowResult {

@@ -3,9 +3,15 @@
 
 The transformers mode of kvq-eval (docs/QUALITY.md): the model's own forward
 pass (transformers), every attention layer's K/V stored in a kvq scheme
-through kvq.hf.KvqCache, measured as kvq-eval measures its C++ forward pass:
+measured as kvq-eval measures its C++ forward pass, in two metrics:
 
-  per window of C tokens: prefill the first C - G tokens in `chunk`-token
+  decode (the headline): every position of the window scored with the cache
+  state token-by-token decoding gives it, in one forward pass whose
+  attention reads each token's fp16 or quantized form as decoding would
+  (DecodeFaithfulPass, kvq streams appended token by token);
+
+  prefill, through kvq.hf.KvqCache and kvq's fused attention: per window
+  of C tokens, prefill the first C - G tokens in `chunk`-token
   chunks; on a second cache holding the same prefix, decode G tokens one at
   a time (greedy for fp16, teacher-forced on fp16's tokens otherwise: top-1
   agreement, decode ms/token); prefill the rest of the window on the first
@@ -14,16 +20,15 @@ through kvq.hf.KvqCache, measured as kvq-eval measures its C++ forward pass:
   component with the whole window stored; then the passkey probe.
 
 The protocol comes from one place, kvq-eval: `kvq-eval --dump_windows=W.json`
-writes the windows (token ids), the chunk, the decode length and the passkey
-prompts, and this reads them (as the llama.cpp peer does), so a SmolLM2 run
+writes the windows (token ids), the chunk, the decode length, the metrics,
+the bootstrap settings and the passkey prompts, and this reads them (as the llama.cpp peer does), so a SmolLM2 run
 here is on exactly the C++ run's windows. For a model with another tokenizer,
 --corpora/--contexts select windows by kvq-eval's rule (evenly spaced inside
 the corpus, never at its start) with that tokenizer, and the passkey prompts
 are built from the texts in W.json; tests/python/test_hf_eval.py checks that
 both give kvq-eval's own windows and prompts with SmolLM2's tokenizer.
 
-  kvq-eval --contexts=512 --windows=1 --passkey_contexts= --schemes=fp16 \\
-      --dump_windows=w.json --out=/dev/null
+  kvq-eval --contexts=512 --windows=5 --passkey_contexts= --dump_windows=w.json --dump_only
   python3 bench/eval/hf_eval.py w.json --schemes=fp16,int8,kivi4 --out=hf.json
   python3 bench/eval/hf_eval.py w.json --model=HuggingFaceTB/SmolLM2-360M \\
       --corpora=austen --contexts=2048 --schemes=fp16,kivi4
@@ -37,9 +42,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +53,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llamacpp_peer import (default_data_dir, select_windows as pick_windows,  # noqa: E402
                            write_result)
+from pooling import pool  # noqa: E402
 
 VOLATILE_NOTE = "prefill_ms and decode_ms_per_token are wall time on this machine"
 
@@ -130,6 +136,9 @@ class Runner:
         self.torch = torch
         self.model = model
         self.vocab = model.config.get_text_config(decoder=True).vocab_size
+        from kvq.hf import model_geometry
+
+        self.geometry = model_geometry(model.config)
 
     def cache(self, scheme: str):
         from kvq.hf import KvqCache
@@ -138,61 +147,231 @@ class Runner:
 
     def forward(self, tokens, cache, all_logits: bool) -> tuple[np.ndarray, float]:
         """Logits (float32 [n, vocab], or [1, vocab] for the last token) and
-        seconds of the forward pass."""
+        seconds of the forward pass. cache None: a pass without a cache (the
+        decode metric's, whose attention keeps its own kvq streams)."""
         torch = self.torch
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=cache is not None,
                              logits_to_keep=0 if all_logits else 1)
         seconds = time.perf_counter() - t0
         return out.logits[0].float().numpy(), seconds
 
 
+def score_span(runner: Runner, window: list[int], cache, begin: int, end: int, step: int,
+               r: dict, reference: dict | None, keep: np.ndarray | None,
+               score: bool = True) -> np.ndarray | None:
+    """Runs window[begin:end] through `cache` in forward steps of `step`
+    tokens; with `score`, adds each position's NLL of the next token (and KL
+    against `reference`'s log-probabilities, or keeps them in `keep`) to
+    `r`. Returns the log-probabilities after token window[end - 1]."""
+    C = len(window)
+    last_lp = None
+    for pos in range(begin, end, step):
+        n = min(step, end - pos)
+        logits, s = runner.forward(window[pos:pos + n], cache, all_logits=score)
+        if not score:
+            continue
+        r["prefill_s"] += s
+        lp = log_softmax(logits)
+        rows = min(n, C - 1 - pos)
+        if rows > 0:
+            idx = np.arange(rows)
+            r["nll"] -= float(lp[idx, np.asarray(window[pos + 1:pos + 1 + rows])]
+                              .astype(np.float64).sum())
+            r["scored"] += rows
+            if reference:
+                r["kl"] += kl_rows(reference["logprobs"][pos:pos + rows], lp[:rows])
+            else:
+                keep[pos:pos + rows] = lp[:rows]
+        if pos <= end - 1 < pos + n:
+            last_lp = lp[end - 1 - pos].copy()
+    return last_lp
+
+
+def new_result(C: int) -> dict:
+    return {"nll": 0.0, "scored": 0, "kl": 0.0, "agree": 0, "generated": 0, "prefill_s": 0.0,
+            "decode_s": [], "tokens": C}
+
+
+DECODE_ATTENTION = "kvq_decode_faithful"
+_decode_state = threading.local()
+
+
+class DecodeFaithfulPass:
+    """kvq-eval's decode metric in one forward pass over the window, the
+    transformers way: an attention function ("kvq_decode_faithful") that,
+    for every layer, appends the window's K/V to a kvq stream one token at a
+    time (what decoding does), records after each token which tokens the
+    stream holds quantized (sink, flushes of the fp16 tail), and lets each
+    query p attend over the keys and values in the form they had once token
+    p was in: the token's fp16 tail form until the stream quantized it, its
+    quantized form after (a quantized token never changes). Scores and
+    softmax are torch's fp32 arithmetic, not kvq's kernel; the stored forms
+    are read back from the kvq stream (kvq.KvLayer.read). This is the
+    construction of kvq-eval's DecodeFaithfulCache (decode_cache.cc), whose
+    test proves it equal to token-by-token decoding."""
+
+    def __init__(self, scheme: str, geometry: dict, chunk: int):
+        from kvq import _native
+        from kvq.hf import _InverseRope, _is_pre_rope
+
+        self.native = _native
+        self.scheme = scheme
+        self.geometry = geometry
+        self.chunk = chunk
+        self.inverse_rope = (_InverseRope(geometry["rope_theta"], geometry["head_dim"])
+                             if _is_pre_rope(scheme) else None)
+        self.stores: dict = {}
+
+    def attend(self, layer: int, query, key, value, scaling: float):
+        """query [1, q_heads, n, d], key/value [1, kv_heads, n, d] (post-RoPE,
+        positions 0..n-1): attention output [1, n, q_heads, d]."""
+        import torch
+
+        g = self.geometry
+        kwargs = {"backend": "cpu"}
+        if g["rope_theta"] is not None:
+            kwargs["rope_theta"] = g["rope_theta"]
+        store = self.native.KvLayer(self.scheme, g["num_kv_heads"], g["head_dim"], **kwargs)
+        self.stores[layer] = store
+        k = key[0].detach().to(torch.float32)
+        if self.inverse_rope is not None:
+            k = self.inverse_rope(k, 0)
+        k = k.contiguous().numpy()
+        v = value[0].detach().to(torch.float32).contiguous().numpy()
+        n = k.shape[1]
+        fresh_k = np.empty(k.shape, np.float32)
+        fresh_v = np.empty(v.shape, np.float32)
+        q_begin = np.zeros(n, np.int64)  # Tokens [q_begin, q_end) are quantized once p is in.
+        q_end = np.zeros(n, np.int64)
+        for p in range(n):
+            store.append(k[:, p:p + 1], v[:, p:p + 1])
+            fk, fv = store.read(p, p + 1)
+            fresh_k[:, p:p + 1] = np.asarray(fk)
+            fresh_v[:, p:p + 1] = np.asarray(fv)
+            q_begin[p] = store.sink_tokens
+            q_end[p] = store.sink_tokens + store.quantized_tokens
+        final_k, final_v = (torch.from_numpy(np.ascontiguousarray(x))
+                            for x in store.read(0, n))
+        fresh_k, fresh_v = torch.from_numpy(fresh_k), torch.from_numpy(fresh_v)
+        groups = g["num_q_heads"] // g["num_kv_heads"]
+        expand = (lambda t: t.repeat_interleave(groups, dim=0))
+        fk, fv, dk, dv = expand(fresh_k), expand(fresh_v), expand(final_k), expand(final_v)
+        q = query[0].detach().to(torch.float32)
+        j = torch.arange(n)
+        out = torch.empty_like(q)
+        for b in range(0, n, self.chunk):
+            e = min(n, b + self.chunk)
+            rows = torch.arange(b, e)
+            quantized = ((j[None, :] >= torch.from_numpy(q_begin[b:e])[:, None]) &
+                         (j[None, :] < torch.from_numpy(q_end[b:e])[:, None]))[:, :e]
+            qb = q[:, b:e]
+            scores = torch.where(quantized, qb @ dk[:, :e].transpose(1, 2),
+                                 qb @ fk[:, :e].transpose(1, 2)) * scaling
+            scores = scores.masked_fill(j[None, :e] > rows[:, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            zero = torch.zeros((), dtype=probs.dtype)
+            out[:, b:e] = (torch.where(quantized, probs, zero) @ dv[:, :e] +
+                           torch.where(quantized, zero, probs) @ fv[:, :e])
+        return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
+
+    def bytes_by_component(self) -> dict:
+        total: dict = {}
+        for store in self.stores.values():
+            for name, b in dict(store.bytes_by_component()).items():
+                total[name] = total.get(name, 0) + b
+        return total
+
+
+def _decode_faithful_attention(module, query, key, value, attention_mask, scaling=None,
+                               dropout=0.0, **kwargs):
+    state = getattr(_decode_state, "current", None)
+    if state is None:
+        raise ValueError(f'attn_implementation "{DECODE_ATTENTION}" runs inside '
+                         "hf_eval.run_decode_metric")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return state.attend(module.layer_idx, query, key, value, scaling), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # Causal by construction in DecodeFaithfulPass.attend.
+
+
+def register_decode_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, _decode_faithful_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, _no_mask)
+
+
+def run_decode_metric(runner: Runner, window: list[int], scheme: str, chunk: int,
+                      reference: dict | None) -> dict:
+    """kvq-eval's decode metric (decode_metric.cc RunScoredWindow on a
+    DecodeFaithfulCache): every position scored with the cache state
+    token-by-token decoding gives it, teacher-forced on the window, in one
+    forward pass (DecodeFaithfulPass). With reference None this is the fp16
+    run and the result carries "reference"."""
+    C = len(window)
+    r = new_result(C)
+    keep = None if reference else np.zeros((C - 1, runner.vocab), np.float32)
+    state = DecodeFaithfulPass(scheme, runner.geometry, chunk)
+    model = runner.model
+    previous = model.config._attn_implementation
+    register_decode_attention()
+    model.set_attn_implementation(DECODE_ATTENTION)
+    _decode_state.current = state
+    try:
+        score_span(runner, window, None, 0, C, C, r, reference, keep)
+    finally:
+        _decode_state.current = None
+        model.set_attn_implementation(previous)
+    r["bytes"] = state.bytes_by_component()
+    if reference is None:
+        r["reference"] = {"logprobs": keep}
+    return r
+
+
+def run_decode_metric_stepwise(runner: Runner, window: list[int], scheme: str,
+                               reference: dict | None) -> dict:
+    """The decode metric literally: the window teacher-forced one token per
+    forward step through a KvqCache (kvq's fused attention). What
+    run_decode_metric computes in one pass; tests/python/test_hf_eval.py
+    checks the two agree."""
+    C = len(window)
+    r = new_result(C)
+    keep = None if reference else np.zeros((C - 1, runner.vocab), np.float32)
+    cache = runner.cache(scheme)
+    score_span(runner, window, cache, 0, C, 1, r, reference, keep)
+    r["bytes"] = cache.bytes_by_component()
+    if reference is None:
+        r["reference"] = {"logprobs": keep}
+    return r
+
+
 def run_window(runner: Runner, window: list[int], scheme: str, chunk: int, gen_tokens: int,
                reference: dict | None, decode: bool = True) -> dict:
-    """kvq-eval's RunWindow (eval_runner.cc) on `runner`. With reference
-    None this is the fp16 run and the result carries "reference". decode
-    False leaves out the forked decode (top-1 agreement and decode timing):
-    the perplexity, KL and bytes are the same, as the decode runs on its own
-    cache."""
+    """kvq-eval's RunWindow (eval_runner.cc) on `runner`: the prefill
+    metric. With reference None this is the fp16 run and the result carries
+    "reference". decode False leaves out the forked decode (top-1 agreement
+    and decode timing): the perplexity, KL and bytes are the same, as the
+    decode runs on its own cache."""
     C = len(window)
     G = reference["gen_tokens"] if reference else min(gen_tokens, C // 2)
     prefix = C - G
-    r = {"nll": 0.0, "scored": 0, "kl": 0.0, "agree": 0, "generated": 0, "prefill_s": 0.0,
-         "decode_s": [], "tokens": C}
+    r = new_result(C)
     keep = None if reference else np.zeros((C - 1, runner.vocab), np.float32)
-    last_lp = None
-
-    def prefill(cache, begin, end, score):
-        nonlocal last_lp
-        for pos in range(begin, end, chunk):
-            n = min(chunk, end - pos)
-            logits, s = runner.forward(window[pos:pos + n], cache, all_logits=score)
-            if not score:
-                continue
-            r["prefill_s"] += s
-            lp = log_softmax(logits)
-            rows = min(n, C - 1 - pos)
-            if rows > 0:
-                idx = np.arange(rows)
-                r["nll"] -= float(lp[idx, np.asarray(window[pos + 1:pos + 1 + rows])]
-                                  .astype(np.float64).sum())
-                r["scored"] += rows
-                if reference:
-                    r["kl"] += kl_rows(reference["logprobs"][pos:pos + rows], lp[:rows])
-                else:
-                    keep[pos:pos + rows] = lp[:rows]
-            if pos <= prefix - 1 < pos + n:
-                last_lp = lp[prefix - 1 - pos].copy()
 
     cache = runner.cache(scheme)
-    prefill(cache, 0, prefix, True)
+    last_lp = score_span(runner, window, cache, 0, prefix, chunk, r, reference, keep)
     # The fork: a second cache with the same prefix (the same chunks, so the
     # same stored bytes) that decodes while the first goes on.
     fork = runner.cache(scheme) if decode else None
     if decode:
-        prefill(fork, 0, prefix, False)
+        score_span(runner, window, fork, 0, prefix, chunk, r, reference, keep, score=False)
     greedy = []
     step_lp = last_lp
     for s in range(G if decode else 0):
@@ -211,7 +390,7 @@ def run_window(runner: Runner, window: list[int], scheme: str, chunk: int, gen_t
         r["decode_s"].append(sec)
         step_lp = log_softmax(logits[-1:])[0]
     del fork
-    prefill(cache, prefix, C, True)
+    score_span(runner, window, cache, prefix, C, chunk, r, reference, keep)
     r["bytes"] = cache.bytes_by_component()
     if reference is None:
         r["reference"] = {"logprobs": keep, "greedy": greedy, "gen_tokens": G}
@@ -243,34 +422,46 @@ def run_passkey(runner: Runner, tokenizer, tokens: list[int], key: str, scheme: 
 
 # ------------------------------------------------------------------ report
 
-def rows_of(acc: dict, passkeys: dict, elems_per_token: float) -> list[dict]:
-    """kvq-eval's JSON rows (eval_main.cc) from per (scheme, corpus, context)
-    sums."""
+def rows_of(acc: dict, passkeys: dict, elems_per_token: float, resamples: int,
+            seed: int) -> list[dict]:
+    """kvq-eval's JSON rows (eval_main.cc) from per (scheme, corpus, context,
+    metric) sums: pooled ΔPPL and KL with their bootstrap intervals and the
+    per-window scores they come from."""
     rows = []
-    for (scheme, corpus, context), a in sorted(acc.items(), key=lambda kv: kv[0]):
-        ref = acc.get(("fp16", corpus, context))
+    for (scheme, corpus, context, metric), a in sorted(acc.items(), key=lambda kv: kv[0]):
         ppl = math.exp(a["nll"] / a["scored"])
-        dppl = 100.0 * (ppl / math.exp(ref["nll"] / ref["scored"]) - 1.0) if ref else 0.0
-        decode = sorted(a["decode_s"])
-        decode_ms = 1e3 * decode[len(decode) // 2] if decode else 0.0
+        pooled = pool(a["per_window"], resamples, seed)
         total = a["bytes"].get("total", sum(v for k, v in a["bytes"].items()))
-        rows.append({
-            "engine": "kvq", "scheme": scheme, "corpus": corpus, "context": context,
-            "windows": a["windows"], "tokens_scored": a["scored"],
-            "nll": a["nll"] / a["scored"], "ppl": ppl, "delta_ppl_pct": dppl,
-            "kl_mean": a["kl"] / a["scored"],
-            "top1_agree": a["agree"] / a["generated"] if a["generated"] else 0.0,
-            "generated": a["generated"],
+        row = {
+            "engine": "kvq", "scheme": scheme, "metric": metric, "corpus": corpus,
+            "context": context, "windows": a["windows"], "tokens_scored": a["scored"],
+            "nll": a["nll"] / a["scored"], "ppl": ppl, "delta_ppl_pct": pooled["delta_ppl_pct"],
+            "kl_mean": pooled["kl_mean"],
             "bits_per_element": 8.0 * total / (elems_per_token * a["tokens"]),
             "kv_bytes": total,
             "kv_bytes_by_component": {k: v for k, v in a["bytes"].items() if k != "total"},
-            "prefill_ms": 1e3 * a["prefill_s"] / a["windows"],
-            "decode_ms_per_token": decode_ms,
-            "decode_tokens_per_s": 1e3 / decode_ms if decode_ms else 0.0,
-        })
+        }
+        for k in ("delta_ppl_pct_ci95", "kl_mean_ci95"):
+            if k in pooled:
+                row[k] = pooled[k]
+        row["per_window"] = a["per_window"]
+        if metric == "prefill":
+            decode = sorted(a["decode_s"])
+            decode_ms = 1e3 * decode[len(decode) // 2] if decode else 0.0
+            row.update({
+                "top1_agree": a["agree"] / a["generated"] if a["generated"] else 0.0,
+                "generated": a["generated"],
+                "prefill_ms": 1e3 * a["prefill_s"] / a["windows"],
+                "decode_ms_per_token": decode_ms,
+                "decode_tokens_per_s": 1e3 / decode_ms if decode_ms else 0.0,
+            })
+        else:
+            row["scoring_ms"] = 1e3 * a["prefill_s"] / a["windows"]
+        rows.append(row)
     for (scheme, context), (ok, trials) in sorted(passkeys.items()):
-        rows.append({"engine": "kvq", "scheme": scheme, "corpus": "passkey", "context": context,
-                     "passkey_ok": ok, "passkey_trials": trials, "passkey_acc": ok / trials})
+        rows.append({"engine": "kvq", "scheme": scheme, "metric": "prefill", "corpus": "passkey",
+                     "context": context, "passkey_ok": ok, "passkey_trials": trials,
+                     "passkey_acc": ok / trials})
     return rows
 
 
@@ -316,9 +507,14 @@ def main(argv: list[str]) -> int:
                     help="only windows (and passkey prompts) of at least N tokens")
     ap.add_argument("--passkey-schemes", default=None,
                     help="schemes that run the windows file's passkey prompts (default: all)")
-    ap.add_argument("--skip-decode", action="store_true",
-                    help="leave out the decode phase (top-1 agreement, decode ms/token): "
-                         "perplexity, KL and bytes are unchanged, in a fraction of the time")
+    ap.add_argument("--metrics", default=None,
+                    help="decode (every position scored with the cache state token-by-token "
+                         "decoding gives it: one token per forward step) and/or prefill "
+                         "(chunked prefill); default: the windows file's, else both")
+    ap.add_argument("--skip-generate", action="store_true",
+                    help="leave out the prefill metric's generation (top-1 agreement, decode "
+                         "ms/token): perplexity, KL and bytes are unchanged, in a fraction of "
+                         "the time")
     ap.add_argument("--attention", choices=["fused", "dequantized"], default="fused",
                     help="kvq's fused attention (as kvq-eval's C++ forward pass attends), or "
                          "the model's own attention over dequantized K/V")
@@ -366,32 +562,55 @@ def main(argv: list[str]) -> int:
     if args.max_context is not None:
         prompts = [p for p in prompts if p["context"] <= args.max_context]
 
+    metrics = [m for m in (args.metrics or ",".join(spec.get("metrics", ["decode", "prefill"])))
+               .split(",") if m]
+    for m in metrics:
+        if m not in ("decode", "prefill"):
+            ap.error(f"--metrics: {m!r} is not decode or prefill")
+    boot = spec.get("bootstrap", {})
+    resamples = int(boot.get("resamples", 1000))
+    seed = int(boot.get("seed", 1))
+
     acc: dict = {}
     reference_bytes = 0
     kv_max = 0
     for w in windows:
-        reference = None
-        for scheme in schemes:
-            r = run_window(runner, [int(t) for t in w["tokens"]], scheme, chunk, gen_tokens,
-                           reference, decode=not args.skip_decode)
-            if scheme == "fp16":
-                reference = r.pop("reference")
-                reference_bytes = max(reference_bytes, reference["logprobs"].nbytes)
-            kv_max = max(kv_max, r["bytes"].get("total", 0))
-            for corpus in (w["corpus"], "all"):
-                a = acc.setdefault((scheme, corpus, w["context"]), {
-                    "windows": 0, "nll": 0.0, "scored": 0, "kl": 0.0, "agree": 0,
-                    "generated": 0, "prefill_s": 0.0, "decode_s": [], "bytes": {}, "tokens": 0})
-                a["windows"] += 1
-                for k in ("nll", "scored", "kl", "agree", "generated", "prefill_s"):
-                    a[k] += r[k]
-                a["decode_s"] += r["decode_s"]
-                a["bytes"] = r["bytes"]
-                a["tokens"] = r["tokens"]
-            log(f"{scheme} {w['corpus']}/{w['context']}/{w['index']}: "
-                f"ppl {math.exp(r['nll'] / r['scored']):.4f} kl {r['kl'] / r['scored']:.5f} "
-                f"top1 {r['agree']}/{r['generated']}")
-        del reference
+        # One metric at a time, so one fp16 reference is held at once (as
+        # kvq-eval runs them).
+        for metric in metrics:
+            reference = None
+            ref_nll = 0.0
+            for scheme in schemes:
+                tokens = [int(t) for t in w["tokens"]]
+                if metric == "decode":
+                    r = run_decode_metric(runner, tokens, scheme, chunk, reference)
+                else:
+                    r = run_window(runner, tokens, scheme, chunk, gen_tokens, reference,
+                                   decode=not args.skip_generate)
+                if scheme == "fp16":
+                    reference = r.pop("reference")
+                    ref_nll = r["nll"]
+                    reference_bytes = max(reference_bytes, reference["logprobs"].nbytes)
+                kv_max = max(kv_max, r["bytes"].get("total", 0))
+                for corpus in (w["corpus"], "all"):
+                    a = acc.setdefault((scheme, corpus, w["context"], metric), {
+                        "windows": 0, "nll": 0.0, "scored": 0, "kl": 0.0, "agree": 0,
+                        "generated": 0, "prefill_s": 0.0, "decode_s": [], "bytes": {},
+                        "tokens": 0, "per_window": []})
+                    a["windows"] += 1
+                    for k in ("nll", "scored", "kl", "agree", "generated", "prefill_s"):
+                        a[k] += r[k]
+                    a["decode_s"] += r["decode_s"]
+                    a["bytes"] = r["bytes"]
+                    a["tokens"] = r["tokens"]
+                    a["per_window"].append({"window": f"{w['corpus']}/{w['index']}",
+                                            "index": w["index"], "nll": r["nll"],
+                                            "ref_nll": ref_nll, "kl": r["kl"],
+                                            "tokens": r["scored"]})
+                log(f"{metric} {scheme} {w['corpus']}/{w['context']}/{w['index']}: "
+                    f"ppl {math.exp(r['nll'] / r['scored']):.4f} "
+                    f"kl {r['kl'] / r['scored']:.5f} top1 {r['agree']}/{r['generated']}")
+            del reference
 
     passkey_schemes = schemes if args.passkey_schemes is None else [
         s for s in args.passkey_schemes.split(",") if s]
@@ -410,7 +629,8 @@ def main(argv: list[str]) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     result = {
         "tool": "kvq-eval", "forward": "transformers", "model": args.gguf_file or args.model,
-        "mode": "in-process", "attention": args.attention, "chunk": chunk, "rows": rows_of(acc, passkeys, elems),
+        "mode": "in-process", "attention": args.attention, "chunk": chunk, "bootstrap": {"resamples": resamples, "seed": seed, "interval": 0.95},
+        "rows": rows_of(acc, passkeys, elems, resamples, seed),
         "memory": {"weights_bytes": weights, "kv_bytes_max": kv_max,
                    "reference_logprobs_bytes": reference_bytes, "reserved_pool_bytes": 0,
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},

@@ -94,6 +94,36 @@ TEST_F(EvalRunnerTest, ReferenceAgainstItselfIsExact) {
   EXPECT_LT(lossy->bytes.total(), same->bytes.total());
 }
 
+TEST_F(EvalRunnerTest, WithoutGenerationTheScoresAreThoseOfAGeneratingRun) {
+  const std::vector<int32_t> window = Text();
+  const WindowOptions options = ShortWindow();
+  WindowOptions quiet = options;
+  quiet.generate = false;
+  Reference generated_ref, quiet_ref;
+  auto a = Kvq("fp16"), b = Kvq("fp16");
+  auto ref = RunWindow(*model_, window, a.get(), options, nullptr, &generated_ref);
+  auto ref_quiet = RunWindow(*model_, window, b.get(), quiet, nullptr, &quiet_ref);
+  ASSERT_TRUE(ref.ok() && ref_quiet.ok());
+  EXPECT_EQ(ref_quiet->generated, 0);
+  EXPECT_TRUE(quiet_ref.greedy.empty());
+  EXPECT_EQ(quiet_ref.gen_tokens, 8);
+  EXPECT_EQ(ref_quiet->nll_sum, ref->nll_sum);
+  EXPECT_EQ(quiet_ref.logprobs, generated_ref.logprobs);
+
+  // A lossy scheme against either reference: the same perplexity and KL,
+  // and no generation against the one that did not generate.
+  auto c = Kvq("kivi2:g32:r32"), d = Kvq("kivi2:g32:r32");
+  auto lossy = RunWindow(*model_, window, c.get(), options, &generated_ref, nullptr);
+  auto lossy_quiet = RunWindow(*model_, window, d.get(), options, &quiet_ref, nullptr);
+  ASSERT_TRUE(lossy.ok() && lossy_quiet.ok());
+  EXPECT_EQ(lossy->generated, 8);
+  EXPECT_EQ(lossy_quiet->generated, 0);
+  EXPECT_EQ(lossy_quiet->nll_sum, lossy->nll_sum);
+  EXPECT_EQ(lossy_quiet->kl_sum, lossy->kl_sum);
+  EXPECT_GT(lossy_quiet->kl_sum, 0.0);
+  EXPECT_EQ(lossy_quiet->bytes.total(), lossy->bytes.total());
+}
+
 TEST_F(EvalRunnerTest, RejectsAReferenceOfAnotherWindow) {
   Reference reference;
   reference.greedy = {1, 2};

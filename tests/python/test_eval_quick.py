@@ -130,3 +130,24 @@ def test_nothing_to_run_is_a_clear_error():
     assert proc.returncode == 1
     assert proc.stderr == ("kvq-eval: nothing to run: --contexts and --passkey_contexts "
                            "are empty\n")
+
+
+def test_per_window_scores_pool_to_the_rows_figures(runs):
+    # The per-window scores another engine pairs with (compare_forward.py)
+    # are the ones the row was pooled from: pooling.py's arithmetic gives
+    # the row's ΔPPL and KL.
+    import sys
+    sys.path.insert(0, str(SOURCE / "bench" / "eval"))
+    from pooling import pool
+    scored_rows = [r for r in runs[0]["rows"] if "tokens_scored" in r]
+    assert scored_rows
+    for r in scored_rows:
+        windows = r["per_window"]
+        assert len(windows) == r["windows"]
+        assert [w["window"] for w in windows] == ["austen/0"] * r["windows"]
+        assert sum(w["tokens"] for w in windows) == r["tokens_scored"]
+        assert abs(sum(w["nll"] for w in windows) / r["tokens_scored"] - r["nll"]) < 1e-7
+        pooled = pool(windows)
+        assert abs(pooled["delta_ppl_pct"] - r["delta_ppl_pct"]) <= 1e-5 * max(
+            1.0, abs(r["delta_ppl_pct"])), r
+        assert abs(pooled["kl_mean"] - r["kl_mean"]) <= 1e-8 * max(1.0, r["kl_mean"]), r
