@@ -453,6 +453,120 @@ TEST(CrqContractTest, CudaRefusesCrq) {
   EXPECT_EQ(s->num_tokens(), 0);
 }
 
+// --- Centering. ---
+
+// Keys and values with a large per-channel mean, as real pre-RoPE keys
+// have: x = mu + noise with mu_c ~ 4 N(0, 1) (a few channels at 20) and
+// noise N(0, 1). A calibration of the exact means ({mu, s = 1}) must code
+// only the noise: the coded rows' error is the Lloyd-Max MSE of ||noise||^2,
+// below what the identity calibration (which codes mu too) leaves, and so is
+// the attention error against fp32 attention over the original K/V.
+class CrqCenteringTest : public ::testing::TestWithParam<std::string> {};
+
+struct CenteredData {
+  std::vector<float> mu_k, mu_v, k, v;
+};
+
+CenteredData MakeCentered(int n, int d) {
+  CenteredData x;
+  x.mu_k = MakeGaussian(d, 101);
+  x.mu_v = MakeGaussian(d, 102);
+  for (int c = 0; c < d; ++c) {
+    x.mu_k[c] *= c % 16 == 5 ? 20.0f : 4.0f;
+    x.mu_v[c] *= 4.0f;
+  }
+  x.k = MakeGaussian(static_cast<size_t>(n) * d, 103);
+  x.v = MakeGaussian(static_cast<size_t>(n) * d, 104);
+  for (int t = 0; t < n; ++t) {
+    for (int c = 0; c < d; ++c) {
+      x.k[static_cast<size_t>(t) * d + c] += x.mu_k[c];
+      x.v[static_cast<size_t>(t) * d + c] += x.mu_v[c];
+    }
+  }
+  return x;
+}
+
+TEST_P(CrqCenteringTest, CenteringCodesOnlyTheNoise) {
+  const int d = 64, n = 4 + 600;
+  for (const char* spec : {"crq3:pre_rope:sink=4", "crq3:r0:pre_rope:sink=4"}) {
+    StreamConfig config = CrqConfig(spec, d);
+    config.rope.pairing = RopeConfig::Pairing::kAdjacent;
+    const CenteredData x = MakeCentered(n, d);
+    const HeadCalibration id = HeadCalibration::Identity(d);
+    HeadCalibration centered = id;
+    centered.key_mean = x.mu_k;
+    centered.value_mean = x.mu_v;
+    const KernelBackend* backend = *BackendByName(GetParam());
+    auto make = [&](const HeadCalibration& cal) {
+      absl::StatusOr<std::unique_ptr<KvStream>> s =
+          KvStream::Create(config, backend, nullptr, nullptr, &cal);
+      EXPECT_TRUE(s.ok()) << s.status();
+      EXPECT_TRUE(testutil::AppendRows(**s, x.k, x.v, 0, n).ok());
+      return std::move(*s);
+    };
+    std::unique_ptr<KvStream> a = make(id), b = make(centered);
+    ASSERT_EQ(a->quantized_tokens(), b->quantized_tokens());
+    const int first = config.spec.sink, last = first + b->quantized_tokens();
+    ASSERT_GE(last - first, 256) << spec;
+    for (Side side : {Side::kKey, Side::kValue}) {
+      const std::vector<float>& orig = side == Side::kKey ? x.k : x.v;
+      const std::vector<float>& mu = side == Side::kKey ? x.mu_k : x.mu_v;
+      auto error = [&](const KvStream& s) {
+        const std::vector<float> got = testutil::ReadSide(s, side, first, last, false);
+        double err = 0.0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          const double e = got[i] - orig[static_cast<size_t>(first) * d + i];
+          err += e * e;
+        }
+        return err;
+      };
+      double noise = 0.0;
+      for (int t = first; t < last; ++t) {
+        for (int c = 0; c < d; ++c) {
+          const double e = orig[static_cast<size_t>(t) * d + c] - mu[c];
+          noise += e * e;
+        }
+      }
+      const int hb = config.spec.crq_half_bits(side == Side::kKey);
+      const double lloyd = 0.5 * (LloydMax((hb + 1) / 2).mse + LloydMax(hb / 2).mse);
+      const double e_id = error(*a), e_centered = error(*b);
+      const char* what = side == Side::kKey ? "keys" : "values";
+      EXPECT_NEAR(e_centered / noise, lloyd, 0.15 * lloyd) << spec << " " << what;
+      EXPECT_LT(e_centered, 0.5 * e_id) << spec << " " << what;
+    }
+    // Attention error against fp32 attention over the original K/V
+    // (keys post-RoPE), for queries along the mean (large scores) and random.
+    std::vector<float> kpost = x.k;
+    const class Rope rope(config.rope, d);
+    for (int t = 0; t < n; ++t) rope.Apply(&kpost[static_cast<size_t>(t) * d], t);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (int trial = 0; trial < 4; ++trial) {
+      std::vector<float> q = MakeGaussian(d, 110 + trial);
+      const int32_t pos = n - 1 - 37 * trial;
+      std::vector<float> qmu = x.mu_k;
+      rope.Apply(qmu.data(), pos);
+      for (int c = 0; c < d; ++c) q[c] += 0.05f * trial * qmu[c];
+      const testutil::Attention64 want =
+          testutil::ReferenceAttention(q.data(), kpost.data(), x.v.data(), 0, pos + 1, d, scale);
+      auto error = [&](const KvStream& s) {
+        std::vector<float> out(d);
+        float lse;
+        AttentionTask t;
+        t.stream = &s;
+        t.q = q.data();
+        t.q_positions = &pos;
+        t.out = out.data();
+        t.lse = &lse;
+        EXPECT_TRUE(s.backend()->Attend({&t, 1}, AttentionOptions{}).ok());
+        return testutil::RelativeError(out.data(), want.out);
+      };
+      EXPECT_LT(error(*b), error(*a)) << spec << " query " << trial;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CrqCenteringTest, ::testing::Values("ref", "cpu", "cuda_host"));
+
 TEST(CrqTransformTest, InverseUndoesForward) {
   StreamConfig c = CrqConfig("crq3:pre_rope", 64);
   c.rope.pairing = RopeConfig::Pairing::kAdjacent;
