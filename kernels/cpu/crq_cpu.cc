@@ -49,9 +49,39 @@ struct Row {
   int visible_end = 0;
   std::vector<float> q;      // Post-RoPE query, softmax scale folded in.
   std::vector<float> table;  // [d][kSlots]: q'_c * level (q' = H (s_k q)).
-  std::vector<double> a, b;  // Mean term per RoPE pair.
+  std::vector<float> a, b;   // Mean term per RoPE pair, zero-padded to kLanes.
   double fixed = 0.0;        // Mean term of channels that do not rotate.
 };
+
+// Sums run in kLanes independent partial sums: a chain of n / kLanes
+// dependent adds instead of n, in a loop the compiler vectorizes. head_dim is
+// a multiple of 16, so code rows need no remainder; pair arrays are padded.
+constexpr int kLanes = 8;
+int PadToLanes(int n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+float SumLanes(const float* acc) {
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+// q' . (level[code_c])_c: one table look-up per coordinate.
+float LookupDot(const float* table, const uint8_t* codes, int d) {
+  float acc[kLanes] = {};
+  for (int c = 0; c < d; c += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += table[(c + l) * kSlots + codes[c + l]];
+  }
+  return SumLanes(acc);
+}
+
+// sum_j a_j cs_j + b_j sn_j over n (a multiple of kLanes) pairs.
+float MeanDot(const float* a, const float* b, const float* cs, const float* sn, int n) {
+  float acc[kLanes] = {};
+  for (int j = 0; j < n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[j + l] * cs[j + l] + b[j + l] * sn[j + l];
+  }
+  return SumLanes(acc);
+}
 
 // A chunk of keys [begin, end) for the rows [row0, row0 + rows) of one
 // query (its GQA group: they share the keys they see), so each code row is
@@ -84,8 +114,8 @@ void PrepareRow(const AttentionOptions& options, Row& r) {
   r.table.resize(static_cast<size_t>(d) * kSlots);
   FillLevels(d, s.layout().key.half_bits, qr.data(), r.table.data());
   const int pairs = rope.rotary_dim() / 2;
-  r.a.resize(pairs);
-  r.b.resize(pairs);
+  r.a.assign(PadToLanes(pairs), 0.0f);
+  r.b.assign(PadToLanes(pairs), 0.0f);
   std::vector<char> rotates(d, 0);
   for (int j = 0; j < pairs; ++j) {
     const int f = rope.First(j), sc = rope.Second(j);
@@ -142,8 +172,14 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
   std::vector<float> scores(static_cast<size_t>(nr) * n), x(d);
   std::vector<uint8_t> codes(d);
   std::vector<float> mx(nr, -std::numeric_limits<float>::infinity());
+  // This token's cos / sin per pair in float, zero-padded for MeanDot.
+  std::vector<float> csf(PadToLanes(pairs), 0.0f), snf(csf.size(), 0.0f);
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
+    for (int j = 0; j < pairs; ++j) {
+      csf[j] = static_cast<float>(cs[j]);
+      snf[j] = static_cast<float>(sn[j]);
+    }
     if (coded(t)) {
       int row;
       const uint8_t* page = page_of(t, &row);
@@ -152,21 +188,30 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
       for (int k = 0; k < nr; ++k) {
         const Row& r = all[u.row0 + k];
         if (t >= r.visible_end) continue;
-        const float* table = r.table.data();
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot += table[c * kSlots + codes[c]];
-        double mean = r.fixed;
-        for (int j = 0; j < pairs; ++j) mean += r.a[j] * cs[j] + r.b[j] * sn[j];
-        scores[static_cast<size_t>(k) * n + i] = static_cast<float>(mean) + gain * dot;
+        const float dot = LookupDot(r.table.data(), codes.data(), d);
+        const float mean = static_cast<float>(r.fixed) +
+                           MeanDot(r.a.data(), r.b.data(), csf.data(), snf.data(),
+                                   static_cast<int>(csf.size()));
+        scores[static_cast<size_t>(k) * n + i] = mean + gain * dot;
       }
     } else {
+      // Rope::Apply at t, with the walked angles instead of sin / cos calls.
       s.ReadStoredRow(Side::kKey, t, x.data());
-      rope.Apply(x.data(), t);
+      for (int j = 0; j < pairs; ++j) {
+        float& x0 = x[rope.First(j)];
+        float& x1 = x[rope.Second(j)];
+        const float r0 = x0 * csf[j] - x1 * snf[j];
+        const float r1 = x0 * snf[j] + x1 * csf[j];
+        x0 = r0;
+        x1 = r1;
+      }
       for (int k = 0; k < nr; ++k) {
         const Row& r = all[u.row0 + k];
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot += r.q[c] * x[c];
-        scores[static_cast<size_t>(k) * n + i] = dot;
+        float acc[kLanes] = {};
+        for (int c = 0; c < d; c += kLanes) {
+          for (int l = 0; l < kLanes; ++l) acc[l] += r.q[c + l] * x[c + l];
+        }
+        scores[static_cast<size_t>(k) * n + i] = SumLanes(acc);
       }
     }
     for (int k = 0; k < nr; ++k) {
@@ -250,7 +295,8 @@ void DequantizeCrqRows(const KvStream& s, Side side, const uint8_t* page, int ro
   }
 }
 
-void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options) {
+void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options,
+               bool parallel) {
   std::vector<Row> rows;
   for (const AttentionTask& t : tasks) {
     const int end = TaskEnd(t);
@@ -285,9 +331,9 @@ void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& op
   first_unit.push_back(static_cast<int>(units.size()));
   const int nrows = static_cast<int>(rows.size());
   const int nunits = static_cast<int>(units.size());
-#pragma omp parallel for schedule(dynamic, 1) if (nrows > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel && nrows > 1)
   for (int i = 0; i < nrows; ++i) PrepareRow(options, rows[i]);
-#pragma omp parallel for schedule(dynamic, 1) if (nunits > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel && nunits > 1)
   for (int i = 0; i < nunits; ++i) RunUnit(options, rows, units[i]);
   for (size_t qi = 0; qi + 1 < first_unit.size(); ++qi) {
     for (int k = 0; k < group; ++k) {

@@ -21,10 +21,12 @@ void DequantizeCrqRows(const KvStream& s, Side side, const uint8_t* page, int ro
                        float* out);
 
 // Attention of crq tasks (every task's stream is crq; validated by the
-// caller). Key ranges are split into chunks that run on OpenMP threads and
-// merge by log-sum-exp; every page is passed to options.page_check before
-// it is read.
-void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options);
+// caller). Key ranges are split into chunks that merge by log-sum-exp and,
+// when `parallel` (the backend's AttendUsesThreads: small calls lose more to
+// waking threads than they gain), run on OpenMP threads; every page is passed
+// to options.page_check before it is read.
+void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options,
+               bool parallel);
 
 }  // namespace kvq::cpu
 
