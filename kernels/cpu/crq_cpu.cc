@@ -22,17 +22,17 @@ void UnpackRow(const uint8_t* row, int d, int half_bits, uint8_t* codes) {
   UnpackCodes(row + h * hi / 8, h, hd::CrqLoBits(half_bits), codes + h);
 }
 
-// Per coordinate, the 16 slots of a look-up table: levels (or a query's
-// products with them) of that coordinate's width, unused slots zero.
+// Per coordinate, the 16 slots of a look-up table: the levels of that
+// coordinate's width, unused slots zero.
 constexpr int kSlots = 16;
-void FillLevels(int d, int half_bits, const float* weight, float* table) {
+void FillLevels(int d, int half_bits, float* table) {
   const hd::CrqCodebooks& cb = CrqCodebooks();
   for (int c = 0; c < d; ++c) {
     const int bits = hd::CrqBitsAt(half_bits, d, c);
     const float* levels = hd::CrqLevels(cb, bits);
     float* t = table + static_cast<size_t>(c) * kSlots;
     for (int i = 0; i < kSlots; ++i) {
-      t[i] = i < (1 << bits) ? (weight ? weight[c] * levels[i] : levels[i]) : 0.0f;
+      t[i] = i < (1 << bits) ? levels[i] : 0.0f;
     }
   }
 }
@@ -48,7 +48,7 @@ struct Row {
   int head = 0;
   int visible_end = 0;
   std::vector<float> q;      // Post-RoPE query, softmax scale folded in.
-  std::vector<float> table;  // [d][kSlots]: q'_c * level (q' = H (s_k q)).
+  std::vector<float> qr;     // q' = H (s_k q): scores the coded coordinates.
   std::vector<float> a, b;   // Mean term per RoPE pair, zero-padded to kLanes.
   double fixed = 0.0;        // Mean term of channels that do not rotate.
 };
@@ -65,13 +65,17 @@ float SumLanes(const float* acc) {
   return s;
 }
 
-// q' . (level[code_c])_c: one table look-up per coordinate.
-float LookupDot(const float* table, const uint8_t* codes, int d) {
+float Dot(const float* a, const float* b, int d) {
   float acc[kLanes] = {};
   for (int c = 0; c < d; c += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += table[(c + l) * kSlots + codes[c + l]];
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[c + l] * b[c + l];
   }
   return SumLanes(acc);
+}
+
+// A code row's levels, level[code_c] per coordinate c (the gain left out).
+void DecodeLevels(const float* levels, const uint8_t* codes, int d, float* out) {
+  for (int c = 0; c < d; ++c) out[c] = levels[c * kSlots + codes[c]];
 }
 
 // sum_j a_j cs_j + b_j sn_j over n (a multiple of kLanes) pairs.
@@ -108,11 +112,9 @@ void PrepareRow(const AttentionOptions& options, Row& r) {
                      static_cast<size_t>(r.head) * d;
   r.q.resize(d);
   for (int c = 0; c < d; ++c) r.q[c] = src[c] * scale;
-  std::vector<float> qr(d);
-  for (int c = 0; c < d; ++c) qr[c] = r.q[c] * cal.key_scale[c];
-  T.rotation().Forward(qr.data());
-  r.table.resize(static_cast<size_t>(d) * kSlots);
-  FillLevels(d, s.layout().key.half_bits, qr.data(), r.table.data());
+  r.qr.resize(d);
+  for (int c = 0; c < d; ++c) r.qr[c] = r.q[c] * cal.key_scale[c];
+  T.rotation().Forward(r.qr.data());
   const int pairs = rope.rotary_dim() / 2;
   r.a.assign(PadToLanes(pairs), 0.0f);
   r.b.assign(PadToLanes(pairs), 0.0f);
@@ -174,6 +176,9 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
   std::vector<float> mx(nr, -std::numeric_limits<float>::infinity());
   // This token's cos / sin per pair in float, zero-padded for MeanDot.
   std::vector<float> csf(PadToLanes(pairs), 0.0f), snf(csf.size(), 0.0f);
+  // The key row's levels: decoded once, scored by every row of the group.
+  std::vector<float> key_levels(static_cast<size_t>(d) * kSlots), decoded(d);
+  FillLevels(d, L.key.half_bits, key_levels.data());
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
     for (int j = 0; j < pairs; ++j) {
@@ -185,10 +190,11 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
       const uint8_t* page = page_of(t, &row);
       UnpackRow(PageLayout::CodeRow(page, L.key, row), d, L.key.half_bits, codes.data());
       const float gain = HalfToFloat(*PageLayout::Gain(page, L.key, row));
+      DecodeLevels(key_levels.data(), codes.data(), d, decoded.data());
       for (int k = 0; k < nr; ++k) {
         const Row& r = all[u.row0 + k];
         if (t >= r.visible_end) continue;
-        const float dot = LookupDot(r.table.data(), codes.data(), d);
+        const float dot = Dot(r.qr.data(), decoded.data(), d);
         const float mean = static_cast<float>(r.fixed) +
                            MeanDot(r.a.data(), r.b.data(), csf.data(), snf.data(),
                                    static_cast<int>(csf.size()));
@@ -207,11 +213,7 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
       }
       for (int k = 0; k < nr; ++k) {
         const Row& r = all[u.row0 + k];
-        float acc[kLanes] = {};
-        for (int c = 0; c < d; c += kLanes) {
-          for (int l = 0; l < kLanes; ++l) acc[l] += r.q[c + l] * x[c + l];
-        }
-        scores[static_cast<size_t>(k) * n + i] = SumLanes(acc);
+        scores[static_cast<size_t>(k) * n + i] = Dot(r.q.data(), x.data(), d);
       }
     }
     for (int k = 0; k < nr; ++k) {
@@ -224,8 +226,8 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
     }
   }
   std::vector<float> acc(static_cast<size_t>(nr) * d, 0.0f), acc_coded(acc.size(), 0.0f);
-  std::vector<float> levels(static_cast<size_t>(d) * kSlots), decoded(d);
-  FillLevels(d, L.value.half_bits, nullptr, levels.data());
+  std::vector<float> levels(static_cast<size_t>(d) * kSlots);
+  FillLevels(d, L.value.half_bits, levels.data());
   std::vector<double> sum(nr, 0.0), sum_coded(nr, 0.0);
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
@@ -285,7 +287,7 @@ void DequantizeCrqRows(const KvStream& s, Side side, const uint8_t* page, int ro
   const SideLayout& S = s.layout().side(side);
   const int d = s.head_dim();
   std::vector<float> levels(static_cast<size_t>(d) * kSlots);
-  FillLevels(d, S.half_bits, nullptr, levels.data());
+  FillLevels(d, S.half_bits, levels.data());
   std::vector<uint8_t> codes(d);
   for (int r = 0; r < n; ++r) {
     UnpackRow(PageLayout::CodeRow(page, S, row0 + r), d, S.half_bits, codes.data());
