@@ -1,6 +1,7 @@
 // crq on the "cpu" backend (docs/KERNELS.md, "crq"): coding rows with the
 // shared per-element math (kernels/hd/crq_hd.h) and attention in the coded
-// space with per-query look-up tables over the packed codes.
+// space: each code row decoded to levels once and dotted with the rotated
+// queries of its GQA group.
 #ifndef KVQ_KERNELS_CPU_CRQ_CPU_H_
 #define KVQ_KERNELS_CPU_CRQ_CPU_H_
 
