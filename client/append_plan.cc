@@ -104,7 +104,7 @@ absl::StatusOr<QuantizedSplit> SplitForPages(const StreamConfig& config, int sta
   split.page_bytes = static_cast<int64_t>(layout.page_bytes);
   const int flush = spec.flush_tokens();
   split.block_tokens =
-      block_tokens > 0 ? block_tokens : (spec.is_kivi() ? flush : layout.page_tokens);
+      block_tokens > 0 ? block_tokens : (spec.has_tail() ? flush : layout.page_tokens);
   if (split.block_tokens % flush != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("block_tokens ", split.block_tokens,

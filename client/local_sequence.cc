@@ -31,7 +31,7 @@ TokenPlacement PlaceTokens(const StreamConfig& config, int num_tokens) {
   TokenPlacement p;
   p.sink = std::clamp(config.spec.sink, 0, std::max(num_tokens, 0));
   const int rest = std::max(num_tokens, 0) - p.sink;
-  p.quantized = config.spec.is_kivi() ? rest - rest % config.spec.flush_tokens() : rest;
+  p.quantized = config.spec.has_tail() ? rest - rest % config.spec.flush_tokens() : rest;
   p.tail = rest - p.quantized;
   return p;
 }

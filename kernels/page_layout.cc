@@ -1,6 +1,7 @@
 #include "kernels/page_layout.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -32,7 +33,41 @@ void PackPlane(const uint8_t* codes, int n, int b, int shift, uint8_t* plane) {
   }
 }
 
+// The plane width as a constant and eight plane bytes at a time in a
+// 64-bit word: byte j of slot m is bit field m of plane byte j, so one shift
+// and mask yields eight codes (crq's cpu attention unpacks a code row per key
+// and per value).
+template <int B>
+void UnpackPlaneOf(const uint8_t* plane, int n, int shift, uint8_t* codes) {
+  static_assert(std::endian::native == std::endian::little);
+  constexpr int kPerByte = 8 / B;
+  constexpr uint64_t kMask = 0x0101010101010101ull * ((1u << B) - 1);
+  const int bytes = n * B / 8;
+  int j = 0;
+  for (; j + 8 <= bytes; j += 8) {
+    uint64_t x;
+    std::memcpy(&x, plane + j, 8);
+    for (int m = 0; m < kPerByte; ++m) {
+      uint64_t out;
+      std::memcpy(&out, codes + j + bytes * m, 8);
+      out |= ((x >> (m * B)) & kMask) << shift;
+      std::memcpy(codes + j + bytes * m, &out, 8);
+    }
+  }
+  for (; j < bytes; ++j) {
+    for (int m = 0; m < kPerByte; ++m) {
+      codes[j + bytes * m] |= static_cast<uint8_t>(((plane[j] >> (m * B)) & ((1 << B) - 1)) << shift);
+    }
+  }
+}
+
 void UnpackPlane(const uint8_t* plane, int n, int b, int shift, uint8_t* codes) {
+  switch (b) {
+    case 1: return UnpackPlaneOf<1>(plane, n, shift, codes);
+    case 2: return UnpackPlaneOf<2>(plane, n, shift, codes);
+    case 4: return UnpackPlaneOf<4>(plane, n, shift, codes);
+    default: break;
+  }
   const int bytes = n * b / 8;
   const int per_byte = 8 / b;
   const uint8_t mask = static_cast<uint8_t>((1 << b) - 1);

@@ -149,7 +149,7 @@ class CpuBackendImpl final : public KernelBackend {
       // crq attends in its coded space (crq_cpu.h); the other tasks as below.
       std::vector<AttentionTask> crq, other;
       for (const AttentionTask& t : tasks) (t.stream->crq() ? crq : other).push_back(t);
-      cpu::AttendCrq(crq, options);
+      cpu::AttendCrq(crq, options, AttendUsesThreads(crq, options));
       if (!other.empty()) {
         if (absl::Status st = Attend(other, options); !st.ok()) return st;
       }

@@ -22,17 +22,17 @@ void UnpackRow(const uint8_t* row, int d, int half_bits, uint8_t* codes) {
   UnpackCodes(row + h * hi / 8, h, hd::CrqLoBits(half_bits), codes + h);
 }
 
-// Per coordinate, the 16 slots of a look-up table: levels (or a query's
-// products with them) of that coordinate's width, unused slots zero.
+// Per coordinate, the 16 slots of a look-up table: the levels of that
+// coordinate's width, unused slots zero.
 constexpr int kSlots = 16;
-void FillLevels(int d, int half_bits, const float* weight, float* table) {
+void FillLevels(int d, int half_bits, float* table) {
   const hd::CrqCodebooks& cb = CrqCodebooks();
   for (int c = 0; c < d; ++c) {
     const int bits = hd::CrqBitsAt(half_bits, d, c);
     const float* levels = hd::CrqLevels(cb, bits);
     float* t = table + static_cast<size_t>(c) * kSlots;
     for (int i = 0; i < kSlots; ++i) {
-      t[i] = i < (1 << bits) ? (weight ? weight[c] * levels[i] : levels[i]) : 0.0f;
+      t[i] = i < (1 << bits) ? levels[i] : 0.0f;
     }
   }
 }
@@ -48,10 +48,44 @@ struct Row {
   int head = 0;
   int visible_end = 0;
   std::vector<float> q;      // Post-RoPE query, softmax scale folded in.
-  std::vector<float> table;  // [d][kSlots]: q'_c * level (q' = H (s_k q)).
-  std::vector<double> a, b;  // Mean term per RoPE pair.
+  std::vector<float> qr;     // q' = H (s_k q): scores the coded coordinates.
+  std::vector<float> a, b;   // Mean term per RoPE pair, zero-padded to kLanes.
   double fixed = 0.0;        // Mean term of channels that do not rotate.
 };
+
+// Sums run in kLanes independent partial sums: a chain of n / kLanes
+// dependent adds instead of n, in a loop the compiler vectorizes. head_dim is
+// a multiple of 16, so code rows need no remainder; pair arrays are padded.
+constexpr int kLanes = 8;
+int PadToLanes(int n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+float SumLanes(const float* acc) {
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+float Dot(const float* a, const float* b, int d) {
+  float acc[kLanes] = {};
+  for (int c = 0; c < d; c += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[c + l] * b[c + l];
+  }
+  return SumLanes(acc);
+}
+
+// A code row's levels, level[code_c] per coordinate c (the gain left out).
+void DecodeLevels(const float* levels, const uint8_t* codes, int d, float* out) {
+  for (int c = 0; c < d; ++c) out[c] = levels[c * kSlots + codes[c]];
+}
+
+// sum_j a_j cs_j + b_j sn_j over n (a multiple of kLanes) pairs.
+float MeanDot(const float* a, const float* b, const float* cs, const float* sn, int n) {
+  float acc[kLanes] = {};
+  for (int j = 0; j < n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[j + l] * cs[j + l] + b[j + l] * sn[j + l];
+  }
+  return SumLanes(acc);
+}
 
 // A chunk of keys [begin, end) for the rows [row0, row0 + rows) of one
 // query (its GQA group: they share the keys they see), so each code row is
@@ -78,14 +112,12 @@ void PrepareRow(const AttentionOptions& options, Row& r) {
                      static_cast<size_t>(r.head) * d;
   r.q.resize(d);
   for (int c = 0; c < d; ++c) r.q[c] = src[c] * scale;
-  std::vector<float> qr(d);
-  for (int c = 0; c < d; ++c) qr[c] = r.q[c] * cal.key_scale[c];
-  T.rotation().Forward(qr.data());
-  r.table.resize(static_cast<size_t>(d) * kSlots);
-  FillLevels(d, s.layout().key.half_bits, qr.data(), r.table.data());
+  r.qr.resize(d);
+  for (int c = 0; c < d; ++c) r.qr[c] = r.q[c] * cal.key_scale[c];
+  T.rotation().Forward(r.qr.data());
   const int pairs = rope.rotary_dim() / 2;
-  r.a.resize(pairs);
-  r.b.resize(pairs);
+  r.a.assign(PadToLanes(pairs), 0.0f);
+  r.b.assign(PadToLanes(pairs), 0.0f);
   std::vector<char> rotates(d, 0);
   for (int j = 0; j < pairs; ++j) {
     const int f = rope.First(j), sc = rope.Second(j);
@@ -142,31 +174,46 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
   std::vector<float> scores(static_cast<size_t>(nr) * n), x(d);
   std::vector<uint8_t> codes(d);
   std::vector<float> mx(nr, -std::numeric_limits<float>::infinity());
+  // This token's cos / sin per pair in float, zero-padded for MeanDot.
+  std::vector<float> csf(PadToLanes(pairs), 0.0f), snf(csf.size(), 0.0f);
+  // The key row's levels: decoded once, scored by every row of the group.
+  std::vector<float> key_levels(static_cast<size_t>(d) * kSlots), decoded(d);
+  FillLevels(d, L.key.half_bits, key_levels.data());
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
+    for (int j = 0; j < pairs; ++j) {
+      csf[j] = static_cast<float>(cs[j]);
+      snf[j] = static_cast<float>(sn[j]);
+    }
     if (coded(t)) {
       int row;
       const uint8_t* page = page_of(t, &row);
       UnpackRow(PageLayout::CodeRow(page, L.key, row), d, L.key.half_bits, codes.data());
       const float gain = HalfToFloat(*PageLayout::Gain(page, L.key, row));
+      DecodeLevels(key_levels.data(), codes.data(), d, decoded.data());
       for (int k = 0; k < nr; ++k) {
         const Row& r = all[u.row0 + k];
         if (t >= r.visible_end) continue;
-        const float* table = r.table.data();
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot += table[c * kSlots + codes[c]];
-        double mean = r.fixed;
-        for (int j = 0; j < pairs; ++j) mean += r.a[j] * cs[j] + r.b[j] * sn[j];
-        scores[static_cast<size_t>(k) * n + i] = static_cast<float>(mean) + gain * dot;
+        const float dot = Dot(r.qr.data(), decoded.data(), d);
+        const float mean = static_cast<float>(r.fixed) +
+                           MeanDot(r.a.data(), r.b.data(), csf.data(), snf.data(),
+                                   static_cast<int>(csf.size()));
+        scores[static_cast<size_t>(k) * n + i] = mean + gain * dot;
       }
     } else {
+      // Rope::Apply at t, with the walked angles instead of sin / cos calls.
       s.ReadStoredRow(Side::kKey, t, x.data());
-      rope.Apply(x.data(), t);
+      for (int j = 0; j < pairs; ++j) {
+        float& x0 = x[rope.First(j)];
+        float& x1 = x[rope.Second(j)];
+        const float r0 = x0 * csf[j] - x1 * snf[j];
+        const float r1 = x0 * snf[j] + x1 * csf[j];
+        x0 = r0;
+        x1 = r1;
+      }
       for (int k = 0; k < nr; ++k) {
         const Row& r = all[u.row0 + k];
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot += r.q[c] * x[c];
-        scores[static_cast<size_t>(k) * n + i] = dot;
+        scores[static_cast<size_t>(k) * n + i] = Dot(r.q.data(), x.data(), d);
       }
     }
     for (int k = 0; k < nr; ++k) {
@@ -179,8 +226,8 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
     }
   }
   std::vector<float> acc(static_cast<size_t>(nr) * d, 0.0f), acc_coded(acc.size(), 0.0f);
-  std::vector<float> levels(static_cast<size_t>(d) * kSlots), decoded(d);
-  FillLevels(d, L.value.half_bits, nullptr, levels.data());
+  std::vector<float> levels(static_cast<size_t>(d) * kSlots);
+  FillLevels(d, L.value.half_bits, levels.data());
   std::vector<double> sum(nr, 0.0), sum_coded(nr, 0.0);
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
@@ -240,7 +287,7 @@ void DequantizeCrqRows(const KvStream& s, Side side, const uint8_t* page, int ro
   const SideLayout& S = s.layout().side(side);
   const int d = s.head_dim();
   std::vector<float> levels(static_cast<size_t>(d) * kSlots);
-  FillLevels(d, S.half_bits, nullptr, levels.data());
+  FillLevels(d, S.half_bits, levels.data());
   std::vector<uint8_t> codes(d);
   for (int r = 0; r < n; ++r) {
     UnpackRow(PageLayout::CodeRow(page, S, row0 + r), d, S.half_bits, codes.data());
@@ -250,7 +297,8 @@ void DequantizeCrqRows(const KvStream& s, Side side, const uint8_t* page, int ro
   }
 }
 
-void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options) {
+void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options,
+               bool parallel) {
   std::vector<Row> rows;
   for (const AttentionTask& t : tasks) {
     const int end = TaskEnd(t);
@@ -285,9 +333,9 @@ void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& op
   first_unit.push_back(static_cast<int>(units.size()));
   const int nrows = static_cast<int>(rows.size());
   const int nunits = static_cast<int>(units.size());
-#pragma omp parallel for schedule(dynamic, 1) if (nrows > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel && nrows > 1)
   for (int i = 0; i < nrows; ++i) PrepareRow(options, rows[i]);
-#pragma omp parallel for schedule(dynamic, 1) if (nunits > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel && nunits > 1)
   for (int i = 0; i < nunits; ++i) RunUnit(options, rows, units[i]);
   for (size_t qi = 0; qi + 1 < first_unit.size(); ++qi) {
     for (int k = 0; k < group; ++k) {

@@ -1,6 +1,7 @@
 // crq on the "cpu" backend (docs/KERNELS.md, "crq"): coding rows with the
 // shared per-element math (kernels/hd/crq_hd.h) and attention in the coded
-// space with per-query look-up tables over the packed codes.
+// space: each code row decoded to levels once and dotted with the rotated
+// queries of its GQA group.
 #ifndef KVQ_KERNELS_CPU_CRQ_CPU_H_
 #define KVQ_KERNELS_CPU_CRQ_CPU_H_
 
@@ -21,10 +22,12 @@ void DequantizeCrqRows(const KvStream& s, Side side, const uint8_t* page, int ro
                        float* out);
 
 // Attention of crq tasks (every task's stream is crq; validated by the
-// caller). Key ranges are split into chunks that run on OpenMP threads and
-// merge by log-sum-exp; every page is passed to options.page_check before
-// it is read.
-void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options);
+// caller). Key ranges are split into chunks that merge by log-sum-exp and,
+// when `parallel` (the backend's AttendUsesThreads: small calls lose more to
+// waking threads than they gain), run on OpenMP threads; every page is passed
+// to options.page_check before it is read.
+void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& options,
+               bool parallel);
 
 }  // namespace kvq::cpu
 

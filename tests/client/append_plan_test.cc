@@ -233,6 +233,38 @@ TEST(SplitForPagesTest, PerTokenSchemesUsePageBlocksAndFp8StaysDense) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// crq with a residual window keeps an fp16 tail like kivi: the server's
+// block is the flush block (rN), not a page; crq r0 codes every token and
+// uses page blocks.
+TEST(SplitForPagesTest, CrqWithAResidualWindowUsesItsFlushBlock) {
+  const StreamConfig crq = ConfigOf("crq3:r64:sink=4:pre_rope", 64);
+  absl::StatusOr<QuantizedSplit> s = SplitForPages(crq, 0, 100);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->block_tokens, 64);
+  EXPECT_EQ(s->dense_head, 4);
+  EXPECT_EQ(s->paged, 64);
+  EXPECT_EQ(s->dense_tail, 32);
+  s = SplitForPages(ConfigOf("crq3:r0:pre_rope", 64), 0, 100);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->block_tokens, 32);
+  EXPECT_EQ(s->paged, 96);
+  EXPECT_EQ(s->dense_tail, 4);
+}
+
+TEST(PlaceTokensTest, CrqWithAResidualWindowHoldsAnFp16Tail) {
+  TokenPlacement p = PlaceTokens(ConfigOf("crq3:r64:sink=4:pre_rope", 64), 100);
+  EXPECT_EQ(p.sink, 4);
+  EXPECT_EQ(p.quantized, 64);
+  EXPECT_EQ(p.tail, 32);
+  p = PlaceTokens(ConfigOf("crq3:r0:pre_rope", 64), 100);
+  EXPECT_EQ(p.quantized, 100);
+  EXPECT_EQ(p.tail, 0);
+  p = PlaceTokens(ConfigOf("kivi2:g32:r128:sink=4", 64), 300);
+  EXPECT_EQ(p.sink, 4);
+  EXPECT_EQ(p.quantized, 256);
+  EXPECT_EQ(p.tail, 40);
+}
+
 struct QuantCase {
   std::string scheme;
   int start_tokens;  // Tokens the sequence holds before the prompt.

@@ -475,7 +475,7 @@ nb::dict PageGeometry(const std::string& scheme, int head_dim, int page_tokens) 
   d["sink"] = config.spec.sink;
   // The server's CreateSequenceResponse.block_tokens: raw-page chunks
   // hold a multiple of it.
-  d["block_tokens"] = config.spec.is_kivi() ? config.spec.flush_tokens() : layout.page_tokens;
+  d["block_tokens"] = config.spec.has_tail() ? config.spec.flush_tokens() : layout.page_tokens;
   d["kivi"] = config.spec.is_kivi();
   d["rotate"] = config.spec.rotate;
   d["raw_pages"] = config.spec.kind != SchemeKind::kFp8E4m3;
