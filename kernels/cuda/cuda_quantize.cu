@@ -237,7 +237,12 @@ __global__ void __launch_bounds__(kThreads)
       }
     } else {
       const float top = hd::Params8Top(S.bits, batch.side.nuq);
-      uint8_t* block = L.ParamBlock(page, S, row / g);
+      // L.ParamBlock(page, S, row / g), with the p8 block's size this branch
+      // already knows (its header and a code per group): the layout's
+      // general ParamBlockBytes also answers crq's gain, and that branch
+      // cost this kernel (half) a 24-byte stack frame.
+      uint8_t* block = page + S.params_offset +
+                       static_cast<size_t>(row / g) * (kParams8HeaderBytes + 2 * groups);
       uint8_t* scale_codes = block + kParams8HeaderBytes;
       uint8_t* zero_codes = scale_codes + groups;
       if (tid == 0) {

@@ -86,7 +86,7 @@ def metric_facts(c):
     """Metric names and label values, read from the service sources."""
     src = c.read("service", "metrics.cc")
     names = set(re.findall(r'Gauge\(\s*"(kvq_\w+)"', src))
-    for kind, name in re.findall(r'Build(Counter|Histogram)\(\)\s*\.Name\(\s*"(kvq_\w+)"', src):
+    for kind, name in re.findall(r'Build(Counter|Gauge|Histogram)\(\)\s*\.Name\(\s*"(kvq_\w+)"', src):
         names.add(name)
         if kind == "Histogram":
             names.update({name + "_bucket", name + "_sum", name + "_count"})
