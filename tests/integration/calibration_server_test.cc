@@ -21,6 +21,7 @@
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "tests/integration/server_client_fixture.h"
 #include "tests/integration/server_process.h"
+#include "tests/service/test_temp_dir.h"
 
 namespace kvq {
 namespace {
@@ -66,15 +67,6 @@ double Sample(const std::string& body, const std::string& name) {
 
 class CalibrationServerTest : public ServerClientFixture {
  protected:
-  void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() /
-            absl::StrCat("kvq_calibrations_", getpid(), "_",
-                         ::testing::UnitTest::GetInstance()->current_test_info()->name()))
-               .string();
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   void Write(const std::string& file, const ModelCalibration& c) {
     absl::Status st = WriteCalibrationFile(dir_ + "/" + file, c, "test model");
@@ -126,7 +118,8 @@ class CalibrationServerTest : public ServerClientFixture {
     return stub_->MatchPrefix(&ctx, req, resp);
   }
 
-  std::string dir_;
+  TestTempDir temp_{"kvq_calibrations_"};
+  const std::string dir_ = temp_.path();
 };
 
 TEST_F(CalibrationServerTest, LoadsValidFilesAndSkipsTheOthersSayingWhy) {

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/service/test_temp_dir.h"
 
 namespace kvq {
 namespace {
@@ -27,19 +28,11 @@ ModelCalibration Calibration(const std::string& name, float mean) {
 
 class CalibrationsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() /
-            absl::StrCat("kvq_calibrations_unit_", getpid(), "_",
-                         ::testing::UnitTest::GetInstance()->current_test_info()->name()))
-               .string();
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
   void Write(const std::string& file, const ModelCalibration& c) {
     ASSERT_TRUE(WriteCalibrationFile(dir_ + "/" + file, c, "m").ok());
   }
-  std::string dir_;
+  TestTempDir temp_{"kvq_calibrations_unit_"};
+  const std::string dir_ = temp_.path();
 };
 
 TEST_F(CalibrationsTest, ARescanReplacesChangedFilesAndKeepsTheLastGoodVersion) {
