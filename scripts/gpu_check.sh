@@ -260,6 +260,10 @@ smoke() {
   gtest_step attention_vs_reference 90 cases "$BIN/cuda_attention_test"
   sanitizer_step memcheck_quantize memcheck "$BIN/cuda_quantize_test" 'PagesAndRowsEqualReference/.*kivi2'
   sanitizer_step memcheck_attention memcheck "$BIN/cuda_attention_test" 'MatchesReferenceWithinContract/.*kivi2'
+  # crq's kernels (cuda_crq.cu): its typed suite's cuda cases, and one
+  # attention case under memcheck.
+  gtest_step crq_vs_reference 90 "cuda cases" "$BIN/crq_test" --gtest_filter='*/cuda_*-*/cuda_host*'
+  sanitizer_step memcheck_crq memcheck "$BIN/crq_test" 'AttentionEqualsAttentionOverDequantizedRows/cuda_crq'
 }
 
 # The benchmark, then one row per target beside its figure (bench.json's checks).

@@ -88,8 +88,8 @@ struct Param {
 
 std::vector<Param> Params() {
   std::vector<Param> out;
+  // "cuda" where this build has it and a device is present (BackendNames).
   for (const std::string& b : testutil::BackendNames()) {
-    if (b == "cuda") continue;  // Refuses crq: CrqContractTest.CudaRefusesCrq.
     for (const CrqCase& c : Cases()) out.push_back({b, c});
   }
   for (const CrqCase& c : Cases()) out.push_back({"cuda_host", c, true});
@@ -434,22 +434,22 @@ TEST(CrqContractTest, NeedsAPowerOfTwoHeadDim) {
             "scheme crq needs a power-of-two head_dim (its Hadamard rotation), got 96");
 }
 
-// The device backend has no crq kernels: an append that quantizes and an
-// attention fail with UNIMPLEMENTED, and the append leaves nothing behind.
-TEST(CrqContractTest, CudaRefusesCrq) {
+// The device's crq kernels are compiled for head_dim 64, 128 and 256: an
+// append of another power of two fails with INVALID_ARGUMENT naming the
+// limit, and leaves nothing behind.
+TEST(CrqContractTest, CudaTakesHeadDim64To256) {
   absl::StatusOr<const KernelBackend*> cuda = BackendByName("cuda");
   if (!cuda.ok()) GTEST_SKIP() << "no cuda backend in this build or no device";
   testutil::StreamParam p;
   p.backend = "cuda";
   p.scheme.spec = "crq3:r0:pre_rope";
-  p.scheme.head_dim = 64;
+  p.scheme.head_dim = 32;
   std::unique_ptr<KvStream> s = testutil::MakeStream(p);
   ASSERT_TRUE(s);
-  const std::vector<float> k = MakeKeys(4, 64, 91), v = MakeValues(4, 64, 92);
+  const std::vector<float> k = MakeKeys(4, 32, 91), v = MakeValues(4, 32, 92);
   const absl::Status st = testutil::AppendRows(*s, k, v, 0, 4);
-  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_EQ(st.message(),
-            "the cuda backend has no crq kernels yet; crq runs on the cpu and cuda_host backends");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "head_dim must be 64, 128 or 256 for crq on the device, got 32");
   EXPECT_EQ(s->num_tokens(), 0);
 }
 
