@@ -69,7 +69,8 @@ __device__ __forceinline__ void WaitPageCopies() {
 // is exact (sincosf's slow path for large angles keeps an array in local
 // memory).
 __device__ __forceinline__ void RopeCosSinOf(double inv_freq, int position, float* c, float* s) {
-  const double turns = static_cast<double>(position) * inv_freq * (0.5 / 3.141592653589793238462643383279502884);
+  constexpr double kInvTwoPi = 0.5 / 3.141592653589793238462643383279502884;
+  const double turns = static_cast<double>(position) * inv_freq * kInvTwoPi;
   const double frac = turns - rint(turns);  // [-0.5, 0.5] turns.
   sincospif(static_cast<float>(2.0 * frac), s, c);
 }
@@ -238,7 +239,9 @@ __device__ __forceinline__ void WalkKeys(const P& p, const DeviceStreamView& v,
   const int page_bytes = static_cast<int>(v.layout.page_bytes);
   const int pt = v.layout.page_tokens;
   const int q_begin = v.sink_tokens, q_end = v.sink_tokens + v.quantized_tokens;
-  if (w.p_last >= w.p_first) CopyPageAsync<kAttentionThreads>(v.pages[w.p_first], page_bytes, buffers);
+  if (w.p_last >= w.p_first) {
+    CopyPageAsync<kAttentionThreads>(v.pages[w.p_first], page_bytes, buffers);
+  }
   int t = w.s0;
   while (t < w.kv_end) {
     const uint8_t* page = nullptr;
@@ -253,7 +256,8 @@ __device__ __forceinline__ void WalkKeys(const P& p, const DeviceStreamView& v,
       const int k = pidx - w.p_first;
       if (p.page_buffers == 2) {
         if (pidx < w.p_last) {
-          CopyPageAsync<kAttentionThreads>(v.pages[pidx + 1], page_bytes, buffers + ((k + 1) & 1) * p.page_buffer);
+          CopyPageAsync<kAttentionThreads>(v.pages[pidx + 1], page_bytes,
+                                           buffers + ((k + 1) & 1) * p.page_buffer);
           WaitPageCopies<1>();
         } else {
           WaitPageCopies<0>();

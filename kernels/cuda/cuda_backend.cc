@@ -216,10 +216,11 @@ absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* pag
   job.row0 = row0;
   job.n = n;
   const DeviceQuantSide quant_side = DeviceQuantSideOf(s.spec(), s.layout(), side);
-  KVQ_RETURN_IF_ERROR(s.crq() != nullptr
-                          ? LaunchCrqDequantizeRows(quant_side, type, CodebooksAt(base, codebooks_at),
-                                                    {&job, 1}, kStream)
-                          : LaunchDequantizeRows(quant_side, type, {&job, 1}, kStream));
+  KVQ_RETURN_IF_ERROR(
+      s.crq() != nullptr
+          ? LaunchCrqDequantizeRows(quant_side, type, CodebooksAt(base, codebooks_at), {&job, 1},
+                                    kStream)
+          : LaunchDequantizeRows(quant_side, type, {&job, 1}, kStream));
   // The caller reads `out` when this returns.
   KVQ_CUDA_RETURN_IF_ERROR(
       cudaMemcpy2DAsync(out, out_stride * row_bytes, base + out_at, d * row_bytes, d * row_bytes,
@@ -310,8 +311,8 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
       // softmax scale is folded into q.
       std::vector<float> qr(q.size());
       for (int r = 0; r < o.rows; ++r) {
-        float* row = q.data() + static_cast<size_t>(r) * d;
-        s.crq()->AttentionQuery(row, shape.softmax_scale, row, qr.data() + static_cast<size_t>(r) * d);
+        const size_t at = static_cast<size_t>(r) * d;
+        s.crq()->AttentionQuery(q.data() + at, shape.softmax_scale, q.data() + at, qr.data() + at);
       }
       o.qr = staging.Add(qr);
       o.calibration = staging.Add(CrqDeviceCalibration(*s.crq()));

@@ -121,8 +121,7 @@ __global__ void __launch_bounds__(kThreads)
                           kDeviceVector - 1) & ~uintptr_t{kDeviceVector - 1};
     StageVectors(reinterpret_cast<const void*>(lo), static_cast<int>(hi - lo), codes);
     if (threadIdx.x < n) {
-      gains[threadIdx.x] = hd::HalfToFloat(
-          hd::LoadHalfBits(reinterpret_cast<const uint8_t*>(PageLayout::Gain(job.page, S, row0 + threadIdx.x))));
+      gains[threadIdx.x] = hd::HalfToFloat(*PageLayout::Gain(job.page, S, row0 + threadIdx.x));
     }
     __syncthreads();
     const uint8_t* staged = codes + (reinterpret_cast<uintptr_t>(src) - lo);
@@ -210,8 +209,8 @@ __device__ void LoadCrqTile(const DeviceCrqTask& ct, const uint8_t* page, int ro
     for (int e = threadIdx.x; e < n * D; e += kThreads) {
       const int j = e / D, c = e % D;
       s->k_tile[j * ks + c] = key_mean[c];
-      s->c_tile[j * ks + c] =
-          hd::CrqDequant(PageLayout::CodeRow(page, L.key, row0 + j), D, L.key.half_bits, 1.0f, s->cb, c);
+      s->c_tile[j * ks + c] = hd::CrqDequant(PageLayout::CodeRow(page, L.key, row0 + j), D,
+                                             L.key.half_bits, 1.0f, s->cb, c);
       s->v_tile[e] = hd::CrqDequant(PageLayout::CodeRow(page, L.value, row0 + j), D,
                                     L.value.half_bits, s->value_gain[j], s->cb, c);
     }
@@ -250,7 +249,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) CrqSplitKernel(const Crq
   constexpr int ks = CrqSmem<D>::kKeyStride;
   extern __shared__ __align__(16) unsigned char smem[];
   uint8_t* buffers = smem;
-  auto* s = reinterpret_cast<CrqSmem<D>*>(smem + static_cast<size_t>(p.page_buffers) * p.page_buffer);
+  auto* s =
+      reinterpret_cast<CrqSmem<D>*>(smem + static_cast<size_t>(p.page_buffers) * p.page_buffer);
   LoadCodebooks(p.codebooks, &s->cb);
   for (int i = threadIdx.x; i < v.rope.rotary_dim / 2; i += kThreads) {
     s->inv_freq[i] = hd::RopeInvFreq(v.rope, i) / static_cast<double>(v.rope.linear_factor);
@@ -335,7 +335,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) CrqSplitKernel(const Crq
     st.max = s->max_s[threadIdx.x];
     st.sum = s->sum_s[threadIdx.x];
     if (threadIdx.x < w.nrows) {
-      p.partial_lse[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + threadIdx.x)] = hd::SoftmaxLse(st);
+      p.partial_lse[PartialRow(p, blockIdx.z, blockIdx.x, w.row0 + threadIdx.x)] =
+          hd::SoftmaxLse(st);
     }
     s->rescale_s[threadIdx.x] = hd::SoftmaxOutScale(st);  // 1 / sum, or 0.
   }
@@ -478,8 +479,8 @@ absl::Status LaunchCrqAttention(const DeviceCrqTask* tasks, const DecodeAttentio
         shape.max_page_bytes, " a multiple of ", kDeviceVector, ", tensor_cores false"));
   }
   if (shape.group_size < 1 || shape.group_size > kMaxAttentionGroup) {
-    return absl::InvalidArgumentError(absl::StrCat("group_size must be in [1, ",
-                                                   kMaxAttentionGroup, "], got ", shape.group_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group_size must be in [1, ", kMaxAttentionGroup, "], got ", shape.group_size));
   }
   const size_t need = DecodeAttentionWorkspaceBytes(shape);
   if (workspace == nullptr || workspace_bytes < need ||

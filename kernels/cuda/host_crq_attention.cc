@@ -33,7 +33,7 @@ void AttendChunk(const KvStream& s, const hd::RopeParams& rope, const float* q, 
   const int pt = L.page_tokens;
   std::vector<float> key(d), levels(d), value(d), acc(d, 0.0f), acc_coded(d, 0.0f);
   auto gain = [&](const uint8_t* page, const SideLayout& S, int row) {
-    return hd::HalfToFloat(hd::LoadHalfBits(reinterpret_cast<const uint8_t*>(PageLayout::Gain(page, S, row))));
+    return hd::HalfToFloat(*PageLayout::Gain(page, S, row));
   };
   hd::SoftmaxState state;
   float coded_sum = 0.0f;
@@ -78,7 +78,8 @@ void AttendChunk(const KvStream& s, const hd::RopeParams& rope, const float* q, 
   for (int c = 0; c < d; ++c) acc_coded[c] *= inv;
   hd::HadamardInverse(T.rotation().signs().data(), d, acc_coded.data());
   for (int c = 0; c < d; ++c) {
-    out[c] = acc[c] * inv + cal.value_mean[c] * (coded_sum * inv) + cal.value_scale[c] * acc_coded[c];
+    out[c] = acc[c] * inv + cal.value_mean[c] * (coded_sum * inv) +
+             cal.value_scale[c] * acc_coded[c];
   }
   *lse = hd::SoftmaxLse(state);
 }
@@ -96,7 +97,8 @@ void HostAttendCrq(const AttentionTask& task, const AttentionOptions& options) {
   for (int i = 0; i < task.num_queries; ++i) {
     const int visible = task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
     for (int g = 0; g < options.group_size; ++g) {
-      const float* src = task.q + static_cast<size_t>(i) * task.q_stride + static_cast<size_t>(g) * d;
+      const float* src =
+          task.q + static_cast<size_t>(i) * task.q_stride + static_cast<size_t>(g) * d;
       T.AttentionQuery(src, scale, q.data(), qr.data());
       float* out = task.out + static_cast<size_t>(i) * task.out_stride + static_cast<size_t>(g) * d;
       float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;

@@ -67,7 +67,8 @@ TEST(CudaCrqLaunchTest, RefusesMissingCodebooksAndTensorCores) {
                                             DecodeAttentionWorkspaceBytes(shape), nullptr);
   EXPECT_EQ(a.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(a.message().find("tensor_cores false"), absl::string_view::npos) << a.message();
-  const absl::Status w = LaunchCrqAttention(nullptr, CrqShape(128), nullptr, workspace, 16, nullptr);
+  const absl::Status w =
+      LaunchCrqAttention(nullptr, CrqShape(128), nullptr, workspace, 16, nullptr);
   EXPECT_EQ(w.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(w.message(), absl::StrCat("workspace must hold ",
                                       DecodeAttentionWorkspaceBytes(CrqShape(128)),
