@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/crq_transform.h"
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/crq_device_statistics.h"
 #include "kernels/cuda/cuda_crq.h"
 #include "kernels/cuda/cuda_quantize.h"
 #include "kernels/cuda/cuda_status.h"
@@ -234,7 +235,8 @@ absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* pag
 struct TaskOffsets {
   size_t pages = 0, sink_k = 0, sink_v = 0, tail_k = 0, tail_v = 0;
   size_t signs = 0, q = 0, positions = 0;
-  size_t qr = 0, calibration = 0;  // crq: H (s_k q) rows; [4][head_dim] statistics.
+  size_t qr = 0;  // crq: the rows' H (s_k q).
+  const float* crq_statistics = nullptr;  // crq: device, CrqDeviceStatistics.
   size_t out = 0, lse = 0;
   bool has_positions = false;
   int key_end = 0;
@@ -248,18 +250,6 @@ struct LaunchTiming {
   int reps = 0;
   std::vector<double> ms;
 };
-
-// The head's statistics as the crq split kernel reads them (DeviceCrqTask):
-// key_mean, value_mean, value_scale, the Hadamard signs.
-std::vector<float> CrqDeviceCalibration(const CrqTransform& T) {
-  const HeadCalibration& cal = T.calibration();
-  std::vector<float> out;
-  for (const std::vector<float>* v :
-       {&cal.key_mean, &cal.value_mean, &cal.value_scale, &T.rotation().signs()}) {
-    out.insert(out.end(), v->begin(), v->end());
-  }
-  return out;
-}
 
 // One launch: tasks of one head_dim and one kernel kind (crq, tensor cores
 // or neither); timed when `timing` is set.
@@ -315,7 +305,7 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
         s.crq()->AttentionQuery(q.data() + at, shape.softmax_scale, q.data() + at, qr.data() + at);
       }
       o.qr = staging.Add(qr);
-      o.calibration = staging.Add(CrqDeviceCalibration(*s.crq()));
+      KVQ_ASSIGN_OR_RETURN(o.crq_statistics, CrqDeviceStatistics::Get().For(*s.crq(), kStream));
     }
     o.q = staging.Add(q);
     o.has_positions = t.q_positions != nullptr;
@@ -369,7 +359,7 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
       DeviceCrqTask ct;
       ct.task = dt;
       ct.qr = reinterpret_cast<const float*>(base + o.qr);
-      ct.calibration = reinterpret_cast<const float*>(base + o.calibration);
+      ct.calibration = o.crq_statistics;
       std::memcpy(tasks + i * task_bytes, &ct, sizeof(ct));
     } else {
       std::memcpy(tasks + i * task_bytes, &dt, sizeof(dt));

@@ -7,8 +7,8 @@
 // What the host does once per call: KvStream maps appended rows to coded
 // coordinates (CrqTransform::Forward) before QuantizeRows, as for every
 // backend, and the cuda backend transforms each query row once
-// (CrqTransform::AttentionQuery) and uploads the head's calibration and
-// Hadamard signs with the call's other inputs.
+// (CrqTransform::AttentionQuery); each head's calibration and Hadamard
+// signs are uploaded once (CrqDeviceStatistics).
 #ifndef KVQ_KERNELS_CUDA_CUDA_CRQ_H_
 #define KVQ_KERNELS_CUDA_CUDA_CRQ_H_
 
