@@ -263,7 +263,7 @@ smoke() {
   # crq's kernels (cuda_crq.cu): pages and attention against cuda_host, the
   # typed suite's cuda cases, and one attention case under memcheck.
   gtest_step crq_vs_cuda_host 60 cases "$BIN/cuda_crq_test"
-  gtest_step crq_vs_reference 90 "cuda cases" "$BIN/crq_test" --gtest_filter='*/cuda_*-*/cuda_host*'
+  gtest_step crq_vs_reference 90 "cuda cases" "$BIN/crq_test" --gtest_filter='*/cuda*-*/cuda_host*'
   sanitizer_step memcheck_crq memcheck "$BIN/crq_test" 'AttentionEqualsAttentionOverDequantizedRows/cuda_crq'
 }
 

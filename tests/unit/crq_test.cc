@@ -16,7 +16,6 @@
 #include "kernels/backend.h"
 #include "kernels/crq_transform.h"
 #include "kernels/lloyd_max.h"
-#include "tests/unit/hidden_page_allocator.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
@@ -173,7 +172,7 @@ TEST_P(CrqBackendTest, IdentityCalibrationRoundTripHasLloydMaxError) {
   StreamConfig config = Config();
   const HeadCalibration id = HeadCalibration::Identity(d());
   const KernelBackend* backend = *BackendByName(GetParam().backend);
-  PageAllocator* alloc = GetParam().hidden_pages ? testutil::SharedHiddenPages() : nullptr;
+  PageAllocator* alloc = testutil::DefaultPages(AsStreamParam(GetParam()));
   absl::StatusOr<std::unique_ptr<KvStream>> s = KvStream::Create(config, backend, alloc, nullptr, &id);
   ASSERT_TRUE(s.ok()) << s.status();
   const int n = config.spec.sink + 512;
@@ -497,9 +496,11 @@ TEST_P(CrqCenteringTest, CenteringCodesOnlyTheNoise) {
     centered.key_mean = x.mu_k;
     centered.value_mean = x.mu_v;
     const KernelBackend* backend = *BackendByName(GetParam());
+    testutil::StreamParam where;
+    where.backend = GetParam();
     auto make = [&](const HeadCalibration& cal) {
       absl::StatusOr<std::unique_ptr<KvStream>> s =
-          KvStream::Create(config, backend, nullptr, nullptr, &cal);
+          KvStream::Create(config, backend, testutil::DefaultPages(where), nullptr, &cal);
       EXPECT_TRUE(s.ok()) << s.status();
       EXPECT_TRUE(testutil::AppendRows(**s, x.k, x.v, 0, n).ok());
       return std::move(*s);
@@ -565,7 +566,9 @@ TEST_P(CrqCenteringTest, CenteringCodesOnlyTheNoise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, CrqCenteringTest, ::testing::Values("ref", "cpu", "cuda_host"));
+// Every backend (BackendNames: "cuda" where a device is present).
+INSTANTIATE_TEST_SUITE_P(All, CrqCenteringTest, ::testing::ValuesIn(testutil::BackendNames()),
+                         [](const auto& info) { return info.param; });
 
 TEST(CrqTransformTest, InverseUndoesForward) {
   StreamConfig c = CrqConfig("crq3:pre_rope", 64);
