@@ -108,6 +108,13 @@ void CrqTransform::Forward(Side side, float* rows, int n, int first) const {
   }
 }
 
+void CrqTransform::AttentionQuery(const float* query, float scale, float* q, float* qr) const {
+  const int d = rotation_.dim();
+  for (int c = 0; c < d; ++c) q[c] = query[c] * scale;
+  for (int c = 0; c < d; ++c) qr[c] = q[c] * calibration_.key_scale[c];
+  rotation_.Forward(qr);
+}
+
 void CrqTransform::Inverse(Side side, float* rows, int n, int first) const {
   const int d = rotation_.dim();
   const bool key = side == Side::kKey;

@@ -51,6 +51,12 @@ class CrqTransform {
   // Coded coordinates back to the original basis (keys pre-RoPE).
   void Inverse(Side side, float* rows, int n, int first) const;
 
+  // A query row (post-RoPE basis, [head_dim]) as crq attention meets the
+  // keys, computed once per step: q = scale * query (scores a key as
+  // q . R_t mu_k plus, for a coded key, its gain times qr . levels) and
+  // qr = H (s_k q). The cuda_host and cuda backends share it.
+  void AttentionQuery(const float* query, float scale, float* q, float* qr) const;
+
   const HeadCalibration& calibration() const { return calibration_; }
   const HadamardRotation& rotation() const { return rotation_; }
   const Rope& rope() const { return rope_; }

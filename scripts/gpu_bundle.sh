@@ -50,10 +50,12 @@ BINARIES=(
   device_page_pool_test cuda_quantize_test cuda_attention_test transport_gpu_test
   client_server_test
   kv_stream_test attention_test attention_contract_test raw_pages_test fork_test accounting_test
+  crq_test cuda_crq_test
 )
 TARGETS=(kvq_server kvq_cli kvq_bench device_page_pool_test cuda_quantize_test
          cuda_attention_test transport_gpu_test client_server_test kv_stream_test attention_test
-         attention_contract_test raw_pages_test fork_test accounting_test)
+         attention_contract_test raw_pages_test fork_test accounting_test crq_test
+         cuda_crq_test)
 
 # Libraries a binary may need that the bundle does not carry: glibc's, the
 # compiler's C++ runtime, the driver's libcuda and NCCL.

@@ -4,14 +4,14 @@
 # Needs no compiler, CMake or package manager: only the driver, bash,
 # coreutils, and for some steps compute-sanitizer and python3.
 #
-#   ./gpu_check.sh smoke          # < 2 min: pool, quantize, attention, memcheck
+#   ./gpu_check.sh smoke          # < 3 min: pool, quantize, attention, crq, memcheck
 #   ./gpu_check.sh full           # bench, typed suites, integration, IPC, NCCL, racecheck
 #   OUT=/some/dir ./gpu_check.sh smoke full
 #
 # Writes $OUT/gpu_check.md (the table it prints), $OUT/bench.json (full) and
 # $OUT/gpu_check_logs.tar.gz (every step's log); OUT defaults to ./out.
 # Every step has its own timeout, and each stage a budget
-# (KVQ_GPU_CHECK_BUDGET_S, default 110 s for smoke, 400 s for full) after
+# (KVQ_GPU_CHECK_BUDGET_S, default 160 s for smoke, 400 s for full) after
 # which its remaining steps are SKIPPED. A step is PASS only when it ran
 # something and nothing failed; a gtest binary that ran 0 cases FAILS.
 # Statuses: PASS, FAIL (why), SKIPPED (why). Exit status: 0 when every step
@@ -254,12 +254,17 @@ fi
 echo "gpu_check: device: $DEVICE; NCCL: $NCCL_NOTE; compute-sanitizer: ${SANITIZER:-not found}" >&2
 
 smoke() {
-  begin_stage smoke 110
+  begin_stage smoke 160
   gtest_step device_page_pool 60 cases "$BIN/device_page_pool_test"
   gtest_step quantize_vs_reference 60 cases "$BIN/cuda_quantize_test"
   gtest_step attention_vs_reference 90 cases "$BIN/cuda_attention_test"
   sanitizer_step memcheck_quantize memcheck "$BIN/cuda_quantize_test" 'PagesAndRowsEqualReference/.*kivi2'
   sanitizer_step memcheck_attention memcheck "$BIN/cuda_attention_test" 'MatchesReferenceWithinContract/.*kivi2'
+  # crq's kernels (cuda_crq.cu): pages and attention against cuda_host, the
+  # typed suite's cuda cases, and one attention case under memcheck.
+  gtest_step crq_vs_cuda_host 60 cases "$BIN/cuda_crq_test"
+  gtest_step crq_vs_reference 90 "cuda cases" "$BIN/crq_test" --gtest_filter='*/cuda*-*/cuda_host*'
+  sanitizer_step memcheck_crq memcheck "$BIN/crq_test" 'AttentionEqualsAttentionOverDequantizedRows/cuda_crq'
 }
 
 # The benchmark, then one row per target beside its figure (bench.json's checks).

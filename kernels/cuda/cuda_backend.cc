@@ -20,11 +20,15 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/crq_transform.h"
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/crq_device_statistics.h"
+#include "kernels/cuda/cuda_crq.h"
 #include "kernels/cuda/cuda_quantize.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_info.h"
@@ -166,12 +170,21 @@ class StagedLevels {
   size_t at_ = 0;
 };
 
+// crq's Lloyd-Max codebooks ride in the call's upload (212 bytes).
+size_t AddCodebooks(Staging& staging) {
+  return staging.Add(&CrqCodebooks(), sizeof(hd::CrqCodebooks));
+}
+const hd::CrqCodebooks* CodebooksAt(const uint8_t* base, size_t at) {
+  return reinterpret_cast<const hd::CrqCodebooks*>(base + at);
+}
+
 absl::Status QuantizeOnDevice(const KvStream& s, Side side, const void* rows, size_t row_bytes,
                               DeviceRowType type, int n, uint8_t* page, int row0) {
   KVQ_RETURN_IF_ERROR(CheckDevicePages(s));
   Staging staging;
   const size_t rows_at = staging.Add(rows, static_cast<size_t>(n) * s.head_dim() * row_bytes);
   const StagedLevels levels(s, side, staging);
+  const size_t codebooks_at = s.crq() != nullptr ? AddCodebooks(staging) : 0;
   KVQ_ASSIGN_OR_RETURN(uint8_t * base, Upload(staging));
   QuantizeJob job;
   job.page = page;
@@ -179,8 +192,12 @@ absl::Status QuantizeOnDevice(const KvStream& s, Side side, const void* rows, si
   job.extras = levels.ExtrasAt(base);
   job.row0 = row0;
   job.n = n;
-  return LaunchQuantizeRows(DeviceQuantSideOf(s.spec(), s.layout(), side), type, {&job, 1},
-                            kStream);
+  const DeviceQuantSide quant_side = DeviceQuantSideOf(s.spec(), s.layout(), side);
+  if (s.crq() != nullptr) {
+    // Rows arrive as coded coordinates (KvStream ran CrqTransform::Forward).
+    return LaunchCrqQuantizeRows(quant_side, CodebooksAt(base, codebooks_at), {&job, 1}, kStream);
+  }
+  return LaunchQuantizeRows(quant_side, type, {&job, 1}, kStream);
 }
 
 absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* page, int row0,
@@ -190,6 +207,7 @@ absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* pag
   const int d = s.head_dim();
   Staging staging;
   const StagedLevels levels(s, side, staging);
+  const size_t codebooks_at = s.crq() != nullptr ? AddCodebooks(staging) : 0;
   const size_t out_at = staging.Reserve(static_cast<size_t>(n) * d * row_bytes);
   KVQ_ASSIGN_OR_RETURN(uint8_t * base, Upload(staging));
   DequantizeJob job;
@@ -198,8 +216,12 @@ absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* pag
   job.extras = levels.ExtrasAt(base);
   job.row0 = row0;
   job.n = n;
-  KVQ_RETURN_IF_ERROR(LaunchDequantizeRows(DeviceQuantSideOf(s.spec(), s.layout(), side), type,
-                                           {&job, 1}, kStream));
+  const DeviceQuantSide quant_side = DeviceQuantSideOf(s.spec(), s.layout(), side);
+  KVQ_RETURN_IF_ERROR(
+      s.crq() != nullptr
+          ? LaunchCrqDequantizeRows(quant_side, type, CodebooksAt(base, codebooks_at), {&job, 1},
+                                    kStream)
+          : LaunchDequantizeRows(quant_side, type, {&job, 1}, kStream));
   // The caller reads `out` when this returns.
   KVQ_CUDA_RETURN_IF_ERROR(
       cudaMemcpy2DAsync(out, out_stride * row_bytes, base + out_at, d * row_bytes, d * row_bytes,
@@ -213,6 +235,8 @@ absl::Status DequantizeOnDevice(const KvStream& s, Side side, const uint8_t* pag
 struct TaskOffsets {
   size_t pages = 0, sink_k = 0, sink_v = 0, tail_k = 0, tail_v = 0;
   size_t signs = 0, q = 0, positions = 0;
+  size_t qr = 0;  // crq: the rows' H (s_k q).
+  const float* crq_statistics = nullptr;  // crq: device, CrqDeviceStatistics.
   size_t out = 0, lse = 0;
   bool has_positions = false;
   int key_end = 0;
@@ -227,16 +251,18 @@ struct LaunchTiming {
   std::vector<double> ms;
 };
 
-// One launch: tasks of one head_dim and one kernel kind; timed when
-// `timing` is set.
+// One launch: tasks of one head_dim and one kernel kind (crq, tensor cores
+// or neither); timed when `timing` is set.
 absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector<int>& which,
                           const AttentionOptions& options, LaunchTiming* timing = nullptr) {
   const int group = options.group_size;
   const int d = all[which.front()].stream->head_dim();
+  const bool crq = all[which.front()].stream->crq() != nullptr;
   Staging staging;
   // The task array first: its device address is the scratch's.
-  const size_t tasks_at =
-      staging.Add(std::vector<uint8_t>(which.size() * sizeof(DeviceAttentionTask)));
+  const size_t task_bytes = crq ? sizeof(DeviceCrqTask) : sizeof(DeviceAttentionTask);
+  const size_t tasks_at = staging.Add(std::vector<uint8_t>(which.size() * task_bytes));
+  const size_t codebooks_at = crq ? AddCodebooks(staging) : 0;
   std::vector<TaskOffsets> at(which.size());
   std::vector<StagedLevels> levels;  // Key then value of each task.
   levels.reserve(2 * which.size());
@@ -245,7 +271,7 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
   shape.head_dim = d;
   shape.group_size = group;
   shape.softmax_scale = SoftmaxScale(options, d);
-  shape.tensor_cores = UseTensorCores(all[which.front()].stream->layout());
+  shape.tensor_cores = !crq && UseTensorCores(all[which.front()].stream->layout());
   KVQ_ASSIGN_OR_RETURN(shape.sm_count, MultiprocessorCount());
   for (size_t i = 0; i < which.size(); ++i) {
     const AttentionTask& t = all[which[i]];
@@ -270,6 +296,17 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
       std::copy_n(t.q + static_cast<size_t>(qi) * t.q_stride, static_cast<size_t>(group) * d,
                   q.begin() + static_cast<size_t>(qi) * group * d);
     }
+    if (crq) {
+      // Each row transformed once (CrqTransform::AttentionQuery): the
+      // softmax scale is folded into q.
+      std::vector<float> qr(q.size());
+      for (int r = 0; r < o.rows; ++r) {
+        const size_t at = static_cast<size_t>(r) * d;
+        s.crq()->AttentionQuery(q.data() + at, shape.softmax_scale, q.data() + at, qr.data() + at);
+      }
+      o.qr = staging.Add(qr);
+      KVQ_ASSIGN_OR_RETURN(o.crq_statistics, CrqDeviceStatistics::Get().For(*s.crq(), kStream));
+    }
     o.q = staging.Add(q);
     o.has_positions = t.q_positions != nullptr;
     if (o.has_positions) o.positions = staging.Add(t.q_positions, t.num_queries * sizeof(int32_t));
@@ -291,7 +328,7 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
   const size_t workspace_at = staging.Reserve(workspace_bytes);
   KVQ_ASSIGN_OR_RETURN(uint8_t * base, t_scratch.Get(staging.total_bytes()));
   // Now that the device address is known, the task array can be written.
-  auto* tasks = reinterpret_cast<DeviceAttentionTask*>(staging.host_at(tasks_at));
+  uint8_t* tasks = staging.host_at(tasks_at);
   for (size_t i = 0; i < which.size(); ++i) {
     const AttentionTask& t = all[which[i]];
     const KvStream& s = *t.stream;
@@ -318,12 +355,25 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
     dt.out_stride = group * d;
     dt.lse = reinterpret_cast<float*>(base + o.lse);
     dt.lse_stride = group;
-    std::memcpy(&tasks[i], &dt, sizeof(dt));
+    if (crq) {
+      DeviceCrqTask ct;
+      ct.task = dt;
+      ct.qr = reinterpret_cast<const float*>(base + o.qr);
+      ct.calibration = o.crq_statistics;
+      std::memcpy(tasks + i * task_bytes, &ct, sizeof(ct));
+    } else {
+      std::memcpy(tasks + i * task_bytes, &dt, sizeof(dt));
+    }
   }
   KVQ_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(base, staging.host(), staging.upload_bytes(),
                                            cudaMemcpyHostToDevice, kStream),
                            "cudaMemcpyAsync (attention inputs to the device)");
   auto launch = [&] {
+    if (crq) {
+      return LaunchCrqAttention(reinterpret_cast<const DeviceCrqTask*>(base), shape,
+                                CodebooksAt(base, codebooks_at), base + workspace_at,
+                                workspace_bytes, kStream);
+    }
     return LaunchDecodeAttention(reinterpret_cast<const DeviceAttentionTask*>(base), shape,
                                  base + workspace_at, workspace_bytes, kStream);
   };
@@ -351,13 +401,6 @@ absl::Status AttendLaunch(absl::Span<const AttentionTask> all, const std::vector
   return absl::OkStatus();
 }
 
-// crq has no device kernels yet: every call on a crq stream fails with
-// this (an append is then undone, backend.h's Synchronize contract).
-absl::Status CrqRefusal() {
-  return absl::UnimplementedError(
-      "the cuda backend has no crq kernels yet; crq runs on the cpu and cuda_host backends");
-}
-
 class CudaBackendImpl final : public KernelBackend {
  public:
   absl::string_view name() const override { return "cuda"; }
@@ -366,13 +409,12 @@ class CudaBackendImpl final : public KernelBackend {
 
   void QuantizeRows(const KvStream& s, Side side, const float* rows, int n, uint8_t* page,
                     int row0) const override {
-    if (s.crq() != nullptr) return Record(CrqRefusal());
     Record(QuantizeOnDevice(s, side, rows, sizeof(float), DeviceRowType::kFloat32, n, page, row0));
   }
 
   bool QuantizeRowsHalf(const KvStream& s, Side side, const uint16_t* rows, int n, uint8_t* page,
                         int row0) const override {
-    if (s.crq() != nullptr) return false;
+    if (s.crq() != nullptr) return false;  // crq codes float rows (coded coordinates).
     Record(QuantizeOnDevice(s, side, rows, sizeof(uint16_t), DeviceRowType::kFloat16, n, page,
                             row0));
     return true;
@@ -380,14 +422,13 @@ class CudaBackendImpl final : public KernelBackend {
 
   void DequantizeRows(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                       float* out) const override {
-    if (s.crq() != nullptr) return Record(CrqRefusal());
     Record(DequantizeOnDevice(s, side, page, row0, n, DeviceRowType::kFloat32, sizeof(float), out,
                               s.head_dim()));
   }
 
   bool DequantizeRowsHalf(const KvStream& s, Side side, const uint8_t* page, int row0, int n,
                           uint16_t* out, size_t stride) const override {
-    if (s.crq() != nullptr) return false;
+    if (s.crq() != nullptr) return false;  // KvStream reads crq rows as floats.
     Record(DequantizeOnDevice(s, side, page, row0, n, DeviceRowType::kFloat16, sizeof(uint16_t),
                               out, stride));
     return true;
@@ -404,7 +445,11 @@ class CudaBackendImpl final : public KernelBackend {
                       const AttentionOptions& options) const override {
     KVQ_RETURN_IF_ERROR(ValidateAttention(tasks, options));
     for (const AttentionTask& t : tasks) {
-      if (t.stream->crq() != nullptr) return CrqRefusal();
+      if (t.stream->crq() != nullptr && !CrqKernelTakesHeadDim(t.stream->head_dim())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the cuda backend's crq attention takes head_dim 64, 128 or 256; got ",
+            t.stream->head_dim()));
+      }
       if (!DecodeAttentionTakesHeadDim(t.stream->head_dim())) {
         return absl::InvalidArgumentError(absl::StrCat(
             "the cuda backend's attention takes head_dim 64, 96, 128 or 256; got ",
@@ -416,11 +461,12 @@ class CudaBackendImpl final : public KernelBackend {
           absl::StrCat("the cuda backend's attention takes group_size up to ", kMaxAttentionGroup,
                        "; got ", options.group_size));
     }
-    // One launch per head_dim and kernel kind (tensor cores or not).
-    std::map<std::pair<int, bool>, std::vector<int>> launches;
+    // One launch per head_dim and kernel kind (crq, tensor cores or not).
+    std::map<std::tuple<int, bool, bool>, std::vector<int>> launches;
     for (size_t i = 0; i < tasks.size(); ++i) {
       const KvStream& s = *tasks[i].stream;
-      launches[{s.head_dim(), UseTensorCores(s.layout())}].push_back(static_cast<int>(i));
+      launches[{s.head_dim(), s.crq() != nullptr, UseTensorCores(s.layout())}].push_back(
+          static_cast<int>(i));
     }
     for (const auto& [kind, which] : launches) {
       if (absl::Status st = AttendLaunch(tasks, which, options); !st.ok()) return st;
@@ -436,14 +482,11 @@ absl::StatusOr<std::vector<double>> TimeDeviceAttention(absl::Span<const Attenti
                                                         int warmup, int reps) {
   KVQ_RETURN_IF_ERROR(ValidateAttention(tasks, options));
   if (tasks.empty()) return absl::InvalidArgumentError("timed attention: no tasks");
-  for (const AttentionTask& t : tasks) {
-    if (t.stream->crq() != nullptr) return CrqRefusal();
-  }
   const KvStream& first = *tasks.front().stream;
   std::vector<int> which;
   for (size_t i = 0; i < tasks.size(); ++i) {
     const KvStream& s = *tasks[i].stream;
-    if (s.head_dim() != first.head_dim() ||
+    if (s.head_dim() != first.head_dim() || (s.crq() != nullptr) != (first.crq() != nullptr) ||
         UseTensorCores(s.layout()) != UseTensorCores(first.layout())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "timed attention: task ", i, " needs another launch than task 0 (head_dim ",

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 
@@ -34,6 +36,18 @@ absl::StatusOr<DeviceInfo> QueryCudaDevice(int ordinal) {
   KVQ_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal), "cudaSetDevice");
   KVQ_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&info.free_bytes, &info.total_bytes), "cudaMemGetInfo");
   return info;
+}
+
+absl::StatusOr<int> MaxSharedMemoryPerBlock() {
+  static std::atomic<int> cached{0};
+  if (int v = cached.load(std::memory_order_relaxed); v > 0) return v;
+  int device = 0, bytes = 0;
+  KVQ_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  KVQ_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+      "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  cached.store(bytes, std::memory_order_relaxed);
+  return bytes;
 }
 
 }  // namespace kvq

@@ -24,6 +24,10 @@ struct DeviceInfo {
 int CudaDeviceCount();
 // FAILED_PRECONDITION naming the ordinal and the count when out of range.
 absl::StatusOr<DeviceInfo> QueryCudaDevice(int ordinal);
+// The current device's opt-in shared memory per block
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin), queried once: the attention
+// kernels size their page buffers to it.
+absl::StatusOr<int> MaxSharedMemoryPerBlock();
 
 }  // namespace kvq
 

@@ -1,15 +1,18 @@
-// "cuda_host" attention of crq streams: the coded-space algorithm
-// (docs/KERNELS.md, "crq") composed from crq_hd.h's per-element math, key
-// ranges cut into hd::kAttentionSplitTokens chunks whose partials merge by
-// log-sum-exp, as a device kernel would split them. Page bytes come only
+// "cuda_host" attention of crq streams: the device's coded-space algorithm
+// (kernels/cuda/cuda_crq.cu, CrqSplitKernel) as a serial program on the CPU,
+// from the same crq_hd.h / attention_hd.h functions. Per chunk of
+// hd::kAttentionSplitTokens keys (partials merged by log-sum-exp, as the
+// device merges its splits): a coded key scores q . R_t mu_k + g_t (qr .
+// level[code]), an fp16 key q . R_t k; coded values accumulate in the
+// rotated basis and are rotated back once per chunk. Page bytes come only
 // through HostPagePointer.
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
 #include "kernels/crq_transform.h"
 #include "kernels/cuda/host_program_backend.h"
+#include "kernels/cuda/stream_view_host.h"
 #include "kernels/hd/attention_hd.h"
 #include "kernels/hd/crq_hd.h"
 #include "kernels/kv_stream.h"
@@ -20,74 +23,65 @@ namespace {
 
 // One chunk [begin, end) of one query row: normalized output in the
 // original basis and its lse.
-void AttendChunk(const KvStream& s, const float* q, const float* qr, const float* a,
-                 const float* b, float fixed, int begin, int end, float* out, float* lse) {
+void AttendChunk(const KvStream& s, const hd::RopeParams& rope, const float* q, const float* qr,
+                 int begin, int end, float* out, float* lse) {
   const CrqTransform& T = *s.crq();
   const HeadCalibration& cal = T.calibration();
-  const Rope& rope = T.rope();
   const PageLayout& L = s.layout();
   const hd::CrqCodebooks& cb = CrqCodebooks();
   const int d = s.head_dim();
   const int pt = L.page_tokens;
-  const int pairs = rope.rotary_dim() / 2;
-  const int n = end - begin;
-  std::vector<float> scores(n), x(d), acc(d, 0.0f), acc_coded(d, 0.0f);
-  auto coded = [&](int t) { return t >= s.sink_tokens() && t - s.page_base() < s.quantized_tokens(); };
+  std::vector<float> key(d), levels(d), value(d), acc(d, 0.0f), acc_coded(d, 0.0f);
   auto gain = [&](const uint8_t* page, const SideLayout& S, int row) {
-    return hd::HalfToFloat(hd::LoadHalfBits(reinterpret_cast<const uint8_t*>(PageLayout::Gain(page, S, row))));
+    return hd::HalfToFloat(*PageLayout::Gain(page, S, row));
   };
-  auto fp16_row = [&](Side side, int t) {
-    const uint16_t* h = t < s.sink_tokens() ? s.sink_row(side, t)
-                                            : s.tail_row(side, t - s.page_base() - s.quantized_tokens());
-    for (int c = 0; c < d; ++c) x[c] = hd::HalfToFloat(h[c]);
-  };
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < n; ++i) {
-    const int t = begin + i;
-    float score = 0.0f;
-    if (coded(t)) {
+  hd::SoftmaxState state;
+  float coded_sum = 0.0f;
+  for (int t = begin; t < end; ++t) {
+    const bool coded = t >= s.sink_tokens() && t - s.page_base() < s.quantized_tokens();
+    float score;
+    if (coded) {
       const int u = t - s.page_base();
       const uint8_t* page = HostPagePointer(s, u / pt);
-      const uint8_t* row = PageLayout::CodeRow(page, L.key, u % pt);
-      float dot = 0.0f;
-      for (int c = 0; c < d; ++c) dot += qr[c] * hd::CrqDequant(row, d, L.key.half_bits, 1.0f, cb, c);
-      float mean = fixed;
-      for (int j = 0; j < pairs; ++j) {
-        const double angle = rope.Angle(j, t);
-        mean += a[j] * static_cast<float>(std::cos(angle)) + b[j] * static_cast<float>(std::sin(angle));
+      const uint8_t* krow = PageLayout::CodeRow(page, L.key, u % pt);
+      const uint8_t* vrow = PageLayout::CodeRow(page, L.value, u % pt);
+      const float vg = gain(page, L.value, u % pt);
+      std::copy(cal.key_mean.begin(), cal.key_mean.end(), key.begin());
+      for (int c = 0; c < d; ++c) {
+        levels[c] = hd::CrqDequant(krow, d, L.key.half_bits, 1.0f, cb, c);
+        value[c] = hd::CrqDequant(vrow, d, L.value.half_bits, vg, cb, c);
       }
-      score = mean + gain(page, L.key, u % pt) * dot;
+      hd::ApplyRope(rope, key.data(), t);
+      score = hd::Dot(q, key.data(), d) + gain(page, L.key, u % pt) * hd::Dot(qr, levels.data(), d);
     } else {
-      fp16_row(Side::kKey, t);
-      rope.Apply(x.data(), t);
-      for (int c = 0; c < d; ++c) score += q[c] * x[c];
+      const bool sink = t < s.sink_tokens();
+      const int i = t - s.page_base() - s.quantized_tokens();
+      const uint16_t* k = sink ? s.sink_row(Side::kKey, t) : s.tail_row(Side::kKey, i);
+      const uint16_t* v = sink ? s.sink_row(Side::kValue, t) : s.tail_row(Side::kValue, i);
+      for (int c = 0; c < d; ++c) {
+        key[c] = hd::HalfToFloat(k[c]);
+        value[c] = hd::HalfToFloat(v[c]);
+      }
+      hd::ApplyRope(rope, key.data(), t);
+      score = hd::Dot(q, key.data(), d);
     }
-    scores[i] = score;
-    mx = std::max(mx, score);
-  }
-  float sum = 0.0f, sum_coded = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const int t = begin + i;
-    const float p = std::exp(scores[i] - mx);
-    sum += p;
-    if (coded(t)) {
-      const int u = t - s.page_base();
-      const uint8_t* page = HostPagePointer(s, u / pt);
-      const uint8_t* row = PageLayout::CodeRow(page, L.value, u % pt);
-      const float w = p * gain(page, L.value, u % pt);
-      for (int c = 0; c < d; ++c) acc_coded[c] += hd::CrqDequant(row, d, L.value.half_bits, w, cb, c);
-      sum_coded += p;
-    } else {
-      fp16_row(Side::kValue, t);
-      for (int c = 0; c < d; ++c) acc[c] += p * x[c];
+    const hd::SoftmaxStep step = hd::SoftmaxPush(&state, score);
+    for (int c = 0; c < d; ++c) {
+      acc[c] *= step.rescale;
+      acc_coded[c] *= step.rescale;
     }
+    float* to = coded ? acc_coded.data() : acc.data();
+    for (int c = 0; c < d; ++c) to[c] += step.weight * value[c];
+    coded_sum = coded_sum * step.rescale + (coded ? step.weight : 0.0f);
   }
-  for (int c = 0; c < d; ++c) acc_coded[c] /= sum;
-  T.rotation().Inverse(acc_coded.data());
+  const float inv = hd::SoftmaxOutScale(state);
+  for (int c = 0; c < d; ++c) acc_coded[c] *= inv;
+  hd::HadamardInverse(T.rotation().signs().data(), d, acc_coded.data());
   for (int c = 0; c < d; ++c) {
-    out[c] = acc[c] / sum + cal.value_mean[c] * (sum_coded / sum) + cal.value_scale[c] * acc_coded[c];
+    out[c] = acc[c] * inv + cal.value_mean[c] * (coded_sum * inv) +
+             cal.value_scale[c] * acc_coded[c];
   }
-  *lse = mx + std::log(sum);
+  *lse = hd::SoftmaxLse(state);
 }
 
 }  // namespace
@@ -95,37 +89,24 @@ void AttendChunk(const KvStream& s, const float* q, const float* qr, const float
 void HostAttendCrq(const AttentionTask& task, const AttentionOptions& options) {
   const KvStream& s = *task.stream;
   const CrqTransform& T = *s.crq();
-  const HeadCalibration& cal = T.calibration();
-  const Rope& rope = T.rope();
+  const hd::RopeParams rope = ViewWithoutPointers(s).rope;
   const int d = s.head_dim();
-  const int pairs = rope.rotary_dim() / 2;
   const float scale = SoftmaxScale(options, d);
   const int end = task.key_end == -1 ? s.num_tokens() : task.key_end;
-  std::vector<float> q(d), qr(d), a(pairs), b(pairs), part(d);
-  std::vector<char> rotates(d, 0);
-  for (int j = 0; j < pairs; ++j) rotates[rope.First(j)] = rotates[rope.Second(j)] = 1;
+  std::vector<float> q(d), qr(d), part(d);
   for (int i = 0; i < task.num_queries; ++i) {
     const int visible = task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
     for (int g = 0; g < options.group_size; ++g) {
-      const float* src = task.q + static_cast<size_t>(i) * task.q_stride + static_cast<size_t>(g) * d;
-      for (int c = 0; c < d; ++c) q[c] = src[c] * scale;
-      for (int c = 0; c < d; ++c) qr[c] = q[c] * cal.key_scale[c];
-      T.rotation().Forward(qr.data());
-      float fixed = 0.0f;
-      for (int c = 0; c < d; ++c) {
-        if (!rotates[c]) fixed += q[c] * cal.key_mean[c];
-      }
-      for (int j = 0; j < pairs; ++j) {
-        const int f = rope.First(j), sc = rope.Second(j);
-        hd::CrqMeanPair(q[f], q[sc], cal.key_mean[f], cal.key_mean[sc], &a[j], &b[j]);
-      }
+      const float* src =
+          task.q + static_cast<size_t>(i) * task.q_stride + static_cast<size_t>(g) * d;
+      T.AttentionQuery(src, scale, q.data(), qr.data());
       float* out = task.out + static_cast<size_t>(i) * task.out_stride + static_cast<size_t>(g) * d;
       float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
       std::fill(out, out + d, 0.0f);
       *lse = -std::numeric_limits<float>::infinity();
       for (int c0 = task.key_begin; c0 < visible; c0 += hd::kAttentionSplitTokens) {
         float l;
-        AttendChunk(s, q.data(), qr.data(), a.data(), b.data(), fixed, c0,
+        AttendChunk(s, rope, q.data(), qr.data(), c0,
                     std::min(visible, c0 + hd::kAttentionSplitTokens), part.data(), &l);
         MergeAttention(out, *lse, part.data(), l, d, out, lse);
       }

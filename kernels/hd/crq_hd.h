@@ -69,22 +69,25 @@ KVQ_HD int CrqNearest(float x, const float* thresholds, int n) {
 // Codes one row y[d] (the calibrated, rotated coordinates): each y_c / sigma,
 // sigma = ||y|| / sqrt(d), to its nearest level; returns the least-squares
 // gain <y, c> / <c, c> of the chosen levels c (0 for a zero row). Float
-// sums in coordinate order.
+// sums in coordinate order, each operation rounded on its own (quant_hd.h's
+// Mul / Add / Div: the device never contracts them, and cuda_host's
+// host_quantize.cc compiles with -ffp-contract=off), so the device writes
+// cuda_host's bytes.
 KVQ_HD float CrqCodeRow(const float* y, int d, int half_bits, const CrqCodebooks& cb,
                         uint8_t* codes) {
   float sq = 0.0f;
-  for (int c = 0; c < d; ++c) sq += y[c] * y[c];
-  const float inv_sigma = sq > 0.0f ? sqrtf(static_cast<float>(d) / sq) : 0.0f;
+  for (int c = 0; c < d; ++c) sq = Add(sq, Mul(y[c], y[c]));
+  const float inv_sigma = sq > 0.0f ? sqrtf(Div(static_cast<float>(d), sq)) : 0.0f;
   float yc = 0.0f, cc = 0.0f;
   for (int c = 0; c < d; ++c) {
     const int bits = CrqBitsAt(half_bits, d, c);
-    const int code = CrqNearest(y[c] * inv_sigma, CrqThresholds(cb, bits), 1 << bits);
+    const int code = CrqNearest(Mul(y[c], inv_sigma), CrqThresholds(cb, bits), 1 << bits);
     codes[c] = static_cast<uint8_t>(code);
     const float level = CrqLevels(cb, bits)[code];
-    yc += y[c] * level;
-    cc += level * level;
+    yc = Add(yc, Mul(y[c], level));
+    cc = Add(cc, Mul(level, level));
   }
-  return sq > 0.0f ? yc / cc : 0.0f;
+  return sq > 0.0f ? Div(yc, cc) : 0.0f;
 }
 
 // CrqCodeRow's codes packed into a page's code row and its gain stored as

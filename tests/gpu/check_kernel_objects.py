@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads the built CUDA kernels and fails on a memory-system regression.
 
-For every kernel of cuda_attention.cu and cuda_quantize.cu in the given
+For every kernel of cuda_attention.cu, cuda_quantize.cu and cuda_crq.cu in the given
 objects or static libraries (cuobjdump reads both):
   - at most MAX_REGISTERS registers per thread (cuobjdump -res-usage REG),
   - no local memory: STACK and LOCAL are 0 (a spill or a dynamically
@@ -28,7 +28,7 @@ from pathlib import Path
 
 MAX_REGISTERS = 128
 # Mangled-name fragments of the source files whose kernels are checked.
-SOURCES = ("cuda_attention_cu", "cuda_quantize_cu")
+SOURCES = ("cuda_attention_cu", "cuda_quantize_cu", "cuda_crq_cu")
 VECTOR_LOAD = re.compile(r"\b(LDG\.E\.128(\.[A-Z]+)*|LDGSTS\.E(\.[A-Z0-9]+)*\.128)\b")
 
 

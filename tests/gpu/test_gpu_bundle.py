@@ -33,7 +33,8 @@ SYSTEM = re.compile(
 # Found at run time where the machine has them (the driver; python3's NCCL).
 ALLOWED_MISSING = re.compile(r"^(libcuda|libnccl)\.so")
 SMOKE_STEPS = ["device_page_pool", "quantize_vs_reference", "attention_vs_reference",
-               "memcheck_quantize", "memcheck_attention"]
+               "memcheck_quantize", "memcheck_attention", "crq_vs_cuda_host", "crq_vs_reference",
+               "memcheck_crq"]
 FULL_STEPS = ["bench", "kv_stream_test", "attention_test", "attention_contract_test",
               "raw_pages_test", "fork_test", "accounting_test", "integration_cuda", "cuda_ipc",
               "nccl_two_ranks", "racecheck_attention"]
@@ -74,7 +75,7 @@ def test_bundle_holds_the_check_and_every_binary(bundle):
         "kvq-server", "kvq", "kvq-bench", "device_page_pool_test", "cuda_quantize_test",
         "cuda_attention_test", "transport_gpu_test", "client_server_test", "kv_stream_test",
         "attention_test", "attention_contract_test", "raw_pages_test", "fork_test",
-        "accounting_test"])
+        "accounting_test", "crq_test", "cuda_crq_test"])
     manifest = (bundle / "MANIFEST").read_text()
     assert "libraries: " in manifest and "libcudart" in manifest  # Carried, not static.
 
@@ -198,7 +199,7 @@ def stub_bundle(tmp_path: Path) -> Path:
     for name in ["kvq-server", "kvq", "kvq-bench", "device_page_pool_test", "cuda_quantize_test",
                  "cuda_attention_test", "transport_gpu_test", "client_server_test",
                  "kv_stream_test", "attention_test", "attention_contract_test", "raw_pages_test",
-                 "fork_test", "accounting_test"]:
+                 "fork_test", "accounting_test", "crq_test", "cuda_crq_test"]:
         path = bundle / "bin" / name
         path.write_text(STUB)
         path.chmod(0o755)
@@ -244,6 +245,9 @@ def test_statuses_never_pass_a_step_that_ran_nothing(tmp_path):
     assert status["attention_test"] == "FAIL (exit 1)"
     assert status["fork_test"] == "FAIL (exit 139, no gtest summary)"
     assert status["accounting_test"] == "PASS"
+    assert status["crq_vs_cuda_host"] == "PASS"
+    assert status["crq_vs_reference"] == "PASS"
+    assert status["memcheck_crq"].startswith("SKIPPED (compute-sanitizer not found")
     assert status["bench"] == "PASS"
     assert status["target: fp16 decode attention >= 0.80 of copy bandwidth"] == "PASS"
     assert status["target: kivi2 decode attention >= 4.5x faster than fp16"] == "FAIL"

@@ -16,7 +16,6 @@
 #include "kernels/backend.h"
 #include "kernels/crq_transform.h"
 #include "kernels/lloyd_max.h"
-#include "tests/unit/hidden_page_allocator.h"
 #include "tests/unit/test_util.h"
 
 namespace kvq {
@@ -88,8 +87,8 @@ struct Param {
 
 std::vector<Param> Params() {
   std::vector<Param> out;
+  // "cuda" where this build has it and a device is present (BackendNames).
   for (const std::string& b : testutil::BackendNames()) {
-    if (b == "cuda") continue;  // Refuses crq: CrqContractTest.CudaRefusesCrq.
     for (const CrqCase& c : Cases()) out.push_back({b, c});
   }
   for (const CrqCase& c : Cases()) out.push_back({"cuda_host", c, true});
@@ -173,7 +172,7 @@ TEST_P(CrqBackendTest, IdentityCalibrationRoundTripHasLloydMaxError) {
   StreamConfig config = Config();
   const HeadCalibration id = HeadCalibration::Identity(d());
   const KernelBackend* backend = *BackendByName(GetParam().backend);
-  PageAllocator* alloc = GetParam().hidden_pages ? testutil::SharedHiddenPages() : nullptr;
+  PageAllocator* alloc = testutil::DefaultPages(AsStreamParam(GetParam()));
   absl::StatusOr<std::unique_ptr<KvStream>> s = KvStream::Create(config, backend, alloc, nullptr, &id);
   ASSERT_TRUE(s.ok()) << s.status();
   const int n = config.spec.sink + 512;
@@ -434,22 +433,22 @@ TEST(CrqContractTest, NeedsAPowerOfTwoHeadDim) {
             "scheme crq needs a power-of-two head_dim (its Hadamard rotation), got 96");
 }
 
-// The device backend has no crq kernels: an append that quantizes and an
-// attention fail with UNIMPLEMENTED, and the append leaves nothing behind.
-TEST(CrqContractTest, CudaRefusesCrq) {
+// The device's crq kernels are compiled for head_dim 64, 128 and 256: an
+// append of another power of two fails with INVALID_ARGUMENT naming the
+// limit, and leaves nothing behind.
+TEST(CrqContractTest, CudaTakesHeadDim64To256) {
   absl::StatusOr<const KernelBackend*> cuda = BackendByName("cuda");
   if (!cuda.ok()) GTEST_SKIP() << "no cuda backend in this build or no device";
   testutil::StreamParam p;
   p.backend = "cuda";
   p.scheme.spec = "crq3:r0:pre_rope";
-  p.scheme.head_dim = 64;
+  p.scheme.head_dim = 32;
   std::unique_ptr<KvStream> s = testutil::MakeStream(p);
   ASSERT_TRUE(s);
-  const std::vector<float> k = MakeKeys(4, 64, 91), v = MakeValues(4, 64, 92);
+  const std::vector<float> k = MakeKeys(4, 32, 91), v = MakeValues(4, 32, 92);
   const absl::Status st = testutil::AppendRows(*s, k, v, 0, 4);
-  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_EQ(st.message(),
-            "the cuda backend has no crq kernels yet; crq runs on the cpu and cuda_host backends");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "head_dim must be 64, 128 or 256 for crq on the device, got 32");
   EXPECT_EQ(s->num_tokens(), 0);
 }
 
@@ -497,9 +496,11 @@ TEST_P(CrqCenteringTest, CenteringCodesOnlyTheNoise) {
     centered.key_mean = x.mu_k;
     centered.value_mean = x.mu_v;
     const KernelBackend* backend = *BackendByName(GetParam());
+    testutil::StreamParam where;
+    where.backend = GetParam();
     auto make = [&](const HeadCalibration& cal) {
       absl::StatusOr<std::unique_ptr<KvStream>> s =
-          KvStream::Create(config, backend, nullptr, nullptr, &cal);
+          KvStream::Create(config, backend, testutil::DefaultPages(where), nullptr, &cal);
       EXPECT_TRUE(s.ok()) << s.status();
       EXPECT_TRUE(testutil::AppendRows(**s, x.k, x.v, 0, n).ok());
       return std::move(*s);
@@ -565,7 +566,9 @@ TEST_P(CrqCenteringTest, CenteringCodesOnlyTheNoise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, CrqCenteringTest, ::testing::Values("ref", "cpu", "cuda_host"));
+// Every backend (BackendNames: "cuda" where a device is present).
+INSTANTIATE_TEST_SUITE_P(All, CrqCenteringTest, ::testing::ValuesIn(testutil::BackendNames()),
+                         [](const auto& info) { return info.param; });
 
 TEST(CrqTransformTest, InverseUndoesForward) {
   StreamConfig c = CrqConfig("crq3:pre_rope", 64);

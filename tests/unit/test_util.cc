@@ -300,12 +300,16 @@ PageAllocator* SharedDevicePages() {
 #endif
 }
 
+PageAllocator* DefaultPages(const StreamParam& p) {
+  if (p.hidden_pages) return SharedHiddenPages();
+  return p.backend == "cuda" ? SharedDevicePages() : nullptr;
+}
+
 std::unique_ptr<KvStream> MakeStream(const StreamParam& p, PageAllocator* allocator) {
   absl::StatusOr<const KernelBackend*> backend = BackendByName(p.backend);
   EXPECT_TRUE(backend.ok()) << backend.status();
   if (!backend.ok()) return nullptr;
-  if (allocator == nullptr && p.hidden_pages) allocator = SharedHiddenPages();
-  if (allocator == nullptr && p.backend == "cuda") allocator = SharedDevicePages();
+  if (allocator == nullptr) allocator = DefaultPages(p);
   absl::StatusOr<std::unique_ptr<KvStream>> s = TryMakeStream(p.scheme.Config(), *backend, allocator);
   EXPECT_TRUE(s.ok()) << "creating " << p.scheme.spec << ": " << s.status();
   if (!s.ok()) return nullptr;

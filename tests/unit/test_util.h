@@ -103,8 +103,13 @@ Codebook LearnTestCodebook(const StreamConfig& config);
 // MakeKeys / MakeValues rows drawn with a seed no test appends.
 HeadCalibration TestCalibration(const StreamConfig& config);
 
+// The pages a stream of `p` gets where a test names no allocator:
+// SharedHiddenPages() for hidden_pages, one device pool per test binary for
+// "cuda" (the backend serves only device pages), else null (host memory).
+PageAllocator* DefaultPages(const StreamParam& p);
+
 // Creates a stream of `p` (learning a codebook for nuq, a calibration for
-// crq); fails the test on error.
+// crq) on `allocator`, or DefaultPages(p); fails the test on error.
 std::unique_ptr<KvStream> MakeStream(const StreamParam& p, PageAllocator* allocator = nullptr);
 absl::StatusOr<std::unique_ptr<KvStream>> TryMakeStream(const StreamConfig& config,
                                                         const KernelBackend* backend,
