@@ -294,20 +294,49 @@ absl::Status KvqService::DoCreateSequence(const v1::CreateSequenceRequest& req,
   return absl::OkStatus();
 }
 
+// ---------------------------------------------------- streaming RPCs' calls
+
+namespace {
+
+// What the Append and FetchDequant reactors hold of their call: the
+// service, the context, the caller's tenant once admitted, and the call's
+// timer.
+class StreamCall {
+ protected:
+  StreamCall(KvqService* service, grpc::CallbackServerContext* ctx, RpcMethod method)
+      : service_(service), ctx_(ctx), timer_(service->metrics(), method) {}
+
+  // Admits the caller (its tenant and rate, KvqService::Admit) and labels
+  // the timer with the tenant.
+  absl::Status Admit() {
+    KVQ_RETURN_IF_ERROR(service_->Admit(ctx_, &tenant_));
+    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
+    timer_.set_tenant(tenant_.get());
+    return absl::OkStatus();
+  }
+
+  KvqService* service_;
+  grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<Tenant> tenant_;
+  std::string tenant_name_;
+  RpcTimer timer_;
+};
+
+}  // namespace
+
 // ------------------------------------------------------------------ Append
 
 // Raw method: each message is decoded by AppendMessage, which leaves raw
 // pages in the received slices for AppendPages to copy into the pool.
-class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>,
+                                  private StreamCall {
  public:
   AppendReactor(KvqService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
-      : service_(service), ctx_(ctx), resp_(resp), timer_(service->metrics(), RpcMethod::kAppend) {
-    if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
+      : StreamCall(service, ctx, RpcMethod::kAppend), resp_(resp) {
+    if (absl::Status st = Admit(); !st.ok()) {
       Done(st);
       return;
     }
-    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
-    timer_.set_tenant(tenant_.get());
     StartRead(&in_);
   }
 
@@ -441,12 +470,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
     Finish(ToGrpc(st));
   }
 
-  KvqService* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<Tenant> tenant_;
-  std::string tenant_name_;
   grpc::ByteBuffer* resp_;
-  RpcTimer timer_;
   grpc::ByteBuffer in_;  // The message read.
   AppendMessage msg_;    // in_ decoded.
   SequenceStore::Handle seq_;
@@ -463,17 +487,16 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvqService::Append(grpc::CallbackServ
 // Raw method (ByteBuffer in and out): dense pieces are encoded by
 // DenseFetchMessage and dequantized straight into the message buffer; raw
 // pages go out as slices of the pages themselves (RawFetchMessage).
-class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                 private StreamCall {
  public:
   FetchReactor(KvqService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req)
-      : service_(service), ctx_(ctx), timer_(service->metrics(), RpcMethod::kFetchDequant) {
+      : StreamCall(service, ctx, RpcMethod::kFetchDequant) {
     service_->metrics()->AddReceivedBytes(RpcMethod::kFetchDequant, req->Length());
-    if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
+    if (absl::Status st = Admit(); !st.ok()) {
       Done(st);
       return;
     }
-    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
-    timer_.set_tenant(tenant_.get());
     absl::Status st = DecodeRequest(*req, &req_);
     if (st.ok()) st = Plan();
     if (!st.ok()) {
@@ -638,12 +661,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     Finish(ToGrpc(st));
   }
 
-  KvqService* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<Tenant> tenant_;
-  std::string tenant_name_;
   v1::FetchRequest req_;
-  RpcTimer timer_;
   SequenceStore::Handle seq_;
   DType dtype_ = DType::kFloat16;
   std::vector<Piece> pieces_;
