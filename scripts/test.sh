@@ -33,7 +33,11 @@ done
 # "gpu_device" (one at a time); the rest, the GPU bundle's checks included,
 # share the cores with the CPU tests, and the long tests start first (their
 # COST), so no core idles at the end (docs/DEVELOPING.md, "CI time").
-ctest --output-on-failure -j "$KVQ_JOBS" "$@"
+# ctest runs KVQ_JOBS tests at once, one a core, so each test's OpenBLAS
+# (the eval tests' forward pass) runs one thread, as kvq-eval's
+# --blas_threads does by default: more would only wait for cores the other
+# tests hold (docs/DEVELOPING.md, "CI time").
+OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" ctest --output-on-failure -j "$KVQ_JOBS" "$@"
 # The fuzz smoke (scripts/fuzz.sh, its own clang build); KVQ_SKIP_FUZZ=1
 # skips it in local iterations. A fixed seed: the same inputs every run, so
 # the smoke fails for a change, not for a draw (longer random campaigns:

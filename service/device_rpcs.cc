@@ -5,6 +5,7 @@
 // payloads arrived whole, so a failed transfer allocates no page and leaves
 // every stored sequence as it was.
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <string>
 #include <vector>
@@ -69,55 +70,31 @@ absl::Status NoTransport(TransportKind kind) {
       ", or found no GPU; send the tensors over gRPC (transport \"grpc\")"));
 }
 
+// What AppendDevice and FetchDevice start from: both payloads, the
+// transport they name (FAILED_PRECONDITION without one) and the sequence.
+struct DeviceCall {
+  Payloads refs;
+  KvTransport* transport = nullptr;
+  SequenceStore::Handle seq;
+};
+
+template <typename Req>
+absl::StatusOr<DeviceCall> StartDeviceCall(const Req& req,
+                                           const std::array<KvTransport*, 2>& transports,
+                                           SequenceStore* store, absl::string_view tenant) {
+  DeviceCall dc;
+  KVQ_ASSIGN_OR_RETURN(dc.refs, PayloadsFromWire(req.k(), req.v()));
+  dc.transport = transports[static_cast<int>(dc.refs.kind)];
+  if (dc.transport == nullptr) return NoTransport(dc.refs.kind);
+  KVQ_ASSIGN_OR_RETURN(dc.seq, store->Get(req.sequence().namespace_(),
+                                          req.sequence().sequence_id(), tenant));
+  return dc;
+}
+
 }  // namespace
 
-grpc::ServerUnaryReactor* KvqService::OpenTransfer(grpc::CallbackServerContext* ctx,
-                                                   const grpc::ByteBuffer* raw_req,
-                                                   grpc::ByteBuffer* raw_resp) {
-  // The call's own deadline bounds its transfers (none: infinite).
-  return ServeUnary<v1::OpenTransferRequest, v1::OpenTransferResponse>(
-      this, RpcMethod::kOpenTransfer, ctx, raw_req, raw_resp,
-      [&](const v1::OpenTransferRequest& req, v1::OpenTransferResponse* resp,
-          const CallInfo& call) {
-        return DoOpenTransfer(req, resp, call.tenant_name, call.deadline);
-      });
-}
-
-grpc::ServerUnaryReactor* KvqService::CloseTransfer(grpc::CallbackServerContext* ctx,
-                                                    const grpc::ByteBuffer* raw_req,
-                                                    grpc::ByteBuffer* raw_resp) {
-  // The call's own deadline bounds its transfers (none: infinite).
-  return ServeUnary<v1::CloseTransferRequest, v1::CloseTransferResponse>(
-      this, RpcMethod::kCloseTransfer, ctx, raw_req, raw_resp,
-      [&](const v1::CloseTransferRequest& req, v1::CloseTransferResponse* resp,
-          const CallInfo& call) { return sessions_.Close(req.session_id(), call.tenant_name); });
-}
-
-grpc::ServerUnaryReactor* KvqService::AppendDevice(grpc::CallbackServerContext* ctx,
-                                                   const grpc::ByteBuffer* raw_req,
-                                                   grpc::ByteBuffer* raw_resp) {
-  // The call's own deadline bounds its transfers (none: infinite).
-  return ServeUnary<v1::AppendDeviceRequest, v1::AppendResponse>(
-      this, RpcMethod::kAppendDevice, ctx, raw_req, raw_resp,
-      [&](const v1::AppendDeviceRequest& req, v1::AppendResponse* resp, const CallInfo& call) {
-        return DoAppendDevice(req, resp, call.tenant_name, call.deadline);
-      });
-}
-
-grpc::ServerUnaryReactor* KvqService::FetchDevice(grpc::CallbackServerContext* ctx,
-                                                  const grpc::ByteBuffer* raw_req,
-                                                  grpc::ByteBuffer* raw_resp) {
-  // The call's own deadline bounds its transfers (none: infinite).
-  return ServeUnary<v1::FetchDeviceRequest, v1::FetchDeviceResponse>(
-      this, RpcMethod::kFetchDevice, ctx, raw_req, raw_resp,
-      [&](const v1::FetchDeviceRequest& req, v1::FetchDeviceResponse* resp, const CallInfo& call) {
-        return DoFetchDevice(req, resp, call.tenant_name, call.deadline);
-      });
-}
-
 absl::Status KvqService::DoOpenTransfer(const v1::OpenTransferRequest& req,
-                                        v1::OpenTransferResponse* resp, absl::string_view tenant,
-                                        absl::Time deadline) {
+                                        v1::OpenTransferResponse* resp, const CallInfo& call) {
   if (req.transport() != v1::TRANSPORT_NCCL) {
     return absl::InvalidArgumentError(absl::StrCat(
         "transport = ", v1::Transport_Name(req.transport()),
@@ -127,8 +104,8 @@ absl::Status KvqService::DoOpenTransfer(const v1::OpenTransferRequest& req,
   if (t == nullptr) return NoTransport(TransportKind::kNccl);
   const absl::Time now = absl::Now();
   KVQ_ASSIGN_OR_RETURN(TransferSessions::Opened opened,
-                       sessions_.Open(t, tenant, absl::Seconds(req.ttl_seconds()), now,
-                                      std::min(deadline, now + options_.transfer_timeout)));
+                       sessions_.Open(t, call.tenant_name, absl::Seconds(req.ttl_seconds()), now,
+                                      std::min(call.deadline, now + options_.transfer_timeout)));
   resp->set_session_id(opened.descriptor.session_id);
   resp->set_nccl_unique_id(opened.descriptor.nccl_unique_id);
   resp->set_world_size(opened.descriptor.world_size);
@@ -138,49 +115,50 @@ absl::Status KvqService::DoOpenTransfer(const v1::OpenTransferRequest& req,
   return absl::OkStatus();
 }
 
+absl::Status KvqService::DoCloseTransfer(const v1::CloseTransferRequest& req,
+                                         v1::CloseTransferResponse*, const CallInfo& call) {
+  return sessions_.Close(req.session_id(), call.tenant_name);
+}
+
 // Moves both payloads of a request over `kind`'s transport, k first; the
 // session (if any) is held for the pair and closed when a transfer fails.
 // Every payload moved or failed is counted.
 class PayloadMover {
  public:
   PayloadMover(KvTransport* transport, TransferSessions* sessions, Metrics* metrics,
-               const Payloads& refs, absl::Time deadline)
-      : t_(transport), sessions_(sessions), metrics_(metrics), refs_(refs),
+               const Payloads& refs, absl::string_view tenant, absl::Time deadline)
+      : t_(transport), sessions_(sessions), metrics_(metrics), refs_(refs), tenant_(tenant),
         deadline_(deadline) {}
 
-  absl::Status Receive(absl::Span<uint8_t> k, absl::Span<uint8_t> v, absl::string_view tenant) {
-    return Move(tenant, true, [&] {
-      absl::Status st = t_->Receive(refs_.k, k, deadline_);
-      metrics_->RecordTransfer(refs_.kind, true, static_cast<int>(st.code()));
-      if (!st.ok()) return st;
-      st = t_->Receive(refs_.v, v, deadline_);
-      metrics_->RecordTransfer(refs_.kind, true, static_cast<int>(st.code()));
-      return st;
+  absl::Status Receive(absl::Span<uint8_t> k, absl::Span<uint8_t> v) {
+    return Move(/*receive=*/true, [&](const PayloadRef& ref, bool is_k) {
+      return t_->Receive(ref, is_k ? k : v, deadline_);
     });
   }
 
-  absl::Status Send(absl::Span<const uint8_t> k, absl::Span<const uint8_t> v,
-                    absl::string_view tenant) {
-    return Move(tenant, false, [&] {
-      absl::Status st = t_->Send(refs_.k, k, deadline_);
-      metrics_->RecordTransfer(refs_.kind, false, static_cast<int>(st.code()));
-      if (!st.ok()) return st;
-      st = t_->Send(refs_.v, v, deadline_);
-      metrics_->RecordTransfer(refs_.kind, false, static_cast<int>(st.code()));
-      return st;
+  absl::Status Send(absl::Span<const uint8_t> k, absl::Span<const uint8_t> v) {
+    return Move(/*receive=*/false, [&](const PayloadRef& ref, bool is_k) {
+      return t_->Send(ref, is_k ? k : v, deadline_);
     });
   }
 
  private:
-  template <typename Fn>
-  absl::Status Move(absl::string_view tenant, bool, Fn fn) {
+  // `one(ref, is_k)` moves one payload: k, then v unless k failed.
+  template <typename One>
+  absl::Status Move(bool receive, One one) {
     const bool session = refs_.kind == TransportKind::kNccl;
     if (session) {
-      absl::StatusOr<KvTransport*> t = sessions_->Acquire(refs_.k.session_id, tenant, absl::Now());
+      absl::StatusOr<KvTransport*> t =
+          sessions_->Acquire(refs_.k.session_id, tenant_, absl::Now());
       if (!t.ok()) return t.status();
       if (*t != t_) return absl::InternalError("transfer session on another transport");
     }
-    absl::Status st = fn();
+    absl::Status st;
+    for (const PayloadRef* ref : {&refs_.k, &refs_.v}) {
+      st = one(*ref, ref == &refs_.k);
+      metrics_->RecordTransfer(refs_.kind, receive, static_cast<int>(st.code()));
+      if (!st.ok()) break;
+    }
     if (session) sessions_->Release(refs_.k.session_id, !st.ok(), absl::Now());
     return st;
   }
@@ -189,18 +167,17 @@ class PayloadMover {
   TransferSessions* sessions_;
   Metrics* metrics_;
   const Payloads& refs_;
+  absl::string_view tenant_;
   absl::Time deadline_;
 };
 
 absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
-                                        v1::AppendResponse* resp, absl::string_view tenant,
-                                        absl::Time deadline) {
-  KVQ_ASSIGN_OR_RETURN(Payloads refs, PayloadsFromWire(req.k(), req.v()));
-  KvTransport* t = transports_[static_cast<int>(refs.kind)];
-  if (t == nullptr) return NoTransport(refs.kind);
-  KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq,
-                       store_->Get(req.sequence().namespace_(), req.sequence().sequence_id(),
-                                   tenant));
+                                        v1::AppendResponse* resp, const CallInfo& call) {
+  KVQ_ASSIGN_OR_RETURN(DeviceCall dc,
+                       StartDeviceCall(req, transports_, store_, call.tenant_name));
+  const Payloads& refs = dc.refs;
+  KvTransport* t = dc.transport;
+  SequenceStore::Handle& seq = dc.seq;
   KVQ_ASSIGN_OR_RETURN(DType dtype, FromWire(req.dtype(), "dtype"));
   const ModelShape& m = seq->shape();
   const auto& s = req.shape();
@@ -226,9 +203,9 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
   KVQ_RETURN_IF_ERROR(CheckPayloadRef(refs.kind, refs.v, bytes));
   // Staging: nothing of the store is touched until both payloads are here.
   std::vector<uint8_t> k(bytes), v(bytes);
-  PayloadMover mover(t, &sessions_, metrics_, refs,
-                     std::min(deadline, absl::Now() + options_.transfer_timeout));
-  KVQ_RETURN_IF_ERROR(mover.Receive(absl::MakeSpan(k), absl::MakeSpan(v), tenant));
+  PayloadMover mover(t, &sessions_, metrics_, refs, call.tenant_name,
+                     std::min(call.deadline, absl::Now() + options_.transfer_timeout));
+  KVQ_RETURN_IF_ERROR(mover.Receive(absl::MakeSpan(k), absl::MakeSpan(v)));
 
   absl::MutexLock lock(&seq->mu());
   // ABORTED while an Append stream holds the sequence; this call then owns
@@ -269,14 +246,12 @@ absl::Status KvqService::DoAppendDevice(const v1::AppendDeviceRequest& req,
 }
 
 absl::Status KvqService::DoFetchDevice(const v1::FetchDeviceRequest& req,
-                                       v1::FetchDeviceResponse* resp, absl::string_view tenant,
-                                       absl::Time deadline) {
-  KVQ_ASSIGN_OR_RETURN(Payloads refs, PayloadsFromWire(req.k(), req.v()));
-  KvTransport* t = transports_[static_cast<int>(refs.kind)];
-  if (t == nullptr) return NoTransport(refs.kind);
-  KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq,
-                       store_->Get(req.sequence().namespace_(), req.sequence().sequence_id(),
-                                   tenant));
+                                       v1::FetchDeviceResponse* resp, const CallInfo& call) {
+  KVQ_ASSIGN_OR_RETURN(DeviceCall dc,
+                       StartDeviceCall(req, transports_, store_, call.tenant_name));
+  const Payloads& refs = dc.refs;
+  KvTransport* t = dc.transport;
+  SequenceStore::Handle& seq = dc.seq;
   KVQ_ASSIGN_OR_RETURN(DType dtype, req.dtype() == v1::DTYPE_UNSPECIFIED
                                         ? absl::StatusOr<DType>(DType::kFloat16)
                                         : FromWire(req.dtype(), "dtype"));
@@ -329,9 +304,9 @@ absl::Status KvqService::DoFetchDevice(const v1::FetchDeviceRequest& req,
   }();
   if (corrupt) guard_.Remove(*seq);
   KVQ_RETURN_IF_ERROR(read);
-  PayloadMover mover(t, &sessions_, metrics_, refs,
-                     std::min(deadline, absl::Now() + options_.transfer_timeout));
-  KVQ_RETURN_IF_ERROR(mover.Send(k, v, tenant));
+  PayloadMover mover(t, &sessions_, metrics_, refs, call.tenant_name,
+                     std::min(call.deadline, absl::Now() + options_.transfer_timeout));
+  KVQ_RETURN_IF_ERROR(mover.Send(k, v));
   resp->set_layer_begin(lb);
   resp->set_layer_end(le);
   resp->set_token_begin(tb);

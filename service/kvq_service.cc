@@ -251,74 +251,92 @@ absl::Status KvqService::AdmitStep(Tenant* tenant) {
   return tenant == nullptr ? absl::OkStatus() : tenant->Admit(absl::Now());
 }
 
-grpc::ServerUnaryReactor* KvqService::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                    const grpc::ByteBuffer* raw_req,
-                                                    grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>(
-      this, RpcMethod::kGetServerInfo, ctx, raw_req, raw_resp,
-      [&](const v1::GetServerInfoRequest& req, v1::ServerInfo* resp,
-          const CallInfo& call) -> absl::Status {
-        resp->set_version(options_.version);
-        resp->set_backend(options_.backend_name);
-        for (const std::string& s : SchemeNames()) resp->add_schemes(s);
-        for (const char* o : {"vN", "gN", "rN", "fit", "p8", "pre_rope", "outliers=P", "sink=S",
-                              "nuq", "rotate", "ktok"}) {
-          resp->add_scheme_options(o);
-        }
-        for (v1::DType d : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
-          resp->add_input_dtypes(d);
-          resp->add_output_dtypes(d);
-        }
-        resp->set_capacity_bytes(store_->pool().Stats().capacity_bytes);
-        resp->set_max_message_bytes(options_.max_message_bytes);
-        resp->set_max_tokens_per_sequence(1 << 24);
-        if (calibrations_ != nullptr) {
-          for (const std::string& name : calibrations_->Names()) resp->add_calibrations(name);
-        }
-        return absl::OkStatus();
-      });
+absl::Status KvqService::DoGetServerInfo(const v1::GetServerInfoRequest&, v1::ServerInfo* resp,
+                                         const CallInfo&) {
+  resp->set_version(options_.version);
+  resp->set_backend(options_.backend_name);
+  for (const std::string& s : SchemeNames()) resp->add_schemes(s);
+  for (const char* o : {"vN", "gN", "rN", "fit", "p8", "pre_rope", "outliers=P", "sink=S",
+                        "nuq", "rotate", "ktok"}) {
+    resp->add_scheme_options(o);
+  }
+  for (v1::DType d : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+    resp->add_input_dtypes(d);
+    resp->add_output_dtypes(d);
+  }
+  resp->set_capacity_bytes(store_->pool().Stats().capacity_bytes);
+  resp->set_max_message_bytes(options_.max_message_bytes);
+  resp->set_max_tokens_per_sequence(1 << 24);
+  if (calibrations_ != nullptr) {
+    for (const std::string& name : calibrations_->Names()) resp->add_calibrations(name);
+  }
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* KvqService::CreateSequence(grpc::CallbackServerContext* ctx,
-                                                     const grpc::ByteBuffer* raw_req,
-                                                     grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::CreateSequenceRequest, v1::CreateSequenceResponse>(
-      this, RpcMethod::kCreateSequence, ctx, raw_req, raw_resp,
-      [&](const v1::CreateSequenceRequest& req, v1::CreateSequenceResponse* resp,
-          const CallInfo& call) -> absl::Status {
-        KVQ_ASSIGN_OR_RETURN(CreateSequenceArgs args,
-                             SequenceArgsFromWire(call.tenant_name, req.namespace_(),
-                                                  req.layout(), req.scheme(), req.codebooks(),
-                                                  req.calibration(), calibrations_,
-                                                  req.prompt_token_ids()));
-        args.id = req.sequence_id();
-        args.ttl = absl::Seconds(req.ttl_seconds());
-        KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Create(args));
-        absl::MutexLock lock(&seq->mu());
-        if (!args.prompt_token_ids.empty()) seq->token_ids() = args.prompt_token_ids;
-        resp->set_sequence_id(seq->id());
-        resp->set_scheme(seq->config().spec.ToString());
-        resp->set_num_tokens(seq->num_tokens());
-        resp->set_block_tokens(seq->block_tokens());
-        resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(seq->ttl)));
-        return absl::OkStatus();
-      });
+absl::Status KvqService::DoCreateSequence(const v1::CreateSequenceRequest& req,
+                                          v1::CreateSequenceResponse* resp,
+                                          const CallInfo& call) {
+  KVQ_ASSIGN_OR_RETURN(CreateSequenceArgs args,
+                       SequenceArgsFromWire(call.tenant_name, req.namespace_(),
+                                            req.layout(), req.scheme(), req.codebooks(),
+                                            req.calibration(), calibrations_,
+                                            req.prompt_token_ids()));
+  args.id = req.sequence_id();
+  args.ttl = absl::Seconds(req.ttl_seconds());
+  KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq, store_->Create(args));
+  absl::MutexLock lock(&seq->mu());
+  if (!args.prompt_token_ids.empty()) seq->token_ids() = args.prompt_token_ids;
+  resp->set_sequence_id(seq->id());
+  resp->set_scheme(seq->config().spec.ToString());
+  resp->set_num_tokens(seq->num_tokens());
+  resp->set_block_tokens(seq->block_tokens());
+  resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(seq->ttl)));
+  return absl::OkStatus();
 }
+
+// ---------------------------------------------------- streaming RPCs' calls
+
+namespace {
+
+// What the Append and FetchDequant reactors hold of their call: the
+// service, the context, the caller's tenant once admitted, and the call's
+// timer.
+class StreamCall {
+ protected:
+  StreamCall(KvqService* service, grpc::CallbackServerContext* ctx, RpcMethod method)
+      : service_(service), ctx_(ctx), timer_(service->metrics(), method) {}
+
+  // Admits the caller (its tenant and rate, KvqService::Admit) and labels
+  // the timer with the tenant.
+  absl::Status Admit() {
+    KVQ_RETURN_IF_ERROR(service_->Admit(ctx_, &tenant_));
+    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
+    timer_.set_tenant(tenant_.get());
+    return absl::OkStatus();
+  }
+
+  KvqService* service_;
+  grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<Tenant> tenant_;
+  std::string tenant_name_;
+  RpcTimer timer_;
+};
+
+}  // namespace
 
 // ------------------------------------------------------------------ Append
 
 // Raw method: each message is decoded by AppendMessage, which leaves raw
 // pages in the received slices for AppendPages to copy into the pool.
-class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>,
+                                  private StreamCall {
  public:
   AppendReactor(KvqService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
-      : service_(service), ctx_(ctx), resp_(resp), timer_(service->metrics(), RpcMethod::kAppend) {
-    if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
+      : StreamCall(service, ctx, RpcMethod::kAppend), resp_(resp) {
+    if (absl::Status st = Admit(); !st.ok()) {
       Done(st);
       return;
     }
-    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
-    timer_.set_tenant(tenant_.get());
     StartRead(&in_);
   }
 
@@ -452,12 +470,7 @@ class KvqService::AppendReactor : public grpc::ServerReadReactor<grpc::ByteBuffe
     Finish(ToGrpc(st));
   }
 
-  KvqService* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<Tenant> tenant_;
-  std::string tenant_name_;
   grpc::ByteBuffer* resp_;
-  RpcTimer timer_;
   grpc::ByteBuffer in_;  // The message read.
   AppendMessage msg_;    // in_ decoded.
   SequenceStore::Handle seq_;
@@ -474,17 +487,16 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvqService::Append(grpc::CallbackServ
 // Raw method (ByteBuffer in and out): dense pieces are encoded by
 // DenseFetchMessage and dequantized straight into the message buffer; raw
 // pages go out as slices of the pages themselves (RawFetchMessage).
-class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                 private StreamCall {
  public:
   FetchReactor(KvqService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req)
-      : service_(service), ctx_(ctx), timer_(service->metrics(), RpcMethod::kFetchDequant) {
+      : StreamCall(service, ctx, RpcMethod::kFetchDequant) {
     service_->metrics()->AddReceivedBytes(RpcMethod::kFetchDequant, req->Length());
-    if (absl::Status st = service_->Admit(ctx, &tenant_); !st.ok()) {
+    if (absl::Status st = Admit(); !st.ok()) {
       Done(st);
       return;
     }
-    if (tenant_ != nullptr) tenant_name_ = tenant_->name();
-    timer_.set_tenant(tenant_.get());
     absl::Status st = DecodeRequest(*req, &req_);
     if (st.ok()) st = Plan();
     if (!st.ok()) {
@@ -649,12 +661,7 @@ class KvqService::FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     Finish(ToGrpc(st));
   }
 
-  KvqService* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<Tenant> tenant_;
-  std::string tenant_name_;
   v1::FetchRequest req_;
-  RpcTimer timer_;
   SequenceStore::Handle seq_;
   DType dtype_ = DType::kFloat16;
   std::vector<Piece> pieces_;
@@ -729,15 +736,6 @@ absl::Status KvqService::DoAttend(const v1::AttendRequest& req, v1::AttendRespon
     return absl::InvalidArgumentError(absl::StrCat("q: ", st.message()));
   }
   return st;
-}
-
-grpc::ServerUnaryReactor* KvqService::Attend(grpc::CallbackServerContext* ctx,
-                                             const grpc::ByteBuffer* raw_req,
-                                             grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::AttendRequest, v1::AttendResponse>(
-      this, RpcMethod::kAttend, ctx, raw_req, raw_resp,
-      [&](const v1::AttendRequest& req, v1::AttendResponse* resp,
-          const CallInfo& call) -> absl::Status { return DoAttend(req, resp, call.tenant_name); });
 }
 
 absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
@@ -880,17 +878,6 @@ absl::Status KvqService::DoAppendAttend(const v1::AppendAttendRequest& req,
                       jobs, req.softmax_scale(), resp, packed);
 }
 
-grpc::ServerUnaryReactor* KvqService::AppendAttend(grpc::CallbackServerContext* ctx,
-                                                   const grpc::ByteBuffer* raw_req,
-                                                   grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::AppendAttendRequest, v1::AttendResponse>(
-      this, RpcMethod::kAppendAttend, ctx, raw_req, raw_resp,
-      [&](const v1::AppendAttendRequest& req, v1::AttendResponse* resp,
-          const CallInfo& call) -> absl::Status {
-        return DoAppendAttend(req, resp, RpcMethod::kAppendAttend, call.tenant_name);
-      });
-}
-
 // ------------------------------------------------------------ DecodeStream
 
 class KvqService::DecodeReactor
@@ -955,105 +942,76 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvqService::DecodeS
 
 // ------------------------------------------------------ fork, release, stats
 
-grpc::ServerUnaryReactor* KvqService::Fork(grpc::CallbackServerContext* ctx,
-                                           const grpc::ByteBuffer* raw_req,
-                                           grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::ForkRequest, v1::ForkResponse>(
-      this, RpcMethod::kFork, ctx, raw_req, raw_resp,
-      [&](const v1::ForkRequest& req, v1::ForkResponse* resp,
-          const CallInfo& call) -> absl::Status {
-        KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle f,
-                             store_->Fork(req.source().namespace_(), req.source().sequence_id(),
-                                          req.new_sequence_id(), req.num_tokens(),
-                                          absl::Seconds(req.ttl_seconds()), call.tenant_name));
-        absl::ReaderMutexLock lock(&f->mu());
-        resp->set_sequence_id(f->id());
-        resp->set_num_tokens(f->num_tokens());
-        resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(f->ttl)));
-        return absl::OkStatus();
-      });
+absl::Status KvqService::DoFork(const v1::ForkRequest& req, v1::ForkResponse* resp,
+                                const CallInfo& call) {
+  KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle f,
+                       store_->Fork(req.source().namespace_(), req.source().sequence_id(),
+                                    req.new_sequence_id(), req.num_tokens(),
+                                    absl::Seconds(req.ttl_seconds()), call.tenant_name));
+  absl::ReaderMutexLock lock(&f->mu());
+  resp->set_sequence_id(f->id());
+  resp->set_num_tokens(f->num_tokens());
+  resp->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(f->ttl)));
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* KvqService::Release(grpc::CallbackServerContext* ctx,
-                                              const grpc::ByteBuffer* raw_req,
-                                              grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::ReleaseRequest, v1::ReleaseResponse>(
-      this, RpcMethod::kRelease, ctx, raw_req, raw_resp,
-      [&](const v1::ReleaseRequest& req, v1::ReleaseResponse* resp,
-          const CallInfo& call) -> absl::Status {
-        KVQ_ASSIGN_OR_RETURN(int64_t bytes,
-                             store_->Release(req.sequence().namespace_(),
-                                             req.sequence().sequence_id(), call.tenant_name));
-        resp->set_bytes_freed(bytes);
-        return absl::OkStatus();
-      });
+absl::Status KvqService::DoRelease(const v1::ReleaseRequest& req, v1::ReleaseResponse* resp,
+                                   const CallInfo& call) {
+  KVQ_ASSIGN_OR_RETURN(int64_t bytes,
+                       store_->Release(req.sequence().namespace_(),
+                                       req.sequence().sequence_id(), call.tenant_name));
+  resp->set_bytes_freed(bytes);
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* KvqService::Stats(grpc::CallbackServerContext* ctx,
-                                            const grpc::ByteBuffer* raw_req,
-                                            grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::StatsRequest, v1::StatsResponse>(
-      this, RpcMethod::kStats, ctx, raw_req, raw_resp,
-      [&](const v1::StatsRequest& req, v1::StatsResponse* resp,
-          const CallInfo& call) -> absl::Status {
-        // A tenant sees only its own figures: its quota as the capacity (the
-        // pool's without one), its bytes, its sequences; no pool-wide count.
-        const bool scoped = call.tenant != nullptr;
-        StoreStats scoped_stats;
-        if (scoped) scoped_stats = store_->TenantStats(call.tenant_name);
-        const PagePoolStats pool = scoped ? scoped_stats.pool : store_->pool().Stats();
-        resp->set_capacity_bytes(scoped && pool.capacity_bytes == 0
-                                     ? store_->pool().Stats().capacity_bytes
-                                     : pool.capacity_bytes);
-        resp->set_used_bytes(pool.used_bytes);
-        resp->set_pages_total(pool.slabs_total);
-        resp->set_pages_used(pool.slabs_used);
-        ByteBreakdown bytes;
-        int64_t fp16 = 0;
-        int64_t elements = 0;
-        if (req.sequence().sequence_id().empty()) {
-          StoreStats st = scoped ? std::move(scoped_stats) : store_->Stats();
-          resp->set_sequences(st.sequences);
-          resp->set_calibrations_loaded(
-              calibrations_ ? static_cast<int32_t>(calibrations_->size()) : 0);
-          bytes = st.bytes;
-          fp16 = st.fp16_equivalent_bytes;
-          elements = fp16 / 2;
-        } else {
-          KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq,
-                               store_->Get(req.sequence().namespace_(),
-                                           req.sequence().sequence_id(), call.tenant_name));
-          absl::ReaderMutexLock lock(&seq->mu());
-          const ModelShape& m = seq->shape();
-          resp->set_sequences(1);
-          // Tokens as readers see them (an open append stream's are not yet).
-          resp->set_num_tokens(seq->committed_num_tokens());
-          resp->set_scheme(seq->config().spec.ToString());
-          if (seq->calibration()) resp->set_calibration(seq->calibration()->calibration.name);
-          bytes = seq->Bytes();
-          elements = int64_t{seq->committed_num_tokens()} * m.num_layers * m.num_kv_heads *
-                     m.head_dim * 2;
-          fp16 = elements * 2;
-        }
-        FillBytes(bytes, resp->mutable_bytes());
-        resp->set_bits_per_element(elements ? 8.0 * bytes.total() / elements : 0.0);
-        resp->set_compression_vs_fp16(bytes.total() ? static_cast<double>(fp16) / bytes.total()
-                                                    : 0.0);
-        return absl::OkStatus();
-      });
+absl::Status KvqService::DoStats(const v1::StatsRequest& req, v1::StatsResponse* resp,
+                                 const CallInfo& call) {
+  // A tenant sees only its own figures: its quota as the capacity (the
+  // pool's without one), its bytes, its sequences; no pool-wide count.
+  const bool scoped = call.tenant != nullptr;
+  StoreStats scoped_stats;
+  if (scoped) scoped_stats = store_->TenantStats(call.tenant_name);
+  const PagePoolStats pool = scoped ? scoped_stats.pool : store_->pool().Stats();
+  resp->set_capacity_bytes(scoped && pool.capacity_bytes == 0
+                               ? store_->pool().Stats().capacity_bytes
+                               : pool.capacity_bytes);
+  resp->set_used_bytes(pool.used_bytes);
+  resp->set_pages_total(pool.slabs_total);
+  resp->set_pages_used(pool.slabs_used);
+  ByteBreakdown bytes;
+  int64_t fp16 = 0;
+  int64_t elements = 0;
+  if (req.sequence().sequence_id().empty()) {
+    StoreStats st = scoped ? std::move(scoped_stats) : store_->Stats();
+    resp->set_sequences(st.sequences);
+    resp->set_calibrations_loaded(
+        calibrations_ ? static_cast<int32_t>(calibrations_->size()) : 0);
+    bytes = st.bytes;
+    fp16 = st.fp16_equivalent_bytes;
+    elements = fp16 / 2;
+  } else {
+    KVQ_ASSIGN_OR_RETURN(SequenceStore::Handle seq,
+                         store_->Get(req.sequence().namespace_(),
+                                     req.sequence().sequence_id(), call.tenant_name));
+    absl::ReaderMutexLock lock(&seq->mu());
+    const ModelShape& m = seq->shape();
+    resp->set_sequences(1);
+    // Tokens as readers see them (an open append stream's are not yet).
+    resp->set_num_tokens(seq->committed_num_tokens());
+    resp->set_scheme(seq->config().spec.ToString());
+    if (seq->calibration()) resp->set_calibration(seq->calibration()->calibration.name);
+    bytes = seq->Bytes();
+    elements = int64_t{seq->committed_num_tokens()} * m.num_layers * m.num_kv_heads *
+               m.head_dim * 2;
+    fp16 = elements * 2;
+  }
+  FillBytes(bytes, resp->mutable_bytes());
+  resp->set_bits_per_element(elements ? 8.0 * bytes.total() / elements : 0.0);
+  resp->set_compression_vs_fp16(bytes.total() ? static_cast<double>(fp16) / bytes.total()
+                                              : 0.0);
+  return absl::OkStatus();
 }
 
 // ------------------------------------------------------------- MatchPrefix
-
-grpc::ServerUnaryReactor* KvqService::MatchPrefix(grpc::CallbackServerContext* ctx,
-                                                  const grpc::ByteBuffer* raw_req,
-                                                  grpc::ByteBuffer* raw_resp) {
-  return ServeUnary<v1::MatchPrefixRequest, v1::MatchPrefixResponse>(
-      this, RpcMethod::kMatchPrefix, ctx, raw_req, raw_resp,
-      [&](const v1::MatchPrefixRequest& req, v1::MatchPrefixResponse* resp,
-          const CallInfo& call) -> absl::Status {
-        return DoMatchPrefix(req, resp, call.tenant_name);
-      });
-}
 
 }  // namespace kvq

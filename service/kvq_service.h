@@ -25,6 +25,8 @@
 
 namespace kvq {
 
+struct CallInfo;  // Who calls and until when (service/unary_call.h).
+
 struct ServiceOptions {
   // Requests above this are answered INVALID_ARGUMENT naming the limit (the
   // gRPC transport limit is set higher so the check can run).
@@ -91,6 +93,8 @@ class KvqService final : public RawKvCacheService {
     transports_[static_cast<int>(kind)] = transport;
   }
 
+  // The RPCs; the unary ones are ServeUnary over a Do* body
+  // (service/unary_rpcs.cc).
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const grpc::ByteBuffer* req,
                                           grpc::ByteBuffer* resp) override;
@@ -149,13 +153,15 @@ class KvqService final : public RawKvCacheService {
   // Admit for one more request of an admitted call (a DecodeStream step).
   absl::Status AdmitStep(Tenant* tenant);
 
-  // Device payload bodies; `deadline` bounds the transfers.
+  // Device payload bodies; the call's deadline bounds the transfers.
   absl::Status DoOpenTransfer(const v1::OpenTransferRequest& req, v1::OpenTransferResponse* resp,
-                              absl::string_view tenant, absl::Time deadline);
+                              const CallInfo& call);
+  absl::Status DoCloseTransfer(const v1::CloseTransferRequest& req,
+                               v1::CloseTransferResponse* resp, const CallInfo& call);
   absl::Status DoAppendDevice(const v1::AppendDeviceRequest& req, v1::AppendResponse* resp,
-                              absl::string_view tenant, absl::Time deadline);
+                              const CallInfo& call);
   absl::Status DoFetchDevice(const v1::FetchDeviceRequest& req, v1::FetchDeviceResponse* resp,
-                             absl::string_view tenant, absl::Time deadline);
+                             const CallInfo& call);
   TransferSessions& transfer_sessions() { return sessions_; }
 
   SequenceStore* store() { return store_; }
@@ -169,6 +175,17 @@ class KvqService final : public RawKvCacheService {
   class AppendReactor;
   class FetchReactor;
   class DecodeReactor;
+
+  // The bodies of the unary RPCs that only gRPC calls (ServeUnary).
+  absl::Status DoGetServerInfo(const v1::GetServerInfoRequest& req, v1::ServerInfo* resp,
+                               const CallInfo& call);
+  absl::Status DoCreateSequence(const v1::CreateSequenceRequest& req,
+                                v1::CreateSequenceResponse* resp, const CallInfo& call);
+  absl::Status DoFork(const v1::ForkRequest& req, v1::ForkResponse* resp, const CallInfo& call);
+  absl::Status DoRelease(const v1::ReleaseRequest& req, v1::ReleaseResponse* resp,
+                         const CallInfo& call);
+  absl::Status DoStats(const v1::StatsRequest& req, v1::StatsResponse* resp,
+                       const CallInfo& call);
 
   SequenceStore* store_;
   Metrics* metrics_;

@@ -59,6 +59,21 @@ grpc::ServerUnaryReactor* ServeUnary(KvqService* service, RpcMethod method,
   return reactor;
 }
 
+// The same with a KvqService member function as the body, for the RPCs
+// whose body is also called without gRPC.
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* ServeUnary(KvqService* service, RpcMethod method,
+                                     grpc::CallbackServerContext* ctx,
+                                     const grpc::ByteBuffer* raw_req, grpc::ByteBuffer* raw_resp,
+                                     absl::Status (KvqService::*body)(const Req&, Resp*,
+                                                                      const CallInfo&)) {
+  return ServeUnary<Req, Resp>(
+      service, method, ctx, raw_req, raw_resp,
+      [&](const Req& req, Resp* resp, const CallInfo& call) {
+        return (service->*body)(req, resp, call);
+      });
+}
+
 }  // namespace kvq
 
 #endif  // KVQ_SERVICE_UNARY_CALL_H_

@@ -223,6 +223,63 @@ void DequantizeCrqRef(const KvStream& s, Side side, const uint8_t* page, int row
   }
 }
 
+// The three steps of one head's softmax (AttendEachHeadRef).
+template <typename Score, typename Add, typename Finish>
+struct HeadSteps {
+  Score score;
+  Add add;
+  Finish finish;
+};
+template <typename Score, typename Add, typename Finish>
+HeadSteps(Score, Add, Finish) -> HeadSteps<Score, Add, Finish>;
+
+// The scaffolding both reference attentions share, in fp64: for each query
+// row i and group member g, `head(q)` prepares the query (a copy it may
+// transform in place) and returns the HeadSteps of its softmax:
+// `score(t)`, the unscaled q . k of key t, and `finish(out, sum)`, which
+// writes the head's output once the weights p_t = exp(s_t - max) of keys
+// [begin, visible_end) went through `add(t, p)`. A head that sees no key
+// gets zeros and lse = -inf.
+template <typename Head>
+void AttendEachHeadRef(const AttentionTask& task, const AttentionOptions& options, Head head) {
+  const KvStream& s = *task.stream;
+  const int d = s.head_dim();
+  const int begin = task.key_begin;
+  const int end = task.key_end == -1 ? s.num_tokens() : task.key_end;
+  const double scale = SoftmaxScale(options, d);
+  std::vector<float> q(d);
+  std::vector<double> scores;
+  for (int i = 0; i < task.num_queries; ++i) {
+    const int visible_end = task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
+    for (int g = 0; g < options.group_size; ++g) {
+      const float* qsrc = task.q + static_cast<size_t>(i) * task.q_stride + g * d;
+      std::copy(qsrc, qsrc + d, q.begin());
+      auto [score, add, finish] = head(q.data());
+      float* out = task.out + static_cast<size_t>(i) * task.out_stride + g * d;
+      float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
+      scores.clear();
+      double max_score = -std::numeric_limits<double>::infinity();
+      for (int t = begin; t < visible_end; ++t) {
+        scores.push_back(score(t) * scale);
+        max_score = std::max(max_score, scores.back());
+      }
+      if (scores.empty()) {
+        std::fill(out, out + d, 0.0f);
+        *lse = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      double sum = 0.0;
+      for (int t = begin; t < visible_end; ++t) {
+        const double p = std::exp(scores[t - begin] - max_score);
+        sum += p;
+        add(t, p);
+      }
+      finish(out, sum);
+      *lse = static_cast<float>(max_score + std::log(sum));
+    }
+  }
+}
+
 // crq attention in the coded space, fp64 (docs/KERNELS.md, "crq"): per
 // query q' = H (s_k q) once; a coded key's score is q . R_t mu_k +
 // q' . y_t, its value is accumulated as p_t y_t and mapped back once
@@ -235,11 +292,8 @@ void AttendCrqRef(const AttentionTask& task, const AttentionOptions& options) {
   const int d = s.head_dim();
   const int pt = s.layout().page_tokens;
   const int pairs = rope.rotary_dim() / 2;
-  const int begin = task.key_begin;
-  const int end = task.key_end == -1 ? s.num_tokens() : task.key_end;
-  const double scale = SoftmaxScale(options, d);
-  std::vector<float> q(d), qr(d), row(d);
-  std::vector<double> a(pairs), b(pairs), scores, acc(d), acc_coded(d);
+  std::vector<float> qr(d), row(d);
+  std::vector<double> a(pairs), b(pairs), acc(d), acc_coded(d);
   std::vector<char> rotates(d, 0);
   for (int j = 0; j < pairs; ++j) rotates[rope.First(j)] = rotates[rope.Second(j)] = 1;
   auto coded = [&](int t) {
@@ -250,73 +304,59 @@ void AttendCrqRef(const AttentionTask& task, const AttentionOptions& options) {
     const int u = t - s.page_base();
     DequantizeCrqRef(s, side, s.page(u / pt), u % pt, 1, out);
   };
-  for (int i = 0; i < task.num_queries; ++i) {
-    const int visible_end = task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
-    for (int g = 0; g < options.group_size; ++g) {
-      const float* qsrc = task.q + static_cast<size_t>(i) * task.q_stride + g * d;
-      std::copy(qsrc, qsrc + d, q.begin());
-      for (int c = 0; c < d; ++c) qr[c] = q[c] * cal.key_scale[c];
-      T.rotation().Forward(qr.data());
-      double fixed = 0.0;  // Channels that do not rotate.
-      for (int c = 0; c < d; ++c) {
-        if (!rotates[c]) fixed += static_cast<double>(q[c]) * cal.key_mean[c];
-      }
-      for (int j = 0; j < pairs; ++j) {
-        const int f = rope.First(j), sc = rope.Second(j);
-        a[j] = static_cast<double>(q[f]) * cal.key_mean[f] + static_cast<double>(q[sc]) * cal.key_mean[sc];
-        b[j] = static_cast<double>(q[sc]) * cal.key_mean[f] - static_cast<double>(q[f]) * cal.key_mean[sc];
-      }
-      float* out = task.out + static_cast<size_t>(i) * task.out_stride + g * d;
-      float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
-      scores.clear();
-      double max_score = -std::numeric_limits<double>::infinity();
-      for (int t = begin; t < visible_end; ++t) {
-        double dot = 0.0;
-        if (coded(t)) {
-          coded_row(Side::kKey, t, row.data());
-          dot = fixed;
-          for (int j = 0; j < pairs; ++j) {
-            const double angle = rope.Angle(j, t);
-            dot += a[j] * std::cos(angle) + b[j] * std::sin(angle);
-          }
-          for (int c = 0; c < d; ++c) dot += static_cast<double>(qr[c]) * row[c];
-        } else {
-          s.ReadStoredRow(Side::kKey, t, row.data());
-          rope.Apply(row.data(), t);
-          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * row[c];
-        }
-        scores.push_back(dot * scale);
-        max_score = std::max(max_score, scores.back());
-      }
-      if (scores.empty()) {
-        std::fill(out, out + d, 0.0f);
-        *lse = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0);
-      std::fill(acc_coded.begin(), acc_coded.end(), 0.0);
-      double sum = 0.0, sum_coded = 0.0;
-      for (int t = begin; t < visible_end; ++t) {
-        const double p = std::exp(scores[t - begin] - max_score);
-        sum += p;
-        if (coded(t)) {
-          sum_coded += p;
-          coded_row(Side::kValue, t, row.data());
-          for (int c = 0; c < d; ++c) acc_coded[c] += p * row[c];
-        } else {
-          s.ReadStoredRow(Side::kValue, t, row.data());
-          for (int c = 0; c < d; ++c) acc[c] += p * row[c];
-        }
-      }
-      for (int c = 0; c < d; ++c) row[c] = static_cast<float>(acc_coded[c] / sum);
-      T.rotation().Inverse(row.data());
-      for (int c = 0; c < d; ++c) {
-        out[c] = static_cast<float>(acc[c] / sum + cal.value_mean[c] * (sum_coded / sum) +
-                                    static_cast<double>(cal.value_scale[c]) * row[c]);
-      }
-      *lse = static_cast<float>(max_score + std::log(sum));
+  double sum_coded = 0.0;
+  AttendEachHeadRef(task, options, [&](const float* q) {
+    for (int c = 0; c < d; ++c) qr[c] = q[c] * cal.key_scale[c];
+    T.rotation().Forward(qr.data());
+    double fixed = 0.0;  // Channels that do not rotate.
+    for (int c = 0; c < d; ++c) {
+      if (!rotates[c]) fixed += static_cast<double>(q[c]) * cal.key_mean[c];
     }
-  }
+    for (int j = 0; j < pairs; ++j) {
+      const int f = rope.First(j), sc = rope.Second(j);
+      a[j] = static_cast<double>(q[f]) * cal.key_mean[f] + static_cast<double>(q[sc]) * cal.key_mean[sc];
+      b[j] = static_cast<double>(q[sc]) * cal.key_mean[f] - static_cast<double>(q[f]) * cal.key_mean[sc];
+    }
+    std::fill(acc.begin(), acc.end(), 0.0);
+    std::fill(acc_coded.begin(), acc_coded.end(), 0.0);
+    sum_coded = 0.0;
+    return HeadSteps{
+        [&, q, fixed](int t) {
+          double dot = 0.0;
+          if (coded(t)) {
+            coded_row(Side::kKey, t, row.data());
+            dot = fixed;
+            for (int j = 0; j < pairs; ++j) {
+              const double angle = rope.Angle(j, t);
+              dot += a[j] * std::cos(angle) + b[j] * std::sin(angle);
+            }
+            for (int c = 0; c < d; ++c) dot += static_cast<double>(qr[c]) * row[c];
+          } else {
+            s.ReadStoredRow(Side::kKey, t, row.data());
+            rope.Apply(row.data(), t);
+            for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * row[c];
+          }
+          return dot;
+        },
+        [&](int t, double p) {
+          if (coded(t)) {
+            sum_coded += p;
+            coded_row(Side::kValue, t, row.data());
+            for (int c = 0; c < d; ++c) acc_coded[c] += p * row[c];
+          } else {
+            s.ReadStoredRow(Side::kValue, t, row.data());
+            for (int c = 0; c < d; ++c) acc[c] += p * row[c];
+          }
+        },
+        [&](float* out, double sum) {
+          for (int c = 0; c < d; ++c) row[c] = static_cast<float>(acc_coded[c] / sum);
+          T.rotation().Inverse(row.data());
+          for (int c = 0; c < d; ++c) {
+            out[c] = static_cast<float>(acc[c] / sum + cal.value_mean[c] * (sum_coded / sum) +
+                                        static_cast<double>(cal.value_scale[c]) * row[c]);
+          }
+        }};
+  });
 }
 
 }  // namespace
@@ -390,49 +430,28 @@ void AttendRef(const AttentionTask& task, const AttentionOptions& options) {
   }
   const KvStream& s = *task.stream;
   const int d = s.head_dim();
-  const int begin = task.key_begin;
-  const int end = task.key_end == -1 ? s.num_tokens() : task.key_end;
-  const double scale = SoftmaxScale(options, d);
-  std::vector<float> q(d), k(d), v(d);
-  std::vector<double> scores;
+  std::vector<float> k(d), v(d);
   std::vector<double> acc(d);
-  for (int i = 0; i < task.num_queries; ++i) {
-    const int visible_end =
-        task.q_positions ? std::min(end, task.q_positions[i] + 1) : end;
-    for (int g = 0; g < options.group_size; ++g) {
-      const float* qsrc = task.q + static_cast<size_t>(i) * task.q_stride + g * d;
-      std::copy(qsrc, qsrc + d, q.begin());
-      if (s.rotation()) s.rotation()->Forward(q.data());
-      float* out = task.out + static_cast<size_t>(i) * task.out_stride + g * d;
-      float* lse = task.lse + static_cast<size_t>(i) * task.lse_stride + g;
-      scores.clear();
-      double max_score = -std::numeric_limits<double>::infinity();
-      for (int t = begin; t < visible_end; ++t) {
-        s.ReadStoredRow(Side::kKey, t, k.data());
-        if (s.rope()) s.rope()->Apply(k.data(), t);
-        double dot = 0.0;
-        for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * k[c];
-        scores.push_back(dot * scale);
-        max_score = std::max(max_score, scores.back());
-      }
-      if (scores.empty()) {
-        std::fill(out, out + d, 0.0f);
-        *lse = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0);
-      double sum = 0.0;
-      for (int t = begin; t < visible_end; ++t) {
-        const double p = std::exp(scores[t - begin] - max_score);
-        sum += p;
-        s.ReadStoredRow(Side::kValue, t, v.data());
-        for (int c = 0; c < d; ++c) acc[c] += p * v[c];
-      }
-      for (int c = 0; c < d; ++c) out[c] = static_cast<float>(acc[c] / sum);
-      if (s.rotation()) s.rotation()->Inverse(out);
-      *lse = static_cast<float>(max_score + std::log(sum));
-    }
-  }
+  AttendEachHeadRef(task, options, [&](float* q) {
+    if (s.rotation()) s.rotation()->Forward(q);
+    std::fill(acc.begin(), acc.end(), 0.0);
+    return HeadSteps{
+        [&, q](int t) {
+          s.ReadStoredRow(Side::kKey, t, k.data());
+          if (s.rope()) s.rope()->Apply(k.data(), t);
+          double dot = 0.0;
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * k[c];
+          return dot;
+        },
+        [&](int t, double p) {
+          s.ReadStoredRow(Side::kValue, t, v.data());
+          for (int c = 0; c < d; ++c) acc[c] += p * v[c];
+        },
+        [&](float* out, double sum) {
+          for (int c = 0; c < d; ++c) out[c] = static_cast<float>(acc[c] / sum);
+          if (s.rotation()) s.rotation()->Inverse(out);
+        }};
+  });
 }
 
 namespace {

@@ -30,6 +30,7 @@
 #include "kernels/cuda/device_info.h"
 #include "service/kvq_service.h"
 #include "service/metrics.h"
+#include "service/unary_call.h"
 #include "tests/client/random_host_tensor.h"
 #include "tests/service/store_test_data.h"
 #ifdef KVQ_HAVE_NCCL
@@ -197,7 +198,9 @@ TEST(TransportGpuTest, NcclWithTwoRanks) {
   v1::OpenTransferRequest open;
   open.set_transport(v1::TRANSPORT_NCCL);
   v1::OpenTransferResponse opened;
-  ASSERT_TRUE(s.service->DoOpenTransfer(open, &opened, "", absl::Now() + absl::Seconds(5)).ok());
+  CallInfo call;  // The default tenant.
+  call.deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(s.service->DoOpenTransfer(open, &opened, call).ok());
   v1::AppendDeviceRequest req;
   req.mutable_sequence()->set_sequence_id("nccl");
   req.set_dtype(v1::DTYPE_FP16);
@@ -207,8 +210,8 @@ TEST(TransportGpuTest, NcclWithTwoRanks) {
     p->mutable_transfer()->set_size(static_cast<int64_t>(k.data.size()));
   }
   v1::AppendResponse resp;
-  const absl::Status st =
-      s.service->DoAppendDevice(req, &resp, "", absl::Now() + absl::Seconds(2));
+  call.deadline = absl::Now() + absl::Seconds(2);
+  const absl::Status st = s.service->DoAppendDevice(req, &resp, call);
   EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
   EXPECT_EQ(s.store->pool().Stats().used_bytes, used);
 #endif
