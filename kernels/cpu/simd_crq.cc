@@ -1,0 +1,190 @@
+// SIMD loops of the cpu backend's crq kernel (simd_crq.h).
+//
+// A coded coordinate's level is a look-up of its code in a table of at most
+// 16 floats, one table per half of the row (hd/crq_hd.h: the halves have
+// their own widths). Eight codes widen to int32 lanes and index a lane
+// permute of the table (vpermps on AVX2): 2 and 3 bits fit one 8-float
+// register; 4 bits look up both halves of the table with the low three bits
+// and pick by the fourth. Targets with fewer than 8 float lanes (the
+// portable baseline) look up one code at a time.
+//
+// Every loop uses 256-bit tags, also on AVX3 (simd_targets.h).
+
+#include "kernels/cpu/simd_targets.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/simd_crq.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <cstddef>
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/simd_crq.h"
+#include "kernels/hd/crq_hd.h"
+#include "kernels/page_layout.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvq {
+namespace cpu {
+namespace HWY_NAMESPACE {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::CappedTag<float, 8>;
+using DD = hn::CappedTag<double, 4>;
+
+// out[c] = gain * table[codes[c]] for c < n (a multiple of 8).
+void DecodeHalf(const uint8_t* HWY_RESTRICT codes, int n, int bits,
+                const float* HWY_RESTRICT table, float gain, float* HWY_RESTRICT out) {
+  const DF df;
+  if (hn::Lanes(df) < 8) {
+    for (int c = 0; c < n; ++c) out[c] = gain * table[codes[c]];
+    return;
+  }
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> du8;
+  const auto g = hn::Set(df, gain);
+  const auto t0 = hn::LoadU(df, table);
+  if (bits <= 3) {
+    for (int c = 0; c < n; c += 8) {
+      const auto idx = hn::PromoteTo(di, hn::LoadU(du8, codes + c));
+      hn::StoreU(hn::Mul(hn::TableLookupLanes(t0, hn::IndicesFromVec(df, idx)), g), df, out + c);
+    }
+    return;
+  }
+  const auto t1 = hn::LoadU(df, table + 8);
+  const auto seven = hn::Set(di, 7);
+  for (int c = 0; c < n; c += 8) {
+    const auto idx = hn::PromoteTo(di, hn::LoadU(du8, codes + c));
+    const auto low = hn::IndicesFromVec(df, hn::And(idx, seven));
+    const auto upper = hn::RebindMask(df, idx > seven);
+    const auto level =
+        hn::IfThenElse(upper, hn::TableLookupLanes(t1, low), hn::TableLookupLanes(t0, low));
+    hn::StoreU(hn::Mul(level, g), df, out + c);
+  }
+}
+
+}  // namespace
+
+void CrqDecodeRowImpl(const uint8_t* row, int d, int half_bits, const CrqRowLevels& levels,
+                      float gain, uint8_t* codes, float* out) {
+  const int h = d / 2;
+  const int hi = hd::CrqHiBits(half_bits);
+  const int lo = hd::CrqLoBits(half_bits);
+  UnpackCodes(row, h, hi, codes);
+  UnpackCodes(row + h * hi / 8, h, lo, codes + h);
+  DecodeHalf(codes, h, hi, levels.hi, gain, out);
+  DecodeHalf(codes + h, h, lo, levels.lo, gain, out + h);
+}
+
+void CrqDotsImpl(const float* HWY_RESTRICT x, const float* HWY_RESTRICT rows, size_t stride,
+                 int nr, int d, float* HWY_RESTRICT out) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int k = 0; k < nr; ++k) {
+    const float* r = rows + k * stride;
+    auto acc = hn::Zero(df);
+    for (int c = 0; c < d; c += N) acc = hn::MulAdd(hn::LoadU(df, r + c), hn::LoadU(df, x + c), acc);
+    out[k] = hn::GetLane(hn::SumOfLanes(df, acc));
+  }
+}
+
+void CrqMeanDotsImpl(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t stride,
+                     int nr, const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn, int n,
+                     float* HWY_RESTRICT out) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int k = 0; k < nr; ++k) {
+    const float* ak = a + k * stride;
+    const float* bk = b + k * stride;
+    auto acc = hn::Zero(df);
+    for (int j = 0; j < n; j += N) {
+      acc = hn::MulAdd(hn::LoadU(df, ak + j), hn::LoadU(df, cs + j), acc);
+      acc = hn::MulAdd(hn::LoadU(df, bk + j), hn::LoadU(df, sn + j), acc);
+    }
+    out[k] = hn::GetLane(hn::SumOfLanes(df, acc));
+  }
+}
+
+void CrqAxpysImpl(const float* HWY_RESTRICT w, int nr, const float* HWY_RESTRICT x, int d,
+                  float* HWY_RESTRICT acc, size_t stride) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int k = 0; k < nr; ++k) {
+    if (w[k] == 0.0f) continue;
+    const auto wk = hn::Set(df, w[k]);
+    float* ak = acc + k * stride;
+    for (int c = 0; c < d; c += N) {
+      hn::StoreU(hn::MulAdd(wk, hn::LoadU(df, x + c), hn::LoadU(df, ak + c)), df, ak + c);
+    }
+  }
+}
+
+void CrqRopeWalkImpl(double* HWY_RESTRICT cs, double* HWY_RESTRICT sn,
+                     const double* HWY_RESTRICT step_c, const double* HWY_RESTRICT step_s, int n,
+                     float* HWY_RESTRICT csf, float* HWY_RESTRICT snf) {
+  const DD dd;
+  const hn::Rebind<float, DD> df;
+  const int N = static_cast<int>(hn::Lanes(dd));
+  int j = 0;
+  for (; j + N <= n; j += N) {
+    const auto c0 = hn::LoadU(dd, cs + j);
+    const auto s0 = hn::LoadU(dd, sn + j);
+    const auto sc = hn::LoadU(dd, step_c + j);
+    const auto ss = hn::LoadU(dd, step_s + j);
+    hn::StoreU(hn::DemoteTo(df, c0), df, csf + j);
+    hn::StoreU(hn::DemoteTo(df, s0), df, snf + j);
+    hn::StoreU(hn::Sub(hn::Mul(c0, sc), hn::Mul(s0, ss)), dd, cs + j);
+    hn::StoreU(hn::Add(hn::Mul(c0, ss), hn::Mul(s0, sc)), dd, sn + j);
+  }
+  for (; j < n; ++j) {
+    const double c0 = cs[j];
+    csf[j] = static_cast<float>(c0);
+    snf[j] = static_cast<float>(sn[j]);
+    cs[j] = c0 * step_c[j] - sn[j] * step_s[j];
+    sn[j] = c0 * step_s[j] + sn[j] * step_c[j];
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace cpu
+}  // namespace kvq
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvq {
+namespace cpu {
+
+HWY_EXPORT(CrqDecodeRowImpl);
+HWY_EXPORT(CrqDotsImpl);
+HWY_EXPORT(CrqMeanDotsImpl);
+HWY_EXPORT(CrqAxpysImpl);
+HWY_EXPORT(CrqRopeWalkImpl);
+
+void CrqDecodeRow(const uint8_t* row, int d, int half_bits, const CrqRowLevels& levels,
+                  float gain, uint8_t* codes, float* out) {
+  HWY_DYNAMIC_DISPATCH(CrqDecodeRowImpl)(row, d, half_bits, levels, gain, codes, out);
+}
+
+void CrqDots(const float* x, const float* rows, size_t stride, int nr, int d, float* out) {
+  HWY_DYNAMIC_DISPATCH(CrqDotsImpl)(x, rows, stride, nr, d, out);
+}
+
+void CrqMeanDots(const float* a, const float* b, size_t stride, int nr, const float* cs,
+                 const float* sn, int n, float* out) {
+  HWY_DYNAMIC_DISPATCH(CrqMeanDotsImpl)(a, b, stride, nr, cs, sn, n, out);
+}
+
+void CrqAxpys(const float* w, int nr, const float* x, int d, float* acc, size_t stride) {
+  HWY_DYNAMIC_DISPATCH(CrqAxpysImpl)(w, nr, x, d, acc, stride);
+}
+
+void CrqRopeWalk(double* cs, double* sn, const double* step_c, const double* step_s, int n,
+                 float* csf, float* snf) {
+  HWY_DYNAMIC_DISPATCH(CrqRopeWalkImpl)(cs, sn, step_c, step_s, n, csf, snf);
+}
+
+}  // namespace cpu
+}  // namespace kvq
+#endif
