@@ -195,6 +195,13 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
   std::vector<float> sums(2 * static_cast<size_t>(nr) * d, 0.0f);
   float* const acc = sums.data();
   float* const acc_coded = acc + static_cast<size_t>(nr) * d;
+  // Scores become softmax weights in place, zero past a row's visible end.
+  for (int k = 0; k < nr; ++k) {
+    float* w = scores.data() + static_cast<size_t>(k) * n;
+    const int visible = std::clamp(all[u.row0 + k].visible_end - u.begin, 0, n);
+    CrqExpShifted(w, visible, mx[k]);
+    std::fill(w + visible, w + n, 0.0f);
+  }
   const CrqRowLevels value_levels = RowLevels(L.value.half_bits);
   std::vector<double> sum(nr, 0.0), sum_coded(nr, 0.0);
   for (int i = 0; i < n; ++i) {
@@ -210,9 +217,7 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
       s.ReadStoredRow(Side::kValue, t, x.data());
     }
     for (int k = 0; k < nr; ++k) {
-      weight[k] = 0.0f;
-      if (t >= all[u.row0 + k].visible_end) continue;
-      const float p = std::exp(scores[static_cast<size_t>(k) * n + i] - mx[k]);
+      const float p = scores[static_cast<size_t>(k) * n + i];
       weight[k] = p;
       sum[k] += p;
       if (from_pages) sum_coded[k] += p;

@@ -16,9 +16,11 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/simd_crq.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
+#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "kernels/cpu/simd_crq.h"
 #include "kernels/hd/crq_hd.h"
@@ -121,6 +123,15 @@ void CrqAxpysImpl(const float* HWY_RESTRICT w, int nr, const float* HWY_RESTRICT
   }
 }
 
+void CrqExpShiftedImpl(float* HWY_RESTRICT x, int n, float shift) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto m = hn::Set(df, shift);
+  int i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Exp(df, hn::Sub(hn::LoadU(df, x + i), m)), df, x + i);
+  for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
+
 void CrqRopeWalkImpl(double* HWY_RESTRICT cs, double* HWY_RESTRICT sn,
                      const double* HWY_RESTRICT step_c, const double* HWY_RESTRICT step_s, int n,
                      float* HWY_RESTRICT csf, float* HWY_RESTRICT snf) {
@@ -161,6 +172,7 @@ HWY_EXPORT(CrqDotsImpl);
 HWY_EXPORT(CrqMeanDotsImpl);
 HWY_EXPORT(CrqAxpysImpl);
 HWY_EXPORT(CrqRopeWalkImpl);
+HWY_EXPORT(CrqExpShiftedImpl);
 
 void CrqDecodeRow(const uint8_t* row, int d, int half_bits, const CrqRowLevels& levels,
                   float gain, uint8_t* codes, float* out) {
@@ -178,6 +190,10 @@ void CrqMeanDots(const float* a, const float* b, size_t stride, int nr, const fl
 
 void CrqAxpys(const float* w, int nr, const float* x, int d, float* acc, size_t stride) {
   HWY_DYNAMIC_DISPATCH(CrqAxpysImpl)(w, nr, x, d, acc, stride);
+}
+
+void CrqExpShifted(float* x, int n, float shift) {
+  HWY_DYNAMIC_DISPATCH(CrqExpShiftedImpl)(x, n, shift);
 }
 
 void CrqRopeWalk(double* cs, double* sn, const double* step_c, const double* step_s, int n,

@@ -36,6 +36,10 @@ void CrqMeanDots(const float* a, const float* b, size_t stride, int nr, const fl
 // multiple of 8).
 void CrqAxpys(const float* w, int nr, const float* x, int d, float* acc, size_t stride);
 
+// x[i] = exp(x[i] - shift) for i < n: softmax weights from scores and their
+// maximum (Highway's Exp, within 1 ulp of std::exp).
+void CrqExpShifted(float* x, int n, float shift);
+
 // One token's angles in float (csf, snf) from the walked (cs, sn), then the
 // walk one position on: (cs, sn) turned by (step_c, step_s), pair by pair,
 // in double. n pairs; the float arrays hold at least n.
