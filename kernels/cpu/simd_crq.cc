@@ -36,11 +36,38 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::CappedTag<float, 8>;
 using DD = hn::CappedTag<double, 4>;
 
-// out[c] = gain * table[codes[c]] for c < n (a multiple of 8).
-void DecodeHalf(const uint8_t* HWY_RESTRICT codes, int n, int bits,
-                const float* HWY_RESTRICT table, float gain, float* HWY_RESTRICT out) {
+// The level of a vector of codes (int32 lanes): a lane permute of the
+// table's first 8 floats, at 4 bits also of its last 8 and a select.
+template <class V, class VI>
+HWY_INLINE V Level(DF df, V t0, V t1, int bits, VI idx) {
+  const hn::RebindToSigned<DF> di;
+  if (bits <= 3) return hn::TableLookupLanes(t0, hn::IndicesFromVec(df, idx));
+  const auto seven = hn::Set(di, 7);
+  const auto low = hn::IndicesFromVec(df, hn::And(idx, seven));
+  return hn::IfThenElse(hn::RebindMask(df, idx > seven), hn::TableLookupLanes(t1, low),
+                        hn::TableLookupLanes(t0, low));
+}
+
+// Codes of channels [c0, c0 + 8) of one bit plane (page_layout.h: b bits,
+// p bytes per row, channel c in byte c mod p at shift (c / p) b) when p is
+// a multiple of 8: 8 consecutive bytes, one shift.
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> PlaneCodes(const uint8_t* plane, int p, int b, int c0) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> du8;
+  const auto bytes = hn::PromoteTo(di, hn::LoadU(du8, plane + c0 % p));
+  return hn::And(hn::ShiftRightSame(bytes, (c0 / p) * b), hn::Set(di, (1 << b) - 1));
+}
+
+// out[c] = gain * table[code_c] for the n codes (a multiple of 8) of one
+// packed half row at `bits`. Codes come straight from the bit planes when
+// every plane's bytes per row are a multiple of 8 (3 bits: a 2-bit plane of
+// the low bits, a 1-bit plane of the high bit), else through `codes`.
+void DecodeHalf(const uint8_t* HWY_RESTRICT half, int n, int bits,
+                const float* HWY_RESTRICT table, float gain, uint8_t* HWY_RESTRICT codes,
+                float* HWY_RESTRICT out) {
   const DF df;
   if (hn::Lanes(df) < 8) {
+    UnpackCodes(half, n, bits, codes);
     for (int c = 0; c < n; ++c) out[c] = gain * table[codes[c]];
     return;
   }
@@ -48,22 +75,28 @@ void DecodeHalf(const uint8_t* HWY_RESTRICT codes, int n, int bits,
   const hn::Rebind<uint8_t, DF> du8;
   const auto g = hn::Set(df, gain);
   const auto t0 = hn::LoadU(df, table);
-  if (bits <= 3) {
+  const auto t1 = hn::LoadU(df, table + 8);
+  const bool planes_fit = bits == 3 ? n % 64 == 0 : (n * bits / 8) % 8 == 0;
+  if (!planes_fit) {
+    UnpackCodes(half, n, bits, codes);
     for (int c = 0; c < n; c += 8) {
       const auto idx = hn::PromoteTo(di, hn::LoadU(du8, codes + c));
-      hn::StoreU(hn::Mul(hn::TableLookupLanes(t0, hn::IndicesFromVec(df, idx)), g), df, out + c);
+      hn::StoreU(hn::Mul(Level(df, t0, t1, bits, idx), g), df, out + c);
     }
     return;
   }
-  const auto t1 = hn::LoadU(df, table + 8);
-  const auto seven = hn::Set(di, 7);
+  if (bits == 3) {
+    const uint8_t* high = half + n / 4;
+    for (int c = 0; c < n; c += 8) {
+      const auto idx = hn::Or(PlaneCodes(half, n / 4, 2, c),
+                              hn::ShiftLeft<2>(PlaneCodes(high, n / 8, 1, c)));
+      hn::StoreU(hn::Mul(Level(df, t0, t1, bits, idx), g), df, out + c);
+    }
+    return;
+  }
+  const int p = n * bits / 8;
   for (int c = 0; c < n; c += 8) {
-    const auto idx = hn::PromoteTo(di, hn::LoadU(du8, codes + c));
-    const auto low = hn::IndicesFromVec(df, hn::And(idx, seven));
-    const auto upper = hn::RebindMask(df, idx > seven);
-    const auto level =
-        hn::IfThenElse(upper, hn::TableLookupLanes(t1, low), hn::TableLookupLanes(t0, low));
-    hn::StoreU(hn::Mul(level, g), df, out + c);
+    hn::StoreU(hn::Mul(Level(df, t0, t1, bits, PlaneCodes(half, p, bits, c)), g), df, out + c);
   }
 }
 
@@ -74,10 +107,8 @@ void CrqDecodeRowImpl(const uint8_t* row, int d, int half_bits, const CrqRowLeve
   const int h = d / 2;
   const int hi = hd::CrqHiBits(half_bits);
   const int lo = hd::CrqLoBits(half_bits);
-  UnpackCodes(row, h, hi, codes);
-  UnpackCodes(row + h * hi / 8, h, lo, codes + h);
-  DecodeHalf(codes, h, hi, levels.hi, gain, out);
-  DecodeHalf(codes + h, h, lo, levels.lo, gain, out + h);
+  DecodeHalf(row, h, hi, levels.hi, gain, codes, out);
+  DecodeHalf(row + h * hi / 8, h, lo, levels.lo, gain, codes + h, out + h);
 }
 
 void CrqDotsImpl(const float* HWY_RESTRICT x, const float* HWY_RESTRICT rows, size_t stride,
