@@ -58,10 +58,25 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> PlaneCodes(const uint8_t* plane, int 
   return hn::And(hn::ShiftRightSame(bytes, (c0 / p) * b), hn::Set(di, (1 << b) - 1));
 }
 
+// Channels [c0, c0 + 8) of the 1-bit plane of 32 codes (3 bits at head_dim
+// 64: 4 bytes, channel c in byte c mod 4 at bit c / 4), by a per-lane shift
+// of the plane read as one little-endian word.
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Plane32Bits(const uint8_t* plane, int c0) {
+  const hn::RebindToSigned<DF> di;
+  const uint32_t word = static_cast<uint32_t>(plane[0]) | static_cast<uint32_t>(plane[1]) << 8 |
+                        static_cast<uint32_t>(plane[2]) << 16 | static_cast<uint32_t>(plane[3]) << 24;
+  const auto c = hn::Iota(di, c0);
+  const auto shift = hn::Add(hn::ShiftLeft<3>(hn::And(c, hn::Set(di, 3))), hn::ShiftRight<2>(c));
+  // The arithmetic shift's sign fill never reaches bit 0 except at shift 31,
+  // where it is bit 31 itself.
+  return hn::And(hn::Set(di, static_cast<int32_t>(word)) >> shift, hn::Set(di, 1));
+}
+
 // out[c] = gain * table[code_c] for the n codes (a multiple of 8) of one
 // packed half row at `bits`. Codes come straight from the bit planes when
 // every plane's bytes per row are a multiple of 8 (3 bits: a 2-bit plane of
-// the low bits, a 1-bit plane of the high bit), else through `codes`.
+// the low bits, a 1-bit plane of the high bit; or that plane is 32 codes),
+// else through `codes`.
 void DecodeHalf(const uint8_t* HWY_RESTRICT half, int n, int bits,
                 const float* HWY_RESTRICT table, float gain, uint8_t* HWY_RESTRICT codes,
                 float* HWY_RESTRICT out) {
@@ -76,7 +91,7 @@ void DecodeHalf(const uint8_t* HWY_RESTRICT half, int n, int bits,
   const auto g = hn::Set(df, gain);
   const auto t0 = hn::LoadU(df, table);
   const auto t1 = hn::LoadU(df, table + 8);
-  const bool planes_fit = bits == 3 ? n % 64 == 0 : (n * bits / 8) % 8 == 0;
+  const bool planes_fit = bits == 3 ? n % 64 == 0 || n == 32 : (n * bits / 8) % 8 == 0;
   if (!planes_fit) {
     UnpackCodes(half, n, bits, codes);
     for (int c = 0; c < n; c += 8) {
@@ -88,8 +103,8 @@ void DecodeHalf(const uint8_t* HWY_RESTRICT half, int n, int bits,
   if (bits == 3) {
     const uint8_t* high = half + n / 4;
     for (int c = 0; c < n; c += 8) {
-      const auto idx = hn::Or(PlaneCodes(half, n / 4, 2, c),
-                              hn::ShiftLeft<2>(PlaneCodes(high, n / 8, 1, c)));
+      const auto top = n == 32 ? Plane32Bits(high, c) : PlaneCodes(high, n / 8, 1, c);
+      const auto idx = hn::Or(PlaneCodes(half, n / 4, 2, c), hn::ShiftLeft<2>(top));
       hn::StoreU(hn::Mul(Level(df, t0, t1, bits, idx), g), df, out + c);
     }
     return;
