@@ -58,15 +58,18 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> PlaneCodes(const uint8_t* plane, int 
   return hn::And(hn::ShiftRightSame(bytes, (c0 / p) * b), hn::Set(di, (1 << b) - 1));
 }
 
-// Channels [c0, c0 + 8) of the 1-bit plane of 32 codes (3 bits at head_dim
-// 64: 4 bytes, channel c in byte c mod 4 at bit c / 4), by a per-lane shift
-// of the plane read as one little-endian word.
+// Channels [c0, c0 + 8) (c0 a multiple of 8) of the 1-bit plane of 32
+// codes (3 bits at head_dim 64: 4 bytes, channel c in byte c mod 4 at bit
+// c / 4), by a per-lane shift of the plane read as one little-endian word:
+// lane l's bit is 8 (l mod 4) + l / 4 + c0 / 4. The lane part is a constant
+// loaded from memory (an Iota built on the stack stalls on store
+// forwarding in every call).
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Plane32Bits(const uint8_t* plane, int c0) {
   const hn::RebindToSigned<DF> di;
+  alignas(32) static constexpr int32_t kLaneBit[8] = {0, 8, 16, 24, 1, 9, 17, 25};
   const uint32_t word = static_cast<uint32_t>(plane[0]) | static_cast<uint32_t>(plane[1]) << 8 |
                         static_cast<uint32_t>(plane[2]) << 16 | static_cast<uint32_t>(plane[3]) << 24;
-  const auto c = hn::Iota(di, c0);
-  const auto shift = hn::Add(hn::ShiftLeft<3>(hn::And(c, hn::Set(di, 3))), hn::ShiftRight<2>(c));
+  const auto shift = hn::Add(hn::Load(di, kLaneBit), hn::Set(di, c0 / 4));
   // The arithmetic shift's sign fill never reaches bit 0 except at shift 31,
   // where it is bit 31 itself.
   return hn::And(hn::Set(di, static_cast<int32_t>(word)) >> shift, hn::Set(di, 1));
