@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/simd_crq.h"
 #include "kernels/crq_transform.h"
 #include "kernels/hd/crq_hd.h"
 #include "kernels/numeric.h"
@@ -14,27 +15,14 @@
 namespace kvq::cpu {
 namespace {
 
-// Codes per coordinate of one packed row (both halves unpacked).
-void UnpackRow(const uint8_t* row, int d, int half_bits, uint8_t* codes) {
-  const int h = d / 2;
-  const int hi = hd::CrqHiBits(half_bits);
-  UnpackCodes(row, h, hi, codes);
-  UnpackCodes(row + h * hi / 8, h, hd::CrqLoBits(half_bits), codes + h);
-}
-
-// Per coordinate, the 16 slots of a look-up table: the levels of that
-// coordinate's width, unused slots zero.
-constexpr int kSlots = 16;
-void FillLevels(int d, int half_bits, float* table) {
+// The levels of a side's two half widths, unused slots zero.
+CrqRowLevels RowLevels(int half_bits) {
   const hd::CrqCodebooks& cb = CrqCodebooks();
-  for (int c = 0; c < d; ++c) {
-    const int bits = hd::CrqBitsAt(half_bits, d, c);
-    const float* levels = hd::CrqLevels(cb, bits);
-    float* t = table + static_cast<size_t>(c) * kSlots;
-    for (int i = 0; i < kSlots; ++i) {
-      t[i] = i < (1 << bits) ? levels[i] : 0.0f;
-    }
-  }
+  CrqRowLevels t = {};
+  const int hi = hd::CrqHiBits(half_bits), lo = hd::CrqLoBits(half_bits);
+  std::copy_n(hd::CrqLevels(cb, hi), 1 << hi, t.hi);
+  std::copy_n(hd::CrqLevels(cb, lo), 1 << lo, t.lo);
+  return t;
 }
 
 int TaskEnd(const AttentionTask& t) {
@@ -53,39 +41,10 @@ struct Row {
   double fixed = 0.0;        // Mean term of channels that do not rotate.
 };
 
-// Sums run in kLanes independent partial sums: a chain of n / kLanes
-// dependent adds instead of n, in a loop the compiler vectorizes. head_dim is
-// a multiple of 16, so code rows need no remainder; pair arrays are padded.
+// Pair arrays are zero-padded to whole vectors of 8 floats (head_dim is a
+// multiple of 16, so code rows need no padding).
 constexpr int kLanes = 8;
 int PadToLanes(int n) { return (n + kLanes - 1) / kLanes * kLanes; }
-
-float SumLanes(const float* acc) {
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
-}
-
-float Dot(const float* a, const float* b, int d) {
-  float acc[kLanes] = {};
-  for (int c = 0; c < d; c += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[c + l] * b[c + l];
-  }
-  return SumLanes(acc);
-}
-
-// A code row's levels, level[code_c] per coordinate c (the gain left out).
-void DecodeLevels(const float* levels, const uint8_t* codes, int d, float* out) {
-  for (int c = 0; c < d; ++c) out[c] = levels[c * kSlots + codes[c]];
-}
-
-// sum_j a_j cs_j + b_j sn_j over n (a multiple of kLanes) pairs.
-float MeanDot(const float* a, const float* b, const float* cs, const float* sn, int n) {
-  float acc[kLanes] = {};
-  for (int j = 0; j < n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[j + l] * cs[j + l] + b[j + l] * sn[j + l];
-  }
-  return SumLanes(acc);
-}
 
 // A chunk of keys [begin, end) for the rows [row0, row0 + rows) of one
 // query (its GQA group: they share the keys they see), so each code row is
@@ -171,34 +130,47 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
     }
     return s.page(v / pt);
   };
+  // The group's queries side by side, as the SIMD loops take them.
+  const int padded = PadToLanes(pairs);
+  std::vector<float> q(static_cast<size_t>(nr) * d), qr(q.size());
+  std::vector<float> ma(static_cast<size_t>(nr) * padded), mb(ma.size());
+  // Per row of the group: the fixed mean term, the dots and mean terms of
+  // one key, one value's softmax weight.
+  std::vector<float> per_row(static_cast<size_t>(nr) * 4);
+  float* const fixed = per_row.data();
+  float* const dots = fixed + nr;
+  float* const means = dots + nr;
+  float* const weight = means + nr;
+  for (int k = 0; k < nr; ++k) {
+    const Row& r = all[u.row0 + k];
+    std::copy_n(r.q.data(), d, q.data() + static_cast<size_t>(k) * d);
+    std::copy_n(r.qr.data(), d, qr.data() + static_cast<size_t>(k) * d);
+    std::copy_n(r.a.data(), padded, ma.data() + static_cast<size_t>(k) * padded);
+    std::copy_n(r.b.data(), padded, mb.data() + static_cast<size_t>(k) * padded);
+    fixed[k] = static_cast<float>(r.fixed);
+  }
   std::vector<float> scores(static_cast<size_t>(nr) * n), x(d);
   std::vector<uint8_t> codes(d);
   std::vector<float> mx(nr, -std::numeric_limits<float>::infinity());
-  // This token's cos / sin per pair in float, zero-padded for MeanDot.
-  std::vector<float> csf(PadToLanes(pairs), 0.0f), snf(csf.size(), 0.0f);
-  // The key row's levels: decoded once, scored by every row of the group.
-  std::vector<float> key_levels(static_cast<size_t>(d) * kSlots), decoded(d);
-  FillLevels(d, L.key.half_bits, key_levels.data());
+  // This token's cos / sin per pair in float, zero-padded for CrqMeanDots.
+  std::vector<float> csf(padded, 0.0f), snf(padded, 0.0f);
+  // A key row decoded to levels once (gain 1: the gain scales the dots),
+  // scored by every row of the group.
+  const CrqRowLevels key_levels = RowLevels(L.key.half_bits);
+  std::vector<float> decoded(d);
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
-    for (int j = 0; j < pairs; ++j) {
-      csf[j] = static_cast<float>(cs[j]);
-      snf[j] = static_cast<float>(sn[j]);
-    }
+    CrqRopeWalk(cs.data(), sn.data(), step_c.data(), step_s.data(), pairs, csf.data(), snf.data());
     if (coded(t)) {
       int row;
       const uint8_t* page = page_of(t, &row);
-      UnpackRow(PageLayout::CodeRow(page, L.key, row), d, L.key.half_bits, codes.data());
       const float gain = HalfToFloat(*PageLayout::Gain(page, L.key, row));
-      DecodeLevels(key_levels.data(), codes.data(), d, decoded.data());
+      CrqDecodeRow(PageLayout::CodeRow(page, L.key, row), d, L.key.half_bits, key_levels, 1.0f,
+                   codes.data(), decoded.data());
+      CrqDots(decoded.data(), qr.data(), d, nr, d, dots);
+      CrqMeanDots(ma.data(), mb.data(), padded, nr, csf.data(), snf.data(), padded, means);
       for (int k = 0; k < nr; ++k) {
-        const Row& r = all[u.row0 + k];
-        if (t >= r.visible_end) continue;
-        const float dot = Dot(r.qr.data(), decoded.data(), d);
-        const float mean = static_cast<float>(r.fixed) +
-                           MeanDot(r.a.data(), r.b.data(), csf.data(), snf.data(),
-                                   static_cast<int>(csf.size()));
-        scores[static_cast<size_t>(k) * n + i] = mean + gain * dot;
+        scores[static_cast<size_t>(k) * n + i] = (fixed[k] + means[k]) + gain * dots[k];
       }
     } else {
       // Rope::Apply at t, with the walked angles instead of sin / cos calls.
@@ -211,23 +183,26 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
         x0 = r0;
         x1 = r1;
       }
-      for (int k = 0; k < nr; ++k) {
-        const Row& r = all[u.row0 + k];
-        scores[static_cast<size_t>(k) * n + i] = Dot(r.q.data(), x.data(), d);
-      }
+      CrqDots(x.data(), q.data(), d, nr, d, dots);
+      for (int k = 0; k < nr; ++k) scores[static_cast<size_t>(k) * n + i] = dots[k];
     }
     for (int k = 0; k < nr; ++k) {
       if (t < all[u.row0 + k].visible_end) mx[k] = std::max(mx[k], scores[static_cast<size_t>(k) * n + i]);
     }
-    for (int j = 0; j < pairs; ++j) {
-      const double c0 = cs[j];
-      cs[j] = c0 * step_c[j] - sn[j] * step_s[j];
-      sn[j] = c0 * step_s[j] + sn[j] * step_c[j];
-    }
   }
-  std::vector<float> acc(static_cast<size_t>(nr) * d, 0.0f), acc_coded(acc.size(), 0.0f);
-  std::vector<float> levels(static_cast<size_t>(d) * kSlots);
-  FillLevels(d, L.value.half_bits, levels.data());
+  // Sums of fp16 rows in the original basis, then of coded rows in the
+  // rotated one.
+  std::vector<float> sums(2 * static_cast<size_t>(nr) * d, 0.0f);
+  float* const acc = sums.data();
+  float* const acc_coded = acc + static_cast<size_t>(nr) * d;
+  // Scores become softmax weights in place, zero past a row's visible end.
+  for (int k = 0; k < nr; ++k) {
+    float* w = scores.data() + static_cast<size_t>(k) * n;
+    const int visible = std::clamp(all[u.row0 + k].visible_end - u.begin, 0, n);
+    CrqExpShifted(w, visible, mx[k]);
+    std::fill(w + visible, w + n, 0.0f);
+  }
+  const CrqRowLevels value_levels = RowLevels(L.value.half_bits);
   std::vector<double> sum(nr, 0.0), sum_coded(nr, 0.0);
   for (int i = 0; i < n; ++i) {
     const int t = u.begin + i;
@@ -235,30 +210,33 @@ void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit&
     if (from_pages) {
       int row;
       const uint8_t* page = page_of(t, &row);
-      UnpackRow(PageLayout::CodeRow(page, L.value, row), d, L.value.half_bits, codes.data());
       const float gain = HalfToFloat(*PageLayout::Gain(page, L.value, row));
-      for (int c = 0; c < d; ++c) decoded[c] = gain * levels[static_cast<size_t>(c) * kSlots + codes[c]];
+      CrqDecodeRow(PageLayout::CodeRow(page, L.value, row), d, L.value.half_bits, value_levels,
+                   gain, codes.data(), decoded.data());
     } else {
       s.ReadStoredRow(Side::kValue, t, x.data());
     }
     for (int k = 0; k < nr; ++k) {
-      if (t >= all[u.row0 + k].visible_end) continue;
-      const float p = std::exp(scores[static_cast<size_t>(k) * n + i] - mx[k]);
+      const float p = scores[static_cast<size_t>(k) * n + i];
+      weight[k] = p;
       sum[k] += p;
-      float* a = (from_pages ? acc_coded : acc).data() + static_cast<size_t>(k) * d;
-      const float* src = from_pages ? decoded.data() : x.data();
-      for (int c = 0; c < d; ++c) a[c] += p * src[c];
       if (from_pages) sum_coded[k] += p;
+    }
+    // Coded rows accumulate in the rotated basis, mapped back once below.
+    if (from_pages) {
+      CrqAxpys(weight, nr, decoded.data(), d, acc_coded, d);
+    } else {
+      CrqAxpys(weight, nr, x.data(), d, acc, d);
     }
   }
   for (int k = 0; k < nr; ++k) {
     if (sum[k] == 0.0) continue;  // No key of the chunk is visible to this row.
     const float inv = static_cast<float>(1.0 / sum[k]);
-    float* ac = acc_coded.data() + static_cast<size_t>(k) * d;
+    float* ac = acc_coded + static_cast<size_t>(k) * d;
     for (int c = 0; c < d; ++c) ac[c] *= inv;
     T.rotation().Inverse(ac);
     const float coded_share = static_cast<float>(sum_coded[k] / sum[k]);
-    const float* ao = acc.data() + static_cast<size_t>(k) * d;
+    const float* ao = acc + static_cast<size_t>(k) * d;
     float* o = u.out.data() + static_cast<size_t>(k) * d;
     for (int c = 0; c < d; ++c) {
       o[c] = ao[c] * inv + cal.value_mean[c] * coded_share + cal.value_scale[c] * ac[c];
@@ -286,14 +264,12 @@ void DequantizeCrqRows(const KvStream& s, Side side, const uint8_t* page, int ro
                        float* out) {
   const SideLayout& S = s.layout().side(side);
   const int d = s.head_dim();
-  std::vector<float> levels(static_cast<size_t>(d) * kSlots);
-  FillLevels(d, S.half_bits, levels.data());
+  const CrqRowLevels levels = RowLevels(S.half_bits);
   std::vector<uint8_t> codes(d);
   for (int r = 0; r < n; ++r) {
-    UnpackRow(PageLayout::CodeRow(page, S, row0 + r), d, S.half_bits, codes.data());
     const float gain = HalfToFloat(*PageLayout::Gain(page, S, row0 + r));
-    float* o = out + static_cast<size_t>(r) * d;
-    for (int c = 0; c < d; ++c) o[c] = gain * levels[static_cast<size_t>(c) * kSlots + codes[c]];
+    CrqDecodeRow(PageLayout::CodeRow(page, S, row0 + r), d, S.half_bits, levels, gain,
+                 codes.data(), out + static_cast<size_t>(r) * d);
   }
 }
 

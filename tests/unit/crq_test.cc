@@ -2,7 +2,9 @@
 // calibration transform, and every backend against the reference and the
 // float math (round trip, attention in the coded space, bytes, raw pages,
 // forks, the error contract).
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <memory>
@@ -14,7 +16,10 @@
 #include "gtest/gtest.h"
 #include "kernels/accounting.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/simd_crq.h"
+#include "kernels/cpu/simd_dispatch.h"
 #include "kernels/crq_transform.h"
+#include "kernels/hd/crq_hd.h"
 #include "kernels/lloyd_max.h"
 #include "tests/unit/test_util.h"
 
@@ -584,6 +589,38 @@ TEST(CrqTransformTest, InverseUndoesForward) {
     t->Inverse(side, y.data(), 8, 1000);
     for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(y[i], x[i], 1e-4 * (1 + std::fabs(x[i])));
   }
+}
+
+// The cpu backend's SIMD decode of a code row (permutes over the level
+// table, codes straight from the bit planes or through scratch) is
+// crq_hd.h's g * level[code] exactly, on every compiled target, for every
+// width pair and head_dim 16 to 256 (both plane paths, the 32-code 1-bit
+// plane of 3 bits at head_dim 64 included).
+TEST(CrqSimdTest, DecodeRowIsTheSharedMathOnEveryTarget) {
+  (void)CpuBackend();  // Applies KVQ_SIMD_TARGET first, so the loop's pins win.
+  const hd::CrqCodebooks& cb = CrqCodebooks();
+  std::mt19937 rng(5);
+  for (const std::string& target : cpu::AvailableSimdTargets()) {
+    ASSERT_TRUE(cpu::PinSimdTarget(target).ok());
+    for (int d : {16, 32, 64, 128, 256}) {
+      for (int hb = 4; hb <= 8; ++hb) {
+        cpu::CrqRowLevels levels = {};
+        const int hi = hd::CrqHiBits(hb), lo = hd::CrqLoBits(hb);
+        std::copy_n(hd::CrqLevels(cb, hi), 1 << hi, levels.hi);
+        std::copy_n(hd::CrqLevels(cb, lo), 1 << lo, levels.lo);
+        std::vector<uint8_t> row(hd::CrqRowBytes(d, hb)), codes(d);
+        for (uint8_t& b : row) b = static_cast<uint8_t>(rng());
+        const float gain = 0.75f;
+        std::vector<float> got(d);
+        cpu::CrqDecodeRow(row.data(), d, hb, levels, gain, codes.data(), got.data());
+        for (int c = 0; c < d; ++c) {
+          ASSERT_EQ(got[c], hd::CrqDequant(row.data(), d, hb, gain, cb, c))
+              << target << " d=" << d << " half_bits=" << hb << " c=" << c;
+        }
+      }
+    }
+  }
+  ASSERT_TRUE(cpu::PinSimdTarget("").ok());
 }
 
 }  // namespace

@@ -1,0 +1,255 @@
+// SIMD loops of the cpu backend's crq kernel (simd_crq.h).
+//
+// A coded coordinate's level is a look-up of its code in a table of at most
+// 16 floats, one table per half of the row (hd/crq_hd.h: the halves have
+// their own widths). Eight codes widen to int32 lanes and index a lane
+// permute of the table (vpermps on AVX2): 2 and 3 bits fit one 8-float
+// register; 4 bits look up both halves of the table with the low three bits
+// and pick by the fourth. Targets with fewer than 8 float lanes (the
+// portable baseline) look up one code at a time.
+//
+// Every loop uses 256-bit tags, also on AVX3 (simd_targets.h).
+
+#include "kernels/cpu/simd_targets.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/simd_crq.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "kernels/cpu/simd_crq.h"
+#include "kernels/hd/crq_hd.h"
+#include "kernels/page_layout.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvq {
+namespace cpu {
+namespace HWY_NAMESPACE {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::CappedTag<float, 8>;
+using DD = hn::CappedTag<double, 4>;
+
+// The level of a vector of codes (int32 lanes): a lane permute of the
+// table's first 8 floats, at 4 bits also of its last 8 and a select.
+template <class V, class VI>
+HWY_INLINE V Level(DF df, V t0, V t1, int bits, VI idx) {
+  const hn::RebindToSigned<DF> di;
+  if (bits <= 3) return hn::TableLookupLanes(t0, hn::IndicesFromVec(df, idx));
+  const auto seven = hn::Set(di, 7);
+  const auto low = hn::IndicesFromVec(df, hn::And(idx, seven));
+  return hn::IfThenElse(hn::RebindMask(df, idx > seven), hn::TableLookupLanes(t1, low),
+                        hn::TableLookupLanes(t0, low));
+}
+
+// Codes of channels [c0, c0 + 8) of one bit plane (page_layout.h: b bits,
+// p bytes per row, channel c in byte c mod p at shift (c / p) b) when p is
+// a multiple of 8: 8 consecutive bytes, one shift.
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> PlaneCodes(const uint8_t* plane, int p, int b, int c0) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> du8;
+  const auto bytes = hn::PromoteTo(di, hn::LoadU(du8, plane + c0 % p));
+  return hn::And(hn::ShiftRightSame(bytes, (c0 / p) * b), hn::Set(di, (1 << b) - 1));
+}
+
+// Channels [c0, c0 + 8) (c0 a multiple of 8) of the 1-bit plane of 32
+// codes (3 bits at head_dim 64: 4 bytes, channel c in byte c mod 4 at bit
+// c / 4), by a per-lane shift of the plane read as one little-endian word:
+// lane l's bit is 8 (l mod 4) + l / 4 + c0 / 4. The lane part is a constant
+// loaded from memory (an Iota built on the stack stalls on store
+// forwarding in every call).
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Plane32Bits(const uint8_t* plane, int c0) {
+  const hn::RebindToSigned<DF> di;
+  alignas(32) static constexpr int32_t kLaneBit[8] = {0, 8, 16, 24, 1, 9, 17, 25};
+  const uint32_t word = static_cast<uint32_t>(plane[0]) | static_cast<uint32_t>(plane[1]) << 8 |
+                        static_cast<uint32_t>(plane[2]) << 16 | static_cast<uint32_t>(plane[3]) << 24;
+  const auto shift = hn::Add(hn::Load(di, kLaneBit), hn::Set(di, c0 / 4));
+  // The arithmetic shift's sign fill never reaches bit 0 except at shift 31,
+  // where it is bit 31 itself.
+  return hn::And(hn::Set(di, static_cast<int32_t>(word)) >> shift, hn::Set(di, 1));
+}
+
+// out[c] = gain * table[code_c] for the n codes (a multiple of 8) of one
+// packed half row at `bits`. Codes come straight from the bit planes when
+// every plane's bytes per row are a multiple of 8 (3 bits: a 2-bit plane of
+// the low bits, a 1-bit plane of the high bit; or that plane is 32 codes),
+// else through `codes`.
+void DecodeHalf(const uint8_t* HWY_RESTRICT half, int n, int bits,
+                const float* HWY_RESTRICT table, float gain, uint8_t* HWY_RESTRICT codes,
+                float* HWY_RESTRICT out) {
+  const DF df;
+  if (hn::Lanes(df) < 8) {
+    UnpackCodes(half, n, bits, codes);
+    for (int c = 0; c < n; ++c) out[c] = gain * table[codes[c]];
+    return;
+  }
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> du8;
+  const auto g = hn::Set(df, gain);
+  const auto t0 = hn::LoadU(df, table);
+  const auto t1 = hn::LoadU(df, table + 8);
+  const bool planes_fit = bits == 3 ? n % 64 == 0 || n == 32 : (n * bits / 8) % 8 == 0;
+  if (!planes_fit) {
+    UnpackCodes(half, n, bits, codes);
+    for (int c = 0; c < n; c += 8) {
+      const auto idx = hn::PromoteTo(di, hn::LoadU(du8, codes + c));
+      hn::StoreU(hn::Mul(Level(df, t0, t1, bits, idx), g), df, out + c);
+    }
+    return;
+  }
+  if (bits == 3) {
+    const uint8_t* high = half + n / 4;
+    for (int c = 0; c < n; c += 8) {
+      const auto top = n == 32 ? Plane32Bits(high, c) : PlaneCodes(high, n / 8, 1, c);
+      const auto idx = hn::Or(PlaneCodes(half, n / 4, 2, c), hn::ShiftLeft<2>(top));
+      hn::StoreU(hn::Mul(Level(df, t0, t1, bits, idx), g), df, out + c);
+    }
+    return;
+  }
+  const int p = n * bits / 8;
+  for (int c = 0; c < n; c += 8) {
+    hn::StoreU(hn::Mul(Level(df, t0, t1, bits, PlaneCodes(half, p, bits, c)), g), df, out + c);
+  }
+}
+
+}  // namespace
+
+void CrqDecodeRowImpl(const uint8_t* row, int d, int half_bits, const CrqRowLevels& levels,
+                      float gain, uint8_t* codes, float* out) {
+  const int h = d / 2;
+  const int hi = hd::CrqHiBits(half_bits);
+  const int lo = hd::CrqLoBits(half_bits);
+  DecodeHalf(row, h, hi, levels.hi, gain, codes, out);
+  DecodeHalf(row + h * hi / 8, h, lo, levels.lo, gain, codes + h, out + h);
+}
+
+void CrqDotsImpl(const float* HWY_RESTRICT x, const float* HWY_RESTRICT rows, size_t stride,
+                 int nr, int d, float* HWY_RESTRICT out) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int k = 0; k < nr; ++k) {
+    const float* r = rows + k * stride;
+    auto acc = hn::Zero(df);
+    for (int c = 0; c < d; c += N) acc = hn::MulAdd(hn::LoadU(df, r + c), hn::LoadU(df, x + c), acc);
+    out[k] = hn::GetLane(hn::SumOfLanes(df, acc));
+  }
+}
+
+void CrqMeanDotsImpl(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t stride,
+                     int nr, const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn, int n,
+                     float* HWY_RESTRICT out) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int k = 0; k < nr; ++k) {
+    const float* ak = a + k * stride;
+    const float* bk = b + k * stride;
+    auto acc = hn::Zero(df);
+    for (int j = 0; j < n; j += N) {
+      acc = hn::MulAdd(hn::LoadU(df, ak + j), hn::LoadU(df, cs + j), acc);
+      acc = hn::MulAdd(hn::LoadU(df, bk + j), hn::LoadU(df, sn + j), acc);
+    }
+    out[k] = hn::GetLane(hn::SumOfLanes(df, acc));
+  }
+}
+
+void CrqAxpysImpl(const float* HWY_RESTRICT w, int nr, const float* HWY_RESTRICT x, int d,
+                  float* HWY_RESTRICT acc, size_t stride) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int k = 0; k < nr; ++k) {
+    if (w[k] == 0.0f) continue;
+    const auto wk = hn::Set(df, w[k]);
+    float* ak = acc + k * stride;
+    for (int c = 0; c < d; c += N) {
+      hn::StoreU(hn::MulAdd(wk, hn::LoadU(df, x + c), hn::LoadU(df, ak + c)), df, ak + c);
+    }
+  }
+}
+
+void CrqExpShiftedImpl(float* HWY_RESTRICT x, int n, float shift) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto m = hn::Set(df, shift);
+  int i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Exp(df, hn::Sub(hn::LoadU(df, x + i), m)), df, x + i);
+  for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
+
+void CrqRopeWalkImpl(double* HWY_RESTRICT cs, double* HWY_RESTRICT sn,
+                     const double* HWY_RESTRICT step_c, const double* HWY_RESTRICT step_s, int n,
+                     float* HWY_RESTRICT csf, float* HWY_RESTRICT snf) {
+  const DD dd;
+  const hn::Rebind<float, DD> df;
+  const int N = static_cast<int>(hn::Lanes(dd));
+  int j = 0;
+  for (; j + N <= n; j += N) {
+    const auto c0 = hn::LoadU(dd, cs + j);
+    const auto s0 = hn::LoadU(dd, sn + j);
+    const auto sc = hn::LoadU(dd, step_c + j);
+    const auto ss = hn::LoadU(dd, step_s + j);
+    hn::StoreU(hn::DemoteTo(df, c0), df, csf + j);
+    hn::StoreU(hn::DemoteTo(df, s0), df, snf + j);
+    hn::StoreU(hn::Sub(hn::Mul(c0, sc), hn::Mul(s0, ss)), dd, cs + j);
+    hn::StoreU(hn::Add(hn::Mul(c0, ss), hn::Mul(s0, sc)), dd, sn + j);
+  }
+  for (; j < n; ++j) {
+    const double c0 = cs[j];
+    csf[j] = static_cast<float>(c0);
+    snf[j] = static_cast<float>(sn[j]);
+    cs[j] = c0 * step_c[j] - sn[j] * step_s[j];
+    sn[j] = c0 * step_s[j] + sn[j] * step_c[j];
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace cpu
+}  // namespace kvq
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvq {
+namespace cpu {
+
+HWY_EXPORT(CrqDecodeRowImpl);
+HWY_EXPORT(CrqDotsImpl);
+HWY_EXPORT(CrqMeanDotsImpl);
+HWY_EXPORT(CrqAxpysImpl);
+HWY_EXPORT(CrqRopeWalkImpl);
+HWY_EXPORT(CrqExpShiftedImpl);
+
+void CrqDecodeRow(const uint8_t* row, int d, int half_bits, const CrqRowLevels& levels,
+                  float gain, uint8_t* codes, float* out) {
+  HWY_DYNAMIC_DISPATCH(CrqDecodeRowImpl)(row, d, half_bits, levels, gain, codes, out);
+}
+
+void CrqDots(const float* x, const float* rows, size_t stride, int nr, int d, float* out) {
+  HWY_DYNAMIC_DISPATCH(CrqDotsImpl)(x, rows, stride, nr, d, out);
+}
+
+void CrqMeanDots(const float* a, const float* b, size_t stride, int nr, const float* cs,
+                 const float* sn, int n, float* out) {
+  HWY_DYNAMIC_DISPATCH(CrqMeanDotsImpl)(a, b, stride, nr, cs, sn, n, out);
+}
+
+void CrqAxpys(const float* w, int nr, const float* x, int d, float* acc, size_t stride) {
+  HWY_DYNAMIC_DISPATCH(CrqAxpysImpl)(w, nr, x, d, acc, stride);
+}
+
+void CrqExpShifted(float* x, int n, float shift) {
+  HWY_DYNAMIC_DISPATCH(CrqExpShiftedImpl)(x, n, shift);
+}
+
+void CrqRopeWalk(double* cs, double* sn, const double* step_c, const double* step_s, int n,
+                 float* csf, float* snf) {
+  HWY_DYNAMIC_DISPATCH(CrqRopeWalkImpl)(cs, sn, step_c, step_s, n, csf, snf);
+}
+
+}  // namespace cpu
+}  // namespace kvq
+#endif
