@@ -47,18 +47,63 @@ def metrics_of(row):
 
 
 def load(paths, metric=None):
-    """All rows of all files (only those of `metric` when given); a row
-    measured again (same engine, scheme, metric, corpus and context, e.g.
-    the fp16 reference of a later run) keeps the later file's figures."""
+    """All rows of all files (only those of `metric` when given). A row
+    measured again (same engine, scheme, metric, corpus and context) in a
+    later file is merged with the earlier one when both carry per-window
+    sums (`merge_windows`: runs of other windows of the same corpus add up
+    to one row); otherwise it keeps the later file's figures (e.g. the fp16
+    reference of a later run without per-window sums)."""
     rows = {}
     for path in paths:
         with open(path) as f:
             for r in json.load(f)["rows"]:
                 if metric is not None and metric not in metrics_of(r):
                     continue
-                rows[(r.get("engine", "kvq"), r["scheme"], metric or metric_of(r), r["corpus"],
-                      r["context"])] = r
+                key = (r.get("engine", "kvq"), r["scheme"], metric or metric_of(r), r["corpus"],
+                       r["context"])
+                rows[key] = merge_windows(rows[key], r) if key in rows else r
     return list(rows.values())
+
+
+def merge_windows(earlier, later):
+    """One corpus's row from two runs: the union of their windows (by window
+    index; a window both measured keeps the later figures), with ΔPPL, KL
+    and perplexity pooled by tokens from the per-window sums and the 95%
+    bootstrap interval over the union. Rows without indexed per-window sums
+    on both sides, or pooled "all" rows (pool_corpora recomputes those),
+    cannot be merged: the later row replaces the earlier."""
+    def indexed(r):
+        return r.get("per_window") and all("index" in w for w in r["per_window"])
+
+    if earlier["corpus"] == "all" or not (indexed(earlier) and indexed(later)):
+        return later
+    by_index = {w["index"]: w for w in earlier["per_window"]}
+    by_index.update({w["index"]: w for w in later["per_window"]})
+    windows = list(by_index.values())
+    row = {k: v for k, v in later.items() if k != "window_indices"}
+    row["per_window"] = windows
+    return with_pooled_figures(row, windows)
+
+
+def with_pooled_figures(row, windows):
+    """`row` with its figures pooled by tokens from the per-window sums
+    ("per_window": nll, ref_nll, kl, tokens) of `windows`: ΔPPL, KL and
+    perplexity, and the 95% bootstrap interval over the windows (none
+    with fewer than two)."""
+    tokens = sum(w["tokens"] for w in windows)
+    nll = sum(w["nll"] for w in windows) / tokens
+    row.update({
+        "windows": len(windows), "tokens_scored": tokens, "nll": nll, "ppl": math.exp(nll),
+        "delta_ppl_pct": 100.0 * math.expm1(
+            sum(w["nll"] - w["ref_nll"] for w in windows) / tokens),
+        "kl_mean": sum(w["kl"] for w in windows) / tokens,
+    })
+    row.pop("delta_ppl_pct_ci95", None)
+    row.pop("kl_mean_ci95", None)
+    ci = bootstrap(windows)
+    if ci:
+        row["delta_ppl_pct_ci95"], row["kl_mean_ci95"] = ci
+    return row
 
 
 def mean_code_bits(scheme):
@@ -212,25 +257,12 @@ def pool_corpora(rows):
     for key, parts in groups.items():
         parts.sort(key=lambda r: r["corpus"])
         windows = [w for r in parts for w in r["per_window"]]
-        tokens = sum(w["tokens"] for w in windows)
-        nll = sum(w["nll"] for w in windows) / tokens
         row = {k: v for k, v in parts[0].items() if k not in ("per_window", "window_indices")}
-        row.update({
-            "corpus": "all", "corpora": [r["corpus"] for r in parts], "windows": len(windows),
-            "tokens_scored": tokens, "nll": nll, "ppl": math.exp(nll),
-            "delta_ppl_pct": 100.0 * math.expm1(
-                sum(w["nll"] - w["ref_nll"] for w in windows) / tokens),
-            "kl_mean": sum(w["kl"] for w in windows) / tokens,
-        })
+        row.update({"corpus": "all", "corpora": [r["corpus"] for r in parts]})
         bits = [r["bits_per_element"] for r in parts if r.get("bits_per_element") is not None]
         if bits:
             row["bits_per_element"] = sum(bits) / len(bits)
-        row.pop("delta_ppl_pct_ci95", None)
-        row.pop("kl_mean_ci95", None)
-        ci = bootstrap(windows)
-        if ci:
-            row["delta_ppl_pct_ci95"], row["kl_mean_ci95"] = ci
-        pooled[key] = row
+        pooled[key] = with_pooled_figures(row, windows)
     out = [r for r in rows if not (r["corpus"] == "all" and
                                    (r.get("engine", "kvq"), r["scheme"], r["context"]) in pooled)]
     return out + list(pooled.values())

@@ -148,3 +148,31 @@ def test_runs_of_one_corpus_each_pool_by_tokens_with_an_interval():
     assert pooled[0]["kl_mean"] == pytest.approx(0.04)
     lo, hi = pooled[0]["delta_ppl_pct_ci95"]
     assert lo < pooled[0]["delta_ppl_pct"] < hi
+
+
+def test_runs_of_other_windows_of_one_corpus_merge_into_one_row(tmp_path):
+    # A stopped run and a later run of the remaining windows (and a rerun of
+    # one window) add up to one row per corpus, pooled by tokens.
+    def windows_row(windows, dppl):
+        r = frontier_row("kivi3", 3.74, dppl, corpus="austen")
+        r["per_window"] = [{"index": i, "nll": n * 100, "ref_nll": ref * 100, "kl": kl * 100,
+                            "tokens": 100} for i, n, ref, kl in windows]
+        r["delta_ppl_pct_ci95"] = [dppl, dppl]
+        return r
+    first = write(tmp_path / "first.json",
+                  [windows_row([(2, 3.0, 2.9, 0.05), (0, 3.2, 3.1, 0.04)], 10.0)])
+    rest = write(tmp_path / "rest.json",
+                 [windows_row([(0, 3.3, 3.1, 0.08), (3, 2.0, 2.0, 0.0)], 20.0)])
+    [merged] = tables.load([first, rest], "decode")
+    assert sorted(w["index"] for w in merged["per_window"]) == [0, 2, 3]
+    assert merged["windows"] == 3 and merged["tokens_scored"] == 300
+    # Window 0 keeps the later run's sums (nll - ref = 0.2 per token).
+    assert merged["delta_ppl_pct"] == pytest.approx(100 * math.expm1((10 + 20 + 0) / 300))
+    assert merged["kl_mean"] == pytest.approx((5 + 8 + 0) / 300)
+    assert merged["nll"] == pytest.approx((300 + 330 + 200) / 300)
+    lo, hi = merged["delta_ppl_pct_ci95"]
+    assert lo < merged["delta_ppl_pct"] < hi, "the interval is the union's, not a file's"
+    # Rows without per-window sums (older files) are replaced, not merged.
+    old = write(tmp_path / "old.json", [frontier_row("kivi3", 3.74, 7.0, corpus="austen")])
+    [replaced] = tables.load([first, old], "decode")
+    assert replaced["delta_ppl_pct"] == 7.0 and "per_window" not in replaced
