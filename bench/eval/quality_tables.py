@@ -75,7 +75,7 @@ def merge_windows(earlier, later):
     def indexed(r):
         return r.get("per_window") and all("index" in w for w in r["per_window"])
 
-    if earlier["corpus"] == "all" or not (indexed(earlier) and indexed(later)):
+    if earlier.get("corpus") == "all" or not (indexed(earlier) and indexed(later)):
         return later
     by_index = {w["index"]: w for w in earlier["per_window"]}
     by_index.update({w["index"]: w for w in later["per_window"]})

@@ -176,3 +176,22 @@ def test_runs_of_other_windows_of_one_corpus_merge_into_one_row(tmp_path):
     old = write(tmp_path / "old.json", [frontier_row("kivi3", 3.74, 7.0, corpus="austen")])
     [replaced] = tables.load([first, old], "decode")
     assert replaced["delta_ppl_pct"] == 7.0 and "per_window" not in replaced
+
+
+def test_the_frontier_plot_merges_windows_as_the_table_does(tmp_path):
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location(
+        "plot_quality", SOURCE / "bench" / "eval" / "plot_quality.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+
+    def one_window(index, dppl_per_token):
+        r = frontier_row("kivi3", 3.74, 0.0, corpus="code")
+        r["per_window"] = [{"index": index, "nll": 300.0 + 100 * dppl_per_token,
+                            "ref_nll": 300.0, "kl": 1.0, "tokens": 100}]
+        return r
+    a = write(tmp_path / "a.json", [one_window(2, 0.01)])
+    b = write(tmp_path / "b.json", [one_window(3, 0.03)])
+    [r] = plot.load_rows([pathlib.Path(a), pathlib.Path(b)], "decode")
+    assert r["windows"] == 2
+    assert r["delta_ppl_pct"] == pytest.approx(100 * math.expm1(0.02))
