@@ -127,6 +127,12 @@ def test_passkey_goal_needs_twenty_trials_and_fp16s_score():
     assert worse[0].endswith("not met: `kivi3` 19 |"), "kivi2 is under 3 bits: not a goal"
     met = tables.passkey_goal(base + [passkey("fp16", 18, 20), passkey("kivi3", 19, 20)])
     assert met[0].endswith("| met |")
+    # Every format of at least 3 bits needs its trials before the goal is met.
+    untried = tables.passkey_goal(base + [frontier_row("crq3", 3.4, 2.0), passkey("fp16", 18, 20),
+                                          passkey("kivi3", 19, 20)])
+    assert untried[0].endswith("not measured for 1 of 2 formats ≥ 3 bits |")
+    assert untried[1].startswith("| passkey equal to fp16 (≥ 3 bits, ≥ 20 trials) | 8192 |") \
+        and untried[1].endswith("not measured |")
 
 
 def test_runs_of_one_corpus_each_pool_by_tokens_with_an_interval():
