@@ -213,6 +213,7 @@ def targets(rows, corpus):
 # 2048 tokens (austen, code, kjv) and 8192 (austen, code).
 GOALS = [(4.3, 0.5), (3.5, 2.5), (2.6, 10.0)]
 GOAL_CONTEXTS = {2048: ("austen", "code", "kjv"), 8192: ("austen", "code")}
+GOAL_MIN_WINDOWS = 5  # per corpus; formats screened on fewer are named, never picked
 PASSKEY_MIN_BITS = 3.0
 PASSKEY_MIN_TRIALS = 20
 
@@ -305,12 +306,25 @@ def frontier_table(rows, contexts=None):
     return out
 
 
-def goal_pick(rows, context, max_bits):
+def goal_windows(rows, row, context):
+    """Whether `row` (a pooled row) was measured on at least GOAL_MIN_WINDOWS
+    windows of every corpus the goal at `context` pools."""
+    def windows(corpus):
+        return max((r.get("windows", 1) for r in rows
+                    if r.get("engine", "kvq") == row.get("engine", "kvq")
+                    and r["scheme"] == row["scheme"] and r["corpus"] == corpus
+                    and r["context"] == context and "ppl" in r), default=0)
+    return all(windows(c) >= GOAL_MIN_WINDOWS for c in GOAL_CONTEXTS[context])
+
+
+def goal_pick(rows, context, max_bits, screened=False):
     """The kvq format with the lowest pooled ΔPPL within `max_bits` at
-    `context`, or None."""
+    `context` among those measured on the goal's windows (with `screened`,
+    among those measured on fewer), or None."""
     cands = [r for r in frontier_rows(rows, context)
              if r.get("engine", "kvq") == "kvq" and r["scheme"] != "fp16"
-             and r.get("bits_per_element", 99) <= max_bits]
+             and r.get("bits_per_element", 99) <= max_bits
+             and goal_windows(rows, r, context) != screened]
     return min(cands, key=lambda r: r["delta_ppl_pct"]) if cands else None
 
 
@@ -332,6 +346,13 @@ def goals(rows):
                 out.append(f"| {name} | {ctx} | – | – | – | not measured |")
                 continue
             pick = goal_pick(rows, ctx, max_bits)
+            screen = goal_pick(rows, ctx, max_bits, screened=True)
+            if pick is None and screen is not None:
+                out.append(f'| {name} | {ctx} | none on ≥ {GOAL_MIN_WINDOWS} windows per corpus; '
+                           f'screened: `{screen["scheme"]}` | {screen["bits_per_element"]:.2f} '
+                           f'| {with_ci(screen, "delta_ppl_pct", "+.2f")} '
+                           f'({screen.get("windows", 1)} windows) | not measured |')
+                continue
             if pick is None:
                 cheapest = min((r for r in frontier_rows(rows, ctx)
                                 if r.get("engine", "kvq") == "kvq" and r["scheme"] != "fp16"),
@@ -349,6 +370,10 @@ def goals(rows):
             else:
                 status = f"not met: best {dppl:+.2f}%" + (f", interval from {ci[0]:+.2f}"
                                                            if ci else "")
+            if screen is not None and screen["delta_ppl_pct"] < dppl:
+                status += (f'; screened on {screen.get("windows", 1)} windows: '
+                           f'`{screen["scheme"]}` {screen["bits_per_element"]:.2f} bits '
+                           f'{screen["delta_ppl_pct"]:+.2f}%')
             out.append(f'| {name} | {ctx} | `{pick["scheme"]}` | {pick["bits_per_element"]:.2f} '
                        f'| {with_ci(pick, "delta_ppl_pct", "+.2f")} | {status} |')
     out.extend(passkey_goal(rows))

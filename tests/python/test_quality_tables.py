@@ -100,18 +100,26 @@ def test_peer_rows_stand_for_both_metrics(tmp_path):
 def test_frontier_goals_met_not_met_and_not_measured():
     rows = [frontier_row("fp16", 16.0, 0.0)]
     for corpus in ("austen", "code", "kjv"):
-        rows.append(frontier_row("kivi4:v3", 4.23, 0.4, corpus=corpus))
+        rows += [dict(frontier_row(scheme, 0.0, 0.0, corpus=corpus), windows=windows)
+                 for scheme, windows in (("kivi4:v3", 5), ("kivi3", 5), ("kivi4", 5),
+                                         ("crq3:r24", 1))]
     rows += [frontier_row("kivi4:v3", 4.23, 0.4, ci=[0.2, 0.6]),
              frontier_row("kivi3", 3.4, 3.1, ci=[2.6, 3.7]),
              frontier_row("kivi4", 4.7, 0.1),
+             frontier_row("crq3:r24", 3.45, 2.0),  # Screened on one window per corpus.
+             frontier_row("crq2", 2.4, 8.0),  # Screened: no per-corpus rows.
              frontier_row("q4_0", 4.5, 0.05, engine="llama.cpp")]
     lines = tables.goals(rows)
     at = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line for line in lines[2:]}
     four = at[("≤ 4.3 bits, ΔPPL ≤ 0.5%", "2048")]
     assert "`kivi4:v3`" in four and "met (the interval reaches +0.60)" in four, \
         "kivi4 is over the budget and llama.cpp rows are not kvq formats"
-    assert "not met: best +3.10%, interval from +2.60" in at[("≤ 3.5 bits, ΔPPL ≤ 2.5%", "2048")]
-    assert "not met: no format ≤ 2.6 bits" in at[("≤ 2.6 bits, ΔPPL ≤ 10.0%", "2048")]
+    three = at[("≤ 3.5 bits, ΔPPL ≤ 2.5%", "2048")]
+    assert "`kivi3`" in three and "not met: best +3.10%, interval from +2.60" in three, \
+        "a format screened on fewer than 5 windows per corpus is never the pick"
+    assert three.endswith("; screened on 1 windows: `crq3:r24` 3.45 bits +2.00% |")
+    assert at[("≤ 2.6 bits, ΔPPL ≤ 10.0%", "2048")].endswith(
+        "screened: `crq2` | 2.40 | +8.00 (1 windows) | not measured |")
     assert at[("≤ 4.3 bits, ΔPPL ≤ 0.5%", "8192")].endswith("not measured |")
 
 
