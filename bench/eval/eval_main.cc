@@ -735,8 +735,9 @@ int Main(int argc, char** argv) {
         reference_bytes / 1048576.0, client ? "on the server (see its Stats)" : "none (pages on demand)",
         PeakRssBytes() / 1048576.0);
   };
-  // With --out the JSON is rewritten after every window, so a long run
-  // leaves what it has measured should it be stopped.
+  // With --out the JSON is rewritten after every window and after every
+  // scheme's passkey trials, so a long run leaves what it has measured
+  // should it be stopped.
   auto write_out = [&](const std::string& json) {
     const std::string path = absl::GetFlag(FLAGS_out);
     if (path.empty()) return;
@@ -744,6 +745,12 @@ int Main(int argc, char** argv) {
     std::ofstream(tmp) << json;
     std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
+  };
+  auto write_partial = [&] {
+    if (absl::GetFlag(FLAGS_out).empty()) return;
+    std::string json, table;
+    report(/*partial=*/true, json, table);
+    write_out(json);
   };
   for (const Window& w : all_windows) {
     // One metric at a time, so one fp16 reference is held at once.
@@ -777,11 +784,7 @@ int Main(int argc, char** argv) {
         bar.Update(++steps, total_steps);
       }
     }
-    if (!absl::GetFlag(FLAGS_out).empty()) {
-      std::string json, table;
-      report(/*partial=*/true, json, table);
-      write_out(json);
-    }
+    write_partial();
   }
   for (size_t s = 0; s < specs.size(); ++s) {
     if (!runs_passkey(scheme_names[s])) continue;
@@ -805,6 +808,7 @@ int Main(int argc, char** argv) {
         bar.Update(++steps, total_steps);
       }
     }
+    write_partial();  // Each scheme's trials, as each window's scores.
   }
   bar.Finish();
 

@@ -48,7 +48,7 @@ from matplotlib.ticker import MultipleLocator  # noqa: E402
 
 # The frontier's families and goals are quality_tables.py's (same directory).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_tables import GOALS, family, metrics_of, pool_corpora  # noqa: E402
+from quality_tables import GOALS, family, merge_windows, metrics_of, pool_corpora  # noqa: E402
 
 ENGINE_STYLE = {
     "kvq": {"marker": "o", "linestyle": "-"},
@@ -64,8 +64,9 @@ def load_rows(paths: list[Path], metric: str | None = None) -> list[dict]:
     """All rows of all files (only those of `metric` when given; rows
     without one were scored on chunked prefill, and llama.cpp's stand for
     both: quality_tables.metrics_of); rows without an engine count as kvq's, and a
-    row measured again (same engine, scheme, metric, corpus, context) keeps
-    the later file's figures."""
+    row measured again (same engine, scheme, metric, corpus, context) is
+    merged window by window with the earlier one, or keeps the later file's
+    figures without per-window sums (quality_tables.merge_windows)."""
     rows = {}
     for p in paths:
         data = json.loads(p.read_text())
@@ -78,8 +79,8 @@ def load_rows(paths: list[Path], metric: str | None = None) -> list[dict]:
             r.setdefault("metric", "prefill")
             if metric is not None:
                 r["metric"] = metric
-            rows[(r["engine"], r["scheme"], r["metric"], r.get("corpus"),
-                  r.get("context"))] = r
+            key = (r["engine"], r["scheme"], r["metric"], r.get("corpus"), r.get("context"))
+            rows[key] = merge_windows(rows[key], r) if key in rows else r
     return list(rows.values())
 
 

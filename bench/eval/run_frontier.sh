@@ -17,7 +17,9 @@
 #     0.05..0.95) at 2048 tokens for fp16 and the formats of at least 3 bits;
 #  5. quality_tables.py --frontier and plot_quality.py --frontier.
 #
-# KVQ_FRONTIER_SCHEMES replaces the format list (crq schemes go there);
+# KVQ_FRONTIER_SCHEMES replaces the format list (crq schemes go there, with
+# KVQ_FRONTIER_CALIBRATION naming the calibration file every kvq-eval run
+# reads: kvq-eval --write_calibration=FILE --calib_tokens=8192 writes it);
 # KVQ_FRONTIER_WINDOWS (default 5) sets the windows per corpus.
 # OPENBLAS_CORETYPE is passed through: OpenBLAS falls back to its generic
 # SSE3 kernels on CPUs it does not know, and every figure of one frontier
@@ -34,6 +36,10 @@ windows="${KVQ_FRONTIER_WINDOWS:-5}"
 # then the others spread out; KVQ_FRONTIER_ORDER lists 0..windows-1 anew.
 order="${KVQ_FRONTIER_ORDER:-2,0,4,1,3}"
 mkdir -p "$out" "$root/docs/img"
+calibration=()
+if [[ -n "${KVQ_FRONTIER_CALIBRATION:-}" ]]; then
+  calibration=(--calibration_file="$KVQ_FRONTIER_CALIBRATION")
+fi
 
 # KIVI near 4.3 bits (4-bit keys, 3-bit values) and all-4-bit, near 3.5
 # (3-bit; 3-bit keys with 2-bit values under it) and near 2.6 (2-bit, fitted
@@ -49,7 +55,7 @@ run_context() {
   for corpus in ${corpora//,/ }; do
     OMP_NUM_THREADS=1 "$eval_bin" --corpora="$corpus" --contexts="$context" \
       --windows="$windows" --window_order="$order" --metrics=decode --passkey_contexts= \
-      --progress=false \
+      --progress=false "${calibration[@]}" \
       --schemes="$schemes" --out="$out/kvq_frontier_${context}_${corpus}.json" >/dev/null &
     pids+=($!)
   done
@@ -67,7 +73,8 @@ if [[ -n "${KVQ_FRONTIER_PASSKEY:-}" ]]; then
   n="$KVQ_FRONTIER_PASSKEY"
   depths="$(python3 -c "n=$n; print(','.join(f'{0.05 + 0.9 * i / max(1, n - 1):.4f}' for i in range(n)))")"
   OMP_NUM_THREADS=1 "$eval_bin" --contexts= --passkey_contexts=2048 --passkey_depths="$depths" \
-    --schemes="$schemes" --progress=false --out="$out/kvq_frontier_passkey_2048.json" >/dev/null
+    --schemes="$schemes" --progress=false "${calibration[@]}" \
+    --out="$out/kvq_frontier_passkey_2048.json" >/dev/null
 fi
 
 python3 "$root/bench/eval/quality_tables.py" --frontier "$out"/kvq_frontier_*.json \

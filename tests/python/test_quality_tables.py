@@ -100,18 +100,26 @@ def test_peer_rows_stand_for_both_metrics(tmp_path):
 def test_frontier_goals_met_not_met_and_not_measured():
     rows = [frontier_row("fp16", 16.0, 0.0)]
     for corpus in ("austen", "code", "kjv"):
-        rows.append(frontier_row("kivi4:v3", 4.23, 0.4, corpus=corpus))
+        rows += [dict(frontier_row(scheme, 0.0, 0.0, corpus=corpus), windows=windows)
+                 for scheme, windows in (("kivi4:v3", 5), ("kivi3", 5), ("kivi4", 5),
+                                         ("crq3:r24", 1))]
     rows += [frontier_row("kivi4:v3", 4.23, 0.4, ci=[0.2, 0.6]),
              frontier_row("kivi3", 3.4, 3.1, ci=[2.6, 3.7]),
              frontier_row("kivi4", 4.7, 0.1),
+             frontier_row("crq3:r24", 3.45, 2.0),  # Screened on one window per corpus.
+             frontier_row("crq2", 2.4, 8.0),  # Screened: no per-corpus rows.
              frontier_row("q4_0", 4.5, 0.05, engine="llama.cpp")]
     lines = tables.goals(rows)
     at = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line for line in lines[2:]}
     four = at[("≤ 4.3 bits, ΔPPL ≤ 0.5%", "2048")]
     assert "`kivi4:v3`" in four and "met (the interval reaches +0.60)" in four, \
         "kivi4 is over the budget and llama.cpp rows are not kvq formats"
-    assert "not met: best +3.10%, interval from +2.60" in at[("≤ 3.5 bits, ΔPPL ≤ 2.5%", "2048")]
-    assert "not met: no format ≤ 2.6 bits" in at[("≤ 2.6 bits, ΔPPL ≤ 10.0%", "2048")]
+    three = at[("≤ 3.5 bits, ΔPPL ≤ 2.5%", "2048")]
+    assert "`kivi3`" in three and "not met: best +3.10%, interval from +2.60" in three, \
+        "a format screened on fewer than 5 windows per corpus is never the pick"
+    assert three.endswith("; screened on 1 windows: `crq3:r24` 3.45 bits +2.00% |")
+    assert at[("≤ 2.6 bits, ΔPPL ≤ 10.0%", "2048")].endswith(
+        "screened: `crq2` | 2.40 | +8.00 (1 windows) | not measured |")
     assert at[("≤ 4.3 bits, ΔPPL ≤ 0.5%", "8192")].endswith("not measured |")
 
 
@@ -127,6 +135,12 @@ def test_passkey_goal_needs_twenty_trials_and_fp16s_score():
     assert worse[0].endswith("not met: `kivi3` 19 |"), "kivi2 is under 3 bits: not a goal"
     met = tables.passkey_goal(base + [passkey("fp16", 18, 20), passkey("kivi3", 19, 20)])
     assert met[0].endswith("| met |")
+    # Every format of at least 3 bits needs its trials before the goal is met.
+    untried = tables.passkey_goal(base + [frontier_row("crq3", 3.4, 2.0), passkey("fp16", 18, 20),
+                                          passkey("kivi3", 19, 20)])
+    assert untried[0].endswith("not measured for 1 of 2 formats ≥ 3 bits |")
+    assert untried[1].startswith("| passkey equal to fp16 (≥ 3 bits, ≥ 20 trials) | 8192 |") \
+        and untried[1].endswith("not measured |")
 
 
 def test_runs_of_one_corpus_each_pool_by_tokens_with_an_interval():
@@ -148,3 +162,50 @@ def test_runs_of_one_corpus_each_pool_by_tokens_with_an_interval():
     assert pooled[0]["kl_mean"] == pytest.approx(0.04)
     lo, hi = pooled[0]["delta_ppl_pct_ci95"]
     assert lo < pooled[0]["delta_ppl_pct"] < hi
+
+
+def test_runs_of_other_windows_of_one_corpus_merge_into_one_row(tmp_path):
+    # A stopped run and a later run of the remaining windows (and a rerun of
+    # one window) add up to one row per corpus, pooled by tokens.
+    def windows_row(windows, dppl):
+        r = frontier_row("kivi3", 3.74, dppl, corpus="austen")
+        r["per_window"] = [{"index": i, "nll": n * 100, "ref_nll": ref * 100, "kl": kl * 100,
+                            "tokens": 100} for i, n, ref, kl in windows]
+        r["delta_ppl_pct_ci95"] = [dppl, dppl]
+        return r
+    first = write(tmp_path / "first.json",
+                  [windows_row([(2, 3.0, 2.9, 0.05), (0, 3.2, 3.1, 0.04)], 10.0)])
+    rest = write(tmp_path / "rest.json",
+                 [windows_row([(0, 3.3, 3.1, 0.08), (3, 2.0, 2.0, 0.0)], 20.0)])
+    [merged] = tables.load([first, rest], "decode")
+    assert sorted(w["index"] for w in merged["per_window"]) == [0, 2, 3]
+    assert merged["windows"] == 3 and merged["tokens_scored"] == 300
+    # Window 0 keeps the later run's sums (nll - ref = 0.2 per token).
+    assert merged["delta_ppl_pct"] == pytest.approx(100 * math.expm1((10 + 20 + 0) / 300))
+    assert merged["kl_mean"] == pytest.approx((5 + 8 + 0) / 300)
+    assert merged["nll"] == pytest.approx((300 + 330 + 200) / 300)
+    lo, hi = merged["delta_ppl_pct_ci95"]
+    assert lo < merged["delta_ppl_pct"] < hi, "the interval is the union's, not a file's"
+    # Rows without per-window sums (older files) are replaced, not merged.
+    old = write(tmp_path / "old.json", [frontier_row("kivi3", 3.74, 7.0, corpus="austen")])
+    [replaced] = tables.load([first, old], "decode")
+    assert replaced["delta_ppl_pct"] == 7.0 and "per_window" not in replaced
+
+
+def test_the_frontier_plot_merges_windows_as_the_table_does(tmp_path):
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location(
+        "plot_quality", SOURCE / "bench" / "eval" / "plot_quality.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+
+    def one_window(index, dppl_per_token):
+        r = frontier_row("kivi3", 3.74, 0.0, corpus="code")
+        r["per_window"] = [{"index": index, "nll": 300.0 + 100 * dppl_per_token,
+                            "ref_nll": 300.0, "kl": 1.0, "tokens": 100}]
+        return r
+    a = write(tmp_path / "a.json", [one_window(2, 0.01)])
+    b = write(tmp_path / "b.json", [one_window(3, 0.03)])
+    [r] = plot.load_rows([pathlib.Path(a), pathlib.Path(b)], "decode")
+    assert r["windows"] == 2
+    assert r["delta_ppl_pct"] == pytest.approx(100 * math.expm1(0.02))
