@@ -8,8 +8,9 @@ bootstrap of pooling.py, and prints per (scheme, metric): each run's pooled
 ΔPPL and KL with their 95% intervals, the difference of the candidate from
 the base run with the paired interval of that difference, and with --floor
 the spread of the base engine's own ΔPPL over runs that differ only in
-rounding (SIMD targets, BLAS threads): the chaos a last-bit difference
-causes, against which "reproduces within 0.1 point" is judged
+rounding (SIMD targets, BLAS kernels), and each such run's paired
+difference from the base with its interval: the chaos a last-bit
+difference causes, against which "reproduces within 0.1 point" is judged
 (docs/QUALITY.md).
 
   kvq-eval --contexts=256 --windows=2 --corpora=austen,code,kjv --passkey_contexts= \\
@@ -67,11 +68,17 @@ def compare(base: Path, candidate: Path, floor: list[Path], corpus: str, resampl
                "base": pool(bw, resamples, seed), "candidate": pool(cw, resamples, seed),
                "difference": paired_difference(cw, bw, resamples, seed)}
         spread = [row["base"]["delta_ppl_pct"]]
-        for fr in f_rows:
+        row["floor"] = []
+        for path, fr in zip(floor, f_rows):
             if key in fr:
                 fw, bw2 = paired(fr[key], b_rows[key])
                 if len(fw) == len(bw):
                     spread.append(pool(fw, resamples, seed)["delta_ppl_pct"])
+                    # The floor run against the base, paired like the
+                    # candidate: its interval is what rounding alone moves
+                    # the difference by on these windows.
+                    row["floor"].append(dict(paired_difference(fw, bw2, resamples, seed),
+                                             run=path.name))
         row["floor_runs"] = len(spread)
         row["floor_spread"] = max(spread) - min(spread)
         out.append(row)
@@ -96,17 +103,18 @@ def main(argv: list[str]) -> int:
                    args.seed)
     print("| ctx | metric | scheme | windows | base ΔPPL % [95% CI] | candidate ΔPPL % [95% CI] "
           "| difference [paired 95% CI] | base KL | candidate KL | floor spread (runs) "
-          f"| within {args.tolerance} |")
-    print("|---:|---|---|---:|---|---|---|---:|---:|---:|---|")
+          f"| floor run − base [paired 95% CI] | within {args.tolerance} |")
+    print("|---:|---|---|---:|---|---|---|---:|---:|---:|---|---|")
     for r in rows:
         b, c, d = r["base"], r["candidate"], r["difference"]
         ok = abs(d["difference"]) <= args.tolerance
+        floors = "; ".join(fmt_ci(f["difference"], f.get("ci95"), "+.3f") for f in r["floor"])
         print(f"| {r['context']} | {r['metric']} | `{r['scheme']}` | {r['windows']} | "
               f"{fmt_ci(b['delta_ppl_pct'], b.get('delta_ppl_pct_ci95'), '+.3f')} | "
               f"{fmt_ci(c['delta_ppl_pct'], c.get('delta_ppl_pct_ci95'), '+.3f')} | "
               f"{fmt_ci(d['difference'], d.get('ci95'), '+.3f')} | {b['kl_mean']:.5f} | "
               f"{c['kl_mean']:.5f} | {r['floor_spread']:.3f} ({r['floor_runs']}) | "
-              f"{'yes' if ok else 'no'} |")
+              f"{floors or '—'} | {'yes' if ok else 'no'} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -60,3 +60,31 @@ def test_paired_difference_cancels_shared_window_noise():
 def test_paired_difference_refuses_unpaired_runs():
     with pytest.raises(ValueError, match="3 windows against 2"):
         paired_difference([window(0, 0)] * 3, [window(0, 0)] * 2)
+
+
+def test_compare_forward_pairs_the_floor_run_like_the_candidate(tmp_path):
+    # compare_forward.py: the candidate and each floor run are paired with
+    # the base window by window, the floor with its own interval.
+    import json
+
+    from compare_forward import compare
+
+    def run(name, shifts):
+        per_window = [dict(window(0.02 + s, 0.01), window=f"austen/{i}", index=i)
+                      for i, s in enumerate(shifts)]
+        path = tmp_path / name
+        path.write_text(json.dumps({"rows": [
+            {"scheme": "kivi4", "metric": "decode", "context": 512, "corpus": "all",
+             "per_window": per_window}]}))
+        return path, per_window
+
+    base, bw = run("base.json", [0.0, 0.01, 0.02, 0.03])
+    candidate, cw = run("candidate.json", [0.001, 0.011, 0.021, 0.031])
+    floor, fw = run("floor.json", [0.002, 0.008, 0.022, 0.028])
+    (row,) = compare(base, candidate, [floor], "all", 200, 1)
+    assert row["difference"] == paired_difference(cw, bw, 200, 1)
+    (f,) = row["floor"]
+    assert f["run"] == "floor.json"
+    assert f["difference"] == pytest.approx(paired_difference(fw, bw, 200, 1)["difference"])
+    assert f["ci95"] == pytest.approx(paired_difference(fw, bw, 200, 1)["ci95"])
+    assert row["floor_spread"] == pytest.approx(abs(f["difference"]))
