@@ -597,6 +597,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--calibration-name", "--calibration_name", dest="calibration_name",
                     help="name written into --write_calibration's file (default: its file "
                          "name without .kvqcal)")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="with --out: rewrite it after every window (the rows so far, "
+                         "\"partial\": true), so a run stopped early keeps what it measured; "
+                         "windows then run index by index across the corpora")
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, help="JSON rows (default: stdout)")
     args = ap.parse_args(argv)
@@ -647,6 +651,10 @@ def main(argv: list[str]) -> int:
     windows = pick_windows([w for w in windows if w["context"] >= args.min_context],
                            args.max_windows, args.max_context)
     prompts = [p for p in prompts if p["context"] >= args.min_context]
+    if args.checkpoint:
+        # Window 0 of every corpus first, then window 1, ...: a run stopped
+        # early has measured every corpus.
+        windows.sort(key=lambda w: (w["context"], w["index"], w["corpus"]))
     if args.max_context is not None:
         prompts = [p for p in prompts if p["context"] <= args.max_context]
 
@@ -699,6 +707,16 @@ def main(argv: list[str]) -> int:
                     f"ppl {math.exp(r['nll'] / r['scored']):.4f} "
                     f"kl {r['kl'] / r['scored']:.5f} top1 {r['agree']}/{r['generated']}")
             del reference
+        if args.checkpoint and args.out:
+            # The rows so far: a run stopped early keeps what it measured.
+            elems_so_far = (2.0 * geometry["num_layers"] * geometry["num_kv_heads"]
+                            * geometry["head_dim"])
+            write_result({"tool": "kvq-eval", "forward": "transformers",
+                          "model": args.gguf_file or args.model, "partial": True,
+                          "chunk": chunk,
+                          "calibration": calibration and {"name": calibration.name,
+                                                          "checksum": calibration.checksum},
+                          "rows": rows_of(acc, {}, elems_so_far, resamples, seed)}, args.out)
 
     passkey_schemes = schemes if args.passkey_schemes is None else [
         s for s in args.passkey_schemes.split(",") if s]
