@@ -298,20 +298,34 @@ class DecodeFaithfulPass:
         out = torch.empty_like(q)
         for b in range(0, n, self.chunk):
             e = min(n, b + self.chunk)
+            # The keys some query of the chunk sees: [lo, e).
+            lo = max(0, b - sliding_window + 1) if sliding_window else 0
+            cols = j[lo:e]
             rows = torch.arange(b, e)
-            quantized = ((j[None, :] >= torch.from_numpy(q_begin[b:e])[:, None]) &
-                         (j[None, :] < torch.from_numpy(q_end[b:e])[:, None]))[:, :e]
+            quantized = ((cols[None, :] >= torch.from_numpy(q_begin[b:e])[:, None]) &
+                         (cols[None, :] < torch.from_numpy(q_end[b:e])[:, None]))
+            # Each form's scores only on the keys some query reads in it:
+            # the fresh (fp16 tail) form is a few hundred keys per chunk.
+            q_cols = lo + torch.nonzero(quantized.any(dim=0)).flatten()
+            f_cols = lo + torch.nonzero(~quantized.all(dim=0)).flatten()
             qb = q[:, b:e]
-            scores = torch.where(quantized, qb @ dk[:, :e].transpose(1, 2),
-                                 qb @ fk[:, :e].transpose(1, 2)) * scaling
-            hidden = j[None, :e] > rows[:, None]
+            scores = torch.empty(qb.shape[0], e - b, e - lo)
+            scores[:, :, f_cols - lo] = qb @ fk[:, f_cols].transpose(1, 2)
+            if len(q_cols):
+                at = q_cols - lo
+                scores[:, :, at] = torch.where(quantized[:, at],
+                                               qb @ dk[:, q_cols].transpose(1, 2),
+                                               scores[:, :, at])
+            scores *= scaling
+            hidden = cols[None, :] > rows[:, None]
             if sliding_window:
-                hidden |= j[None, :e] <= rows[:, None] - sliding_window
+                hidden |= cols[None, :] <= rows[:, None] - sliding_window
             scores = scores.masked_fill(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             zero = torch.zeros((), dtype=probs.dtype)
-            out[:, b:e] = (torch.where(quantized, probs, zero) @ dv[:, :e] +
-                           torch.where(quantized, zero, probs) @ fv[:, :e])
+            out[:, b:e] = (torch.where(quantized, zero, probs)[:, :, f_cols - lo] @ fv[:, f_cols]
+                           + torch.where(quantized, probs, zero)[:, :, q_cols - lo]
+                           @ dv[:, q_cols])
         return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
     def bytes_by_component(self) -> dict:
