@@ -50,6 +50,33 @@ def test_scales_are_quartic_roots_at_geometric_mean_one():
     assert np.isfinite(value_scales(np.array([0.0, 1.0]), np.array([1.0, 1.0]))).all()
 
 
+def test_first_layer_statistics_are_its_projections():
+    """On a small random Llama, layer 0's key and value means are those of
+    its k_proj and v_proj outputs: the keys are taken before RoPE (RoPE
+    undone exactly), whatever the chunking."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16)
+    model = LlamaForCausalLM(config).eval()
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, 100, 300)]
+    cal = calibrate(model, ids, "tiny", chunk=64)
+    assert (cal.num_layers, cal.num_kv_heads, cal.head_dim) == (2, 2, 16)
+    arrays = cal.arrays()
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        x = layer.input_layernorm(model.model.embed_tokens(torch.tensor([ids])))
+        k = layer.self_attn.k_proj(x)[0].reshape(300, 2, 16).numpy()
+        v = layer.self_attn.v_proj(x)[0].reshape(300, 2, 16).numpy()
+    np.testing.assert_allclose(arrays["key_mean"][0], k.mean(axis=0), atol=1e-5)
+    np.testing.assert_allclose(arrays["value_mean"][0], v.mean(axis=0), atol=1e-5)
+    one_chunk = calibrate(model, ids, "tiny", chunk=300).arrays()
+    for name in arrays:
+        np.testing.assert_allclose(arrays[name], one_chunk[name], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.skipif(not os.access(os.environ.get("KVQ_EVAL_BIN", ""), os.X_OK),
                     reason="KVQ_EVAL_BIN does not name a kvq-eval binary")
 def test_python_calibration_agrees_with_kvq_eval(tmp_path):

@@ -178,7 +178,7 @@ def calibrate(model, token_ids: Sequence[int], name: str, *, chunk: int = 512,
             for pos in range(0, len(tokens), chunk):
                 stats.start = pos
                 ids = torch.tensor([tokens[pos:pos + chunk]], dtype=torch.long)
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     finally:
         _state.stats = None
         model.set_attn_implementation(previous)
