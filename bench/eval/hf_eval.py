@@ -110,19 +110,30 @@ def passkey_prompt(tokenizer, texts: dict, context: int, depth: float, key: str)
 
 # ---------------------------------------------------------------- numerics
 
+# Rows per block of the row-wise numerics: a window's logits over a large
+# vocabulary (Gemma 3: 262144) in double would take gigabytes at once.
+ROW_BLOCK = 128
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise, double accumulation, float32 out (eval_runner.cc LogSoftmax)."""
-    x = logits.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    lse = m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-    return (x - lse).astype(np.float32)
+    out = np.empty(logits.shape, np.float32)
+    for b in range(0, logits.shape[0], ROW_BLOCK):
+        x = logits[b:b + ROW_BLOCK].astype(np.float64)
+        m = x.max(axis=-1, keepdims=True)
+        lse = m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+        out[b:b + ROW_BLOCK] = x - lse
+    return out
 
 
 def kl_rows(ref: np.ndarray, lp: np.ndarray) -> float:
     """Sum over rows of max(0, KL(ref || lp)) in double."""
-    r = ref.astype(np.float64)
-    kl = (np.exp(r) * (r - lp.astype(np.float64))).sum(axis=-1)
-    return float(np.maximum(kl, 0.0).sum())
+    total = 0.0
+    for b in range(0, ref.shape[0], ROW_BLOCK):
+        r = ref[b:b + ROW_BLOCK].astype(np.float64)
+        kl = (np.exp(r) * (r - lp[b:b + ROW_BLOCK].astype(np.float64))).sum(axis=-1)
+        total += float(np.maximum(kl, 0.0).sum())
+    return total
 
 
 # ------------------------------------------------------------------- model
@@ -130,15 +141,21 @@ def kl_rows(ref: np.ndarray, lp: np.ndarray) -> float:
 class Runner:
     """A transformers causal LM and kvq caches for it."""
 
-    def __init__(self, model, codebooks=None):
+    def __init__(self, model, codebooks=None, calibration=None):
         import torch
 
         self.torch = torch
         self.model = model
         self.vocab = model.config.get_text_config(decoder=True).vocab_size
+        from kvq.calibrate import layer_rope_theta
         from kvq.hf import model_geometry
 
         self.geometry = model_geometry(model.config)
+        # Per layer: models with per-layer-type RoPE (Gemma 3) have no one theta.
+        self.rope_thetas = [layer_rope_theta(model.config, layer)
+                            for layer in range(self.geometry["num_layers"])]
+        # The crq schemes' kvq.Calibration (--calibration_file / computed).
+        self.calibration = calibration
 
     def cache(self, scheme: str):
         from kvq.hf import KvqCache
@@ -213,7 +230,8 @@ class DecodeFaithfulPass:
     construction of kvq-eval's DecodeFaithfulCache (decode_cache.cc), whose
     test proves it equal to token-by-token decoding."""
 
-    def __init__(self, scheme: str, geometry: dict, chunk: int):
+    def __init__(self, scheme: str, geometry: dict, chunk: int, calibration=None,
+                 rope_thetas: list | None = None):
         from kvq import _native
         from kvq.hf import _InverseRope, _is_pre_rope
 
@@ -221,24 +239,40 @@ class DecodeFaithfulPass:
         self.scheme = scheme
         self.geometry = geometry
         self.chunk = chunk
-        self.inverse_rope = (_InverseRope(geometry["rope_theta"], geometry["head_dim"])
-                             if _is_pre_rope(scheme) else None)
+        self.calibration = calibration
+        # Each layer's RoPE base (one for all layers unless the model has
+        # per-layer-type RoPE): kvq re-applies it to pre_rope keys.
+        self.rope_thetas = rope_thetas or [geometry["rope_theta"]] * geometry["num_layers"]
+        self.pre_rope = _is_pre_rope(scheme)
+        self.inverse_ropes = {theta: _InverseRope(theta, geometry["head_dim"])
+                              for theta in set(self.rope_thetas)
+                              if self.pre_rope and theta is not None}
         self.stores: dict = {}
 
-    def attend(self, layer: int, query, key, value, scaling: float):
+    def attend(self, layer: int, query, key, value, scaling: float,
+               sliding_window: int | None = None):
         """query [1, q_heads, n, d], key/value [1, kv_heads, n, d] (post-RoPE,
-        positions 0..n-1): attention output [1, n, q_heads, d]."""
+        positions 0..n-1): attention output [1, n, q_heads, d]. With
+        `sliding_window` W (a sliding-window layer), query p sees keys j with
+        p - W < j <= p, as transformers masks such a layer
+        (masking_utils.sliding_window_overlay); the stream still stores
+        every token, as a decode cache holding the window would hold its
+        tokens in the same forms."""
         import torch
 
         g = self.geometry
+        theta = self.rope_thetas[layer]
         kwargs = {"backend": "cpu"}
-        if g["rope_theta"] is not None:
-            kwargs["rope_theta"] = g["rope_theta"]
+        if theta is not None:
+            kwargs["rope_theta"] = theta
+        if self.calibration is not None:
+            kwargs["calibration"] = self.calibration
+            kwargs["calibration_layer"] = layer
         store = self.native.KvLayer(self.scheme, g["num_kv_heads"], g["head_dim"], **kwargs)
         self.stores[layer] = store
         k = key[0].detach().to(torch.float32)
-        if self.inverse_rope is not None:
-            k = self.inverse_rope(k, 0)
+        if self.pre_rope and theta is not None:
+            k = self.inverse_ropes[theta](k, 0)
         k = k.contiguous().numpy()
         v = value[0].detach().to(torch.float32).contiguous().numpy()
         n = k.shape[1]
@@ -264,17 +298,34 @@ class DecodeFaithfulPass:
         out = torch.empty_like(q)
         for b in range(0, n, self.chunk):
             e = min(n, b + self.chunk)
+            # The keys some query of the chunk sees: [lo, e).
+            lo = max(0, b - sliding_window + 1) if sliding_window else 0
+            cols = j[lo:e]
             rows = torch.arange(b, e)
-            quantized = ((j[None, :] >= torch.from_numpy(q_begin[b:e])[:, None]) &
-                         (j[None, :] < torch.from_numpy(q_end[b:e])[:, None]))[:, :e]
+            quantized = ((cols[None, :] >= torch.from_numpy(q_begin[b:e])[:, None]) &
+                         (cols[None, :] < torch.from_numpy(q_end[b:e])[:, None]))
+            # Each form's scores only on the keys some query reads in it:
+            # the fresh (fp16 tail) form is a few hundred keys per chunk.
+            q_cols = lo + torch.nonzero(quantized.any(dim=0)).flatten()
+            f_cols = lo + torch.nonzero(~quantized.all(dim=0)).flatten()
             qb = q[:, b:e]
-            scores = torch.where(quantized, qb @ dk[:, :e].transpose(1, 2),
-                                 qb @ fk[:, :e].transpose(1, 2)) * scaling
-            scores = scores.masked_fill(j[None, :e] > rows[:, None], float("-inf"))
+            scores = torch.empty(qb.shape[0], e - b, e - lo)
+            scores[:, :, f_cols - lo] = qb @ fk[:, f_cols].transpose(1, 2)
+            if len(q_cols):
+                at = q_cols - lo
+                scores[:, :, at] = torch.where(quantized[:, at],
+                                               qb @ dk[:, q_cols].transpose(1, 2),
+                                               scores[:, :, at])
+            scores *= scaling
+            hidden = cols[None, :] > rows[:, None]
+            if sliding_window:
+                hidden |= cols[None, :] <= rows[:, None] - sliding_window
+            scores = scores.masked_fill(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             zero = torch.zeros((), dtype=probs.dtype)
-            out[:, b:e] = (torch.where(quantized, probs, zero) @ dv[:, :e] +
-                           torch.where(quantized, zero, probs) @ fv[:, :e])
+            out[:, b:e] = (torch.where(quantized, zero, probs)[:, :, f_cols - lo] @ fv[:, f_cols]
+                           + torch.where(quantized, probs, zero)[:, :, q_cols - lo]
+                           @ dv[:, q_cols])
         return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
     def bytes_by_component(self) -> dict:
@@ -293,7 +344,8 @@ def _decode_faithful_attention(module, query, key, value, attention_mask, scalin
                          "hf_eval.run_decode_metric")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return state.attend(module.layer_idx, query, key, value, scaling), None
+    sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    return state.attend(module.layer_idx, query, key, value, scaling, sliding_window), None
 
 
 def _no_mask(*args, **kwargs):
@@ -318,7 +370,8 @@ def run_decode_metric(runner: Runner, window: list[int], scheme: str, chunk: int
     C = len(window)
     r = new_result(C)
     keep = None if reference else np.zeros((C - 1, runner.vocab), np.float32)
-    state = DecodeFaithfulPass(scheme, runner.geometry, chunk)
+    state = DecodeFaithfulPass(scheme, runner.geometry, chunk, runner.calibration,
+                               runner.rope_thetas)
     model = runner.model
     previous = model.config._attn_implementation
     register_decode_attention()
@@ -484,6 +537,29 @@ def load_model(args):
     return model, tokenizer
 
 
+def load_calibration(args, model, tokenizer, data_dir: Path, chunk: int):
+    """The crq schemes' kvq.Calibration: --calibration_file's, or computed
+    from the calibration text's first --calib_tokens tokens (its first MiB
+    tokenized, as kvq-eval takes them) by kvq.calibrate."""
+    from kvq import Calibration
+    from kvq.calibrate import calibrate
+
+    if args.calibration_file and not args.write_calibration:
+        calibration = Calibration.load(str(args.calibration_file))
+        log(f'calibration "{calibration.name}" from {args.calibration_file}')
+        return calibration
+    raw = (data_dir / "corpora" / f"{args.calibration}.txt").read_bytes()[:1 << 20]
+    tokens = encode(tokenizer, raw.decode("utf-8", "ignore"))[:args.calib_tokens]
+    name = args.calibration_name or (args.write_calibration.stem if args.write_calibration
+                                     else args.calibration)
+    t0 = time.perf_counter()
+    calibration = calibrate(model, tokens, name, chunk=chunk,
+                            model_name=Path(args.gguf_file or args.model).name)
+    log(f'calibration "{name}" from {len(tokens)} tokens of {args.calibration} in '
+        f"{time.perf_counter() - t0:.0f} s")
+    return calibration
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("windows", type=Path,
@@ -520,6 +596,25 @@ def main(argv: list[str]) -> int:
                          "the model's own attention over dequantized K/V")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (a fixed count keeps results identical across machines)")
+    ap.add_argument("--calibration", default="calibration",
+                    help="corpus of the eval data dir the crq calibration is learned from "
+                         "(never an evaluation corpus), as kvq-eval's --calibration")
+    ap.add_argument("--calib-tokens", "--calib_tokens", dest="calib_tokens", type=int,
+                    default=2048, help="calibration tokens (the text's first N)")
+    ap.add_argument("--calibration-file", "--calibration_file", dest="calibration_file",
+                    type=Path, help="crq schemes: read the calibration from this .kvqcal "
+                                    "file instead of computing it")
+    ap.add_argument("--write-calibration", "--write_calibration", dest="write_calibration",
+                    type=Path, help="compute the crq calibration of --model from "
+                                    "--calibration (kvq.calibrate) and write it to this "
+                                    ".kvqcal file, then exit")
+    ap.add_argument("--calibration-name", "--calibration_name", dest="calibration_name",
+                    help="name written into --write_calibration's file (default: its file "
+                         "name without .kvqcal)")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="with --out: rewrite it after every window (the rows so far, "
+                         "\"partial\": true), so a run stopped early keeps what it measured; "
+                         "windows then run index by index across the corpora")
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, help="JSON rows (default: stdout)")
     args = ap.parse_args(argv)
@@ -532,8 +627,19 @@ def main(argv: list[str]) -> int:
     schemes = ["fp16"] + [s for s in args.schemes.split(",") if s and s != "fp16"]
     chunk = int(spec["chunk"])
     gen_tokens = int(spec.get("gen_tokens", 256))
+    if args.corpora and args.calibration in args.corpora.split(","):
+        ap.error(f"--corpora: {args.calibration} is the calibration corpus (--calibration)")
     model, tokenizer = load_model(args)
-    runner = Runner(model)
+    calibration = None
+    if args.write_calibration or any(s.startswith("crq") for s in schemes):
+        calibration = load_calibration(args, model, tokenizer, data_dir, chunk)
+        if args.write_calibration:
+            calibration.write(str(args.write_calibration))
+            log(f'calibration "{calibration.name}" ({calibration.num_layers} layers x '
+                f"{calibration.num_kv_heads} KV heads x head_dim {calibration.head_dim}, "
+                f"from {args.calibration}) written to {args.write_calibration}")
+            return 0
+    runner = Runner(model, calibration=calibration)
     from kvq.hf import model_geometry
 
     geometry = model_geometry(model.config)
@@ -559,6 +665,10 @@ def main(argv: list[str]) -> int:
     windows = pick_windows([w for w in windows if w["context"] >= args.min_context],
                            args.max_windows, args.max_context)
     prompts = [p for p in prompts if p["context"] >= args.min_context]
+    if args.checkpoint:
+        # Window 0 of every corpus first, then window 1, ...: a run stopped
+        # early has measured every corpus.
+        windows.sort(key=lambda w: (w["context"], w["index"], w["corpus"]))
     if args.max_context is not None:
         prompts = [p for p in prompts if p["context"] <= args.max_context]
 
@@ -611,6 +721,16 @@ def main(argv: list[str]) -> int:
                     f"ppl {math.exp(r['nll'] / r['scored']):.4f} "
                     f"kl {r['kl'] / r['scored']:.5f} top1 {r['agree']}/{r['generated']}")
             del reference
+        if args.checkpoint and args.out:
+            # The rows so far: a run stopped early keeps what it measured.
+            elems_so_far = (2.0 * geometry["num_layers"] * geometry["num_kv_heads"]
+                            * geometry["head_dim"])
+            write_result({"tool": "kvq-eval", "forward": "transformers",
+                          "model": args.gguf_file or args.model, "partial": True,
+                          "chunk": chunk,
+                          "calibration": calibration and {"name": calibration.name,
+                                                          "checksum": calibration.checksum},
+                          "rows": rows_of(acc, {}, elems_so_far, resamples, seed)}, args.out)
 
     passkey_schemes = schemes if args.passkey_schemes is None else [
         s for s in args.passkey_schemes.split(",") if s]
@@ -636,6 +756,11 @@ def main(argv: list[str]) -> int:
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
         "note": VOLATILE_NOTE,
     }
+    if calibration is not None:
+        result["calibration"] = {"name": calibration.name, "checksum": calibration.checksum,
+                                 "source": str(args.calibration_file or args.calibration)}
+        if not args.calibration_file:
+            result["calibration"]["tokens"] = args.calib_tokens
     write_result(result, args.out)
     return 0
 

@@ -14,9 +14,9 @@ needs torch and transformers) is a transformers KV cache backed by kvq
 (docs/PYTHON.md).
 """
 
-from ._native import KvLayer, page_geometry, quantize_pages, scheme_names
+from ._native import Calibration, KvLayer, page_geometry, quantize_pages, scheme_names
 
-__all__ = ["KvLayer", "client", "page_geometry", "quantize_pages", "scheme_names"]
+__all__ = ["Calibration", "KvLayer", "client", "page_geometry", "quantize_pages", "scheme_names"]
 
 
 def __getattr__(name):

@@ -5,6 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/calibration_file.h"
+#include "kernels/quoted.h"
 #include "kernels/status_macros.h"
 
 namespace kvq {
@@ -20,10 +22,10 @@ TensorView MutableHeadsView::Head(int h) const {
           static_cast<int>(row_stride)};
 }
 
-absl::StatusOr<std::unique_ptr<KvLayer>> KvLayer::Create(const StreamConfig& config,
-                                                         int num_kv_heads,
-                                                         const KernelBackend* backend,
-                                                         const std::vector<Codebook>& codebooks) {
+absl::StatusOr<std::unique_ptr<KvLayer>> KvLayer::Create(
+    const StreamConfig& config, int num_kv_heads, const KernelBackend* backend,
+    const std::vector<Codebook>& codebooks, const ModelCalibration* calibration,
+    int calibration_layer) {
   if (num_kv_heads < 1 || num_kv_heads > 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_kv_heads must be in [1, 1024], got ", num_kv_heads));
@@ -33,11 +35,23 @@ absl::StatusOr<std::unique_ptr<KvLayer>> KvLayer::Create(const StreamConfig& con
         absl::StrCat("scheme ", config.spec.ToString(), " has nuq: it needs ", num_kv_heads,
                      " codebooks (one per kv head), got ", codebooks.size()));
   }
+  if (calibration != nullptr) {
+    // Any layer count: a KvLayer is one layer, calibration_layer says which.
+    KVQ_RETURN_IF_ERROR(CheckCalibrationShape(*calibration, calibration->num_layers, num_kv_heads,
+                                              config.head_dim));
+    if (calibration_layer < 0 || calibration_layer >= calibration->num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration_layer ", calibration_layer, " is not a layer of calibration ",
+                       Quoted(calibration->name), " (0 to ", calibration->num_layers - 1, ")"));
+    }
+  }
   std::vector<std::unique_ptr<KvStream>> streams;
   for (int h = 0; h < num_kv_heads; ++h) {
     const Codebook* codebook = config.spec.nuq ? &codebooks[h] : nullptr;
+    const HeadCalibration* head =
+        calibration != nullptr ? &calibration->Head(calibration_layer, h) : nullptr;
     KVQ_ASSIGN_OR_RETURN(std::unique_ptr<KvStream> s,
-                         KvStream::Create(config, backend, nullptr, codebook));
+                         KvStream::Create(config, backend, nullptr, codebook, head));
     streams.push_back(std::move(s));
   }
   return std::unique_ptr<KvLayer>(new KvLayer(config, backend, std::move(streams)));

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/accounting.h"
 #include "kernels/backend.h"
+#include "kernels/calibration.h"
 #include "kernels/kv_stream.h"
 #include "kernels/stream_config.h"
 #include "kernels/tensor.h"
@@ -52,10 +53,15 @@ struct MutableHeadsView {
 class KvLayer {
  public:
   // `codebooks` (nuq only): one per kv head, empty otherwise.
-  static absl::StatusOr<std::unique_ptr<KvLayer>> Create(const StreamConfig& config,
-                                                         int num_kv_heads,
-                                                         const KernelBackend* backend,
-                                                         const std::vector<Codebook>& codebooks);
+  // `calibration` (calibrated schemes, crq): the model's calibration, of
+  // which this layer takes layer `calibration_layer`'s heads; the stream
+  // refuses a crq scheme without one, as KvStream::Create does.
+  // INVALID_ARGUMENT when its KV heads or head_dim are not the layer's, or
+  // calibration_layer is not one of its layers.
+  static absl::StatusOr<std::unique_ptr<KvLayer>> Create(
+      const StreamConfig& config, int num_kv_heads, const KernelBackend* backend,
+      const std::vector<Codebook>& codebooks, const ModelCalibration* calibration = nullptr,
+      int calibration_layer = 0);
 
   int num_kv_heads() const { return static_cast<int>(streams_.size()); }
   int head_dim() const { return config_.head_dim; }

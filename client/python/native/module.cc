@@ -14,6 +14,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -26,6 +27,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/python/native/kv_layer.h"
+#include "kernels/calibration_file.h"
 #include "kernels/quant_spec.h"
 #include "kernels/rope.h"
 
@@ -37,6 +39,7 @@ namespace {
 using AnyArray = nb::ndarray<nb::ro, nb::device::cpu>;
 using Floats3 = nb::ndarray<nb::numpy, float, nb::ndim<3>, nb::c_contig>;
 using Floats2 = nb::ndarray<nb::numpy, float, nb::ndim<2>, nb::c_contig>;
+using Floats3In = nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
 
 void Raise(const absl::Status& st) {
   if (st.ok()) return;
@@ -219,6 +222,87 @@ nb::dict ByteDict(const ByteBreakdown& b) {
   return d;
 }
 
+// A model's calibration (the crq schemes'): a .kvqcal file read through
+// kernels/calibration_file, or statistics given as arrays (what kvq.calibrate
+// computes from a transformers model), written through the same code.
+class PyCalibration {
+ public:
+  explicit PyCalibration(CalibrationFile file) : file_(std::move(file)) {}
+
+  static PyCalibration Load(const std::string& path) {
+    return PyCalibration(Value(ReadCalibrationFile(path)));
+  }
+
+  // key_mean, key_scale, value_mean, value_scale: float32 [num_layers,
+  // num_kv_heads, head_dim] each. The bytes a file of them would hold are
+  // made and parsed back, so every check (name, finite values, positive
+  // scales, the checksum) is the file format's own.
+  static PyCalibration FromArrays(const std::string& name, const Floats3In& key_mean,
+                                  const Floats3In& key_scale, const Floats3In& value_mean,
+                                  const Floats3In& value_scale, const std::string& model) {
+    const Floats3In* arrays[4] = {&key_mean, &key_scale, &value_mean, &value_scale};
+    const char* names[4] = {"key_mean", "key_scale", "value_mean", "value_scale"};
+    for (int i = 1; i < 4; ++i) {
+      for (size_t d = 0; d < 3; ++d) {
+        if (arrays[i]->shape(d) != key_mean.shape(d)) {
+          throw nb::value_error(absl::StrCat(names[i], " is [", arrays[i]->shape(0), ", ",
+                                             arrays[i]->shape(1), ", ", arrays[i]->shape(2),
+                                             "], key_mean [", key_mean.shape(0), ", ",
+                                             key_mean.shape(1), ", ", key_mean.shape(2), "]")
+                                    .c_str());
+        }
+      }
+    }
+    ModelCalibration c;
+    c.name = name;
+    c.num_layers = static_cast<int>(key_mean.shape(0));
+    c.num_kv_heads = static_cast<int>(key_mean.shape(1));
+    c.head_dim = static_cast<int>(key_mean.shape(2));
+    const size_t d = c.head_dim;
+    for (size_t head = 0; head < key_mean.shape(0) * key_mean.shape(1); ++head) {
+      HeadCalibration h;
+      std::vector<float>* out[4] = {&h.key_mean, &h.key_scale, &h.value_mean, &h.value_scale};
+      for (int i = 0; i < 4; ++i) {
+        const float* at = arrays[i]->data() + head * d;
+        out[i]->assign(at, at + d);
+      }
+      c.heads.push_back(std::move(h));
+    }
+    const std::string bytes = Value(SerializeCalibration(c, model));
+    return PyCalibration(Value(ParseCalibration(bytes)));
+  }
+
+  void Write(const std::string& path) const {
+    Raise(WriteCalibrationFile(path, file_.calibration, file_.model));
+  }
+
+  // The four statistics as float32 [num_layers, num_kv_heads, head_dim].
+  nb::dict Arrays() const {
+    const ModelCalibration& c = file_.calibration;
+    const size_t shape[3] = {static_cast<size_t>(c.num_layers),
+                             static_cast<size_t>(c.num_kv_heads),
+                             static_cast<size_t>(c.head_dim)};
+    nb::dict out;
+    const char* names[4] = {"key_mean", "key_scale", "value_mean", "value_scale"};
+    for (int i = 0; i < 4; ++i) {
+      float* data = nullptr;
+      Floats3 a = NewArray<3, Floats3>(shape, &data);
+      for (const HeadCalibration& h : c.heads) {
+        const std::vector<float>* v[4] = {&h.key_mean, &h.key_scale, &h.value_mean,
+                                          &h.value_scale};
+        data = std::copy(v[i]->begin(), v[i]->end(), data);
+      }
+      out[names[i]] = a;
+    }
+    return out;
+  }
+
+  const CalibrationFile& file() const { return file_; }
+
+ private:
+  CalibrationFile file_;
+};
+
 // The Python KvLayer: the C++ one behind a lock. The kernels run without
 // the GIL, so Python threads may call into one layer at once: appends
 // (writers) exclude everything else, reads and attention share it, as
@@ -228,13 +312,16 @@ class PyKvLayer {
   PyKvLayer(const std::string& scheme, int num_kv_heads, int head_dim,
             std::optional<float> rope_theta, int rope_rotary_dim, const std::string& rope_pairing,
             const std::string& rope_scaling, float rope_factor, int page_tokens,
-            const std::string& backend, const CodebookArg& codebooks) {
+            const std::string& backend, const CodebookArg& codebooks,
+            const PyCalibration* calibration, int calibration_layer) {
     const RopeConfig rope = MakeRope(scheme, rope_theta, rope_rotary_dim, rope_pairing,
                                      rope_scaling, rope_factor);
     const StreamConfig config =
         MakeConfig(scheme, head_dim, page_tokens, rope, rope_theta.has_value());
     layer_ = Value(KvLayer::Create(config, num_kv_heads, Backend(backend),
-                                   MakeCodebooks(config, codebooks)));
+                                   MakeCodebooks(config, codebooks),
+                                   calibration ? &calibration->file().calibration : nullptr,
+                                   calibration_layer));
   }
 
   // f(layer) under the shared lock: the properties.
@@ -489,18 +576,44 @@ nb::dict PageGeometry(const std::string& scheme, int head_dim, int page_tokens) 
 NB_MODULE(_native, m) {
   using kvq::KvLayer;
   using kvq::Prop;
+  using kvq::PyCalibration;
   using kvq::PyKvLayer;
   m.doc() = "kvq's quantized KV kernels (kvq::kernels) in Python";
+  nb::class_<PyCalibration>(m, "Calibration",
+                            "A model's calibration for the crq schemes: per (layer, KV head) "
+                            "pre-RoPE key and value means and scales (a .kvqcal file).")
+      .def_static("load", &PyCalibration::Load, nb::arg("path"),
+                  "Reads and checks a .kvqcal file (as kvq-server loads it).")
+      .def_static("from_arrays", &PyCalibration::FromArrays, nb::arg("name"),
+                  nb::arg("key_mean"), nb::arg("key_scale"), nb::arg("value_mean"),
+                  nb::arg("value_scale"), nb::kw_only(), nb::arg("model") = "",
+                  "A calibration of float32 [num_layers, num_kv_heads, head_dim] statistics, "
+                  "checked as a file of them would be.")
+      .def("write", &PyCalibration::Write, nb::arg("path"),
+           "Writes the .kvqcal file (to a temporary name, then renamed over path).")
+      .def("arrays", &PyCalibration::Arrays,
+           "{key_mean, key_scale, value_mean, value_scale}: float32 [num_layers, "
+           "num_kv_heads, head_dim].")
+      .def_prop_ro("name", [](const PyCalibration& c) { return c.file().calibration.name; })
+      .def_prop_ro("model", [](const PyCalibration& c) { return c.file().model; })
+      .def_prop_ro("checksum", [](const PyCalibration& c) { return c.file().checksum; })
+      .def_prop_ro("num_layers",
+                   [](const PyCalibration& c) { return c.file().calibration.num_layers; })
+      .def_prop_ro("num_kv_heads",
+                   [](const PyCalibration& c) { return c.file().calibration.num_kv_heads; })
+      .def_prop_ro("head_dim",
+                   [](const PyCalibration& c) { return c.file().calibration.head_dim; });
   nb::class_<PyKvLayer>(m, "KvLayer",
                         "One layer of one sequence: num_kv_heads quantized KV streams.")
       .def(nb::init<const std::string&, int, int, std::optional<float>, int, const std::string&,
                     const std::string&, float, int, const std::string&,
-                    const kvq::CodebookArg&>(),
+                    const kvq::CodebookArg&, const PyCalibration*, int>(),
            nb::arg("scheme"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::kw_only(),
            nb::arg("rope_theta") = nb::none(), nb::arg("rope_rotary_dim") = 0,
            nb::arg("rope_pairing") = "half_split", nb::arg("rope_scaling") = "none",
            nb::arg("rope_factor") = 1.0f, nb::arg("page_tokens") = 0,
-           nb::arg("backend") = "cpu", nb::arg("codebooks") = nb::none())
+           nb::arg("backend") = "cpu", nb::arg("codebooks") = nb::none(),
+           nb::arg("calibration").none() = nb::none(), nb::arg("calibration_layer") = 0)
       .def_prop_ro("num_tokens",
                    Prop([](const KvLayer& x) { return x.num_tokens(); }))
       .def_prop_ro("num_kv_heads",
