@@ -140,8 +140,7 @@ def cache_child(cache: str, tokens: int, new_tokens: int, threads: int) -> dict:
     with torch.inference_mode():
         t0 = time.perf_counter()
         for pos in range(0, tokens - 1, CHUNK):
-            model(ids[:, pos:min(pos + CHUNK, tokens - 1)], past_key_values=past,
-                  logits_to_keep=1)
+            model(ids[:, pos:min(pos + CHUNK, tokens - 1)], cache=past, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         if cache == "DynamicCache":
             kv_bytes = sum(t.numel() * t.element_size() for layer in past.layers
@@ -149,7 +148,7 @@ def cache_child(cache: str, tokens: int, new_tokens: int, threads: int) -> dict:
         else:
             kv_bytes = past.bytes_by_component()["total"]
         t0 = time.perf_counter()
-        out = model.generate(ids, past_key_values=past, max_new_tokens=new_tokens,
+        out = model.generate(ids, cache=past, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False)
         gen_s = time.perf_counter() - t0
     assert out.shape[1] == tokens + new_tokens

@@ -170,7 +170,7 @@ class Runner:
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=cache is not None,
+            out = self.model(input_ids=ids, cache=cache, use_cache=cache is not None,
                              logits_to_keep=0 if all_logits else 1)
         seconds = time.perf_counter() - t0
         return out.logits[0].float().numpy(), seconds

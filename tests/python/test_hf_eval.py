@@ -11,6 +11,7 @@ kvq-eval's protocol, not a copy that can drift:
 The kvq-eval binary comes from CTest (KVQ_EVAL_BIN).
 """
 
+import argparse
 import json
 import os
 import pathlib
@@ -24,6 +25,11 @@ from test_tokenizer_parity import eval_data_dir, eval_model_path, smollm_tokeniz
 SOURCE = pathlib.Path(os.environ.get("KVQ_SOURCE_DIR", pathlib.Path(__file__).parents[2]))
 sys.path.insert(0, str(SOURCE / "bench" / "eval"))
 import hf_eval  # noqa: E402
+
+# A deprecated transformers call (its FutureWarning) or any other
+# deprecation these tests run into fails them: hf_eval and kvq.hf use the
+# current API, and a rename in transformers is noticed here, not by users.
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning", "error::DeprecationWarning")
 
 needs_eval_bin = pytest.mark.skipif(not os.access(os.environ.get("KVQ_EVAL_BIN", ""), os.X_OK),
                                     reason="KVQ_EVAL_BIN does not name a kvq-eval binary")
@@ -71,11 +77,28 @@ def test_window_rule_matches_make_windows():
     assert hf_eval.select_windows(tokens, 1001, 1) == []
 
 
-@needs_eval_bin
-def test_transformers_forward_reproduces_kvq_eval_quick(tmp_path):
+# One torch thread: on a loaded machine a team of OpenMP threads spins at
+# each matmul for a member the scheduler has not run (tests/python/
+# test_hf_cache.py measured 12x the CPU of one thread).
+THREADS = 1
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    """SmolLM2-135M loaded by hf_eval as its main() loads it (fused
+    attention), once for the module: the GGUF conversion is most of a
+    test's CPU."""
     pytest.importorskip("torch", reason="torch is not installed (KVQ_WITH_TORCH=1)")
     pytest.importorskip("transformers", reason="transformers is not installed (KVQ_WITH_TORCH=1)")
     pytest.importorskip("kvq._native", reason="the kvq package is not installed (pip install .)")
+    return hf_eval.load_model(argparse.Namespace(
+        threads=THREADS, model=str(eval_data_dir()), gguf_file=eval_model_path().name,
+        attention="fused"))
+
+
+@needs_eval_bin
+def test_transformers_forward_reproduces_kvq_eval_quick(tmp_path, monkeypatch,
+                                                          model_and_tokenizer):
     schemes = "fp16,int8,kivi4:pre_rope:sink=4"
     windows = tmp_path / "quick_windows.json"
     cxx_out = tmp_path / "cxx.json"
@@ -85,14 +108,21 @@ def test_transformers_forward_reproduces_kvq_eval_quick(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     hf_out = tmp_path / "hf.json"
+
+    def load_model(args):  # main()'s load, done once by the fixture.
+        assert (args.model, args.gguf_file, args.attention, args.threads) == (
+            str(eval_data_dir()), eval_model_path().name, "fused", THREADS)
+        return model_and_tokenizer
+
+    monkeypatch.setattr(hf_eval, "load_model", load_model)
     assert hf_eval.main([str(windows), f"--schemes={schemes}", "--skip-generate",
-                         "--passkey-schemes=", "--threads=2", f"--out={hf_out}"]) == 0
+                         "--passkey-schemes=", f"--threads={THREADS}", f"--out={hf_out}"]) == 0
     rows = json.loads(hf_out.read_text())["rows"]
     assert {r["metric"] for r in rows} == {"decode", "prefill"}  # The dump's metrics.
     cxx_rows = json.loads(cxx_out.read_text())["rows"]
 
     # Both metrics, decode (the headline) and prefill: the same fp16 model,
-    # the same bytes, int8 within 0.1 point, kivi4 in KL.
+    # the same bytes, int8 in ΔPPL and KL, kivi4 in KL.
     for metric in ("decode", "prefill"):
         cxx = {r["scheme"]: r for r in cxx_rows
                if r["corpus"] == "all" and r.get("metric", "prefill") == metric}
@@ -108,8 +138,18 @@ def test_transformers_forward_reproduces_kvq_eval_quick(tmp_path):
         # Two forward passes in fp32 over the same dequantized weights: the
         # same perplexity to rounding.
         assert abs(hf["fp16"]["ppl"] / cxx["fp16"]["ppl"] - 1) < 1e-3
-        # int8 (one scale per row): measured 0.05 points apart.
-        assert abs(hf["int8"]["delta_ppl_pct"] - cxx["int8"]["delta_ppl_pct"]) < 0.1
+        # int8 (one scale per row, no fp16 tail: the same stored state in
+        # both metrics) differs only by attention arithmetic. Prefill, kvq's
+        # fused kernel in both passes: measured 0.05 points apart (-0.181%
+        # against -0.131%). Decode, torch's fp32 attention over the stored
+        # forms (DecodeFaithfulPass) against kvq-eval's: 0.12 apart (+0.003%
+        # against +0.125%); kvq-eval's own two metrics, one stored state
+        # attended two ways, are 0.26 apart, so 0.1 point is below what
+        # attention arithmetic moves an 8-bit cache on 511 tokens. Its KL
+        # is the steady figure (0.00032 against 0.00033).
+        bound = {"prefill": 0.1, "decode": 0.2}[metric]
+        assert abs(hf["int8"]["delta_ppl_pct"] - cxx["int8"]["delta_ppl_pct"]) < bound
+        assert 0.8 < hf["int8"]["kl_mean"] / cxx["int8"]["kl_mean"] < 1.25
         # kivi4 on 511 tokens: a last-bit difference in one layer flips
         # codes of the next layers, and kvq-eval's own ΔPPL moves by more
         # than a point between SIMD targets of one build (docs/QUALITY.md,
@@ -119,22 +159,16 @@ def test_transformers_forward_reproduces_kvq_eval_quick(tmp_path):
         assert 0.7 < hf[kivi]["kl_mean"] / cxx[kivi]["kl_mean"] < 1.3
 
 
-def test_decode_metric_in_one_pass_is_token_by_token_decoding():
+def test_decode_metric_in_one_pass_is_token_by_token_decoding(model_and_tokenizer):
     # hf_eval's decode metric runs the window in one forward pass whose
     # attention mixes each token's fp16 and quantized forms as decoding
     # would have them (DecodeFaithfulPass); the literal decode, one token
     # per step through a KvqCache with kvq's fused attention, must give the
-    # same figures up to attention arithmetic (measured: KL 5-6% apart on
-    # this window), and chunked prefill of the same window must not (3x the
-    # KL: its keys are quantized before their queries attend).
-    pytest.importorskip("torch", reason="torch is not installed (KVQ_WITH_TORCH=1)")
-    pytest.importorskip("transformers", reason="transformers is not installed (KVQ_WITH_TORCH=1)")
-    pytest.importorskip("kvq._native", reason="the kvq package is not installed (pip install .)")
-    import argparse
-
-    model, _ = hf_eval.load_model(argparse.Namespace(
-        threads=2, model=str(eval_data_dir()), gguf_file=eval_model_path().name,
-        attention="fused"))
+    # same figures up to attention arithmetic (measured: KL 1% apart
+    # without pre_rope, 13% with it, on this window), and chunked prefill
+    # of the same window must not (2.6x to 3.9x the KL: its keys are
+    # quantized before their queries attend).
+    model, _ = model_and_tokenizer
     runner = hf_eval.Runner(model)
     tokenizer, _ = smollm_tokenizer(eval_model_path())
     text = (eval_data_dir() / "corpora" / "austen.txt").read_bytes()[200000:201000]

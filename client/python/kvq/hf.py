@@ -7,7 +7,7 @@ kvq server (one sequence per batch row, through ``kvq_client``)::
     from kvq.hf import KvqCache, use_kvq_attention
     use_kvq_attention(model)       # attention by kvq's fused kernels
     cache = KvqCache(model.config, "kivi4:pre_rope:sink=4")
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=64)
     cache.bytes_by_component()     # what the stored K/V take, by component
 
     remote = KvqCache(model.config, "kivi4", client=kvq_client.KvqClient("host:port"))
@@ -423,7 +423,7 @@ def _kvq_attention(module, query, key, value, attention_mask, scaling=None, drop
     _pending.layer = None
     if layer is None:
         raise ValueError('attn_implementation "kvq" attends over a KvqCache: pass '
-                         "past_key_values=KvqCache(model.config, scheme)")
+                         "cache=KvqCache(model.config, scheme)")
     if dropout:
         raise ValueError('attn_implementation "kvq" is for inference: dropout must be 0')
     return layer.attend(query, scaling), None
