@@ -20,6 +20,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+# A transformers API this file calls that becomes deprecated fails here, as in
+# test_hf_eval.py and test_hf_cache.py.
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning", "error::DeprecationWarning")
 
 from test_tokenizer_parity import eval_data_dir  # noqa: E402
 
