@@ -31,7 +31,9 @@ prefill_ms is the mean wall time of one window's forward pass (the decode
 calls only, not the log-softmax arithmetic done here). The intervals are
 95% percentile bootstrap intervals over windows (as kvq-eval's), present
 with at least two windows; per_window keeps each window's sums paired with
-the f16 run on it, so --merge recomputes them.
+the f16 run on it ({"window": "corpus/index", "index", "nll", "ref_nll",
+"kl", "tokens"}, kvq-eval's format), so --merge and quality_tables.py
+--frontier recompute them and compare_forward.py pairs them by "window".
 
 Both metrics at once: llama.cpp writes every token's K/V into its quantized
 cache before any query attends (a ubatch is stored, then attended), and
@@ -143,6 +145,15 @@ def bootstrap(per_window: list[dict], resamples: int = BOOTSTRAP_RESAMPLES,
     kl = sorted((sums[:, 1] / sums[:, 2]).tolist())
     return ([quantile(dppl, 0.025), quantile(dppl, 0.975)],
             [quantile(kl, 0.025), quantile(kl, 0.975)])
+
+
+def window_sums(window: dict, nll: float, ref_nll: float, kl: float) -> dict:
+    """One window's entry of a row's per_window, in kvq-eval's format: its
+    id "corpus/index" (which pairs it with another engine's run of the same
+    windows file), its index, and its sums over the scored positions (all
+    but the first token) beside the f16 reference's."""
+    return {"window": f"{window['corpus']}/{window['index']}", "index": window["index"],
+            "nll": nll, "ref_nll": ref_nll, "kl": kl, "tokens": len(window["tokens"]) - 1}
 
 
 class Evaluator:
@@ -420,9 +431,7 @@ def main(argv: list[str]) -> int:
                     a["nll"] += nll
                     a["kl"] += kl
                     a["seconds"] += secs
-                    a["per_window"].append({"index": w["index"], "nll": nll,
-                                            "ref_nll": ref_nll, "kl": kl,
-                                            "tokens": len(tokens) - 1})
+                    a["per_window"].append(window_sums(w, nll, ref_nll, kl))
                     log(f"{c:5s} {w['corpus']}/{context}/{w['index']}: "
                         f"ppl {math.exp(nll / (len(tokens) - 1)):.4f} "
                         f"kl {kl / (len(tokens) - 1):.6f} {secs * 1e3:.0f} ms")
