@@ -99,16 +99,32 @@ def sha256_file(path: Path) -> str:
 
 
 def select_windows(windows: list[dict], max_windows: int | None,
-                   max_context: int | None) -> list[dict]:
-    """At most max_windows per (corpus, context), lowest indices first."""
+                   max_context: int | None, order: list[int] | None = None) -> list[dict]:
+    """At most max_windows per (corpus, context), lowest indices first.
+
+    With `order` (window indices, as kvq-eval's --window_order), each
+    (corpus, context) takes its windows in that order (indices not listed
+    after it, lowest first), and the windows of one context run rank by
+    rank across the corpora: a run stopped early (the result file is
+    rewritten after every window) then holds the same windows of every
+    corpus, the first ones kvq-eval's frontier runs score.
+    """
+    def rank(w: dict) -> tuple[int, int]:
+        i = w["index"]
+        return (order.index(i), 0) if order and i in order else (len(order or []), i)
+
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for w in windows:
         if max_context is None or w["context"] <= max_context:
             groups[(w["corpus"], w["context"])].append(w)
     out = []
     for key in sorted(groups, key=lambda k: (k[1], k[0])):
-        ws = sorted(groups[key], key=lambda w: w["index"])
+        ws = sorted(groups[key], key=rank)
         out.extend(ws if max_windows is None else ws[:max_windows])
+    if order:
+        # Stable: corpora keep their sorted order within a rank.
+        position = {id(w): n for n, w in enumerate(out)}
+        out.sort(key=lambda w: (w["context"], rank(w), position[id(w)]))
     return out
 
 
@@ -351,6 +367,10 @@ def main(argv: list[str]) -> int:
                     help="at most N windows per (corpus, context)")
     ap.add_argument("--quick", action="store_true",
                     help="one window per (corpus, context), contexts <= 2048")
+    ap.add_argument("--window-order", default="",
+                    help="comma-separated window indices: each corpus's windows in "
+                         "this order, rank by rank across the corpora (kvq-eval's "
+                         "--window_order; run_frontier.sh passes its own)")
     ap.add_argument("--cache-types", default=",".join(CACHE_TYPES),
                     help="comma-separated subset of f16,q8_0,q5_0,q4_0 (f16 "
                          "is always run: it is the reference)")
@@ -392,8 +412,15 @@ def main(argv: list[str]) -> int:
     max_windows = 1 if args.quick else args.max_windows
     if args.quick and args.max_windows is not None:
         max_windows = min(1, args.max_windows)
+    try:
+        order = [int(i) for i in args.window_order.split(",") if i]
+    except ValueError:
+        ap.error(f"--window-order: want comma-separated window indices, got "
+                 f"{args.window_order[:40]!r}")
+    if len(set(order)) != len(order) or any(i < 0 for i in order):
+        ap.error("--window-order: each index once, none negative")
     windows = select_windows(spec["windows"], max_windows,
-                             2048 if args.quick else None)
+                             2048 if args.quick else None, order)
     if not windows:
         ap.error("no windows selected")
     log(f"llama-cpp-python {llama_cpp.__version__}, {len(windows)} windows, "

@@ -150,3 +150,24 @@ def test_frontier_table_pools_peer_rows_as_the_peer_does(tmp_path):
     text = "\n".join(tables.frontier_table(
         list(pooled.values()) + [r for r in rows if r["corpus"] != "all"], [2048]))
     assert "| llama.cpp | `q4_0` |" in text and "| 4.50 | 4 |" in text
+
+
+def test_window_order_runs_rank_by_rank_across_corpora():
+    # kvq-eval's frontier order (2,0,4,1,3): a peer run stopped early holds
+    # the same windows of every corpus, the first ones kvq-eval scored.
+    windows = [{"corpus": c, "context": ctx, "index": i, "tokens": [1, 2]}
+               for c in ("kjv", "austen") for ctx in (8192, 2048) for i in range(5)]
+    picked = peer.select_windows(windows, None, None, [2, 0, 4, 1, 3])
+    assert [(w["context"], w["corpus"], w["index"]) for w in picked[:6]] == [
+        (2048, "austen", 2), (2048, "kjv", 2), (2048, "austen", 0), (2048, "kjv", 0),
+        (2048, "austen", 4), (2048, "kjv", 4)]
+    assert len(picked) == 20 and picked[10]["context"] == 8192
+    two = peer.select_windows(windows, 2, 2048, [2, 0, 4, 1, 3])
+    assert [(w["corpus"], w["index"]) for w in two] == [
+        ("austen", 2), ("kjv", 2), ("austen", 0), ("kjv", 0)]
+    # Indices the order leaves out follow it, lowest first; without an
+    # order, each corpus's windows run lowest index first.
+    assert [w["index"] for w in peer.select_windows(windows, None, 2048, [3])][::2] == [
+        3, 0, 1, 2, 4]
+    assert [(w["corpus"], w["index"]) for w in peer.select_windows(windows, 2, 2048)] == [
+        ("austen", 0), ("austen", 1), ("kjv", 0), ("kjv", 1)]
