@@ -31,7 +31,9 @@ prefill_ms is the mean wall time of one window's forward pass (the decode
 calls only, not the log-softmax arithmetic done here). The intervals are
 95% percentile bootstrap intervals over windows (as kvq-eval's), present
 with at least two windows; per_window keeps each window's sums paired with
-the f16 run on it, so --merge recomputes them.
+the f16 run on it ({"window": "corpus/index", "index", "nll", "ref_nll",
+"kl", "tokens"}, kvq-eval's format), so --merge and quality_tables.py
+--frontier recompute them and compare_forward.py pairs them by "window".
 
 Both metrics at once: llama.cpp writes every token's K/V into its quantized
 cache before any query attends (a ubatch is stored, then attended), and
@@ -97,16 +99,32 @@ def sha256_file(path: Path) -> str:
 
 
 def select_windows(windows: list[dict], max_windows: int | None,
-                   max_context: int | None) -> list[dict]:
-    """At most max_windows per (corpus, context), lowest indices first."""
+                   max_context: int | None, order: list[int] | None = None) -> list[dict]:
+    """At most max_windows per (corpus, context), lowest indices first.
+
+    With `order` (window indices, as kvq-eval's --window_order), each
+    (corpus, context) takes its windows in that order (indices not listed
+    after it, lowest first), and the windows of one context run rank by
+    rank across the corpora: a run stopped early (the result file is
+    rewritten after every window) then holds the same windows of every
+    corpus, the first ones kvq-eval's frontier runs score.
+    """
+    def rank(w: dict) -> tuple[int, int]:
+        i = w["index"]
+        return (order.index(i), 0) if order and i in order else (len(order or []), i)
+
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for w in windows:
         if max_context is None or w["context"] <= max_context:
             groups[(w["corpus"], w["context"])].append(w)
     out = []
     for key in sorted(groups, key=lambda k: (k[1], k[0])):
-        ws = sorted(groups[key], key=lambda w: w["index"])
+        ws = sorted(groups[key], key=rank)
         out.extend(ws if max_windows is None else ws[:max_windows])
+    if order:
+        # Stable: corpora keep their sorted order within a rank.
+        position = {id(w): n for n, w in enumerate(out)}
+        out.sort(key=lambda w: (w["context"], rank(w), position[id(w)]))
     return out
 
 
@@ -143,6 +161,15 @@ def bootstrap(per_window: list[dict], resamples: int = BOOTSTRAP_RESAMPLES,
     kl = sorted((sums[:, 1] / sums[:, 2]).tolist())
     return ([quantile(dppl, 0.025), quantile(dppl, 0.975)],
             [quantile(kl, 0.025), quantile(kl, 0.975)])
+
+
+def window_sums(window: dict, nll: float, ref_nll: float, kl: float) -> dict:
+    """One window's entry of a row's per_window, in kvq-eval's format: its
+    id "corpus/index" (which pairs it with another engine's run of the same
+    windows file), its index, and its sums over the scored positions (all
+    but the first token) beside the f16 reference's."""
+    return {"window": f"{window['corpus']}/{window['index']}", "index": window["index"],
+            "nll": nll, "ref_nll": ref_nll, "kl": kl, "tokens": len(window["tokens"]) - 1}
 
 
 class Evaluator:
@@ -340,6 +367,10 @@ def main(argv: list[str]) -> int:
                     help="at most N windows per (corpus, context)")
     ap.add_argument("--quick", action="store_true",
                     help="one window per (corpus, context), contexts <= 2048")
+    ap.add_argument("--window-order", default="",
+                    help="comma-separated window indices: each corpus's windows in "
+                         "this order, rank by rank across the corpora (kvq-eval's "
+                         "--window_order; run_frontier.sh passes its own)")
     ap.add_argument("--cache-types", default=",".join(CACHE_TYPES),
                     help="comma-separated subset of f16,q8_0,q5_0,q4_0 (f16 "
                          "is always run: it is the reference)")
@@ -381,8 +412,15 @@ def main(argv: list[str]) -> int:
     max_windows = 1 if args.quick else args.max_windows
     if args.quick and args.max_windows is not None:
         max_windows = min(1, args.max_windows)
+    try:
+        order = [int(i) for i in args.window_order.split(",") if i]
+    except ValueError:
+        ap.error(f"--window-order: want comma-separated window indices, got "
+                 f"{args.window_order[:40]!r}")
+    if len(set(order)) != len(order) or any(i < 0 for i in order):
+        ap.error("--window-order: each index once, none negative")
     windows = select_windows(spec["windows"], max_windows,
-                             2048 if args.quick else None)
+                             2048 if args.quick else None, order)
     if not windows:
         ap.error("no windows selected")
     log(f"llama-cpp-python {llama_cpp.__version__}, {len(windows)} windows, "
@@ -420,9 +458,7 @@ def main(argv: list[str]) -> int:
                     a["nll"] += nll
                     a["kl"] += kl
                     a["seconds"] += secs
-                    a["per_window"].append({"index": w["index"], "nll": nll,
-                                            "ref_nll": ref_nll, "kl": kl,
-                                            "tokens": len(tokens) - 1})
+                    a["per_window"].append(window_sums(w, nll, ref_nll, kl))
                     log(f"{c:5s} {w['corpus']}/{context}/{w['index']}: "
                         f"ppl {math.exp(nll / (len(tokens) - 1)):.4f} "
                         f"kl {kl / (len(tokens) - 1):.6f} {secs * 1e3:.0f} ms")

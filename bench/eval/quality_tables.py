@@ -299,8 +299,13 @@ def frontier_table(rows, contexts=None):
                             and x["scheme"] == r["scheme"] and x["corpus"] == c
                             and x["context"] == ctx and "ppl" in x), None)
                 per.append(fmt(one and one["delta_ppl_pct"], "+.2f"))
+            # A row pooled over fewer corpora than the context's (a run
+            # stopped early) says which, beside its window count.
+            windows = str(r.get("windows", 1))
+            if r.get("corpora") and sorted(r["corpora"]) != corpora:
+                windows += f' ({", ".join(r["corpora"])} only)'
             out.append(f'| {engine} | `{r["scheme"]}` | {family(r)} '
-                       f'| {fmt(r.get("bits_per_element"), ".2f")} | {r.get("windows", 1)} '
+                       f'| {fmt(r.get("bits_per_element"), ".2f")} | {windows} '
                        f'| {with_ci(r, "delta_ppl_pct", "+.2f")} | {with_ci(r, "kl_mean", ".4f")} '
                        f'| {" | ".join(per)} | {passkey_for(rows, engine, r["scheme"], ctx)} |')
     return out

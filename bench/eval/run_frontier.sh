@@ -63,7 +63,8 @@ run_context() {
   "$eval_bin" --corpora="$corpora" --contexts="$context" --windows="$windows" \
     --passkey_contexts= --dump_windows="$out/windows_frontier_${context}.json" --dump_only
   "$root/scripts/run_llamacpp_peer.sh" "$out/windows_frontier_${context}.json" \
-    --cache-types=f16,q8_0,q5_0,q4_0 --out="$out/llamacpp_frontier_${context}.json"
+    --cache-types=f16,q8_0,q5_0,q4_0 --window-order="$order" \
+    --out="$out/llamacpp_frontier_${context}.json"
 }
 run_context 2048 austen,code,kjv
 if [[ "${KVQ_FRONTIER_LONG:-0}" == 1 ]]; then

@@ -100,3 +100,74 @@ def test_rows_carry_both_metrics_and_bootstrap_intervals(tmp_path):
                                 "rows": list(rows.values())}))
     merged = by_key(peer.merge_results([path])["rows"])
     assert merged[("q4_0", "all", 2048)]["delta_ppl_pct_ci95"] == pytest.approx([lo, hi])
+
+
+def test_frontier_table_pools_peer_rows_as_the_peer_does(tmp_path):
+    # The peer's per-corpus rows carry kvq-eval's per_window entries, so
+    # quality_tables.py --frontier pools them (with the bootstrap interval)
+    # to the same "all" row the peer computes itself.
+    tables_spec = importlib.util.spec_from_file_location(
+        "quality_tables", SOURCE / "bench" / "eval" / "quality_tables.py")
+    tables = importlib.util.module_from_spec(tables_spec)
+    tables_spec.loader.exec_module(tables)
+
+    tokens = 2048
+    # (corpus, index) -> (f16 mean NLL, q4_0 mean NLL, q4_0 mean KL)
+    measured = {("austen", 2): (3.40, 3.42, 0.02), ("austen", 0): (3.50, 3.56, 0.03),
+                ("code", 2): (1.60, 1.61, 0.01), ("code", 4): (1.70, 1.74, 0.04)}
+    acc = {}
+    for (corpus, index), (ref, q4, kl) in measured.items():
+        window = {"corpus": corpus, "index": index, "tokens": list(range(tokens))}
+        scored = tokens - 1
+        for scheme, nll, kl_mean in (("f16", ref, 0.0), ("q4_0", q4, kl)):
+            a = acc.setdefault((scheme, corpus, 2048), {"windows": 0, "tokens": 0, "nll": 0.0,
+                                                        "kl": 0.0, "seconds": 0.0,
+                                                        "per_window": []})
+            a["windows"] += 1
+            a["tokens"] += scored
+            a["nll"] += nll * scored
+            a["kl"] += kl_mean * scored
+            a["per_window"].append(peer.window_sums(window, nll * scored, ref * scored,
+                                                    kl_mean * scored))
+    rows = peer.result_rows(acc)
+    own = by_key(rows)[("q4_0", "all", 2048)]
+    austen = by_key(rows)[("q4_0", "austen", 2048)]
+    assert [w["window"] for w in austen["per_window"]] == ["austen/2", "austen/0"]
+    assert austen["per_window"][0]["tokens"] == tokens - 1
+
+    path = tmp_path / "peer.json"
+    path.write_text(json.dumps({"tool": "llama.cpp", "version": "0.3.36", "rows": rows}))
+    pooled = by_key(r for r in tables.pool_corpora(tables.load([path], "decode"))
+                    if r["engine"] == "llama.cpp")
+    q4 = pooled[("q4_0", "all", 2048)]
+    assert q4["corpora"] == ["austen", "code"] and q4["windows"] == 4
+    assert q4["delta_ppl_pct"] == pytest.approx(
+        100 * math.expm1(sum(q - r for r, q, _ in measured.values()) / 4))
+    assert q4["delta_ppl_pct"] == pytest.approx(own["delta_ppl_pct"], rel=1e-9)
+    assert q4["kl_mean"] == pytest.approx(own["kl_mean"], rel=1e-12)
+    assert q4["delta_ppl_pct_ci95"] == pytest.approx(own["delta_ppl_pct_ci95"])
+    assert q4["kl_mean_ci95"] == pytest.approx(own["kl_mean_ci95"])
+    text = "\n".join(tables.frontier_table(
+        list(pooled.values()) + [r for r in rows if r["corpus"] != "all"], [2048]))
+    assert "| llama.cpp | `q4_0` |" in text and "| 4.50 | 4 |" in text
+
+
+def test_window_order_runs_rank_by_rank_across_corpora():
+    # kvq-eval's frontier order (2,0,4,1,3): a peer run stopped early holds
+    # the same windows of every corpus, the first ones kvq-eval scored.
+    windows = [{"corpus": c, "context": ctx, "index": i, "tokens": [1, 2]}
+               for c in ("kjv", "austen") for ctx in (8192, 2048) for i in range(5)]
+    picked = peer.select_windows(windows, None, None, [2, 0, 4, 1, 3])
+    assert [(w["context"], w["corpus"], w["index"]) for w in picked[:6]] == [
+        (2048, "austen", 2), (2048, "kjv", 2), (2048, "austen", 0), (2048, "kjv", 0),
+        (2048, "austen", 4), (2048, "kjv", 4)]
+    assert len(picked) == 20 and picked[10]["context"] == 8192
+    two = peer.select_windows(windows, 2, 2048, [2, 0, 4, 1, 3])
+    assert [(w["corpus"], w["index"]) for w in two] == [
+        ("austen", 2), ("kjv", 2), ("austen", 0), ("kjv", 0)]
+    # Indices the order leaves out follow it, lowest first; without an
+    # order, each corpus's windows run lowest index first.
+    assert [w["index"] for w in peer.select_windows(windows, None, 2048, [3])][::2] == [
+        3, 0, 1, 2, 4]
+    assert [(w["corpus"], w["index"]) for w in peer.select_windows(windows, 2, 2048)] == [
+        ("austen", 0), ("austen", 1), ("kjv", 0), ("kjv", 1)]

@@ -209,3 +209,18 @@ def test_the_frontier_plot_merges_windows_as_the_table_does(tmp_path):
     [r] = plot.load_rows([pathlib.Path(a), pathlib.Path(b)], "decode")
     assert r["windows"] == 2
     assert r["delta_ppl_pct"] == pytest.approx(100 * math.expm1(0.02))
+
+
+def test_frontier_row_pooled_over_fewer_corpora_says_which():
+    # A peer run stopped after austen pools austen alone; the table, whose
+    # header names every corpus of the context, says so in its windows cell.
+    def part(engine, scheme, corpus):
+        r = frontier_row(scheme, 4.5, 1.0, corpus=corpus, engine=engine)
+        r["per_window"] = [{"window": f"{corpus}/2", "index": 2, "nll": 310.0,
+                            "ref_nll": 300.0, "kl": 1.0, "tokens": 100}]
+        return r
+    rows = tables.pool_corpora([part("kvq", "kivi4", "austen"), part("kvq", "kivi4", "code"),
+                                part("llama.cpp", "q4_0", "austen")])
+    text = "\n".join(tables.frontier_table(rows, [2048]))
+    assert "| llama.cpp | `q4_0` | llama.cpp cache | 4.50 | 1 (austen only) |" in text
+    assert "| kvq | `kivi4` | KIVI | 4.50 | 2 |" in text
