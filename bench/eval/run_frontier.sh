@@ -14,7 +14,8 @@
 #  2. the llama.cpp peer (f16, q8_0, q5_0, q4_0) on the same windows;
 #  3. with KVQ_FRONTIER_LONG=1, the same at 8192 tokens on austen and code;
 #  4. with KVQ_FRONTIER_PASSKEY=N, N passkey trials (depths spread over
-#     0.05..0.95) at 2048 tokens for fp16 and the formats of at least 3 bits;
+#     0.05..0.95) at 2048 tokens (and 8192 with KVQ_FRONTIER_LONG=1) for
+#     fp16 and the formats of at least 3 bits;
 #  5. quality_tables.py --frontier and plot_quality.py --frontier.
 #
 # KVQ_FRONTIER_SCHEMES replaces the format list (crq schemes go there, with
@@ -73,9 +74,13 @@ fi
 if [[ -n "${KVQ_FRONTIER_PASSKEY:-}" ]]; then
   n="$KVQ_FRONTIER_PASSKEY"
   depths="$(python3 -c "n=$n; print(','.join(f'{0.05 + 0.9 * i / max(1, n - 1):.4f}' for i in range(n)))")"
-  OMP_NUM_THREADS=1 "$eval_bin" --contexts= --passkey_contexts=2048 --passkey_depths="$depths" \
-    --schemes="$schemes" --progress=false "${calibration[@]}" \
-    --out="$out/kvq_frontier_passkey_2048.json" >/dev/null
+  passkey_contexts=(2048)
+  if [[ "${KVQ_FRONTIER_LONG:-0}" == 1 ]]; then passkey_contexts+=(8192); fi
+  for context in "${passkey_contexts[@]}"; do
+    OMP_NUM_THREADS=1 "$eval_bin" --contexts= --passkey_contexts="$context" --passkey_depths="$depths" \
+      --schemes="$schemes" --progress=false "${calibration[@]}" \
+      --out="$out/kvq_frontier_passkey_${context}.json" >/dev/null
+  done
 fi
 
 python3 "$root/bench/eval/quality_tables.py" --frontier "$out"/kvq_frontier_*.json \
