@@ -122,9 +122,8 @@ def select_windows(windows: list[dict], max_windows: int | None,
         ws = sorted(groups[key], key=rank)
         out.extend(ws if max_windows is None else ws[:max_windows])
     if order:
-        # Stable: corpora keep their sorted order within a rank.
-        position = {id(w): n for n, w in enumerate(out)}
-        out.sort(key=lambda w: (w["context"], rank(w), position[id(w)]))
+        # list.sort is stable: corpora keep their sorted order within a rank.
+        out.sort(key=lambda w: (w["context"], rank(w)))
     return out
 
 
