@@ -326,11 +326,13 @@ def result_rows(acc: dict) -> list[dict]:
 
 
 def merge_results(paths: list[Path]) -> dict:
-    """Combines result files of disjoint windows (e.g. one corpus per run).
+    """Combines result files of disjoint windows: one corpus per run, or
+    the windows of one corpus split over runs.
 
     The per-corpus rows carry everything the sums need (mean NLL and KL
     times tokens, mean prefill time times windows); the pooled rows are
-    recomputed from them.
+    recomputed from them. Two rows of one (cache type, corpus, context) add
+    up only when both list their windows (per_window) and share none.
     """
     acc: dict = {}
     version = None
@@ -344,13 +346,22 @@ def merge_results(paths: list[Path]) -> dict:
             if r["corpus"] == "all":
                 continue
             key = (r["scheme"], r["corpus"], r["context"])
-            if key in acc:
-                raise ValueError(f"{path}: {key} is in two files")
-            acc[key] = {"windows": r["windows"], "tokens": r["tokens_scored"],
-                        "nll": r["nll"] * r["tokens_scored"],
-                        "kl": r["kl_mean"] * r["tokens_scored"],
-                        "seconds": r["prefill_ms"] / 1e3 * r["windows"],
-                        "per_window": r.get("per_window", [])}
+            sums = {"windows": r["windows"], "tokens": r["tokens_scored"],
+                    "nll": r["nll"] * r["tokens_scored"],
+                    "kl": r["kl_mean"] * r["tokens_scored"],
+                    "seconds": r["prefill_ms"] / 1e3 * r["windows"],
+                    "per_window": r.get("per_window", [])}
+            if key not in acc:
+                acc[key] = sums
+                continue
+            seen = {w["window"] for w in acc[key]["per_window"]}
+            new = {w["window"] for w in sums["per_window"]}
+            if not seen or not new or seen & new:
+                raise ValueError(f"{path}: {key} is in two files"
+                                 + (f" with window {min(seen & new)} in both"
+                                    if seen & new else " without their windows"))
+            for field in ("windows", "tokens", "nll", "kl", "seconds", "per_window"):
+                acc[key][field] += sums[field]
     return {"tool": "llama.cpp", "version": version, "rows": result_rows(acc)}
 
 

@@ -2,7 +2,8 @@
 
 A run over two corpora and the merge of two one-corpus runs must give the
 same rows: per-corpus rows unchanged, pooled rows recomputed by tokens, and
-no pooled row for a cache type that covers fewer corpora than f16.
+no pooled row for a cache type that covers fewer corpora than f16; so must
+the merge of runs that split one corpus's windows.
 """
 
 import importlib.util
@@ -72,6 +73,71 @@ def test_merge_refuses_overlapping_runs(tmp_path):
         peer.merge_results([austen, austen])
 
 
+def window_acc(measured, tokens=2048):
+    """(cache type, corpus, context) -> sums over `measured`'s windows,
+    built as evaluate() builds them: {(corpus, index): (f16 NLL, q4_0 NLL,
+    q4_0 KL)}, mean per token."""
+    acc = {}
+    for (corpus, index), (ref, q4, kl) in measured.items():
+        window = {"corpus": corpus, "index": index, "tokens": list(range(tokens))}
+        scored = tokens - 1
+        for scheme, nll, kl_mean in (("f16", ref, 0.0), ("q4_0", q4, kl)):
+            a = acc.setdefault((scheme, corpus, 2048), {"windows": 0, "tokens": 0, "nll": 0.0,
+                                                        "kl": 0.0, "seconds": 0.0,
+                                                        "per_window": []})
+            a["windows"] += 1
+            a["tokens"] += scored
+            a["nll"] += nll * scored
+            a["kl"] += kl_mean * scored
+            a["seconds"] += 1.5
+            a["per_window"].append(peer.window_sums(window, nll * scored, ref * scored,
+                                                    kl_mean * scored))
+    return acc
+
+
+def write_acc(tmp_path, name, acc):
+    path = tmp_path / name
+    path.write_text(json.dumps({"tool": "llama.cpp", "version": "0.3.36",
+                                "rows": peer.result_rows(acc)}))
+    return path
+
+
+# (corpus, index) -> (f16 mean NLL, q4_0 mean NLL, q4_0 mean KL)
+FIVE = {("austen", 2): (3.40, 3.42, 0.02), ("austen", 0): (3.50, 3.56, 0.03),
+        ("austen", 4): (3.30, 3.35, 0.04), ("code", 2): (1.60, 1.61, 0.01),
+        ("code", 4): (1.70, 1.74, 0.04)}
+
+
+def test_merge_of_one_corpus_split_over_runs_equals_one_run(tmp_path):
+    # The first run scored windows 2 and 0 of each corpus, a later one the
+    # rest: merged, every row (per_window, interval) is the one-run row.
+    first = {k: v for k, v in FIVE.items() if k[1] in (2, 0)}
+    rest = {k: v for k, v in FIVE.items() if k[1] not in (2, 0)}
+    merged = by_key(peer.merge_results([write_acc(tmp_path, "first.json", window_acc(first)),
+                                        write_acc(tmp_path, "rest.json", window_acc(rest))])
+                    ["rows"])
+    whole = by_key(peer.result_rows(window_acc(FIVE)))
+    assert merged.keys() == whole.keys()
+    for key, row in whole.items():
+        for field, value in row.items():
+            if field == "per_window":
+                assert (sorted(w["window"] for w in merged[key][field])
+                        == sorted(w["window"] for w in value)), key
+            elif isinstance(value, float) or field.endswith("_ci95"):
+                assert merged[key][field] == pytest.approx(value, rel=1e-9), (key, field)
+            else:
+                assert merged[key][field] == value, (key, field)
+    assert merged[("q4_0", "austen", 2048)]["windows"] == 3
+
+
+def test_merge_refuses_a_window_in_two_runs(tmp_path):
+    first = {k: v for k, v in FIVE.items() if k[1] in (2, 0)}
+    again = {k: v for k, v in FIVE.items() if k[1] in (0, 4)}
+    with pytest.raises(ValueError, match="with window austen/0 in both"):
+        peer.merge_results([write_acc(tmp_path, "first.json", window_acc(first)),
+                            write_acc(tmp_path, "again.json", window_acc(again))])
+
+
 def test_rows_carry_both_metrics_and_bootstrap_intervals(tmp_path):
     # Three windows of one corpus: the interval brackets the pooled value
     # and is the same after a merge, which recomputes it from per_window.
@@ -112,24 +178,8 @@ def test_frontier_table_pools_peer_rows_as_the_peer_does(tmp_path):
     tables_spec.loader.exec_module(tables)
 
     tokens = 2048
-    # (corpus, index) -> (f16 mean NLL, q4_0 mean NLL, q4_0 mean KL)
-    measured = {("austen", 2): (3.40, 3.42, 0.02), ("austen", 0): (3.50, 3.56, 0.03),
-                ("code", 2): (1.60, 1.61, 0.01), ("code", 4): (1.70, 1.74, 0.04)}
-    acc = {}
-    for (corpus, index), (ref, q4, kl) in measured.items():
-        window = {"corpus": corpus, "index": index, "tokens": list(range(tokens))}
-        scored = tokens - 1
-        for scheme, nll, kl_mean in (("f16", ref, 0.0), ("q4_0", q4, kl)):
-            a = acc.setdefault((scheme, corpus, 2048), {"windows": 0, "tokens": 0, "nll": 0.0,
-                                                        "kl": 0.0, "seconds": 0.0,
-                                                        "per_window": []})
-            a["windows"] += 1
-            a["tokens"] += scored
-            a["nll"] += nll * scored
-            a["kl"] += kl_mean * scored
-            a["per_window"].append(peer.window_sums(window, nll * scored, ref * scored,
-                                                    kl_mean * scored))
-    rows = peer.result_rows(acc)
+    measured = {k: v for k, v in FIVE.items() if k != ("austen", 4)}
+    rows = peer.result_rows(window_acc(measured, tokens))
     own = by_key(rows)[("q4_0", "all", 2048)]
     austen = by_key(rows)[("q4_0", "austen", 2048)]
     assert [w["window"] for w in austen["per_window"]] == ["austen/2", "austen/0"]
