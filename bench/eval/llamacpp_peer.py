@@ -356,10 +356,11 @@ def merge_results(paths: list[Path]) -> dict:
                 continue
             seen = {w["window"] for w in acc[key]["per_window"]}
             new = {w["window"] for w in sums["per_window"]}
-            if not seen or not new or seen & new:
-                raise ValueError(f"{path}: {key} is in two files"
-                                 + (f" with window {min(seen & new)} in both"
-                                    if seen & new else " without their windows"))
+            if not seen or not new:
+                raise ValueError(f"{path}: {key} is in two files without their windows")
+            if seen & new:
+                raise ValueError(f"{path}: {key} is in two files with window "
+                                 f"{min(seen & new)} in both")
             for field in ("windows", "tokens", "nll", "kl", "seconds", "per_window"):
                 acc[key][field] += sums[field]
     return {"tool": "llama.cpp", "version": version, "rows": result_rows(acc)}

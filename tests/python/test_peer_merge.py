@@ -35,10 +35,7 @@ ACC = {
 
 
 def write(tmp_path, name, keys):
-    path = tmp_path / name
-    rows = peer.result_rows({k: ACC[k] for k in keys})
-    path.write_text(json.dumps({"tool": "llama.cpp", "version": "0.3.36", "rows": rows}))
-    return path
+    return write_acc(tmp_path, name, {k: ACC[k] for k in keys})
 
 
 def by_key(rows):
@@ -82,7 +79,7 @@ def window_acc(measured, tokens=2048):
         window = {"corpus": corpus, "index": index, "tokens": list(range(tokens))}
         scored = tokens - 1
         for scheme, nll, kl_mean in (("f16", ref, 0.0), ("q4_0", q4, kl)):
-            a = acc.setdefault((scheme, corpus, 2048), {"windows": 0, "tokens": 0, "nll": 0.0,
+            a = acc.setdefault((scheme, corpus, tokens), {"windows": 0, "tokens": 0, "nll": 0.0,
                                                         "kl": 0.0, "seconds": 0.0,
                                                         "per_window": []})
             a["windows"] += 1
