@@ -3,12 +3,15 @@
 //
 // It builds `kv_heads` streams of `context` tokens of random N(0, 1) keys and
 // values per scheme, then times Attend() over all of them (one task per KV
-// head, `group` query heads each, one decode query): the median of `reps`
-// calls after `warmup` calls, the schemes taking turns call by call. Threads
-// come from OpenMP (OMP_NUM_THREADS).
+// head, `group` query heads each; one decode query, or with --queries=N the
+// last N positions' queries under the causal mask, as a prefill chunk
+// attends): the median of `reps` calls after `warmup` calls, the schemes
+// taking turns call by call. crq schemes get the identity calibration (its
+// values do not change the work). Threads come from OpenMP
+// (OMP_NUM_THREADS).
 //
 //   kvq_attention_timing [--context=32768] [--kv_heads=8] [--group=4]
-//       [--head_dim=128] [--reps=15] [--warmup=3] [--backend=cpu]
+//       [--head_dim=128] [--queries=1] [--reps=15] [--warmup=3] [--backend=cpu]
 //       [--schemes=fp16,int8,fp8_e4m3,kivi4,kivi3,kivi2,kivi2:pre_rope,...]
 //
 // Prints one line per scheme: ms per call, KV bytes and the rate they are
@@ -37,6 +40,7 @@ struct Options {
   int kv_heads = 8;
   int group = 4;
   int head_dim = 128;
+  int queries = 1;
   int reps = 15;
   int warmup = 3;
   std::string backend = "cpu";
@@ -56,10 +60,11 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = argv[i];
     std::string v;
-    int* ints[] = {&o->context, &o->kv_heads, &o->group, &o->head_dim, &o->reps, &o->warmup};
-    const char* names[] = {"context", "kv_heads", "group", "head_dim", "reps", "warmup"};
+    int* ints[] = {&o->context, &o->kv_heads, &o->group, &o->head_dim,
+                   &o->queries, &o->reps,     &o->warmup};
+    const char* names[] = {"context", "kv_heads", "group", "head_dim", "queries", "reps", "warmup"};
     bool done = false;
-    for (int k = 0; k < 6 && !done; ++k) {
+    for (int k = 0; k < 7 && !done; ++k) {
       if (ParseFlag(arg, names[k], &v)) {
         if (!absl::SimpleAtoi(v, ints[k])) return false;
         done = true;
@@ -74,7 +79,8 @@ bool ParseArgs(int argc, char** argv, Options* o) {
     std::fprintf(stderr, "unknown argument %s\n", argv[i]);
     return false;
   }
-  return o->context > 0 && o->kv_heads > 0 && o->group > 0 && o->reps > 0;
+  return o->context > 0 && o->kv_heads > 0 && o->group > 0 && o->reps > 0 && o->queries > 0 &&
+         o->queries <= o->context;
 }
 
 double Now() {
@@ -92,11 +98,16 @@ int Run(const Options& o) {
   std::normal_distribution<float> normal;
   const int chunk = 1024;
   std::vector<float> k(static_cast<size_t>(chunk) * d), v(k.size());
-  std::vector<float> q(static_cast<size_t>(o.kv_heads) * o.group * d);
+  // Queries [query][kv head][group][d], as a model's projection lays them out.
+  const int q_row = o.kv_heads * o.group * d;
+  std::vector<float> q(static_cast<size_t>(o.queries) * q_row);
   for (float& x : q) x = normal(rng);
-  std::vector<float> out(q.size()), lse(static_cast<size_t>(o.kv_heads) * o.group);
-  std::printf("context %d, head_dim %d, %d KV heads x group %d, backend %s\n", o.context, d,
-              o.kv_heads, o.group, o.backend.c_str());
+  std::vector<int32_t> positions(o.queries);
+  for (int i = 0; i < o.queries; ++i) positions[i] = o.context - o.queries + i;
+  std::vector<float> out(q.size()), lse(static_cast<size_t>(o.queries) * o.kv_heads * o.group);
+  std::printf("context %d, head_dim %d, %d KV heads x group %d, %d quer%s, backend %s\n",
+              o.context, d, o.kv_heads, o.group, o.queries, o.queries == 1 ? "y" : "ies",
+              o.backend.c_str());
   // Build every scheme's streams first, then time the schemes round-robin,
   // one call each per round, so that a noisy neighbour hits all of them alike
   // and the ratios of one run are comparable.
@@ -118,11 +129,13 @@ int Run(const Options& o) {
     config.spec = *spec;
     config.head_dim = d;
     const Codebook codebook = Codebook::Uniform(spec->bits, d);
+    const HeadCalibration identity = HeadCalibration::Identity(d);
     Scheme sc;
     sc.name = name;
     for (int h = 0; h < o.kv_heads; ++h) {
       absl::StatusOr<std::unique_ptr<KvStream>> s =
-          KvStream::Create(config, &CpuBackend(), nullptr, spec->nuq ? &codebook : nullptr);
+          KvStream::Create(config, &CpuBackend(), nullptr, spec->nuq ? &codebook : nullptr,
+                           spec->is_crq() ? &identity : nullptr);
       if (!s.ok()) {
         std::fprintf(stderr, "%s\n", std::string(s.status().message()).c_str());
         return 1;
@@ -146,9 +159,14 @@ int Run(const Options& o) {
     for (int h = 0; h < o.kv_heads; ++h) {
       AttentionTask& t = sc.tasks[h];
       t.stream = sc.streams[h].get();
+      t.num_queries = o.queries;
       t.q = q.data() + static_cast<size_t>(h) * o.group * d;
+      t.q_stride = q_row;
+      t.q_positions = positions.data();
       t.out = out.data() + static_cast<size_t>(h) * o.group * d;
+      t.out_stride = q_row;
       t.lse = lse.data() + static_cast<size_t>(h) * o.group;
+      t.lse_stride = o.kv_heads * o.group;
     }
     schemes.push_back(std::move(sc));
   }

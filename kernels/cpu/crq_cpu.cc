@@ -47,8 +47,8 @@ constexpr int kLanes = 8;
 int PadToLanes(int n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // A chunk of keys [begin, end) for the rows [row0, row0 + rows) of one
-// query (its GQA group: they share the keys they see), so each code row is
-// unpacked once for all of them.
+// task: whole queries (each its GQA group's rows), which share the keys they
+// see, so each code row is unpacked once for all of them.
 struct Unit {
   int row0 = 0;
   int rows = 0;
@@ -58,6 +58,9 @@ struct Unit {
   std::vector<float> lse;  // [rows]
 };
 
+// Rows per block: a prefill chunk's queries share every decoded tile in
+// blocks this large (decode steps have one query: its group).
+constexpr int kBlockRows = 48;
 constexpr int kChunkTokens = 512;
 
 void PrepareRow(const AttentionOptions& options, Row& r) {
@@ -92,156 +95,265 @@ void PrepareRow(const AttentionOptions& options, Row& r) {
   }
 }
 
+// A unit's buffers, reused by the thread that runs it.
+struct UnitScratch {
+  std::vector<float> q, qr, ma, mb, fixed, scores, mx, sums, x, rows, levels, gain, tile_cs,
+      tile_sn, key_cs, key_sn;
+  std::vector<double> cs, sn, step_c, step_s, sum, sum_coded;
+  std::vector<uint8_t> codes;
+};
+
+UnitScratch& ThreadUnitScratch() {
+  thread_local UnitScratch scratch;
+  return scratch;
+}
+
+// The rows of one side a unit reads: coded ones from their pages (each page
+// passed to the page check before its first read), fp16 ones as stored.
+class UnitRows {
+ public:
+  UnitRows(const KvStream& s, const AttentionOptions& options)
+      : s_(s),
+        options_(options),
+        // Coded rows are one range of positions: past the sink, in the pages.
+        coded_begin_(s.sink_tokens()),
+        coded_end_(s.page_base() + s.quantized_tokens()) {}
+
+  int coded_begin() const { return coded_begin_; }
+  int coded_end() const { return coded_end_; }
+  bool Coded(int t) const { return t >= coded_begin_ && t < coded_end_; }
+
+  // Coded row t of `side` decoded to levels times `gain` (its stored gain
+  // when `stored_gain`, else 1), which it returns; `row` holds d floats.
+  float Decode(Side side, int t, const CrqRowLevels& levels, bool stored_gain, float* row) {
+    const PageLayout& L = s_.layout();
+    const int v = t - s_.page_base();
+    const int page_index = v / L.page_tokens;
+    if (options_.page_check != nullptr && page_index != checked_page_) {
+      checked_page_ = page_index;
+      options_.page_check->Check(s_, page_index);
+    }
+    const uint8_t* page = s_.page(page_index);
+    const SideLayout& S = L.side(side);
+    const int r = v % L.page_tokens;
+    const float gain = HalfToFloat(*PageLayout::Gain(page, S, r));
+    codes_.resize(s_.head_dim());
+    CrqDecodeRow(PageLayout::CodeRow(page, S, r), s_.head_dim(), S.half_bits, levels,
+                 stored_gain ? gain : 1.0f, codes_.data(), row);
+    return gain;
+  }
+
+ private:
+  const KvStream& s_;
+  const AttentionOptions& options_;
+  const int coded_begin_, coded_end_;
+  int checked_page_ = -1;
+  std::vector<uint8_t> codes_;
+};
+
+// The block's queries side by side, as the SIMD loops take them.
+void GatherRows(const std::vector<Row>& all, const Unit& u, int d, int padded, UnitScratch& sc) {
+  const int nr = u.rows;
+  sc.q.resize(static_cast<size_t>(nr) * d);
+  sc.qr.resize(sc.q.size());
+  sc.ma.resize(static_cast<size_t>(nr) * padded);
+  sc.mb.resize(sc.ma.size());
+  sc.fixed.resize(nr);
+  for (int k = 0; k < nr; ++k) {
+    const Row& r = all[u.row0 + k];
+    std::copy_n(r.q.data(), d, sc.q.data() + static_cast<size_t>(k) * d);
+    std::copy_n(r.qr.data(), d, sc.qr.data() + static_cast<size_t>(k) * d);
+    std::copy_n(r.a.data(), padded, sc.ma.data() + static_cast<size_t>(k) * padded);
+    std::copy_n(r.b.data(), padded, sc.mb.data() + static_cast<size_t>(k) * padded);
+    sc.fixed[k] = static_cast<float>(r.fixed);
+  }
+}
+
+// Scores of every (row, key) of the unit into sc.scores ([row][ns], ns the
+// keys padded to whole tiles), a tile of keys at a time: coded keys decoded
+// to levels (gain 1: the gain scales the dots) and stored coordinate-major,
+// with their RoPE angles for the mean term; fp16 keys (sink, tail) turned by
+// RoPE and dotted with the post-RoPE queries.
+void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScratch& sc) {
+  const Rope& rope = s.crq()->rope();
+  const int d = s.head_dim();
+  const int n = u.end - u.begin;
+  const int nr = u.rows;
+  const int pairs = rope.rotary_dim() / 2;
+  const int padded = PadToLanes(pairs);
+  // RoPE of the mean term walks position by position: the angle is linear
+  // in the position, so each pair turns by a fixed step (exact at the
+  // chunk's start, a few hundred steps at most in double).
+  sc.cs.resize(pairs);
+  sc.sn.resize(pairs);
+  sc.step_c.resize(pairs);
+  sc.step_s.resize(pairs);
+  for (int j = 0; j < pairs; ++j) {
+    const double a0 = rope.Angle(j, u.begin);
+    sc.cs[j] = std::cos(a0);
+    sc.sn[j] = std::sin(a0);
+    const double st = rope.Angle(j, 1.0) - rope.Angle(j, 0.0);
+    sc.step_c[j] = std::cos(st);
+    sc.step_s[j] = std::sin(st);
+  }
+  sc.scores.resize(static_cast<size_t>(nr) * ns);
+  sc.x.resize(d);
+  sc.rows.resize(static_cast<size_t>(kCrqTile) * d);
+  sc.levels.resize(sc.rows.size());
+  sc.gain.resize(kCrqTile);
+  sc.tile_cs.assign(static_cast<size_t>(padded) * kCrqTile, 0.0f);
+  sc.tile_sn.assign(sc.tile_cs.size(), 0.0f);
+  sc.key_cs.assign(padded, 0.0f);
+  sc.key_sn.assign(padded, 0.0f);
+  std::vector<float> dots(nr);
+  const CrqRowLevels levels = RowLevels(s.layout().key.half_bits);
+  for (int i0 = 0; i0 < n; i0 += kCrqTile) {
+    const int m = std::min(kCrqTile, n - i0);
+    bool any_coded = false;
+    for (int i = 0; i < kCrqTile; ++i) {
+      const int t = u.begin + i0 + i;
+      float* row = sc.rows.data() + static_cast<size_t>(i) * d;
+      if (i < m) {
+        CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs,
+                    sc.key_cs.data(), sc.key_sn.data());
+      }
+      for (int j = 0; j < pairs; ++j) {
+        sc.tile_cs[static_cast<size_t>(j) * kCrqTile + i] = i < m ? sc.key_cs[j] : 0.0f;
+        sc.tile_sn[static_cast<size_t>(j) * kCrqTile + i] = i < m ? sc.key_sn[j] : 0.0f;
+      }
+      if (i < m && rows.Coded(t)) {
+        sc.gain[i] = rows.Decode(Side::kKey, t, levels, /*stored_gain=*/false, row);
+        any_coded = true;
+      } else {
+        sc.gain[i] = 0.0f;
+        std::fill_n(row, d, 0.0f);
+      }
+      for (int c = 0; c < d; ++c) sc.levels[static_cast<size_t>(c) * kCrqTile + i] = row[c];
+    }
+    float* const scores = sc.scores.data() + i0;
+    if (any_coded) {
+      CrqTileScores(sc.levels.data(), sc.gain.data(), sc.tile_cs.data(), sc.tile_sn.data(), pairs,
+                    d, sc.qr.data(), d, sc.ma.data(), sc.mb.data(), padded, sc.fixed.data(), nr,
+                    scores, ns);
+    }
+    for (int i = 0; i < m; ++i) {
+      const int t = u.begin + i0 + i;
+      if (rows.Coded(t)) continue;
+      // Rope::Apply at t, with the walked angles instead of sin / cos calls.
+      s.ReadStoredRow(Side::kKey, t, sc.x.data());
+      for (int j = 0; j < pairs; ++j) {
+        float& x0 = sc.x[rope.First(j)];
+        float& x1 = sc.x[rope.Second(j)];
+        const float c = sc.tile_cs[static_cast<size_t>(j) * kCrqTile + i];
+        const float sn = sc.tile_sn[static_cast<size_t>(j) * kCrqTile + i];
+        const float r0 = x0 * c - x1 * sn;
+        const float r1 = x0 * sn + x1 * c;
+        x0 = r0;
+        x1 = r1;
+      }
+      CrqDots(sc.x.data(), sc.q.data(), d, nr, d, dots.data());
+      for (int k = 0; k < nr; ++k) scores[static_cast<size_t>(k) * ns + i] = dots[k];
+    }
+  }
+}
+
+// Scores become softmax weights in place, zero past a row's visible end,
+// with their maximum (sc.mx) and their sums over all keys and over coded
+// ones (sc.sum, sc.sum_coded).
+void Softmax(const std::vector<Row>& all, const Unit& u, const UnitRows& rows, int ns,
+             UnitScratch& sc) {
+  const int n = u.end - u.begin;
+  const int nr = u.rows;
+  const int coded_lo = std::clamp(rows.coded_begin() - u.begin, 0, n);
+  const int coded_hi = std::clamp(rows.coded_end() - u.begin, coded_lo, n);
+  sc.mx.resize(nr);
+  sc.sum.assign(nr, 0.0);
+  sc.sum_coded.assign(nr, 0.0);
+  for (int k = 0; k < nr; ++k) {
+    float* w = sc.scores.data() + static_cast<size_t>(k) * ns;
+    const int visible = std::clamp(all[u.row0 + k].visible_end - u.begin, 0, n);
+    sc.mx[k] = CrqMax(w, visible);
+    CrqExpShifted(w, visible, sc.mx[k]);
+    std::fill(w + visible, w + ns, 0.0f);
+    sc.sum[k] = CrqSum(w, visible);
+    const int hi = std::min(coded_hi, visible);
+    if (hi > coded_lo) sc.sum_coded[k] = CrqSum(w + coded_lo, hi - coded_lo);
+  }
+}
+
+// The weighted sums of the values into sc.sums: fp16 rows in the original
+// basis ([0, nr * d)), coded rows in the rotated one ([nr * d, 2 nr * d)),
+// a tile of rows at a time.
+void AccumulateValues(const Unit& u, const KvStream& s, UnitRows& rows, int ns,
+                      UnitScratch& sc) {
+  const int d = s.head_dim();
+  const int n = u.end - u.begin;
+  const int nr = u.rows;
+  sc.sums.assign(2 * static_cast<size_t>(nr) * d, 0.0f);
+  float* const acc = sc.sums.data();
+  float* const acc_coded = acc + static_cast<size_t>(nr) * d;
+  std::vector<float> weight(nr);
+  const CrqRowLevels levels = RowLevels(s.layout().value.half_bits);
+  for (int i0 = 0; i0 < n; i0 += kCrqTile) {
+    const int m = std::min(kCrqTile, n - i0);
+    const int t0 = u.begin + i0;
+    int coded = 0;
+    for (int i = 0; i < m; ++i) {
+      float* row = sc.rows.data() + static_cast<size_t>(i) * d;
+      if (rows.Coded(t0 + i)) {
+        rows.Decode(Side::kValue, t0 + i, levels, /*stored_gain=*/true, row);
+        ++coded;
+      } else {
+        s.ReadStoredRow(Side::kValue, t0 + i, row);
+      }
+    }
+    const float* w = sc.scores.data() + i0;
+    if (coded == 0 || coded == m) {
+      CrqTileAxpys(w, ns, nr, sc.rows.data(), m, d, coded ? acc_coded : acc, d);
+      continue;
+    }
+    // A tile on the edge of the coded range: row by row.
+    for (int i = 0; i < m; ++i) {
+      for (int k = 0; k < nr; ++k) weight[k] = w[static_cast<size_t>(k) * ns + i];
+      CrqAxpys(weight.data(), nr, sc.rows.data() + static_cast<size_t>(i) * d, d,
+               rows.Coded(t0 + i) ? acc_coded : acc, d);
+    }
+  }
+}
+
 void RunUnit(const AttentionOptions& options, const std::vector<Row>& all, Unit& u) {
-  const Row& first = all[u.row0];
-  const KvStream& s = *first.task->stream;
+  const KvStream& s = *all[u.row0].task->stream;
   const CrqTransform& T = *s.crq();
   const HeadCalibration& cal = T.calibration();
-  const Rope& rope = T.rope();
-  const PageLayout& L = s.layout();
   const int d = s.head_dim();
-  const int pt = L.page_tokens;
   const int n = u.end - u.begin;
   const int nr = u.rows;
   u.out.assign(static_cast<size_t>(nr) * d, 0.0f);
   u.lse.assign(nr, -std::numeric_limits<float>::infinity());
   if (n <= 0) return;
-  const int pairs = rope.rotary_dim() / 2;
-  // RoPE of the mean term walks position by position: the angle is linear
-  // in the position, so each pair turns by a fixed step (exact at the
-  // chunk's start, a few hundred steps at most in double).
-  std::vector<double> cs(pairs), sn(pairs), step_c(pairs), step_s(pairs);
-  for (int j = 0; j < pairs; ++j) {
-    const double a0 = rope.Angle(j, u.begin);
-    cs[j] = std::cos(a0);
-    sn[j] = std::sin(a0);
-    const double st = rope.Angle(j, 1.0) - rope.Angle(j, 0.0);
-    step_c[j] = std::cos(st);
-    step_s[j] = std::sin(st);
-  }
-  auto coded = [&](int t) { return t >= s.sink_tokens() && t - s.page_base() < s.quantized_tokens(); };
-  int checked_page = -1;
-  auto page_of = [&](int t, int* row) {
-    const int v = t - s.page_base();
-    *row = v % pt;
-    if (options.page_check != nullptr && v / pt != checked_page) {
-      checked_page = v / pt;
-      options.page_check->Check(s, checked_page);
-    }
-    return s.page(v / pt);
-  };
-  // The group's queries side by side, as the SIMD loops take them.
-  const int padded = PadToLanes(pairs);
-  std::vector<float> q(static_cast<size_t>(nr) * d), qr(q.size());
-  std::vector<float> ma(static_cast<size_t>(nr) * padded), mb(ma.size());
-  // Per row of the group: the fixed mean term, the dots and mean terms of
-  // one key, one value's softmax weight.
-  std::vector<float> per_row(static_cast<size_t>(nr) * 4);
-  float* const fixed = per_row.data();
-  float* const dots = fixed + nr;
-  float* const means = dots + nr;
-  float* const weight = means + nr;
+  UnitScratch& sc = ThreadUnitScratch();
+  UnitRows rows(s, options);
+  const int ns = PadToLanes(n);
+  GatherRows(all, u, d, PadToLanes(T.rope().rotary_dim() / 2), sc);
+  ScoreKeys(u, s, rows, ns, sc);
+  Softmax(all, u, rows, ns, sc);
+  AccumulateValues(u, s, rows, ns, sc);
+  // The coded sum mapped back to the original basis, centered and scaled.
+  const float* acc = sc.sums.data();
+  float* acc_coded = sc.sums.data() + static_cast<size_t>(nr) * d;
   for (int k = 0; k < nr; ++k) {
-    const Row& r = all[u.row0 + k];
-    std::copy_n(r.q.data(), d, q.data() + static_cast<size_t>(k) * d);
-    std::copy_n(r.qr.data(), d, qr.data() + static_cast<size_t>(k) * d);
-    std::copy_n(r.a.data(), padded, ma.data() + static_cast<size_t>(k) * padded);
-    std::copy_n(r.b.data(), padded, mb.data() + static_cast<size_t>(k) * padded);
-    fixed[k] = static_cast<float>(r.fixed);
-  }
-  std::vector<float> scores(static_cast<size_t>(nr) * n), x(d);
-  std::vector<uint8_t> codes(d);
-  std::vector<float> mx(nr, -std::numeric_limits<float>::infinity());
-  // This token's cos / sin per pair in float, zero-padded for CrqMeanDots.
-  std::vector<float> csf(padded, 0.0f), snf(padded, 0.0f);
-  // A key row decoded to levels once (gain 1: the gain scales the dots),
-  // scored by every row of the group.
-  const CrqRowLevels key_levels = RowLevels(L.key.half_bits);
-  std::vector<float> decoded(d);
-  for (int i = 0; i < n; ++i) {
-    const int t = u.begin + i;
-    CrqRopeWalk(cs.data(), sn.data(), step_c.data(), step_s.data(), pairs, csf.data(), snf.data());
-    if (coded(t)) {
-      int row;
-      const uint8_t* page = page_of(t, &row);
-      const float gain = HalfToFloat(*PageLayout::Gain(page, L.key, row));
-      CrqDecodeRow(PageLayout::CodeRow(page, L.key, row), d, L.key.half_bits, key_levels, 1.0f,
-                   codes.data(), decoded.data());
-      CrqDots(decoded.data(), qr.data(), d, nr, d, dots);
-      CrqMeanDots(ma.data(), mb.data(), padded, nr, csf.data(), snf.data(), padded, means);
-      for (int k = 0; k < nr; ++k) {
-        scores[static_cast<size_t>(k) * n + i] = (fixed[k] + means[k]) + gain * dots[k];
-      }
-    } else {
-      // Rope::Apply at t, with the walked angles instead of sin / cos calls.
-      s.ReadStoredRow(Side::kKey, t, x.data());
-      for (int j = 0; j < pairs; ++j) {
-        float& x0 = x[rope.First(j)];
-        float& x1 = x[rope.Second(j)];
-        const float r0 = x0 * csf[j] - x1 * snf[j];
-        const float r1 = x0 * snf[j] + x1 * csf[j];
-        x0 = r0;
-        x1 = r1;
-      }
-      CrqDots(x.data(), q.data(), d, nr, d, dots);
-      for (int k = 0; k < nr; ++k) scores[static_cast<size_t>(k) * n + i] = dots[k];
-    }
-    for (int k = 0; k < nr; ++k) {
-      if (t < all[u.row0 + k].visible_end) mx[k] = std::max(mx[k], scores[static_cast<size_t>(k) * n + i]);
-    }
-  }
-  // Sums of fp16 rows in the original basis, then of coded rows in the
-  // rotated one.
-  std::vector<float> sums(2 * static_cast<size_t>(nr) * d, 0.0f);
-  float* const acc = sums.data();
-  float* const acc_coded = acc + static_cast<size_t>(nr) * d;
-  // Scores become softmax weights in place, zero past a row's visible end.
-  for (int k = 0; k < nr; ++k) {
-    float* w = scores.data() + static_cast<size_t>(k) * n;
-    const int visible = std::clamp(all[u.row0 + k].visible_end - u.begin, 0, n);
-    CrqExpShifted(w, visible, mx[k]);
-    std::fill(w + visible, w + n, 0.0f);
-  }
-  const CrqRowLevels value_levels = RowLevels(L.value.half_bits);
-  std::vector<double> sum(nr, 0.0), sum_coded(nr, 0.0);
-  for (int i = 0; i < n; ++i) {
-    const int t = u.begin + i;
-    const bool from_pages = coded(t);
-    if (from_pages) {
-      int row;
-      const uint8_t* page = page_of(t, &row);
-      const float gain = HalfToFloat(*PageLayout::Gain(page, L.value, row));
-      CrqDecodeRow(PageLayout::CodeRow(page, L.value, row), d, L.value.half_bits, value_levels,
-                   gain, codes.data(), decoded.data());
-    } else {
-      s.ReadStoredRow(Side::kValue, t, x.data());
-    }
-    for (int k = 0; k < nr; ++k) {
-      const float p = scores[static_cast<size_t>(k) * n + i];
-      weight[k] = p;
-      sum[k] += p;
-      if (from_pages) sum_coded[k] += p;
-    }
-    // Coded rows accumulate in the rotated basis, mapped back once below.
-    if (from_pages) {
-      CrqAxpys(weight, nr, decoded.data(), d, acc_coded, d);
-    } else {
-      CrqAxpys(weight, nr, x.data(), d, acc, d);
-    }
-  }
-  for (int k = 0; k < nr; ++k) {
-    if (sum[k] == 0.0) continue;  // No key of the chunk is visible to this row.
-    const float inv = static_cast<float>(1.0 / sum[k]);
+    if (sc.sum[k] == 0.0) continue;  // No key of the chunk is visible to this row.
+    const float inv = static_cast<float>(1.0 / sc.sum[k]);
     float* ac = acc_coded + static_cast<size_t>(k) * d;
     for (int c = 0; c < d; ++c) ac[c] *= inv;
     T.rotation().Inverse(ac);
-    const float coded_share = static_cast<float>(sum_coded[k] / sum[k]);
+    const float coded_share = static_cast<float>(sc.sum_coded[k] / sc.sum[k]);
     const float* ao = acc + static_cast<size_t>(k) * d;
     float* o = u.out.data() + static_cast<size_t>(k) * d;
     for (int c = 0; c < d; ++c) {
       o[c] = ao[c] * inv + cal.value_mean[c] * coded_share + cal.value_scale[c] * ac[c];
     }
-    u.lse[k] = mx[k] + static_cast<float>(std::log(sum[k]));
+    u.lse[k] = sc.mx[k] + static_cast<float>(std::log(sc.sum[k]));
   }
 }
 
@@ -288,23 +400,34 @@ void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& op
       }
     }
   }
-  // Units: per query (its group's rows), chunks of the keys its rows see.
+  // Blocks: runs of whole queries of one task (rows are task by task,
+  // query by query); units: a block's chunks of the keys its rows see.
   std::vector<Unit> units;
-  std::vector<int> first_unit;  // Per query, its units in order.
-  std::vector<int> unit_query;
+  std::vector<int> first_unit;  // Per block, its units in order.
+  std::vector<int> block_row0;  // Per block, its first row.
   const int group = options.group_size;
-  for (int q0 = 0; q0 < static_cast<int>(rows.size()); q0 += group) {
+  const int block_queries = std::max(1, kBlockRows / group);
+  for (int q0 = 0; q0 < static_cast<int>(rows.size());) {
+    const AttentionTask* task = rows[q0].task;
+    int q1 = q0;
+    for (int i = 0; i < block_queries && q1 < static_cast<int>(rows.size()) &&
+                    rows[q1].task == task;
+         ++i) {
+      q1 += group;
+    }
     first_unit.push_back(static_cast<int>(units.size()));
-    const int begin = rows[q0].task->key_begin;
+    block_row0.push_back(q0);
+    const int begin = task->key_begin;
     int end = begin;
-    for (int k = 0; k < group; ++k) end = std::max(end, rows[q0 + k].visible_end);
+    for (int k = q0; k < q1; ++k) end = std::max(end, rows[k].visible_end);
     for (int b = begin; b == begin || b < end; b += kChunkTokens) {
       Unit& u = units.emplace_back();
       u.row0 = q0;
-      u.rows = group;
+      u.rows = q1 - q0;
       u.begin = b;
       u.end = std::min(end, b + kChunkTokens);
     }
+    q0 = q1;
   }
   first_unit.push_back(static_cast<int>(units.size()));
   const int nrows = static_cast<int>(rows.size());
@@ -313,17 +436,17 @@ void AttendCrq(absl::Span<const AttentionTask> tasks, const AttentionOptions& op
   for (int i = 0; i < nrows; ++i) PrepareRow(options, rows[i]);
 #pragma omp parallel for schedule(dynamic, 1) if (parallel && nunits > 1)
   for (int i = 0; i < nunits; ++i) RunUnit(options, rows, units[i]);
-  for (size_t qi = 0; qi + 1 < first_unit.size(); ++qi) {
-    for (int k = 0; k < group; ++k) {
-      const Row& r = rows[qi * group + k];
+  for (size_t bi = 0; bi + 1 < first_unit.size(); ++bi) {
+    const Unit& u0 = units[first_unit[bi]];
+    for (int k = 0; k < u0.rows; ++k) {
+      const Row& r = rows[block_row0[bi] + k];
       const AttentionTask& t = *r.task;
       const int d = t.stream->head_dim();
       float* out = t.out + static_cast<size_t>(r.query) * t.out_stride + static_cast<size_t>(r.head) * d;
       float* lse = t.lse + static_cast<size_t>(r.query) * t.lse_stride + r.head;
-      const Unit& u0 = units[first_unit[qi]];
       std::copy_n(u0.out.data() + static_cast<size_t>(k) * d, d, out);
       *lse = u0.lse[k];
-      for (int m = first_unit[qi] + 1; m < first_unit[qi + 1]; ++m) {
+      for (int m = first_unit[bi] + 1; m < first_unit[bi + 1]; ++m) {
         MergeAttention(out, *lse, units[m].out.data() + static_cast<size_t>(k) * d, units[m].lse[k],
                        d, out, lse);
       }

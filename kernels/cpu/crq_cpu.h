@@ -1,7 +1,8 @@
 // crq on the "cpu" backend (docs/KERNELS.md, "crq"): coding rows with the
 // shared per-element math (kernels/hd/crq_hd.h) and attention in the coded
-// space: each code row decoded to levels once and dotted with the rotated
-// queries of its GQA group.
+// space: each code row decoded to levels once per block of queries (a
+// decode step's GQA group, or up to 48 rows of a prefill chunk's queries)
+// and scored by all of them a tile of keys at a time.
 #ifndef KVQ_KERNELS_CPU_CRQ_CPU_H_
 #define KVQ_KERNELS_CPU_CRQ_CPU_H_
 

@@ -16,7 +16,9 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/simd_crq.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstddef>
 #include <cstdint>
 
@@ -141,23 +143,6 @@ void CrqDotsImpl(const float* HWY_RESTRICT x, const float* HWY_RESTRICT rows, si
   }
 }
 
-void CrqMeanDotsImpl(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t stride,
-                     int nr, const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn, int n,
-                     float* HWY_RESTRICT out) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  for (int k = 0; k < nr; ++k) {
-    const float* ak = a + k * stride;
-    const float* bk = b + k * stride;
-    auto acc = hn::Zero(df);
-    for (int j = 0; j < n; j += N) {
-      acc = hn::MulAdd(hn::LoadU(df, ak + j), hn::LoadU(df, cs + j), acc);
-      acc = hn::MulAdd(hn::LoadU(df, bk + j), hn::LoadU(df, sn + j), acc);
-    }
-    out[k] = hn::GetLane(hn::SumOfLanes(df, acc));
-  }
-}
-
 void CrqAxpysImpl(const float* HWY_RESTRICT w, int nr, const float* HWY_RESTRICT x, int d,
                   float* HWY_RESTRICT acc, size_t stride) {
   const DF df;
@@ -170,6 +155,124 @@ void CrqAxpysImpl(const float* HWY_RESTRICT w, int nr, const float* HWY_RESTRICT
       hn::StoreU(hn::MulAdd(wk, hn::LoadU(df, x + c), hn::LoadU(df, ak + c)), df, ak + c);
     }
   }
+}
+
+// Rows [k0, k0 + R) of CrqTileScores at lanes [l, l + N): every load of
+// the tile feeds R multiply-adds (the loop is bound by loads, not by them).
+template <int R>
+HWY_INLINE void TileScoreRows(const float* HWY_RESTRICT levels, hn::Vec<DF> gain,
+                              const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn,
+                              int pairs, int d, const float* HWY_RESTRICT qr, size_t q_stride,
+                              const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                              size_t m_stride, const float* HWY_RESTRICT fixed, int k0, int l,
+                              float* HWY_RESTRICT out, size_t out_stride) {
+  const DF df;
+  hn::Vec<DF> dot[R], mean[R];
+  for (int r = 0; r < R; ++r) {
+    dot[r] = hn::Zero(df);
+    mean[r] = hn::Set(df, fixed[k0 + r]);
+  }
+  for (int c = 0; c < d; ++c) {
+    const auto x = hn::LoadU(df, levels + c * kCrqTile + l);
+    for (int r = 0; r < R; ++r) {
+      dot[r] = hn::MulAdd(hn::Set(df, qr[(k0 + r) * q_stride + c]), x, dot[r]);
+    }
+  }
+  for (int j = 0; j < pairs; ++j) {
+    const auto c = hn::LoadU(df, cs + j * kCrqTile + l);
+    const auto s = hn::LoadU(df, sn + j * kCrqTile + l);
+    for (int r = 0; r < R; ++r) {
+      mean[r] = hn::MulAdd(hn::Set(df, a[(k0 + r) * m_stride + j]), c, mean[r]);
+      mean[r] = hn::MulAdd(hn::Set(df, b[(k0 + r) * m_stride + j]), s, mean[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    hn::StoreU(hn::MulAdd(gain, dot[r], mean[r]), df, out + (k0 + r) * out_stride + l);
+  }
+}
+
+void CrqTileScoresImpl(const float* HWY_RESTRICT levels, const float* HWY_RESTRICT gain,
+                       const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn, int pairs,
+                       int d, const float* HWY_RESTRICT qr, size_t q_stride,
+                       const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                       size_t m_stride, const float* HWY_RESTRICT fixed, int nr,
+                       float* HWY_RESTRICT out, size_t out_stride) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int l = 0; l < kCrqTile; l += N) {
+    const auto g = hn::LoadU(df, gain + l);
+    int k = 0;
+    for (; k + 4 <= nr; k += 4) {
+      TileScoreRows<4>(levels, g, cs, sn, pairs, d, qr, q_stride, a, b, m_stride, fixed, k, l,
+                       out, out_stride);
+    }
+    // The last one to three rows (a decode step's GQA group) together.
+    switch (nr - k) {
+      case 3:
+        TileScoreRows<3>(levels, g, cs, sn, pairs, d, qr, q_stride, a, b, m_stride, fixed, k, l,
+                         out, out_stride);
+        break;
+      case 2:
+        TileScoreRows<2>(levels, g, cs, sn, pairs, d, qr, q_stride, a, b, m_stride, fixed, k, l,
+                         out, out_stride);
+        break;
+      case 1:
+        TileScoreRows<1>(levels, g, cs, sn, pairs, d, qr, q_stride, a, b, m_stride, fixed, k, l,
+                         out, out_stride);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+void CrqTileAxpysImpl(const float* HWY_RESTRICT w, size_t w_stride, int nr,
+                      const float* HWY_RESTRICT x, int m, int d, float* HWY_RESTRICT acc,
+                      size_t stride) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  // A row's weights broadcast once, kept in registers across its
+  // coordinates (unused keys weigh zero).
+  hn::Vec<DF> wv[kCrqTile];
+  for (int k = 0; k < nr; ++k) {
+    const float* wk = w + k * w_stride;
+    for (int i = 0; i < kCrqTile; ++i) wv[i] = hn::Set(df, i < m ? wk[i] : 0.0f);
+    float* ak = acc + k * stride;
+    for (int c = 0; c < d; c += N) {
+      auto v = hn::LoadU(df, ak + c);
+      for (int i = 0; i < m; ++i) v = hn::MulAdd(wv[i], hn::LoadU(df, x + i * d + c), v);
+      hn::StoreU(v, df, ak + c);
+    }
+  }
+}
+
+float CrqMaxImpl(const float* HWY_RESTRICT x, int n) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  auto m = hn::Set(df, -std::numeric_limits<float>::infinity());
+  int i = 0;
+  for (; i + N <= n; i += N) m = hn::Max(m, hn::LoadU(df, x + i));
+  float r = hn::GetLane(hn::MaxOfLanes(df, m));
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+float CrqSumImpl(const float* HWY_RESTRICT x, int n) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  auto s0 = hn::Zero(df), s1 = hn::Zero(df);
+  int i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    s0 = hn::Add(s0, hn::LoadU(df, x + i));
+    s1 = hn::Add(s1, hn::LoadU(df, x + i + N));
+  }
+  if (i + N <= n) {
+    s0 = hn::Add(s0, hn::LoadU(df, x + i));
+    i += N;
+  }
+  float r = hn::GetLane(hn::SumOfLanes(df, hn::Add(s0, s1)));
+  for (; i < n; ++i) r += x[i];
+  return r;
 }
 
 void CrqExpShiftedImpl(float* HWY_RESTRICT x, int n, float shift) {
@@ -218,10 +321,13 @@ namespace cpu {
 
 HWY_EXPORT(CrqDecodeRowImpl);
 HWY_EXPORT(CrqDotsImpl);
-HWY_EXPORT(CrqMeanDotsImpl);
 HWY_EXPORT(CrqAxpysImpl);
+HWY_EXPORT(CrqTileScoresImpl);
+HWY_EXPORT(CrqTileAxpysImpl);
 HWY_EXPORT(CrqRopeWalkImpl);
 HWY_EXPORT(CrqExpShiftedImpl);
+HWY_EXPORT(CrqMaxImpl);
+HWY_EXPORT(CrqSumImpl);
 
 void CrqDecodeRow(const uint8_t* row, int d, int half_bits, const CrqRowLevels& levels,
                   float gain, uint8_t* codes, float* out) {
@@ -232,18 +338,30 @@ void CrqDots(const float* x, const float* rows, size_t stride, int nr, int d, fl
   HWY_DYNAMIC_DISPATCH(CrqDotsImpl)(x, rows, stride, nr, d, out);
 }
 
-void CrqMeanDots(const float* a, const float* b, size_t stride, int nr, const float* cs,
-                 const float* sn, int n, float* out) {
-  HWY_DYNAMIC_DISPATCH(CrqMeanDotsImpl)(a, b, stride, nr, cs, sn, n, out);
-}
-
 void CrqAxpys(const float* w, int nr, const float* x, int d, float* acc, size_t stride) {
   HWY_DYNAMIC_DISPATCH(CrqAxpysImpl)(w, nr, x, d, acc, stride);
+}
+
+void CrqTileScores(const float* levels, const float* gain, const float* cs, const float* sn,
+                   int pairs, int d, const float* qr, size_t q_stride, const float* a,
+                   const float* b, size_t m_stride, const float* fixed, int nr, float* out,
+                   size_t out_stride) {
+  HWY_DYNAMIC_DISPATCH(CrqTileScoresImpl)(levels, gain, cs, sn, pairs, d, qr, q_stride, a, b,
+                                          m_stride, fixed, nr, out, out_stride);
+}
+
+void CrqTileAxpys(const float* w, size_t w_stride, int nr, const float* x, int m, int d,
+                  float* acc, size_t stride) {
+  HWY_DYNAMIC_DISPATCH(CrqTileAxpysImpl)(w, w_stride, nr, x, m, d, acc, stride);
 }
 
 void CrqExpShifted(float* x, int n, float shift) {
   HWY_DYNAMIC_DISPATCH(CrqExpShiftedImpl)(x, n, shift);
 }
+
+float CrqMax(const float* x, int n) { return HWY_DYNAMIC_DISPATCH(CrqMaxImpl)(x, n); }
+
+float CrqSum(const float* x, int n) { return HWY_DYNAMIC_DISPATCH(CrqSumImpl)(x, n); }
 
 void CrqRopeWalk(double* cs, double* sn, const double* step_c, const double* step_s, int n,
                  float* csf, float* snf) {

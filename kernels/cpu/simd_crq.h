@@ -1,7 +1,8 @@
 // SIMD loops of the cpu backend's crq kernel (kernels/cpu/crq_cpu.cc):
-// level look-ups on packed codes, the group's dots and multiply-adds, and the
-// walk of the mean term's RoPE angles. Highway, dispatched at run time to the
-// best compiled target (simd_targets.h).
+// level look-ups on packed codes, a block's scores and multiply-adds over a
+// tile of keys, softmax sums, and the walk of the mean term's RoPE angles.
+// Highway, dispatched at run time to the best compiled target
+// (simd_targets.h).
 #ifndef KVQ_KERNELS_CPU_SIMD_CRQ_H_
 #define KVQ_KERNELS_CPU_SIMD_CRQ_H_
 
@@ -27,14 +28,37 @@ void CrqDecodeRow(const uint8_t* row, int d, int half_bits, const CrqRowLevels& 
 // out[k] = rows[k * stride, + d) . x for k < nr (d a multiple of 8).
 void CrqDots(const float* x, const float* rows, size_t stride, int nr, int d, float* out);
 
-// out[k] = sum_j a[k * stride + j] cs[j] + b[k * stride + j] sn[j] for k <
-// nr, j < n (n a multiple of 8, arrays zero-padded to it).
-void CrqMeanDots(const float* a, const float* b, size_t stride, int nr, const float* cs,
-                 const float* sn, int n, float* out);
-
 // acc[k * stride + c] += w[k] * x[c] for k < nr with w[k] != 0, c < d (a
 // multiple of 8).
 void CrqAxpys(const float* w, int nr, const float* x, int d, float* acc, size_t stride);
+
+// Keys scored a tile at a time: kCrqTile keys in the lanes of one vector, so
+// every row's dots are vertical multiply-adds (no horizontal sums) and each
+// key's decode and angles serve every row of the block.
+inline constexpr int kCrqTile = 8;
+
+// The scores of one tile of coded keys for rows k < nr:
+//   out[k * out_stride + i] = fixed[k]
+//       + sum_j (a[k * m_stride + j] cs[j][i] + b[k * m_stride + j] sn[j][i])
+//       + gain[i] * sum_c qr[k * q_stride + c] levels[c][i]
+// for lanes i < kCrqTile; levels is d x kCrqTile, cs and sn pairs x
+// kCrqTile (tile-major: key i of coordinate c at c * kCrqTile + i). All
+// kCrqTile lanes are written (unused keys: whatever their zero inputs give).
+void CrqTileScores(const float* levels, const float* gain, const float* cs, const float* sn,
+                   int pairs, int d, const float* qr, size_t q_stride, const float* a,
+                   const float* b, size_t m_stride, const float* fixed, int nr, float* out,
+                   size_t out_stride);
+
+// acc[k * stride + c] += sum_i w[k * w_stride + i] * x[i * d + c] for k < nr,
+// i < m (at most kCrqTile rows of x), c < d (a multiple of 8): a tile of
+// rows accumulated with one load and store of each accumulator.
+void CrqTileAxpys(const float* w, size_t w_stride, int nr, const float* x, int m, int d,
+                  float* acc, size_t stride);
+
+// The maximum of x[i < n] (-infinity for n = 0) and their sum (eight
+// lanes of float partial sums: a few ulp of the total for a chunk's weights).
+float CrqMax(const float* x, int n);
+float CrqSum(const float* x, int n);
 
 // x[i] = exp(x[i] - shift) for i < n: softmax weights from scores and their
 // maximum (Highway's Exp, within 1 ulp of std::exp).

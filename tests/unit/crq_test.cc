@@ -267,6 +267,57 @@ TEST_P(CrqBackendTest, AttentionEqualsAttentionOverDequantizedRows) {
   EXPECT_NEAR(lm, whole.lse, 1e-4 * std::max(1.0, std::fabs(whole.lse)));
 }
 
+// A prefill chunk's many queries: blocks of queries share decoded tiles of
+// keys, key ranges span several chunks, and visible ends fall anywhere (in
+// the sink, on and off tile edges, in the fp16 tail). Every row equals fp64
+// attention over the dequantized rows, as a single query does.
+TEST_P(CrqBackendTest, ManyQueriesEqualAttentionOverDequantizedRows) {
+  const int n = 1200;
+  const std::vector<float> k = MakeKeys(n, d(), 61), v = MakeValues(n, d(), 62);
+  std::unique_ptr<KvStream> s = Make();
+  ASSERT_TRUE(s);
+  Fill(*s, k, v, n);
+  const std::vector<float> keys = testutil::ReadSide(*s, Side::kKey, 0, n, true);
+  const std::vector<float> values = testutil::ReadSide(*s, Side::kValue, 0, n, true);
+  const int group = 3, queries = 41;
+  const std::vector<float> q = MakeGaussian(static_cast<size_t>(queries) * group * d(), 63);
+  std::vector<int32_t> pos(queries);
+  std::mt19937 rng(64);
+  for (int i = 0; i < queries; ++i) pos[i] = static_cast<int32_t>(rng() % n);
+  pos[0] = 0;
+  pos[1] = 2;
+  pos[2] = 511;
+  pos[3] = 512;
+  pos[4] = n - 1;
+  for (int i = 5; i < 12; ++i) pos[i] = n - 12 + i;  // Consecutive, as a chunk's.
+  std::vector<float> out(q.size()), lse(queries * group);
+  AttentionTask t;
+  t.stream = s.get();
+  t.num_queries = queries;
+  t.q = q.data();
+  t.q_stride = group * d();
+  t.q_positions = pos.data();
+  t.out = out.data();
+  t.out_stride = group * d();
+  t.lse = lse.data();
+  t.lse_stride = group;
+  AttentionOptions o;
+  o.group_size = group;
+  ASSERT_TRUE(s->backend()->Attend({&t, 1}, o).ok());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d()));
+  for (int i = 0; i < queries; ++i) {
+    for (int g = 0; g < group; ++g) {
+      const size_t row = static_cast<size_t>(i) * group + g;
+      const testutil::Attention64 want = testutil::ReferenceAttention(
+          q.data() + row * d(), keys.data(), values.data(), 0, pos[i] + 1, d(), scale);
+      ASSERT_LT(testutil::RelativeError(out.data() + row * d(), want.out), 1e-4)
+          << "query " << i << " at " << pos[i] << " head " << g;
+      ASSERT_NEAR(lse[row], want.lse, 1e-4 * std::max(1.0, std::fabs(want.lse)))
+          << "query " << i << " at " << pos[i] << " head " << g;
+    }
+  }
+}
+
 // Against the original K/V, a backend's attention error may exceed the
 // reference's by 10% (backend.h's contract). The reference's own error is
 // bounded loosely (a random query over N(0, 1) values has a small output, so
