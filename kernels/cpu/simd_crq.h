@@ -55,8 +55,9 @@ void CrqTileScores(const float* levels, const float* gain, const float* cs, cons
 void CrqTileAxpys(const float* w, size_t w_stride, int nr, const float* x, int m, int d,
                   float* acc, size_t stride);
 
-// The maximum of x[i < n] (-infinity for n = 0) and their sum (eight
-// lanes of float partial sums: a few ulp of the total for a chunk's weights).
+// The maximum of x[i < n] (-infinity for n = 0) and their sum (float
+// partial sums in two vectors of lanes: a few ulp of the total for a
+// chunk's weights).
 float CrqMax(const float* x, int n);
 float CrqSum(const float* x, int n);
 
