@@ -61,6 +61,10 @@ struct Unit {
 // Rows per block: a prefill chunk's queries share every decoded tile in
 // blocks this large (decode steps have one query: its group).
 constexpr int kBlockRows = 48;
+// From this many rows a tile's mean term is folded into its keys once
+// (CrqTileFoldMean, O(d log d)) rather than scored per row (d / 2 pairs);
+// the two cost about the same near 9 rows.
+constexpr int kFoldRows = 12;
 constexpr int kChunkTokens = 512;
 
 void PrepareRow(const AttentionOptions& options, Row& r) {
@@ -98,7 +102,8 @@ void PrepareRow(const AttentionOptions& options, Row& r) {
 // A unit's buffers, reused by the thread that runs it.
 struct UnitScratch {
   std::vector<float> q, qr, ma, mb, fixed, scores, mx, sums, x, rows, levels, gain, tile_cs,
-      tile_sn, key_cs, key_sn;
+      tile_sn, key_cs, key_sn, mu, signs_norm, folded, unit_gain, no_fixed;
+  std::vector<int> first, second;
   std::vector<double> cs, sn, step_c, step_s, sum, sum_coded;
   std::vector<uint8_t> codes;
 };
@@ -207,6 +212,27 @@ void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScr
   sc.key_sn.assign(padded, 0.0f);
   std::vector<float> dots(nr);
   const CrqRowLevels levels = RowLevels(s.layout().key.half_bits);
+  const bool fold = nr >= kFoldRows;
+  if (fold) {
+    const HeadCalibration& cal = s.crq()->calibration();
+    const std::vector<float>& signs = s.crq()->rotation().signs();
+    const float norm = 1.0f / std::sqrt(static_cast<float>(d));
+    sc.mu.resize(d);
+    sc.signs_norm.resize(d);
+    for (int c = 0; c < d; ++c) {
+      sc.mu[c] = cal.key_mean[c] / cal.key_scale[c];
+      sc.signs_norm[c] = signs[c] * norm;
+    }
+    sc.first.resize(pairs);
+    sc.second.resize(pairs);
+    for (int j = 0; j < pairs; ++j) {
+      sc.first[j] = rope.First(j);
+      sc.second[j] = rope.Second(j);
+    }
+    sc.folded.resize(static_cast<size_t>(kCrqTile) * d);
+    sc.unit_gain.assign(kCrqTile, 1.0f);
+    sc.no_fixed.assign(nr, 0.0f);
+  }
   for (int i0 = 0; i0 < n; i0 += kCrqTile) {
     const int m = std::min(kCrqTile, n - i0);
     bool any_coded = false;
@@ -231,7 +257,13 @@ void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScr
       for (int c = 0; c < d; ++c) sc.levels[static_cast<size_t>(c) * kCrqTile + i] = row[c];
     }
     float* const scores = sc.scores.data() + i0;
-    if (any_coded) {
+    if (any_coded && fold) {
+      CrqTileFoldMean(sc.levels.data(), sc.gain.data(), sc.tile_cs.data(), sc.tile_sn.data(),
+                      sc.first.data(), sc.second.data(), pairs, sc.mu.data(),
+                      sc.signs_norm.data(), d, sc.folded.data());
+      CrqTileScores(sc.folded.data(), sc.unit_gain.data(), nullptr, nullptr, 0, d, sc.qr.data(), d,
+                    nullptr, nullptr, 0, sc.no_fixed.data(), nr, scores, ns);
+    } else if (any_coded) {
       CrqTileScores(sc.levels.data(), sc.gain.data(), sc.tile_cs.data(), sc.tile_sn.data(), pairs,
                     d, sc.qr.data(), d, sc.ma.data(), sc.mb.data(), padded, sc.fixed.data(), nr,
                     scores, ns);

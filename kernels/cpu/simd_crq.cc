@@ -226,6 +226,48 @@ void CrqTileScoresImpl(const float* HWY_RESTRICT levels, const float* HWY_RESTRI
   }
 }
 
+void CrqTileFoldMeanImpl(const float* HWY_RESTRICT levels, const float* HWY_RESTRICT gain,
+                         const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn,
+                         const int* HWY_RESTRICT first, const int* HWY_RESTRICT second,
+                         int pairs, const float* HWY_RESTRICT mu,
+                         const float* HWY_RESTRICT signs_norm, int d, float* HWY_RESTRICT z) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int l = 0; l < kCrqTile; l += N) {
+    auto at = [&](int c) { return z + c * kCrqTile + l; };
+    // R_p mu: channels that do not rotate keep mu.
+    for (int c = 0; c < d; ++c) hn::StoreU(hn::Set(df, mu[c]), df, at(c));
+    for (int j = 0; j < pairs; ++j) {
+      const auto c = hn::LoadU(df, cs + j * kCrqTile + l);
+      const auto s = hn::LoadU(df, sn + j * kCrqTile + l);
+      const auto mf = hn::Set(df, mu[first[j]]);
+      const auto ms = hn::Set(df, mu[second[j]]);
+      hn::StoreU(hn::NegMulAdd(ms, s, hn::Mul(mf, c)), df, at(first[j]));
+      hn::StoreU(hn::MulAdd(ms, c, hn::Mul(mf, s)), df, at(second[j]));
+    }
+    for (int c = 0; c < d; ++c) {
+      hn::StoreU(hn::Mul(hn::LoadU(df, at(c)), hn::Set(df, signs_norm[c])), df, at(c));
+    }
+    // Walsh-Hadamard over the coordinates: every butterfly is one add and
+    // one subtract of whole vectors of keys.
+    for (int len = 1; len < d; len <<= 1) {
+      for (int i = 0; i < d; i += len << 1) {
+        for (int c = i; c < i + len; ++c) {
+          const auto a = hn::LoadU(df, at(c));
+          const auto b = hn::LoadU(df, at(c + len));
+          hn::StoreU(hn::Add(a, b), df, at(c));
+          hn::StoreU(hn::Sub(a, b), df, at(c + len));
+        }
+      }
+    }
+    const auto g = hn::LoadU(df, gain + l);
+    for (int c = 0; c < d; ++c) {
+      hn::StoreU(hn::MulAdd(g, hn::LoadU(df, levels + c * kCrqTile + l), hn::LoadU(df, at(c))), df,
+                 at(c));
+    }
+  }
+}
+
 void CrqTileAxpysImpl(const float* HWY_RESTRICT w, size_t w_stride, int nr,
                       const float* HWY_RESTRICT x, int m, int d, float* HWY_RESTRICT acc,
                       size_t stride) {
@@ -323,6 +365,7 @@ HWY_EXPORT(CrqDecodeRowImpl);
 HWY_EXPORT(CrqDotsImpl);
 HWY_EXPORT(CrqAxpysImpl);
 HWY_EXPORT(CrqTileScoresImpl);
+HWY_EXPORT(CrqTileFoldMeanImpl);
 HWY_EXPORT(CrqTileAxpysImpl);
 HWY_EXPORT(CrqRopeWalkImpl);
 HWY_EXPORT(CrqExpShiftedImpl);
@@ -348,6 +391,13 @@ void CrqTileScores(const float* levels, const float* gain, const float* cs, cons
                    size_t out_stride) {
   HWY_DYNAMIC_DISPATCH(CrqTileScoresImpl)(levels, gain, cs, sn, pairs, d, qr, q_stride, a, b,
                                           m_stride, fixed, nr, out, out_stride);
+}
+
+void CrqTileFoldMean(const float* levels, const float* gain, const float* cs, const float* sn,
+                     const int* first, const int* second, int pairs, const float* mu,
+                     const float* signs_norm, int d, float* z) {
+  HWY_DYNAMIC_DISPATCH(CrqTileFoldMeanImpl)(levels, gain, cs, sn, first, second, pairs, mu,
+                                            signs_norm, d, z);
 }
 
 void CrqTileAxpys(const float* w, size_t w_stride, int nr, const float* x, int m, int d,

@@ -49,6 +49,19 @@ void CrqTileScores(const float* levels, const float* gain, const float* cs, cons
                    const float* b, size_t m_stride, const float* fixed, int nr, float* out,
                    size_t out_stride);
 
+// For a block of many rows, the tile's keys with their mean term folded in:
+//   z[c][i] = gain[i] levels[c][i] + (H R_{p_i} mu)[c],
+// mu = key_mean / key_scale and H = norm * WalshHadamard * diag(signs) as
+// HadamardRotation (signs_norm = signs * norm), R_{p_i} RoPE at key i's
+// angles (cs, sn as for CrqTileScores; pair j turns channels first[j],
+// second[j]). Since q' = H (s_k q), q' . z_i = q . R_p key_mean + gain
+// q' . levels: CrqTileScores with no pairs, unit gains and no fixed term
+// then scores each row with one dot per key. Costs O(d log d) per tile
+// instead of d / 2 pairs per row and key. z is d x kCrqTile.
+void CrqTileFoldMean(const float* levels, const float* gain, const float* cs, const float* sn,
+                     const int* first, const int* second, int pairs, const float* mu,
+                     const float* signs_norm, int d, float* z);
+
 // acc[k * stride + c] += sum_i w[k * w_stride + i] * x[i * d + c] for k < nr,
 // i < m (at most kCrqTile rows of x), c < d (a multiple of 8): a tile of
 // rows accumulated with one load and store of each accumulator.
