@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/simd_crq.h"
 #include "kernels/crq_transform.h"
+#include "kernels/hd/attention_hd.h"
 #include "kernels/hd/crq_hd.h"
 #include "kernels/numeric.h"
 
@@ -216,7 +217,7 @@ void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScr
   if (fold) {
     const HeadCalibration& cal = s.crq()->calibration();
     const std::vector<float>& signs = s.crq()->rotation().signs();
-    const float norm = 1.0f / std::sqrt(static_cast<float>(d));
+    const float norm = hd::HadamardNorm(d);  // HadamardRotation's.
     sc.mu.resize(d);
     sc.signs_norm.resize(d);
     for (int c = 0; c < d; ++c) {
