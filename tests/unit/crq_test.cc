@@ -203,6 +203,24 @@ TEST_P(CrqBackendTest, IdentityCalibrationRoundTripHasLloydMaxError) {
   }
 }
 
+// One task over `s`: queries [query][group][d] at positions `pos`, outputs
+// laid out alike.
+AttentionTask CausalTask(const KvStream& s, const std::vector<float>& q,
+                         const std::vector<int32_t>& pos, int group, std::vector<float>& out,
+                         std::vector<float>& lse) {
+  AttentionTask t;
+  t.stream = &s;
+  t.num_queries = static_cast<int>(pos.size());
+  t.q = q.data();
+  t.q_stride = group * s.head_dim();
+  t.q_positions = pos.data();
+  t.out = out.data();
+  t.out_stride = group * s.head_dim();
+  t.lse = lse.data();
+  t.lse_stride = group;
+  return t;
+}
+
 // Attention in the coded space equals fp64 attention over what Read()
 // returns (post-RoPE keys, values), up to float rounding; split key ranges
 // merge by their log-sum-exp.
@@ -218,16 +236,7 @@ TEST_P(CrqBackendTest, AttentionEqualsAttentionOverDequantizedRows) {
   const std::vector<float> q = MakeGaussian(static_cast<size_t>(queries) * group * d(), 43);
   const std::vector<int32_t> pos = {n - 1, n / 2, 3};
   std::vector<float> out(q.size()), lse(queries * group);
-  AttentionTask t;
-  t.stream = s.get();
-  t.num_queries = queries;
-  t.q = q.data();
-  t.q_stride = group * d();
-  t.q_positions = pos.data();
-  t.out = out.data();
-  t.out_stride = group * d();
-  t.lse = lse.data();
-  t.lse_stride = group;
+  const AttentionTask t = CausalTask(*s, q, pos, group, out, lse);
   AttentionOptions o;
   o.group_size = group;
   ASSERT_TRUE(s->backend()->Attend({&t, 1}, o).ok());
@@ -291,16 +300,7 @@ TEST_P(CrqBackendTest, ManyQueriesEqualAttentionOverDequantizedRows) {
   pos[4] = n - 1;
   for (int i = 5; i < 12; ++i) pos[i] = n - 12 + i;  // Consecutive, as a chunk's.
   std::vector<float> out(q.size()), lse(queries * group);
-  AttentionTask t;
-  t.stream = s.get();
-  t.num_queries = queries;
-  t.q = q.data();
-  t.q_stride = group * d();
-  t.q_positions = pos.data();
-  t.out = out.data();
-  t.out_stride = group * d();
-  t.lse = lse.data();
-  t.lse_stride = group;
+  const AttentionTask t = CausalTask(*s, q, pos, group, out, lse);
   AttentionOptions o;
   o.group_size = group;
   ASSERT_TRUE(s->backend()->Attend({&t, 1}, o).ok());
