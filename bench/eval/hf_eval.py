@@ -51,8 +51,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llamacpp_peer import (default_data_dir, select_windows as pick_windows,  # noqa: E402
-                           write_result)
+from llamacpp_peer import (default_data_dir, parse_window_order,  # noqa: E402
+                           select_windows as pick_windows, write_result)
 from pooling import pool  # noqa: E402
 
 VOLATILE_NOTE = "prefill_ms and decode_ms_per_token are wall time on this machine"
@@ -578,6 +578,11 @@ def main(argv: list[str]) -> int:
                     help="with --corpora: windows per corpus and context (default: the "
                          "windows file's)")
     ap.add_argument("--max-windows", type=int, help="at most N windows per (corpus, context)")
+    ap.add_argument("--window-order", "--window_order", dest="window_order", default="",
+                    help="comma-separated window indices: each corpus's windows in this "
+                         "order (indices not listed after them), rank by rank across the "
+                         "corpora, as kvq-eval's --window_order; with --max-windows, the "
+                         "first N of that order")
     ap.add_argument("--max-context", type=int, help="only windows of at most N tokens")
     ap.add_argument("--min-context", type=int, default=0,
                     help="only windows (and passkey prompts) of at least N tokens")
@@ -662,10 +667,11 @@ def main(argv: list[str]) -> int:
     else:
         windows = spec["windows"]
         prompts = spec.get("passkey", {}).get("prompts", [])
+    order = parse_window_order(ap, args.window_order)
     windows = pick_windows([w for w in windows if w["context"] >= args.min_context],
-                           args.max_windows, args.max_context)
+                           args.max_windows, args.max_context, order)
     prompts = [p for p in prompts if p["context"] >= args.min_context]
-    if args.checkpoint:
+    if args.checkpoint and not order:
         # Window 0 of every corpus first, then window 1, ...: a run stopped
         # early has measured every corpus.
         windows.sort(key=lambda w: (w["context"], w["index"], w["corpus"]))

@@ -98,6 +98,17 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def parse_window_order(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    """--window-order's indices; a malformed list is a usage error."""
+    try:
+        order = [int(i) for i in text.split(",") if i]
+    except ValueError:
+        ap.error(f"--window-order: want comma-separated window indices, got {text[:40]!r}")
+    if len(set(order)) != len(order) or any(i < 0 for i in order):
+        ap.error("--window-order: each index once, none negative")
+    return order
+
+
 def select_windows(windows: list[dict], max_windows: int | None,
                    max_context: int | None, order: list[int] | None = None) -> list[dict]:
     """At most max_windows per (corpus, context), lowest indices first.
@@ -325,6 +336,18 @@ def result_rows(acc: dict) -> list[dict]:
     return rows
 
 
+def add_fresh_windows(into: dict, row: dict, fresh: list[dict]) -> None:
+    """Adds to `into` the windows `fresh` of `row` (sums as merge_results
+    builds them): their own sums, and the row's mean prefill time each, as
+    a row keeps no per-window time."""
+    into["windows"] += len(fresh)
+    into["tokens"] += sum(w["tokens"] for w in fresh)
+    into["nll"] += sum(w["nll"] for w in fresh)
+    into["kl"] += sum(w["kl"] for w in fresh)
+    into["seconds"] += row["seconds"] / row["windows"] * len(fresh)
+    into["per_window"] += fresh
+
+
 def merge_results(paths: list[Path]) -> dict:
     """Combines result files of disjoint windows: one corpus per run, or
     the windows of one corpus split over runs.
@@ -332,7 +355,10 @@ def merge_results(paths: list[Path]) -> dict:
     The per-corpus rows carry everything the sums need (mean NLL and KL
     times tokens, mean prefill time times windows); the pooled rows are
     recomputed from them. Two rows of one (cache type, corpus, context) add
-    up only when both list their windows (per_window) and share none.
+    up only when both list their windows (per_window). A window in both
+    counts once, and only if both measured it exactly alike: llama.cpp at a
+    fixed thread count is deterministic, so a run of one more cache type
+    repeats the f16 reference bit for bit; anything else is refused.
     """
     acc: dict = {}
     version = None
@@ -354,15 +380,17 @@ def merge_results(paths: list[Path]) -> dict:
             if key not in acc:
                 acc[key] = sums
                 continue
-            seen = {w["window"] for w in acc[key]["per_window"]}
-            new = {w["window"] for w in sums["per_window"]}
-            if not seen or not new:
+            seen = {w["window"]: w for w in acc[key]["per_window"]}
+            if not seen or not sums["per_window"]:
                 raise ValueError(f"{path}: {key} is in two files without their windows")
-            if seen & new:
-                raise ValueError(f"{path}: {key} is in two files with window "
-                                 f"{min(seen & new)} in both")
-            for field in ("windows", "tokens", "nll", "kl", "seconds", "per_window"):
-                acc[key][field] += sums[field]
+            fresh = []
+            for w in sums["per_window"]:
+                if w["window"] not in seen:
+                    fresh.append(w)
+                elif w != seen[w["window"]]:
+                    raise ValueError(f"{path}: {key} is in two files with window "
+                                     f"{w['window']} in both, measured differently")
+            add_fresh_windows(acc[key], sums, fresh)
     return {"tool": "llama.cpp", "version": version, "rows": result_rows(acc)}
 
 
@@ -388,9 +416,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int,
                     default=len(os.sched_getaffinity(0)))
     ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULT",
-                    help="instead of evaluating, combine result files of "
-                         "disjoint windows (the positional argument is then "
-                         "the first of them)")
+                    help="instead of evaluating, combine result files (the "
+                         "positional argument is then the first of them); a "
+                         "window in two files counts once, and only if both "
+                         "measured it alike")
     args = ap.parse_args(argv)
 
     if args.merge:
@@ -423,13 +452,7 @@ def main(argv: list[str]) -> int:
     max_windows = 1 if args.quick else args.max_windows
     if args.quick and args.max_windows is not None:
         max_windows = min(1, args.max_windows)
-    try:
-        order = [int(i) for i in args.window_order.split(",") if i]
-    except ValueError:
-        ap.error(f"--window-order: want comma-separated window indices, got "
-                 f"{args.window_order[:40]!r}")
-    if len(set(order)) != len(order) or any(i < 0 for i in order):
-        ap.error("--window-order: each index once, none negative")
+    order = parse_window_order(ap, args.window_order)
     windows = select_windows(spec["windows"], max_windows,
                              2048 if args.quick else None, order)
     if not windows:

@@ -99,6 +99,20 @@ def write_acc(tmp_path, name, acc):
     return path
 
 
+def assert_same_rows(merged, whole):
+    """Rows by key: the same windows, values within rounding."""
+    assert merged.keys() == whole.keys()
+    for key, row in whole.items():
+        for field, value in row.items():
+            if field == "per_window":
+                assert (sorted(w["window"] for w in merged[key][field])
+                        == sorted(w["window"] for w in value)), key
+            elif isinstance(value, float) or field.endswith("_ci95"):
+                assert merged[key][field] == pytest.approx(value, rel=1e-9), (key, field)
+            else:
+                assert merged[key][field] == value, (key, field)
+
+
 # (corpus, index) -> (f16 mean NLL, q4_0 mean NLL, q4_0 mean KL)
 FIVE = {("austen", 2): (3.40, 3.42, 0.02), ("austen", 0): (3.50, 3.56, 0.03),
         ("austen", 4): (3.30, 3.35, 0.04), ("code", 2): (1.60, 1.61, 0.01),
@@ -114,25 +128,37 @@ def test_merge_of_one_corpus_split_over_runs_equals_one_run(tmp_path):
                                         write_acc(tmp_path, "rest.json", window_acc(rest))])
                     ["rows"])
     whole = by_key(peer.result_rows(window_acc(FIVE)))
-    assert merged.keys() == whole.keys()
-    for key, row in whole.items():
-        for field, value in row.items():
-            if field == "per_window":
-                assert (sorted(w["window"] for w in merged[key][field])
-                        == sorted(w["window"] for w in value)), key
-            elif isinstance(value, float) or field.endswith("_ci95"):
-                assert merged[key][field] == pytest.approx(value, rel=1e-9), (key, field)
-            else:
-                assert merged[key][field] == value, (key, field)
+    assert_same_rows(merged, whole)
     assert merged[("q4_0", "austen", 2048)]["windows"] == 3
 
 
-def test_merge_refuses_a_window_in_two_runs(tmp_path):
+def test_merge_refuses_a_window_measured_differently_in_two_runs(tmp_path):
     first = {k: v for k, v in FIVE.items() if k[1] in (2, 0)}
     again = {k: v for k, v in FIVE.items() if k[1] in (0, 4)}
-    with pytest.raises(ValueError, match="with window austen/0 in both"):
+    again[("austen", 0)] = (3.50, 3.57, 0.03)  # q4_0 differs; f16 does not.
+    with pytest.raises(ValueError, match=r"\('q4_0', 'austen', 2048\) is in two files with "
+                                         "window austen/0 in both, measured differently"):
         peer.merge_results([write_acc(tmp_path, "first.json", window_acc(first)),
                             write_acc(tmp_path, "again.json", window_acc(again))])
+
+
+def renamed(acc, old, new):
+    return {(new if k[0] == old else k[0],) + k[1:]: v for k, v in acc.items()}
+
+
+def test_merge_counts_a_window_measured_alike_in_two_runs_once(tmp_path):
+    # A later run of one more cache type repeats the f16 reference bit for
+    # bit, here on one window more: merged, f16 has every window once, and
+    # every row is the row of one run over the windows it covers.
+    first = window_acc({k: v for k, v in FIVE.items() if k != ("code", 4)})
+    later = renamed(window_acc(FIVE), "q4_0", "q5_0")
+    merged = by_key(peer.merge_results([write_acc(tmp_path, "first.json", first),
+                                        write_acc(tmp_path, "later.json", later)])["rows"])
+    whole = by_key(peer.result_rows({**first, **later}))
+    assert_same_rows(merged, whole)
+    assert merged[("f16", "code", 2048)]["windows"] == 2
+    assert merged[("q4_0", "code", 2048)]["windows"] == 1
+    assert merged[("q5_0", "all", 2048)]["windows"] == 5
 
 
 def test_rows_carry_both_metrics_and_bootstrap_intervals(tmp_path):
