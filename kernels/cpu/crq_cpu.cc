@@ -103,7 +103,8 @@ void PrepareRow(const AttentionOptions& options, Row& r) {
 // A unit's buffers, reused by the thread that runs it.
 struct UnitScratch {
   std::vector<float> q, qr, ma, mb, fixed, scores, mx, sums, x, rows, levels, gain, tile_cs,
-      tile_sn, key_cs, key_sn, mu, signs_norm, folded, unit_gain, no_fixed;
+      tile_sn, key_cs, key_sn, first_cs, first_sn, turned_a, turned_b, mu, signs_norm, folded,
+      unit_gain, no_fixed;
   std::vector<int> first, second;
   std::vector<double> cs, sn, step_c, step_s, sum, sum_coded;
   std::vector<uint8_t> codes;
@@ -175,11 +176,110 @@ void GatherRows(const std::vector<Row>& all, const Unit& u, int d, int padded, U
   }
 }
 
+// The RoPE angles of the mean term for a unit's tiles of keys. The angle
+// is linear in the position, so each pair turns by a fixed step: the walk
+// starts exact at the chunk's first key and steps in double (a few hundred
+// steps at most).
+//  * per_key (the fold, which turns each key's mean by its own angles):
+//    every key's angles, walked key by key, tile-major in cs() / sn().
+//  * otherwise: only each tile's first key's angles are walked, a tile at a
+//    time; cs() / sn() are the constant offsets of the tile's keys (i steps
+//    for key i), and Turn() turns every row's mean-term coefficients by the
+//    first key's angles instead, since a cos(x + y) + b sin(x + y) =
+//    (a cos x + b sin x) cos y + (b cos x - a sin x) sin y: per tile one
+//    turn per row and pair, not one walk step per key and pair.
+class TileAngles {
+ public:
+  TileAngles(const Rope& rope, int begin, bool per_key, UnitScratch& sc)
+      : per_key_(per_key), pairs_(rope.rotary_dim() / 2), padded_(PadToLanes(pairs_)), sc_(sc) {
+    const int stride = per_key ? 1 : kCrqTile;
+    sc.cs.resize(pairs_);
+    sc.sn.resize(pairs_);
+    sc.step_c.resize(pairs_);
+    sc.step_s.resize(pairs_);
+    sc.tile_cs.assign(static_cast<size_t>(padded_) * kCrqTile, 0.0f);
+    sc.tile_sn.assign(sc.tile_cs.size(), 0.0f);
+    for (int j = 0; j < pairs_; ++j) {
+      const double a0 = rope.Angle(j, begin);
+      sc.cs[j] = std::cos(a0);
+      sc.sn[j] = std::sin(a0);
+      const double st = rope.Angle(j, 1.0) - rope.Angle(j, 0.0);
+      sc.step_c[j] = std::cos(stride * st);
+      sc.step_s[j] = std::sin(stride * st);
+      if (!per_key) {
+        for (int i = 0; i < kCrqTile; ++i) {
+          sc.tile_cs[static_cast<size_t>(j) * kCrqTile + i] = static_cast<float>(std::cos(i * st));
+          sc.tile_sn[static_cast<size_t>(j) * kCrqTile + i] = static_cast<float>(std::sin(i * st));
+        }
+      }
+    }
+    if (per_key) {
+      // A row per key (zero past the pairs and for keys past the chunk),
+      // turned to tile-major once the tile is walked.
+      sc.key_cs.assign(static_cast<size_t>(padded_) * kCrqTile, 0.0f);
+      sc.key_sn.assign(sc.key_cs.size(), 0.0f);
+    } else {
+      sc.first_cs.assign(padded_, 0.0f);
+      sc.first_sn.assign(padded_, 0.0f);
+    }
+  }
+
+  // Walks on to the next tile, of m keys.
+  void Next(int m) {
+    UnitScratch& sc = sc_;
+    if (!per_key_) {
+      CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs_,
+                  sc.first_cs.data(), sc.first_sn.data());
+      return;
+    }
+    for (int i = 0; i < kCrqTile; ++i) {
+      float* key_cs = sc.key_cs.data() + static_cast<size_t>(i) * padded_;
+      float* key_sn = sc.key_sn.data() + static_cast<size_t>(i) * padded_;
+      if (i < m) {
+        CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs_,
+                    key_cs, key_sn);
+      } else {
+        std::fill_n(key_cs, pairs_, 0.0f);
+        std::fill_n(key_sn, pairs_, 0.0f);
+      }
+    }
+    CrqTransposeTile(sc.key_cs.data(), padded_, padded_, sc.tile_cs.data());
+    CrqTransposeTile(sc.key_sn.data(), padded_, padded_, sc.tile_sn.data());
+  }
+
+  // The angles CrqTileScores / CrqTileFoldMean take (pairs x kCrqTile).
+  const float* cs() const { return sc_.tile_cs.data(); }
+  const float* sn() const { return sc_.tile_sn.data(); }
+
+  // Not per_key: the rows' coefficients (nr x padded) turned to this tile.
+  void Turn(const float* a, const float* b, int nr, float* ta, float* tb) const {
+    CrqTurnPairs(a, b, nr, padded_, sc_.first_cs.data(), sc_.first_sn.data(), ta, tb);
+  }
+
+  // Key i's angle of pair j in this tile (for the fp16 keys).
+  float KeyCos(int j, int i) const {
+    const size_t at = static_cast<size_t>(j) * kCrqTile + i;
+    if (per_key_) return sc_.tile_cs[at];
+    return sc_.first_cs[j] * sc_.tile_cs[at] - sc_.first_sn[j] * sc_.tile_sn[at];
+  }
+  float KeySin(int j, int i) const {
+    const size_t at = static_cast<size_t>(j) * kCrqTile + i;
+    if (per_key_) return sc_.tile_sn[at];
+    return sc_.first_sn[j] * sc_.tile_cs[at] + sc_.first_cs[j] * sc_.tile_sn[at];
+  }
+
+ private:
+  const bool per_key_;
+  const int pairs_;
+  const int padded_;
+  UnitScratch& sc_;
+};
+
 // Scores of every (row, key) of the unit into sc.scores ([row][ns], ns the
 // keys padded to whole tiles), a tile of keys at a time: coded keys decoded
 // to levels (gain 1: the gain scales the dots) and stored coordinate-major,
-// with their RoPE angles for the mean term; fp16 keys (sink, tail) turned by
-// RoPE and dotted with the post-RoPE queries.
+// the mean term at their RoPE angles (TileAngles); fp16 keys (sink, tail)
+// turned by RoPE and dotted with the post-RoPE queries.
 void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScratch& sc) {
   const Rope& rope = s.crq()->rope();
   const int d = s.head_dim();
@@ -187,34 +287,19 @@ void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScr
   const int nr = u.rows;
   const int pairs = rope.rotary_dim() / 2;
   const int padded = PadToLanes(pairs);
-  // RoPE of the mean term walks position by position: the angle is linear
-  // in the position, so each pair turns by a fixed step (exact at the
-  // chunk's start, a few hundred steps at most in double).
-  sc.cs.resize(pairs);
-  sc.sn.resize(pairs);
-  sc.step_c.resize(pairs);
-  sc.step_s.resize(pairs);
-  for (int j = 0; j < pairs; ++j) {
-    const double a0 = rope.Angle(j, u.begin);
-    sc.cs[j] = std::cos(a0);
-    sc.sn[j] = std::sin(a0);
-    const double st = rope.Angle(j, 1.0) - rope.Angle(j, 0.0);
-    sc.step_c[j] = std::cos(st);
-    sc.step_s[j] = std::sin(st);
-  }
   sc.scores.resize(static_cast<size_t>(nr) * ns);
   sc.x.resize(d);
   sc.rows.resize(static_cast<size_t>(kCrqTile) * d);
   sc.levels.resize(sc.rows.size());
   sc.gain.resize(kCrqTile);
-  sc.tile_cs.assign(static_cast<size_t>(padded) * kCrqTile, 0.0f);
-  sc.tile_sn.assign(sc.tile_cs.size(), 0.0f);
-  sc.key_cs.assign(padded, 0.0f);
-  sc.key_sn.assign(padded, 0.0f);
   std::vector<float> dots(nr);
   const CrqRowLevels levels = RowLevels(s.layout().key.half_bits);
   const bool fold = nr >= kFoldRows;
-  if (fold) {
+  TileAngles angles(rope, u.begin, /*per_key=*/fold, sc);
+  if (!fold) {
+    sc.turned_a.resize(static_cast<size_t>(nr) * padded);
+    sc.turned_b.resize(sc.turned_a.size());
+  } else {
     const HeadCalibration& cal = s.crq()->calibration();
     const std::vector<float>& signs = s.crq()->rotation().signs();
     const float norm = hd::HadamardNorm(d);  // HadamardRotation's.
@@ -237,17 +322,10 @@ void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScr
   for (int i0 = 0; i0 < n; i0 += kCrqTile) {
     const int m = std::min(kCrqTile, n - i0);
     bool any_coded = false;
+    angles.Next(m);
     for (int i = 0; i < kCrqTile; ++i) {
       const int t = u.begin + i0 + i;
       float* row = sc.rows.data() + static_cast<size_t>(i) * d;
-      if (i < m) {
-        CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs,
-                    sc.key_cs.data(), sc.key_sn.data());
-      }
-      for (int j = 0; j < pairs; ++j) {
-        sc.tile_cs[static_cast<size_t>(j) * kCrqTile + i] = i < m ? sc.key_cs[j] : 0.0f;
-        sc.tile_sn[static_cast<size_t>(j) * kCrqTile + i] = i < m ? sc.key_sn[j] : 0.0f;
-      }
       if (i < m && rows.Coded(t)) {
         sc.gain[i] = rows.Decode(Side::kKey, t, levels, /*stored_gain=*/false, row);
         any_coded = true;
@@ -255,19 +333,20 @@ void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScr
         sc.gain[i] = 0.0f;
         std::fill_n(row, d, 0.0f);
       }
-      for (int c = 0; c < d; ++c) sc.levels[static_cast<size_t>(c) * kCrqTile + i] = row[c];
     }
+    if (any_coded) CrqTransposeTile(sc.rows.data(), d, d, sc.levels.data());
     float* const scores = sc.scores.data() + i0;
     if (any_coded && fold) {
-      CrqTileFoldMean(sc.levels.data(), sc.gain.data(), sc.tile_cs.data(), sc.tile_sn.data(),
+      CrqTileFoldMean(sc.levels.data(), sc.gain.data(), angles.cs(), angles.sn(),
                       sc.first.data(), sc.second.data(), pairs, sc.mu.data(),
                       sc.signs_norm.data(), d, sc.folded.data());
       CrqTileScores(sc.folded.data(), sc.unit_gain.data(), nullptr, nullptr, 0, d, sc.qr.data(), d,
                     nullptr, nullptr, 0, sc.no_fixed.data(), nr, scores, ns);
     } else if (any_coded) {
-      CrqTileScores(sc.levels.data(), sc.gain.data(), sc.tile_cs.data(), sc.tile_sn.data(), pairs,
-                    d, sc.qr.data(), d, sc.ma.data(), sc.mb.data(), padded, sc.fixed.data(), nr,
-                    scores, ns);
+      angles.Turn(sc.ma.data(), sc.mb.data(), nr, sc.turned_a.data(), sc.turned_b.data());
+      CrqTileScores(sc.levels.data(), sc.gain.data(), angles.cs(), angles.sn(), pairs, d,
+                    sc.qr.data(), d, sc.turned_a.data(), sc.turned_b.data(), padded,
+                    sc.fixed.data(), nr, scores, ns);
     }
     for (int i = 0; i < m; ++i) {
       const int t = u.begin + i0 + i;
@@ -277,8 +356,8 @@ void ScoreKeys(const Unit& u, const KvStream& s, UnitRows& rows, int ns, UnitScr
       for (int j = 0; j < pairs; ++j) {
         float& x0 = sc.x[rope.First(j)];
         float& x1 = sc.x[rope.Second(j)];
-        const float c = sc.tile_cs[static_cast<size_t>(j) * kCrqTile + i];
-        const float sn = sc.tile_sn[static_cast<size_t>(j) * kCrqTile + i];
+        const float c = angles.KeyCos(j, i);
+        const float sn = angles.KeySin(j, i);
         const float r0 = x0 * c - x1 * sn;
         const float r1 = x0 * sn + x1 * c;
         x0 = r0;

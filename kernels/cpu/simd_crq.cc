@@ -326,6 +326,72 @@ void CrqExpShiftedImpl(float* HWY_RESTRICT x, int n, float shift) {
   for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
 }
 
+void CrqTurnPairsImpl(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, int nr, int n,
+                      const float* HWY_RESTRICT c0, const float* HWY_RESTRICT s0,
+                      float* HWY_RESTRICT ta, float* HWY_RESTRICT tb) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  for (int j = 0; j < n; j += N) {
+    const auto c = hn::LoadU(df, c0 + j);
+    const auto s = hn::LoadU(df, s0 + j);
+    for (int k = 0; k < nr; ++k) {
+      const size_t at = static_cast<size_t>(k) * n + j;
+      const auto x = hn::LoadU(df, a + at);
+      const auto y = hn::LoadU(df, b + at);
+      hn::StoreU(hn::MulAdd(x, c, hn::Mul(y, s)), df, ta + at);
+      hn::StoreU(hn::MulSub(y, c, hn::Mul(x, s)), df, tb + at);
+    }
+  }
+}
+
+// out[c * 8 + i] = rows[i * stride + c] for i < 8, c < d (a multiple of 8):
+// 8 x 8 blocks turned by two rounds of interleaves within 128-bit halves
+// (32-bit, then 64-bit lanes) and one exchange of halves.
+void CrqTransposeTileImpl(const float* HWY_RESTRICT rows, size_t stride, int d,
+                          float* HWY_RESTRICT out) {
+  static_assert(kCrqTile == 8, "a tile is one 8 x 8 block per 8 channels");
+  const DF df;
+  if (HWY_TARGET == HWY_SCALAR || hn::Lanes(df) < 8) {
+    for (int c = 0; c < d; ++c) {
+      for (int i = 0; i < 8; ++i) out[c * 8 + i] = rows[i * stride + c];
+    }
+    return;
+  }
+#if HWY_TARGET != HWY_SCALAR  // No interleaves or halves of one lane.
+  const hn::Repartition<double, DF> dd;
+  const auto lo64 = [&](auto a, auto b) {
+    return hn::BitCast(df, hn::InterleaveLower(dd, hn::BitCast(dd, a), hn::BitCast(dd, b)));
+  };
+  const auto hi64 = [&](auto a, auto b) {
+    return hn::BitCast(df, hn::InterleaveUpper(dd, hn::BitCast(dd, a), hn::BitCast(dd, b)));
+  };
+  for (int c = 0; c < d; c += 8) {
+    hn::Vec<DF> r[8];
+    for (int i = 0; i < 8; ++i) r[i] = hn::LoadU(df, rows + i * stride + c);
+    // t[2j], t[2j + 1]: rows 2j and 2j + 1 interleaved, channels {0, 1, 4, 5}
+    // and {2, 3, 6, 7}.
+    hn::Vec<DF> t[8];
+    for (int j = 0; j < 4; ++j) {
+      t[2 * j] = hn::InterleaveLower(df, r[2 * j], r[2 * j + 1]);
+      t[2 * j + 1] = hn::InterleaveUpper(df, r[2 * j], r[2 * j + 1]);
+    }
+    // u[4h + k]: channel k (low half) and k + 4 (high half) of rows 4h..4h+3.
+    hn::Vec<DF> u[8];
+    for (int h = 0; h < 2; ++h) {
+      u[4 * h + 0] = lo64(t[4 * h], t[4 * h + 2]);
+      u[4 * h + 1] = hi64(t[4 * h], t[4 * h + 2]);
+      u[4 * h + 2] = lo64(t[4 * h + 1], t[4 * h + 3]);
+      u[4 * h + 3] = hi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    float* o = out + static_cast<size_t>(c) * 8;
+    for (int k = 0; k < 4; ++k) {
+      hn::StoreU(hn::ConcatLowerLower(df, u[4 + k], u[k]), df, o + k * 8);
+      hn::StoreU(hn::ConcatUpperUpper(df, u[4 + k], u[k]), df, o + (k + 4) * 8);
+    }
+  }
+#endif
+}
+
 void CrqRopeWalkImpl(double* HWY_RESTRICT cs, double* HWY_RESTRICT sn,
                      const double* HWY_RESTRICT step_c, const double* HWY_RESTRICT step_s, int n,
                      float* HWY_RESTRICT csf, float* HWY_RESTRICT snf) {
@@ -368,6 +434,8 @@ HWY_EXPORT(CrqTileScoresImpl);
 HWY_EXPORT(CrqTileFoldMeanImpl);
 HWY_EXPORT(CrqTileAxpysImpl);
 HWY_EXPORT(CrqRopeWalkImpl);
+HWY_EXPORT(CrqTransposeTileImpl);
+HWY_EXPORT(CrqTurnPairsImpl);
 HWY_EXPORT(CrqExpShiftedImpl);
 HWY_EXPORT(CrqMaxImpl);
 HWY_EXPORT(CrqSumImpl);
@@ -416,6 +484,15 @@ float CrqSum(const float* x, int n) { return HWY_DYNAMIC_DISPATCH(CrqSumImpl)(x,
 void CrqRopeWalk(double* cs, double* sn, const double* step_c, const double* step_s, int n,
                  float* csf, float* snf) {
   HWY_DYNAMIC_DISPATCH(CrqRopeWalkImpl)(cs, sn, step_c, step_s, n, csf, snf);
+}
+
+void CrqTurnPairs(const float* a, const float* b, int nr, int n, const float* c0,
+                  const float* s0, float* ta, float* tb) {
+  HWY_DYNAMIC_DISPATCH(CrqTurnPairsImpl)(a, b, nr, n, c0, s0, ta, tb);
+}
+
+void CrqTransposeTile(const float* rows, size_t stride, int d, float* out) {
+  HWY_DYNAMIC_DISPATCH(CrqTransposeTileImpl)(rows, stride, d, out);
 }
 
 }  // namespace cpu

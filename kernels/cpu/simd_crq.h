@@ -84,6 +84,19 @@ void CrqExpShifted(float* x, int n, float shift);
 void CrqRopeWalk(double* cs, double* sn, const double* step_c, const double* step_s, int n,
                  float* csf, float* snf);
 
+// Mean-term coefficients turned by angles: for rows k < nr and pairs j < n
+// (a multiple of 8; a, b, ta, tb are nr x n),
+//   ta[k][j] = a[k][j] c0[j] + b[k][j] s0[j],  tb[k][j] = b[k][j] c0[j] - a[k][j] s0[j],
+// so that a cos(x + y) + b sin(x + y) = ta cos(y) + tb sin(y) for c0 = cos x,
+// s0 = sin x.
+void CrqTurnPairs(const float* a, const float* b, int nr, int n, const float* c0,
+                  const float* s0, float* ta, float* tb);
+
+// out[c * kCrqTile + i] = rows[i * stride + c] for i < kCrqTile, c < d (a
+// multiple of 8): kCrqTile row-major rows (decoded keys, walked angles) to
+// the tile-major layout of CrqTileScores, in 8 x 8 register blocks.
+void CrqTransposeTile(const float* rows, size_t stride, int d, float* out);
+
 }  // namespace cpu
 }  // namespace kvq
 

@@ -674,5 +674,29 @@ TEST(CrqSimdTest, DecodeRowIsTheSharedMathOnEveryTarget) {
   ASSERT_TRUE(cpu::PinSimdTarget("").ok());
 }
 
+// The tile transpose moves every float to its tile-major slot and nothing
+// else, on every compiled target, for a row stride wider than the rows.
+TEST(CrqSimdTest, TransposeTileIsTileMajorOnEveryTarget) {
+  (void)CpuBackend();  // Applies KVQ_SIMD_TARGET first, so the loop's pins win.
+  for (const std::string& target : cpu::AvailableSimdTargets()) {
+    ASSERT_TRUE(cpu::PinSimdTarget(target).ok());
+    for (int d : {8, 32, 64, 136}) {
+      const size_t stride = d + 8;
+      std::vector<float> rows(cpu::kCrqTile * stride);
+      for (size_t x = 0; x < rows.size(); ++x) rows[x] = static_cast<float>(x) + 0.5f;
+      std::vector<float> got(static_cast<size_t>(d) * cpu::kCrqTile + 1, -1.0f);
+      cpu::CrqTransposeTile(rows.data(), stride, d, got.data());
+      for (int c = 0; c < d; ++c) {
+        for (int i = 0; i < cpu::kCrqTile; ++i) {
+          ASSERT_EQ(got[static_cast<size_t>(c) * cpu::kCrqTile + i], rows[i * stride + c])
+              << target << " d=" << d << " c=" << c << " i=" << i;
+        }
+      }
+      ASSERT_EQ(got.back(), -1.0f) << target << " d=" << d;
+    }
+  }
+  ASSERT_TRUE(cpu::PinSimdTarget("").ok());
+}
+
 }  // namespace
 }  // namespace kvq
