@@ -191,19 +191,23 @@ def score_span(runner: Runner, window: list[int], cache, begin: int, end: int, s
         if not score:
             continue
         r["prefill_s"] += s
-        lp = log_softmax(logits)
-        rows = min(n, C - 1 - pos)
-        if rows > 0:
-            idx = np.arange(rows)
-            r["nll"] -= float(lp[idx, np.asarray(window[pos + 1:pos + 1 + rows])]
-                              .astype(np.float64).sum())
-            r["scored"] += rows
-            if reference:
-                r["kl"] += kl_rows(reference["logprobs"][pos:pos + rows], lp[:rows])
-            else:
-                keep[pos:pos + rows] = lp[:rows]
-        if pos <= end - 1 < pos + n:
-            last_lp = lp[end - 1 - pos].copy()
+        rows = max(0, min(n, C - 1 - pos))  # Positions with a next token to score.
+        r["scored"] += rows
+        # A block of rows at a time: the step's log-probabilities are never
+        # all held at once (2 GB for 2048 positions of a 262k vocabulary).
+        for b in range(0, n, ROW_BLOCK):
+            lp = log_softmax(logits[b:b + ROW_BLOCK])
+            e = min(b + ROW_BLOCK, rows)
+            if e > b:
+                k = e - b
+                r["nll"] -= float(lp[np.arange(k), np.asarray(window[pos + 1 + b:pos + 1 + e])]
+                                  .astype(np.float64).sum())
+                if reference:
+                    r["kl"] += kl_rows(reference["logprobs"][pos + b:pos + e], lp[:k])
+                else:
+                    keep[pos + b:pos + e] = lp[:k]
+            if b <= end - 1 - pos < b + len(lp):
+                last_lp = lp[end - 1 - pos - b].copy()
     return last_lp
 
 
