@@ -313,19 +313,25 @@ def result_rows(acc: dict) -> list[dict]:
             acc.items(), key=lambda kv: (list(CACHE_TYPES).index(kv[0][0]),
                                          kv[0][1], kv[0][2])):
         nll = a["nll"] / a["tokens"]
-        ref = acc[(REFERENCE, corpus, context)]
-        ref_ppl = math.exp(ref["nll"] / ref["tokens"])
+        per_window = a.get("per_window", [])
+        if per_window and len(per_window) == a["windows"]:
+            # Against f16 on the row's own windows (a merged run may cover
+            # fewer than the reference): the paired sums, as kvq-eval.
+            delta = math.expm1((a["nll"] - sum(w["ref_nll"] for w in per_window))
+                               / a["tokens"]) * 100.0
+        else:
+            ref = acc[(REFERENCE, corpus, context)]
+            delta = (math.exp(nll) / math.exp(ref["nll"] / ref["tokens"]) - 1.0) * 100.0
         row = {
             "engine": "llama.cpp", "scheme": c, "metric": METRICS[0],
             "metrics": METRICS, "corpus": corpus,
             "context": context, "windows": a["windows"],
             "tokens_scored": a["tokens"], "nll": nll, "ppl": math.exp(nll),
-            "delta_ppl_pct": (math.exp(nll) / ref_ppl - 1.0) * 100.0,
+            "delta_ppl_pct": delta,
             "kl_mean": a["kl"] / a["tokens"],
             "bits_per_element": CACHE_TYPES[c][1],
             "prefill_ms": a["seconds"] * 1e3 / a["windows"],
         }
-        per_window = a.get("per_window", [])
         # Intervals only where every window of the row has its sums.
         ci = bootstrap(per_window) if len(per_window) == a["windows"] else None
         if ci:

@@ -161,6 +161,22 @@ def test_merge_counts_a_window_measured_alike_in_two_runs_once(tmp_path):
     assert merged[("q5_0", "all", 2048)]["windows"] == 5
 
 
+def test_a_row_of_fewer_windows_than_f16_is_measured_on_its_own(tmp_path):
+    # q5_0 measured on three of f16's five windows: its change is against
+    # f16 on those three, as a run of those three alone gives it.
+    three = {k: v for k, v in FIVE.items() if k in (("austen", 2), ("austen", 0), ("code", 2))}
+    merged = by_key(peer.merge_results([
+        write_acc(tmp_path, "first.json", window_acc(FIVE)),
+        write_acc(tmp_path, "later.json", renamed(window_acc(three), "q4_0", "q5_0"))])["rows"])
+    alone = by_key(peer.result_rows(window_acc(three)))
+    for corpus in ("austen", "code"):
+        assert merged[("q5_0", corpus, 2048)]["delta_ppl_pct"] == pytest.approx(
+            alone[("q4_0", corpus, 2048)]["delta_ppl_pct"], rel=1e-9)
+    # austen's three: f16 3.50, 3.40 against q5_0 3.56, 3.42 per token.
+    assert merged[("q5_0", "austen", 2048)]["delta_ppl_pct"] == pytest.approx(
+        math.expm1((0.06 + 0.02) / 2) * 100, rel=1e-9)
+
+
 def test_rows_carry_both_metrics_and_bootstrap_intervals(tmp_path):
     # Three windows of one corpus: the interval brackets the pooled value
     # and is the same after a merge, which recomputes it from per_window.
