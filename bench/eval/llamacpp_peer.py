@@ -59,6 +59,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pooling import pool  # noqa: E402
+
 # ggml's block formats: q8_0 is 32 int8 + one fp16 scale per block (34 bytes
 # for 32 elements), q5_0 32 nibbles, 32 high bits and one fp16 scale (22
 # bytes), q4_0 32 nibbles + one fp16 scale (18 bytes).
@@ -147,30 +150,16 @@ def log_softmax64(logits: np.ndarray) -> np.ndarray:
     return x
 
 
-def quantile(v: list[float], q: float) -> float:
-    """The q-quantile of sorted v, interpolating between ranks."""
-    at = q * (len(v) - 1)
-    lo = int(math.floor(at))
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (at - lo) * (v[hi] - v[lo])
-
-
 def bootstrap(per_window: list[dict], resamples: int = BOOTSTRAP_RESAMPLES,
               seed: int = BOOTSTRAP_SEED):
     """95% percentile intervals of pooled ΔPPL (%) and mean KL over
-    resamples of the windows with replacement (kvq-eval's method), or None
-    with fewer than two windows. Each window: nll, ref_nll, kl (sums over
-    its scored positions) and tokens."""
+    resamples of the windows with replacement (kvq-eval's method,
+    pooling.pool), or None with fewer than two windows. Each window: nll,
+    ref_nll, kl (sums over its scored positions) and tokens."""
     if len(per_window) < 2:
         return None
-    rng = np.random.default_rng(seed)
-    w = np.array([[p["nll"] - p["ref_nll"], p["kl"], p["tokens"]] for p in per_window])
-    picks = rng.integers(0, len(per_window), size=(resamples, len(per_window)))
-    sums = w[picks].sum(axis=1)
-    dppl = sorted((100.0 * np.expm1(sums[:, 0] / sums[:, 2])).tolist())
-    kl = sorted((sums[:, 1] / sums[:, 2]).tolist())
-    return ([quantile(dppl, 0.025), quantile(dppl, 0.975)],
-            [quantile(kl, 0.025), quantile(kl, 0.975)])
+    pooled = pool(per_window, resamples, seed)
+    return pooled["delta_ppl_pct_ci95"], pooled["kl_mean_ci95"]
 
 
 def window_sums(window: dict, nll: float, ref_nll: float, kl: float) -> dict:
@@ -314,11 +303,13 @@ def result_rows(acc: dict) -> list[dict]:
                                          kv[0][1], kv[0][2])):
         nll = a["nll"] / a["tokens"]
         per_window = a.get("per_window", [])
-        if per_window and len(per_window) == a["windows"]:
-            # Against f16 on the row's own windows (a merged run may cover
-            # fewer than the reference): the paired sums, as kvq-eval.
-            delta = math.expm1((a["nll"] - sum(w["ref_nll"] for w in per_window))
-                               / a["tokens"]) * 100.0
+        # Every window of the row with its sums: the change and its intervals
+        # against f16 on the row's own windows (a merged run may cover fewer
+        # than the reference), pooled as kvq-eval pools them.
+        pooled = (pool(per_window, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED)
+                  if per_window and len(per_window) == a["windows"] else None)
+        if pooled:
+            delta = pooled["delta_ppl_pct"]
         else:
             ref = acc[(REFERENCE, corpus, context)]
             delta = (math.exp(nll) / math.exp(ref["nll"] / ref["tokens"]) - 1.0) * 100.0
@@ -332,10 +323,9 @@ def result_rows(acc: dict) -> list[dict]:
             "bits_per_element": CACHE_TYPES[c][1],
             "prefill_ms": a["seconds"] * 1e3 / a["windows"],
         }
-        # Intervals only where every window of the row has its sums.
-        ci = bootstrap(per_window) if len(per_window) == a["windows"] else None
-        if ci:
-            row["delta_ppl_pct_ci95"], row["kl_mean_ci95"] = ci
+        if pooled and "delta_ppl_pct_ci95" in pooled:
+            row["delta_ppl_pct_ci95"] = pooled["delta_ppl_pct_ci95"]
+            row["kl_mean_ci95"] = pooled["kl_mean_ci95"]
         if corpus != "all" and per_window:
             row["per_window"] = per_window
         rows.append(row)
