@@ -192,59 +192,51 @@ class TileAngles {
  public:
   TileAngles(const Rope& rope, int begin, bool per_key, UnitScratch& sc)
       : per_key_(per_key), pairs_(rope.rotary_dim() / 2), padded_(PadToLanes(pairs_)), sc_(sc) {
-    const int stride = per_key ? 1 : kCrqTile;
     sc.cs.resize(pairs_);
     sc.sn.resize(pairs_);
     sc.step_c.resize(pairs_);
     sc.step_s.resize(pairs_);
-    sc.tile_cs.assign(static_cast<size_t>(padded_) * kCrqTile, 0.0f);
-    sc.tile_sn.assign(sc.tile_cs.size(), 0.0f);
+    sc.tile_cs.resize(static_cast<size_t>(padded_) * kCrqTile);
+    sc.tile_sn.resize(sc.tile_cs.size());
+    // A row per key (zero past the pairs and for keys past the chunk),
+    // turned to tile-major once the tile is walked.
+    sc.key_cs.assign(static_cast<size_t>(padded_) * kCrqTile, 0.0f);
+    sc.key_sn.assign(sc.key_cs.size(), 0.0f);
+    std::vector<double> steps(pairs_);
+    for (int j = 0; j < pairs_; ++j) {
+      steps[j] = rope.Angle(j, 1.0) - rope.Angle(j, 0.0);
+      sc.step_c[j] = std::cos(steps[j]);
+      sc.step_s[j] = std::sin(steps[j]);
+    }
+    if (!per_key) {
+      // The keys' offsets inside a tile: a tile's walk from angle 0.
+      std::fill(sc.cs.begin(), sc.cs.end(), 1.0);
+      std::fill(sc.sn.begin(), sc.sn.end(), 0.0);
+      WalkKeys(kCrqTile);
+      sc.first_cs.assign(padded_, 0.0f);
+      sc.first_sn.assign(padded_, 0.0f);
+    }
+    const int stride = per_key ? 1 : kCrqTile;
     for (int j = 0; j < pairs_; ++j) {
       const double a0 = rope.Angle(j, begin);
       sc.cs[j] = std::cos(a0);
       sc.sn[j] = std::sin(a0);
-      const double st = rope.Angle(j, 1.0) - rope.Angle(j, 0.0);
-      sc.step_c[j] = std::cos(stride * st);
-      sc.step_s[j] = std::sin(stride * st);
       if (!per_key) {
-        for (int i = 0; i < kCrqTile; ++i) {
-          sc.tile_cs[static_cast<size_t>(j) * kCrqTile + i] = static_cast<float>(std::cos(i * st));
-          sc.tile_sn[static_cast<size_t>(j) * kCrqTile + i] = static_cast<float>(std::sin(i * st));
-        }
+        sc.step_c[j] = std::cos(stride * steps[j]);
+        sc.step_s[j] = std::sin(stride * steps[j]);
       }
-    }
-    if (per_key) {
-      // A row per key (zero past the pairs and for keys past the chunk),
-      // turned to tile-major once the tile is walked.
-      sc.key_cs.assign(static_cast<size_t>(padded_) * kCrqTile, 0.0f);
-      sc.key_sn.assign(sc.key_cs.size(), 0.0f);
-    } else {
-      sc.first_cs.assign(padded_, 0.0f);
-      sc.first_sn.assign(padded_, 0.0f);
     }
   }
 
   // Walks on to the next tile, of m keys.
   void Next(int m) {
-    UnitScratch& sc = sc_;
-    if (!per_key_) {
-      CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs_,
-                  sc.first_cs.data(), sc.first_sn.data());
+    if (per_key_) {
+      WalkKeys(m);
       return;
     }
-    for (int i = 0; i < kCrqTile; ++i) {
-      float* key_cs = sc.key_cs.data() + static_cast<size_t>(i) * padded_;
-      float* key_sn = sc.key_sn.data() + static_cast<size_t>(i) * padded_;
-      if (i < m) {
-        CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs_,
-                    key_cs, key_sn);
-      } else {
-        std::fill_n(key_cs, pairs_, 0.0f);
-        std::fill_n(key_sn, pairs_, 0.0f);
-      }
-    }
-    CrqTransposeTile(sc.key_cs.data(), padded_, padded_, sc.tile_cs.data());
-    CrqTransposeTile(sc.key_sn.data(), padded_, padded_, sc.tile_sn.data());
+    UnitScratch& sc = sc_;
+    CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs_,
+                sc.first_cs.data(), sc.first_sn.data());
   }
 
   // The angles CrqTileScores / CrqTileFoldMean take (pairs x kCrqTile).
@@ -269,6 +261,25 @@ class TileAngles {
   }
 
  private:
+  // The angles of m keys from the walk's state, a step each, into cs() /
+  // sn() (keys past m zero).
+  void WalkKeys(int m) {
+    UnitScratch& sc = sc_;
+    for (int i = 0; i < kCrqTile; ++i) {
+      float* key_cs = sc.key_cs.data() + static_cast<size_t>(i) * padded_;
+      float* key_sn = sc.key_sn.data() + static_cast<size_t>(i) * padded_;
+      if (i < m) {
+        CrqRopeWalk(sc.cs.data(), sc.sn.data(), sc.step_c.data(), sc.step_s.data(), pairs_,
+                    key_cs, key_sn);
+      } else {
+        std::fill_n(key_cs, pairs_, 0.0f);
+        std::fill_n(key_sn, pairs_, 0.0f);
+      }
+    }
+    CrqTransposeTile(sc.key_cs.data(), padded_, padded_, sc.tile_cs.data());
+    CrqTransposeTile(sc.key_sn.data(), padded_, padded_, sc.tile_sn.data());
+  }
+
   const bool per_key_;
   const int pairs_;
   const int padded_;
